@@ -1,0 +1,101 @@
+"""Rotary embeddings and dense attention: the model's only attention math.
+
+The transformer knows no KV cache layout. Each attention layer calls an `Attend` hook with its
+projected q, k, v; the default hook here is dense causal attention over the given sequence. The
+sampler passes its own hook (a paged KV cache) through the same call, so there is one transformer
+and the cache is just an argument.
+
+Causality is by array index, not by position id: query i sees key j iff j <= i and key j is valid.
+That makes left padding (HF's convention for batched prompts) and right padding both work, with
+positions supplied explicitly by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from models.config import ModelConfig
+
+
+class Attend(Protocol):
+    """Per-layer attention hook: returns the attention output and the (possibly updated) hook."""
+
+    def attend(self, layer: int, q, k, v) -> tuple[jax.Array, Attend]:  # q [B,T,N,H], k/v [B,T,K,H]
+        ...
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies f32[H/2], with Llama 3 scaling when configured (HF's formula)."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float32) / h))
+    inv = inv.astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    old = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotates x [B,T,#,H] by positions int[B,T] (HF's rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_weights_to_output(scores, v, mask):
+    """softmax(scores masked) @ v, in f32. scores [B,K,R,T,S], v [B,S,K,H], mask bool [B,1,1,T,S]."""
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("BKRTS,BSKH->BTKRH", probs.astype(v.dtype), v)
+
+
+def dense_attention(q, k, v, mask):
+    """Grouped-query attention. q [B,T,N,H], k/v [B,S,K,H], mask bool [B,T,S] -> [B,T,N,H].
+
+    R = N / K query heads share each KV head.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B,T,K,R,H]
+    scores = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k) * (h**-0.5)
+    out = attention_weights_to_output(scores, v, mask[:, None, None])
+    return out.reshape(b, t, n, h)
+
+
+def causal_mask(valid):
+    """bool [B,T,T]: query i sees key j iff j <= i and key j is valid. valid bool [B,T]."""
+    t = valid.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return causal[None] & valid[:, None, :]
+
+
+@struct.dataclass
+class DenseCausal:
+    """The default hook: dense causal attention over the current sequence, no cache.
+
+    Hooks are pytrees so that they pass through jit and remat like any other argument.
+    """
+
+    mask: jax.Array  # bool [B,T,T]
+
+    @classmethod
+    def from_valid(cls, valid):
+        return cls(causal_mask(valid))
+
+    def attend(self, layer, q, k, v):
+        return dense_attention(q, k, v, self.mask), self

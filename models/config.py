@@ -1,0 +1,82 @@
+"""Architecture description of the decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3).
+
+One frozen dataclass covers the three families; they differ only in a few switches:
+
+| family  | qkv_bias | qk_norm | rope scaling | tied embeddings |
+|---------|----------|---------|--------------|-----------------|
+| llama   | no       | no      | llama3       | model-dependent |
+| qwen2   | yes      | no      | none         | model-dependent |
+| qwen3   | no       | yes     | none         | model-dependent |
+
+The config is hashable so that it can be a static argument of jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency scaling (rope_type "llama3" in HF configs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int  # V
+    d_model: int  # D
+    d_ff: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    param_dtype: str = "float32"  # master weights
+    dtype: str = "float32"  # compute dtype; bfloat16 on accelerators
+    remat: bool = False  # rematerialise each block in the backward pass
+
+    def __post_init__(self):
+        if self.family not in ARCHITECTURES.values():
+            raise ValueError(f"ModelConfig.family={self.family!r}: expected llama, qwen2 or qwen3")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+
+    def replace(self, **kw: Any) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Builds from a plain dict (e.g. a ConfigDict's `to_dict()`), with a clear unknown-key error."""
+        d = dict(d)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown model config field(s) {unknown}; known: {sorted(names)}")
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,217 @@
+"""Import and export of HF-format checkpoints (config.json + safetensors) to and from sharded params.
+
+Import reads one tensor at a time: it checks the tensor's shape from the safetensors header before
+reading any data, converts it to our layout and the param dtype on the host, and `device_put`s it
+straight into its target sharding. The host never holds more than one tensor, and no device holds
+an unsharded parameter (beyond what its own shard needs).
+
+Export gathers one parameter at a time to the host and writes safetensors in HF's layout, in the
+param dtype by default (float32 master weights keep the round trip bitwise) or a requested dtype.
+Single-process only: a multi-host export would first need `process_allgather` per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from models.config import ModelConfig
+from models.hf_config import (
+    CheckpointError,
+    GenerationIds,
+    config_from_hf,
+    config_to_hf,
+    generation_config_to_hf,
+    generation_ids,
+)
+from models.sharding import DEFAULT_RULES, abstract_model, state_shardings
+
+_DTYPES = {
+    "float32": np.float32,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float16": np.float16,
+}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _mapping(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Callable, Callable]]:
+    """Our param path -> (HF tensor name, HF shape, to_ours(hf_array), to_hf(our_array))."""
+    n, k, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
+    ident = (lambda x: x, lambda x: x)
+    transpose = (lambda x: x.T, lambda x: x.T)
+
+    def heads_in(m):  # HF [m*H, D] <-> ours [D, m, H]
+        return (
+            (m * h, d),
+            lambda x: x.reshape(m, h, d).transpose(2, 0, 1),
+            lambda x: x.transpose(1, 2, 0).reshape(m * h, d),
+        )
+
+    def bias(m):  # HF [m*H] <-> ours [m, H]
+        return ((m * h,), lambda x: x.reshape(m, h), lambda x: x.reshape(m * h))
+
+    heads_out = (  # HF [D, N*H] <-> ours [N, H, D]
+        (d, n * h),
+        lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
+        lambda x: x.transpose(2, 0, 1).reshape(d, n * h),
+    )
+    m = {
+        "embed": ("model.embed_tokens.weight", (cfg.vocab_size, d), *ident),
+        "final_norm.scale": ("model.norm.weight", (d,), *ident),
+    }
+    if not cfg.tie_embeddings:
+        m["lm_head"] = ("lm_head.weight", (cfg.vocab_size, d), *transpose)
+    for i in range(cfg.num_layers):
+        ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+        m[ours + "attn_norm.scale"] = (hf + "input_layernorm.weight", (d,), *ident)
+        m[ours + "mlp_norm.scale"] = (hf + "post_attention_layernorm.weight", (d,), *ident)
+        m[ours + "attn.q"] = (hf + "self_attn.q_proj.weight", *heads_in(n))
+        m[ours + "attn.k"] = (hf + "self_attn.k_proj.weight", *heads_in(k))
+        m[ours + "attn.v"] = (hf + "self_attn.v_proj.weight", *heads_in(k))
+        m[ours + "attn.o"] = (hf + "self_attn.o_proj.weight", *heads_out)
+        if cfg.qkv_bias:
+            m[ours + "attn.q_bias"] = (hf + "self_attn.q_proj.bias", *bias(n))
+            m[ours + "attn.k_bias"] = (hf + "self_attn.k_proj.bias", *bias(k))
+            m[ours + "attn.v_bias"] = (hf + "self_attn.v_proj.bias", *bias(k))
+        if cfg.qk_norm:
+            m[ours + "attn.q_norm.scale"] = (hf + "self_attn.q_norm.weight", (h,), *ident)
+            m[ours + "attn.k_norm.scale"] = (hf + "self_attn.k_norm.weight", (h,), *ident)
+        m[ours + "mlp.gate"] = (hf + "mlp.gate_proj.weight", (f, d), *transpose)
+        m[ours + "mlp.up"] = (hf + "mlp.up_proj.weight", (f, d), *transpose)
+        m[ours + "mlp.down"] = (hf + "mlp.down_proj.weight", (d, f), *transpose)
+    return m
+
+
+def _path_str(path) -> str:
+    return ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+
+
+def _is_var(x) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable)
+
+
+def _tensor_files(ckpt_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file, from the index when the checkpoint is sharded."""
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        return {name: os.path.join(ckpt_dir, file) for name, file in weight_map.items()}
+    single = os.path.join(ckpt_dir, "model.safetensors")
+    if not os.path.exists(single):
+        raise CheckpointError(
+            f"{ckpt_dir}: neither model.safetensors nor model.safetensors.index.json"
+        )
+    try:
+        with safe_open(single, "np") as f:
+            return {name: single for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from None
+
+
+def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, **config_overrides: Any):
+    """Reads an HF checkpoint directory into sharded params.
+
+    Returns (cfg, graphdef, params, GenerationIds). `config_overrides` sets ModelConfig fields that
+    config.json does not decide, e.g. dtype="bfloat16", param_dtype, remat.
+    """
+    cfg = config_from_hf(ckpt_dir, **config_overrides)
+    ids = generation_ids(ckpt_dir)
+    graphdef, abstract = abstract_model(cfg)
+    shardings = state_shardings(abstract, mesh, rules)
+    files = _tensor_files(ckpt_dir)
+    mapping = _mapping(cfg)
+    target = _DTYPES[cfg.param_dtype]
+    handles: dict[str, Any] = {}
+
+    def read(path, var, sharding):
+        name, expected, to_ours, _ = mapping[_path_str(path)]
+        file = files.get(name)
+        if file is None:
+            raise CheckpointError(f"{ckpt_dir}: missing tensor {name!r} (needed for {cfg.family})")
+        try:
+            if file not in handles:
+                handles[file] = safe_open(file, "np")
+            sl = handles[file].get_slice(name)
+            hf_shape = tuple(sl.get_shape())
+            if hf_shape != expected:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} has shape {hf_shape}, expected {expected} from config.json"
+                )
+            if sl.get_dtype() not in _SAFETENSORS_DTYPES:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}"
+                )
+            x = handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(
+                f"{file}: cannot read tensor {name!r} ({e}); is the file truncated?"
+            ) from None
+        x = np.ascontiguousarray(to_ours(x).astype(target))
+        return var.replace(jax.device_put(x, sharding.get_value()))
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)
+    flat_sh = jax.tree.leaves(shardings, is_leaf=_is_var)
+    leaves = [read(path, var, sh) for (path, var), sh in zip(flat, flat_sh)]
+    return cfg, graphdef, jax.tree_util.tree_unflatten(treedef, leaves), ids
+
+
+def save_hf(
+    out_dir: str,
+    cfg: ModelConfig,
+    params,
+    ids: GenerationIds,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Writes an HF checkpoint directory that transformers loads (see module docstring)."""
+    dtype = dtype or cfg.param_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    mapping = _mapping(cfg)
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for path, var in flat:
+        name, _, _, to_hf = mapping[_path_str(path)]
+        x = np.ascontiguousarray(
+            to_hf(np.asarray(jax.device_get(var.get_value()))).astype(_DTYPES[dtype])
+        )
+        if shards[-1] and size + x.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, file), metadata=meta)
+            weight_map.update({name: file for name in shard})
+            total += sum(x.nbytes for x in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
+    _write_json(os.path.join(out_dir, "config.json"), config_to_hf(cfg, dtype))
+    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config_to_hf(ids))
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")

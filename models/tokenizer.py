@@ -1,0 +1,270 @@
+"""Tokenizers: one small interface, a character tokenizer for synthetic tasks, and HF tokenizers.
+
+`Tokenizer` is what the rest of the code sees: encode / decode / apply_chat_template plus the
+special ids the sampler needs (`pad_id`, `bos_id`, `eos_ids`). Two implementations:
+
+- `CharTokenizer`: one id per character of a fixed alphabet, for synthetic tasks (arithmetic) with
+  tiny models, so tests and the CPU demo need no downloaded files.
+- `HFTokenizer`: a Hugging Face checkpoint directory read with the `tokenizers` library and jinja2,
+  not `transformers` (which pulls in torch). Chat templates render as in transformers (same jinja
+  environment and variables), so prompts match what the model was trained on.
+
+Choices a reader may question:
+- `encode` never adds special tokens by itself; BOS comes only from `add_bos=True` or from the chat
+  template text. A post-processor that also adds BOS (Llama 3 has one) would double it on templated
+  prompts. `add_bos_token` records the checkpoint's preference for callers encoding raw text.
+- `eos_ids` is a tuple: instruct models stop on several tokens (Llama 3: <|eot_id|>,
+  <|end_of_text|>). `generation_config.json` overrides it: HF keeps the full stop list there.
+- Templates get no `strftime_now` (transformers has one), so they fall back to their fixed default
+  date and the same config renders the same prompts on every day of a run.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2.ext
+import numpy as np
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class Tokenizer(abc.ABC):
+    """The interface the sampler, rewards and data pipeline use."""
+
+    vocab_size: int
+    pad_id: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    add_bos_token: bool = False  # whether the checkpoint expects BOS in front of raw text
+
+    @abc.abstractmethod
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings inside `text` map to their ids."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
+        """Text of a 1-D id sequence. Does not stop at EOS: the caller cuts at its length."""
+
+    @abc.abstractmethod
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """Prompt text for a conversation of {"role": ..., "content": ...} messages."""
+
+    @abc.abstractmethod
+    def to_dict(self) -> dict:
+        """A json-able description that `load_tokenizer` turns back into this tokenizer."""
+
+
+def _as_id_list(ids: Sequence[int] | np.ndarray) -> list[int]:
+    # np.asarray accepts lists, numpy and jax arrays alike; a 2-D batch here is a caller bug.
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"decode expects a 1-D id sequence, got shape {arr.shape}")
+    return arr.tolist()
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character: 0=<pad>, 1=<bos>, 2=<eos>, then the alphabet in order.
+
+    The chat template concatenates the message contents in order, without roles or separators;
+    `add_generation_prompt` and template keyword arguments change nothing. Synthetic tasks put the
+    whole prompt in one user message and the model learns the answer format from the reward.
+    """
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+    def __init__(self, alphabet: str):
+        if not alphabet:
+            raise ValueError("CharTokenizer alphabet is empty")
+        dupes = sorted({c for c in alphabet if alphabet.count(c) > 1})
+        if dupes:
+            raise ValueError(f"CharTokenizer alphabet repeats characters {dupes!r}")
+        self.alphabet = alphabet
+        self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(alphabet)}
+        self.vocab_size = len(self.SPECIALS) + len(alphabet)
+        self.pad_id, self.bos_id, self.eos_ids = 0, 1, (2,)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = [self.bos_id] if add_bos else []
+        for c in text:
+            if c not in self._ids:
+                raise ValueError(f"character {c!r} is not in the CharTokenizer alphabet")
+            ids.append(self._ids[c])
+        return ids
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
+        out = []
+        for i in _as_id_list(ids):
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(
+                    f"id {i} is outside the CharTokenizer vocab [0, {self.vocab_size})"
+                )
+            if i < len(self.SPECIALS):
+                if not skip_special:
+                    out.append(self.SPECIALS[i])
+            else:
+                out.append(self.alphabet[i - len(self.SPECIALS)])
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def to_dict(self) -> dict:
+        return {"type": "char", "alphabet": self.alphabet}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> CharTokenizer:
+        return cls(d["alphabet"])
+
+
+def _token_content(tok: Any) -> str | None:
+    # tokenizer_config.json writes special tokens as plain strings or as AddedToken dicts.
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class HFTokenizer(Tokenizer):
+    """A HF tokenizer directory: tokenizer.json, and when present tokenizer_config.json,
+    chat_template.jinja and generation_config.json."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        tok_file = os.path.join(self.path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise FileNotFoundError(f"no tokenizer.json at {tok_file}")
+        self._tok = tokenizers.Tokenizer.from_file(tok_file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._config_file = os.path.join(self.path, "tokenizer_config.json")
+        config = _read_json(self._config_file)
+        gen = _read_json(os.path.join(self.path, "generation_config.json"))
+
+        # String forms feed the chat template; ids feed the sampler.
+        self._special = {
+            k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")
+        }
+        self.bos_id = self._id_of("bos_token")
+        e = gen.get("eos_token_id")
+        e = self._id_of("eos_token") if e is None else e
+        self.eos_ids = tuple(
+            int(i) for i in (e if isinstance(e, list) else [] if e is None else [e])
+        )
+        if not self.eos_ids:
+            raise ValueError(
+                f"no EOS token for {self.path}: set eos_token in tokenizer_config.json or "
+                "eos_token_id in generation_config.json (generation would never stop)"
+            )
+        pad = gen.get("pad_token_id", self._id_of("pad_token"))
+        self.pad_id = self.eos_ids[0] if pad is None else int(pad)
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+
+        self._template_src = self._find_template(config)
+        self._template = None  # compiled on first use
+
+    def _id_of(self, key: str) -> int | None:
+        token = self._special[key]
+        if token is None:
+            return None
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"{key} {token!r} from {self._config_file} is not in the vocabulary")
+        return i
+
+    def _find_template(self, config: dict) -> str | None:
+        # Newer transformers save the template as its own file; it wins over the config entry.
+        jinja_file = os.path.join(self.path, "chat_template.jinja")
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                return f.read()
+        t = config.get("chat_template")
+        if isinstance(t, list):  # older multi-template form: [{"name": ..., "template": ...}]
+            t = {d["name"]: d["template"] for d in t}.get("default")
+        return t
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            if self.bos_id is None:
+                raise ValueError(f"add_bos=True but {self._config_file} defines no bos_token")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
+        return self._tok.decode(_as_id_list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """Renders as transformers' `apply_chat_template(..., tokenize=False)`; extra keyword
+        arguments (e.g. Qwen3's `enable_thinking=False`) become template variables."""
+        if self._template_src is None:
+            raise ValueError(
+                f"{self._config_file} has no chat_template (nor is there a chat_template.jinja "
+                "next to it); build prompts without apply_chat_template for this tokenizer"
+            )
+        if self._template is None:
+            self._template = _compile_template(self._template_src)
+        specials = {k: v for k, v in self._special.items() if v is not None}
+        return self._template.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **specials,
+            **template_kwargs,
+        )
+
+    def to_dict(self) -> dict:
+        return {"type": "hf", "path": self.path}
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
+        return cls(os.fspath(path))
+
+
+def _compile_template(source: str):
+    """The jinja environment transformers uses for chat templates."""
+
+    def raise_exception(message):
+        raise ValueError(f"chat template error: {message}")
+
+    def tojson(x, **kwargs):
+        # jinja's own tojson escapes HTML characters; transformers overrides it with json.dumps.
+        return json.dumps(x, **{"ensure_ascii": False, **kwargs})
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def load_tokenizer(spec: Any) -> Tokenizer:
+    """A tokenizer from a config value: a directory path, a `to_dict()` dict, or a Tokenizer."""
+    if isinstance(spec, Tokenizer):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        return HFTokenizer.from_dir(spec)
+    if isinstance(spec, Mapping) or hasattr(spec, "keys"):  # dict or ml_collections.ConfigDict
+        d = dict(spec)
+        kind = d.get("type")
+        if kind == "char":
+            return CharTokenizer.from_dict(d)
+        if kind == "hf":
+            return HFTokenizer.from_dir(d["path"])
+        raise ValueError(f"tokenizer spec type must be 'char' or 'hf', got {kind!r} in {d}")
+    raise TypeError(f"cannot build a tokenizer from {type(spec).__name__}: {spec!r}")

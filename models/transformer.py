@@ -1,0 +1,155 @@
+"""Decoder-only transformer in Flax NNX: Llama 3.x, Qwen2/2.5 and Qwen3 from one `ModelConfig`.
+
+Every parameter is an `nnx.Param` carrying `axes`, its logical axis names (`vocab`, `embed`, `mlp`,
+`heads`, `kv_heads`, `head_dim`, `norm`). `models.sharding` maps them to mesh axes with the rules
+table of the config. Weights are stored in `param_dtype` (float32 master weights) and cast to the
+compute `dtype` where they are used, inside the caller's jit: no second resident copy.
+
+Projection weights are stored in einsum-friendly shapes ([D,N,H] rather than HF's [N*H, D]) so the
+head axes can be sharded by name; `models.hf` converts on import and export.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import DenseCausal, apply_rope, rope_inv_freq
+from models.config import ModelConfig
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+def _param(rngs, shape, axes, init=_INIT, dtype=jnp.float32):
+    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
+
+
+def _cast(p, dtype):
+    return p[...].astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, dtype):
+        self.eps = eps
+        self.scale = _param(rngs, (dim,), ("norm",), nnx.initializers.ones, dtype)
+
+    def __call__(self, x):
+        # Normalise in f32 and cast back before the scale, as HF does, so fp32 parity is exact-ish.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return _cast(self.scale, x.dtype) * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd = jnp.dtype(cfg.param_dtype)
+        self.q = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), dtype=pd)
+        self.k = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype=pd)
+        self.v = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype=pd)
+        self.o = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype=pd)
+        zeros = nnx.initializers.zeros
+        if cfg.qkv_bias:
+            self.q_bias = _param(rngs, (n, h), ("heads", "head_dim"), zeros, pd)
+            self.k_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), zeros, pd)
+            self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), zeros, pd)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.norm_eps, rngs, pd)
+            self.k_norm = RMSNorm(h, cfg.norm_eps, rngs, pd)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, inv_freq, layer, attend):
+        dt = x.dtype
+        q = jnp.einsum("BTD,DNH->BTNH", x, _cast(self.q, dt))
+        k = jnp.einsum("BTD,DKH->BTKH", x, _cast(self.k, dt))
+        v = jnp.einsum("BTD,DKH->BTKH", x, _cast(self.v, dt))
+        if self.cfg.qkv_bias:
+            q, k, v = (
+                q + _cast(self.q_bias, dt),
+                k + _cast(self.k_bias, dt),
+                v + _cast(self.v_bias, dt),
+            )
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, attend = attend.attend(layer, q, k, v)  # [B,T,N,H]
+        return jnp.einsum("BTNH,NHD->BTD", out, _cast(self.o, dt)), attend
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
+        self.gate = _param(rngs, (d, f), ("embed", "mlp"), dtype=pd)
+        self.up = _param(rngs, (d, f), ("embed", "mlp"), dtype=pd)
+        self.down = _param(rngs, (f, d), ("mlp", "embed"), dtype=pd)
+
+    def __call__(self, x):
+        dt = x.dtype
+        g = jnp.einsum("BTD,DF->BTF", x, _cast(self.gate, dt))
+        u = jnp.einsum("BTD,DF->BTF", x, _cast(self.up, dt))
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, _cast(self.down, dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, inv_freq, layer, attend):
+        a, attend = self.attn(self.attn_norm(x), positions, inv_freq, layer, attend)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), attend
+
+
+class Transformer(nnx.Module):
+    """tokens [B,T] + positions [B,T] -> logits [B,T,V] (see `__call__`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dtype=pd)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype=pd)
+
+    def hidden(self, tokens, positions, valid=None, attend=None):
+        """Final-norm hidden states h [B,T,D] in the compute dtype, and the attention hook.
+
+        valid bool [B,T] marks real tokens (default: all); it is used only by the default dense
+        hook. `attend` replaces that hook, e.g. with the sampler's paged KV cache.
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        if attend is None:
+            attend = DenseCausal.from_valid(
+                jnp.ones(tokens.shape, bool) if valid is None else valid
+            )
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B,T,D]
+        for layer, block in enumerate(self.blocks):
+            if cfg.remat:
+                x, attend = nnx.remat(Block.__call__, static_argnums=(4,))(
+                    block, x, positions, inv_freq, layer, attend
+                )
+            else:
+                x, attend = block(x, positions, inv_freq, layer, attend)
+        return self.final_norm(x), attend
+
+    def unembed_matrix(self):
+        """f32-or-compute-dtype [D,V] output projection (the transposed embedding when tied)."""
+        dt = jnp.dtype(self.cfg.dtype)
+        return self.embed[...].T.astype(dt) if self.cfg.tie_embeddings else _cast(self.lm_head, dt)
+
+    def logits(self, h):
+        """h [B,T,D] -> f32 logits [B,T,V]."""
+        logits = jnp.einsum("BTD,DV->BTV", h, self.unembed_matrix())
+        return logits.astype(jnp.float32)
+
+    def __call__(self, tokens, positions, valid=None, attend=None):
+        h, attend = self.hidden(tokens, positions, valid, attend)
+        return self.logits(h), attend
