@@ -32,7 +32,7 @@ from models.hf_config import (
     generation_config_to_hf,
     generation_ids,
 )
-from models.sharding import DEFAULT_RULES, abstract_model, state_shardings
+from models.sharding import DEFAULT_RULES, abstract_model, path_name, state_shardings
 
 _DTYPES = {
     "float32": np.float32,
@@ -90,10 +90,6 @@ def _mapping(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Callable
     return m
 
 
-def _path_str(path) -> str:
-    return ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-
-
 def _is_var(x) -> bool:
     from flax import nnx
 
@@ -137,7 +133,7 @@ def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, **config_overrides: Any):
     handles: dict[str, Any] = {}
 
     def read(path, var, sharding):
-        name, expected, to_ours, _ = mapping[_path_str(path)]
+        name, expected, to_ours, _ = mapping[path_name(path)]
         file = files.get(name)
         if file is None:
             raise CheckpointError(f"{ckpt_dir}: missing tensor {name!r} (needed for {cfg.family})")
@@ -186,7 +182,7 @@ def save_hf(
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for path, var in flat:
-        name, _, _, to_hf = mapping[_path_str(path)]
+        name, _, _, to_hf = mapping[path_name(path)]
         x = np.ascontiguousarray(
             to_hf(np.asarray(jax.device_get(var.get_value()))).astype(_DTYPES[dtype])
         )

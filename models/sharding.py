@@ -127,5 +127,16 @@ def init_params(cfg: ModelConfig, mesh, rules=DEFAULT_RULES, seed: int = 0):
         return graphdef, init()
 
 
+def path_name(path) -> str:
+    """"blocks.0.attn.q" for a pytree path into a params State (the Variable's `.value` dropped)."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return ".".join(str(k) for k in keys if k != "value")
+
+
+def flatten(params) -> dict[str, jax.Array]:
+    """{"blocks.0.attn.q": array, ...} for a params State."""
+    return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
 def param_count(params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

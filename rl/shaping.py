@@ -1,0 +1,61 @@
+"""Reward shaping and batch filtering around the GRPO loss (DAPO's extras, and KL-in-reward).
+
+- `overlong_penalty`: DAPO's soft length penalty, a linear ramp over the last `buffer` tokens of the
+  budget, added to the task reward.
+- `truncation_mask`: DAPO's overlong filtering; completions cut by the length limit get loss weight
+  0 instead of being punished for an answer they never finished.
+- `kl_reward`: for kl_in="reward", folds beta * KL(pi || ref) into the scalar reward before the
+  advantages (the k1 estimator, as in InstructGPT-style PPO; `rl.losses.kl_penalty` is the in-loss
+  alternative).
+- `select_groups`: DAPO's dynamic sampling keeps only prompts whose G rewards differ; the refill loop
+  with bounded retries lives with the rollout code.
+
+The first three are jnp (they also accept numpy arrays, and work inside jit). `select_groups`
+returns a data-dependent number of indices, so it is host-side numpy.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def overlong_penalty(lengths, max_new_tokens: int, buffer: int, penalty: float = 1.0):
+    """f32[N] penalty (<= 0) for completion lengths int[N].
+
+    0 up to L = max_new_tokens - buffer, then linear down to -penalty at L = max_new_tokens.
+    Longer lengths (a sampler cannot produce them) stay at -penalty, as in DAPO.
+    """
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"buffer={buffer} must be in (0, max_new_tokens={max_new_tokens}]")
+    start = max_new_tokens - buffer
+    excess = jnp.asarray(lengths, jnp.float32) - start
+    return -penalty * jnp.clip(excess / buffer, 0.0, 1.0)
+
+
+def truncation_mask(finished_by_stop):
+    """f32[B]: 1 for completions that ended with a stop token, 0 for those cut at the limit.
+
+    Multiply the loss mask with it: `mask * truncation_mask(done)[:, None]`. Keep counting the
+    global normalisers from the masked result, so truncated rows do not dilute the loss.
+    """
+    return jnp.asarray(finished_by_stop).astype(jnp.float32)
+
+
+def kl_reward(rewards, logp, ref_logp, mask, beta: float):
+    """rewards f32[N] - beta * sum_t k1, with k1 = logp - ref_logp on valid tokens of [N, T].
+
+    No gradient flows: the result is a reward, i.e. data.
+    """
+    k1 = jnp.where(mask > 0, logp - ref_logp, 0.0)  # [N, T]
+    return jnp.asarray(rewards, jnp.float32) - beta * jax.lax.stop_gradient(jnp.sum(k1, axis=1))
+
+
+def select_groups(rewards, group_size: int):
+    """int64[K] indices of the groups (prompts) whose rewards are not all equal.
+
+    Rows of group g are g*G .. g*G+G-1; `(idx[:, None] * G + np.arange(G)).reshape(-1)` gives them.
+    Uses the same exact-equality test as `rl.advantages`, so the selected groups are exactly those
+    with a nonzero advantage somewhere.
+    """
+    r = np.asarray(rewards).reshape(-1, group_size)  # [B, G]
+    return np.nonzero(r.max(axis=1) != r.min(axis=1))[0]

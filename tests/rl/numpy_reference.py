@@ -1,0 +1,183 @@
+"""Independent float64 numpy reference for rl.advantages and rl.losses, used only by the tests.
+
+Written on purpose in a different style from the jnp code: python loops over groups, sequences
+and tokens, per-case branches instead of min/clip algebra, sequence ratios as products of token
+ratios. It computes the FULL-batch loss directly (global means over this batch), never
+contributions, so the tests check both the formulas and the contribution bookkeeping.
+"""
+
+import math
+
+import numpy as np
+
+
+def advantages(rewards, group_size, mode, eps):
+    r = [float(x) for x in rewards]
+    n = len(r)
+    mean_all = sum(r) / n
+    batch_std = math.sqrt(sum((x - mean_all) ** 2 for x in r) / max(n - 1, 1))
+    out = [0.0] * n
+    zero_groups = 0
+    for g in range(n // group_size):
+        grp = r[g * group_size : (g + 1) * group_size]
+        if all(x == grp[0] for x in grp):
+            zero_groups += 1
+            continue
+        m = sum(grp) / group_size
+        std = math.sqrt(sum((x - m) ** 2 for x in grp) / max(group_size - 1, 1))
+        for j, x in enumerate(grp):
+            if mode == "group_std":
+                out[g * group_size + j] = (x - m) / (std + eps)
+            elif mode == "group_mean":
+                out[g * group_size + j] = x - m
+            elif mode == "batch_std":
+                out[g * group_size + j] = (x - m) / (batch_std + eps)
+            else:
+                raise ValueError(mode)
+    return np.array(out), zero_groups
+
+
+def kl(lp, ref, estimator, clamp):
+    """One token. KL(pi || ref) estimators written via q = ref / pi."""
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "k2":
+        return 0.5 * (lp - ref) ** 2
+    d = min(max(ref - lp, -clamp), clamp)
+    q = math.exp(d)
+    return q - math.log(q) - 1.0
+
+
+def _clipped_objective(ratio, a, low, high):
+    """min(r A, clip(r) A) by cases on the sign of A; returns (objective, clipped_low, high)."""
+    if a >= 0:
+        return a * min(ratio, 1.0 + high), False, a > 0 and ratio > 1.0 + high
+    return a * max(ratio, 1.0 - low), ratio < 1.0 - low, False
+
+
+def policy_tokens(name, lp, olp, a, cfg):
+    """Per-token (loss, ratio, clipped_low, clipped_high, clipped_dual) for ONE sequence's valid
+    tokens (1-d arrays lp, olp)."""
+    rows = []
+    if name == "gspo":
+        s = math.exp(sum(x - y for x, y in zip(lp, olp)) / max(len(lp), 1))
+        for _ in lp:
+            obj, lo, hi = _clipped_objective(s, a, cfg.gspo_eps_low, cfg.gspo_eps_high)
+            rows.append((-obj, s, lo, hi, False))
+        return rows
+    for x, y in zip(lp, olp):
+        r = math.exp(x - y)
+        if name == "ppo_clip":
+            obj, lo, hi = _clipped_objective(r, a, cfg.eps_low, cfg.eps_high)
+            rows.append((-obj, r, lo, hi, False))
+        elif name == "dual_clip":
+            obj, lo, hi = _clipped_objective(r, a, cfg.eps_low, cfg.eps_high)
+            dual = a < 0 and r > cfg.dual_clip_c
+            if a < 0:
+                obj = a * min(max(r, 1.0 - cfg.eps_low), cfg.dual_clip_c)
+            rows.append((-obj, r, lo, hi, dual))
+        elif name == "cispo":
+            w = r
+            if r < 1.0 - cfg.eps_low:
+                w = 1.0 - cfg.eps_low
+            if r > 1.0 + cfg.eps_high:
+                w = 1.0 + cfg.eps_high
+            rows.append((-w * a * x, r, r < 1.0 - cfg.eps_low, r > 1.0 + cfg.eps_high, False))
+        else:
+            raise ValueError(name)
+    return rows
+
+
+def is_weights(olp, slp, cfg):
+    """(weight, keep) lists for ONE sequence's valid tokens."""
+    n = len(olp)
+    if cfg.is_correction == "none":
+        return [1.0] * n, [True] * n
+    token_ratios = [math.exp(o - s) for o, s in zip(olp, slp)]
+    if cfg.is_level == "sequence":
+        seq_ratio = float(np.prod(token_ratios))
+        ratios = [seq_ratio] * n
+    else:
+        ratios = token_ratios
+    if cfg.is_correction == "tis":
+        return [min(r, cfg.is_cap) for r in ratios], [True] * n
+    return [1.0] * n, [cfg.mis_low <= r <= cfg.mis_high for r in ratios]
+
+
+def aggregate_full(values, keeps, mode, max_new_tokens):
+    """Full-batch aggregate of per-sequence token lists; `keeps` selects tokens that count.
+    Token normaliser = all valid tokens, sequence normaliser = all sequences."""
+    n_tokens = sum(len(v) for v in values)
+    n_seqs = len(values)
+    seq_sums = [sum(x for x, k in zip(v, kp) if k) for v, kp in zip(values, keeps)]
+    if mode == "token_mean":
+        return sum(seq_sums) / n_tokens
+    if mode == "seq_mean_token_mean":
+        kept = [max(sum(kp), 1) for kp in keeps]
+        return sum(s / n for s, n in zip(seq_sums, kept)) / n_seqs
+    if mode == "seq_mean_token_sum":
+        return sum(seq_sums) / n_seqs
+    if mode == "drgrpo_constant":
+        return sum(seq_sums) / (n_seqs * max_new_tokens)
+    raise ValueError(mode)
+
+
+def grpo_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, cfg, entropy=None):
+    """Full-batch loss and metrics (same keys as rl.losses.grpo_loss, maxima flattened in)."""
+    logp, old_logp, mask = (np.asarray(x, np.float64) for x in (logp, old_logp, mask))
+    per_seq = {k: [] for k in ("loss", "w", "keep", "ratio", "lo", "hi", "dual", "kl", "ent")}
+    abs_d, mis_kl = 0.0, 0.0
+    for i in range(logp.shape[0]):
+        idx = np.nonzero(mask[i] > 0)[0]
+        lp, olp = logp[i, idx], old_logp[i, idx]
+        rows = policy_tokens(cfg.policy_loss, lp, olp, float(adv[i]), cfg)
+        if sampler_logp is None:
+            w, keep = [1.0] * len(idx), [True] * len(idx)
+        else:
+            slp = np.asarray(sampler_logp, np.float64)[i, idx]
+            w, keep = is_weights(olp, slp, cfg)
+            for o, s in zip(olp, slp):
+                abs_d += abs(o - s)
+                mis_kl += math.exp(o - s) - (o - s) - 1.0
+        per_seq["loss"].append([wt * row[0] for wt, row in zip(w, rows)])
+        per_seq["w"].append(w)
+        per_seq["keep"].append(keep)
+        for j, key in enumerate(("ratio", "lo", "hi", "dual"), start=1):
+            per_seq[key].append([float(row[j]) for row in rows])
+        if ref_logp is not None:
+            est = cfg.kl_estimator if cfg.kl_in == "loss" else "k1"
+            ref = np.asarray(ref_logp, np.float64)[i, idx]
+            per_seq["kl"].append([kl(a, b, est, cfg.kl_clamp) for a, b in zip(lp, ref)])
+        if entropy is not None:
+            per_seq["ent"].append(list(np.asarray(entropy, np.float64)[i, idx]))
+
+    n_tok = sum(len(v) for v in per_seq["w"])
+    all_keep = [[True] * len(v) for v in per_seq["w"]]
+    agg = lambda v, k: aggregate_full(v, k, cfg.aggregation, cfg.max_new_tokens)
+    tok_mean = lambda v: sum(sum(x) for x in v) / n_tok
+    policy = agg(per_seq["loss"], per_seq["keep"])
+    loss = policy
+    out = {
+        "policy_loss": policy,
+        "clip_frac_low": tok_mean(per_seq["lo"]),
+        "clip_frac_high": tok_mean(per_seq["hi"]),
+        "ratio_mean": tok_mean(per_seq["ratio"]),
+        "is_weight_mean": tok_mean(per_seq["w"]),
+        "mis_masked_frac": tok_mean([[float(not k) for k in kp] for kp in per_seq["keep"]]),
+        "ratio_max": max(max(v, default=0.0) for v in per_seq["ratio"]),
+        "is_weight_max": max(max(v, default=0.0) for v in per_seq["w"]),
+    }
+    if cfg.policy_loss == "dual_clip":
+        out["clip_frac_dual"] = tok_mean(per_seq["dual"])
+    if sampler_logp is not None:
+        out["mismatch_abs_logp"] = abs_d / n_tok
+        out["mismatch_kl"] = mis_kl / n_tok
+    if ref_logp is not None:
+        out["kl"] = tok_mean(per_seq["kl"])
+        if cfg.kl_in == "loss" and cfg.kl_coef > 0:
+            loss += cfg.kl_coef * agg(per_seq["kl"], all_keep)
+    if entropy is not None:
+        out["entropy"] = tok_mean(per_seq["ent"])
+        loss -= cfg.entropy_coef * agg(per_seq["ent"], all_keep)
+    out["loss"] = loss
+    return out
