@@ -1,0 +1,258 @@
+"""The GRPO train step: one optimizer update from a batch of scored completions, in place.
+
+`Learner.step(state, batch)` is one jitted function:
+- the parameters and optimizer state are donated and come back with the same NamedShardings
+  (out_shardings = the shardings they were created with), so the sampler keeps reading the same
+  arrays after the update;
+- the batch rows are split into `micro_batches` accumulated with `lax.scan` inside the step;
+- loss normalisers (valid tokens, sequences) are counted once over the whole step's batch, before
+  the split, so every micro-batch and every data-parallel shard adds an exact contribution
+  (`rl.losses.aggregate`); GSPMD turns the sums over the sharded batch axis into all-reduces;
+- log-probs come from `rl.logprobs.token_logprobs`, chunked over the sequence.
+
+Micro-batch m takes rows m, m+M, m+2M, ... (a strided split): with the batch sharded over
+(data, fsdp) every device then holds its share of every micro-batch, and no rows move between
+devices.
+
+`Learner.learn(state, ref_params, rollout)` runs the μ inner iterations over one rollout:
+μ passes (`num_iterations`), each split into `minibatches` optimizer steps. In TRL's words,
+num_iterations = μ and steps_per_generation = minibatches. π_old is either recomputed by the
+learner (`old_logp="recompute"`) or taken from the sampler (`old_logp="sampler"`, bypass mode).
+With recompute, μ = 1 and one minibatch, the step uses stop_gradient(logp) as π_old, so the
+ratio is exactly 1; otherwise π_old is computed once, before the first update of the rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rl.logprobs import token_logprobs
+from rl.losses import LossConfig, combine_metrics, grpo_loss
+from sampling.distribution import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    learning_rate: float = 1e-6  # peak AdamW learning rate
+    warmup_steps: int = 0  # linear warmup from 0
+    decay_steps: int = 0  # cosine decay length after warmup (0 = constant after warmup)
+    end_lr_fraction: float = 0.1  # cosine decays to this fraction of the peak
+    weight_decay: float = 0.0  # AdamW decoupled decay, on matrices only (not norms or biases)
+    b1: float = 0.9
+    b2: float = 0.999
+    max_grad_norm: float = 1.0  # global-norm clipping (0 = off)
+    micro_batches: int = 1  # gradient accumulation chunks inside one step
+    logprob_chunk: int = 128  # sequence positions per vocabulary projection
+    num_iterations: int = 1  # μ: passes over one rollout
+    minibatches: int = 1  # optimizer steps per pass
+    old_logp: str = "recompute"  # π_old: "recompute" (learner) or "sampler" (bypass)
+    sampling: SamplingParams = SamplingParams()  # the distribution the sampler drew from
+    loss: LossConfig = LossConfig()
+
+    def validate(self):
+        if self.old_logp not in ("recompute", "sampler"):
+            raise ValueError(f"old_logp={self.old_logp!r}: expected 'recompute' or 'sampler'")
+        for name in ("micro_batches", "logprob_chunk", "num_iterations", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        self.loss.validate()
+
+
+@struct.dataclass
+class TrainState:
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar
+
+
+@struct.dataclass
+class Batch:
+    """One optimizer step's sequences (prompt + completion). Per-token arrays score tokens[:, 1:]."""
+
+    tokens: jax.Array  # int32 [B,T]
+    positions: jax.Array  # int32 [B,T]
+    valid: jax.Array  # bool [B,T] real (non-pad) tokens
+    loss_mask: jax.Array  # f32 [B,T-1] 1 where tokens[:, 1:] is a completion token that counts
+    advantages: jax.Array  # f32 [B]
+    sampler_logp: jax.Array | None = None  # f32 [B,T-1]
+    old_logp: jax.Array | None = None  # f32 [B,T-1]; None: stop_gradient(logp) (exact ratio 1)
+    ref_logp: jax.Array | None = None  # f32 [B,T-1]; None when the KL term is off
+
+
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+    lr = cfg.learning_rate
+    if cfg.decay_steps:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, lr, cfg.warmup_steps, cfg.warmup_steps + cfg.decay_steps, lr * cfg.end_lr_fraction
+        )
+    elif cfg.warmup_steps:
+        schedule = optax.linear_schedule(0.0, lr, cfg.warmup_steps)
+    else:
+        schedule = lr
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    adamw = optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+    clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity()
+    return optax.chain(clip, adamw)
+
+
+def batch_sharding(mesh, rules) -> NamedSharding:
+    """Rows over the mesh axes the rules give the logical `batch` axis (default data and fsdp)."""
+    axes = dict(rules).get("batch")
+    return NamedSharding(mesh, PartitionSpec(axes))
+
+
+def _strided_split(x, m):
+    """[B,...] -> [M, B/M, ...] with micro-batch i = rows i, i+M, ... (see module docstring)."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+class Learner:
+    """Owns the optimizer and the jitted functions of the learn phase for one model graph."""
+
+    def __init__(self, cfg: LearnerConfig, graphdef, param_shardings):
+        cfg.validate()
+        self.cfg, self.graphdef = cfg, graphdef
+        self.tx = make_optimizer(cfg)
+        self.param_shardings = param_shardings
+        self._step = None
+        self._logprobs = jax.jit(self._logprobs_impl)
+        self._grads = jax.jit(self._grads_impl)
+
+    # --- state ------------------------------------------------------------------------------
+
+    def init_state(self, params) -> TrainState:
+        """Optimizer state created directly in the parameters' shardings (moments mirror params)."""
+        abstract = jax.eval_shape(self.tx.init, params)
+        replicated = NamedSharding(jax.tree.leaves(self.param_shardings)[0].mesh, PartitionSpec())
+        opt_sh = optax.tree_map_params(
+            self.tx,
+            lambda _, s: s,
+            abstract,
+            self.param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
+        self.state_shardings = TrainState(self.param_shardings, opt_sh, replicated)
+        # Commit every leaf to exactly the shardings the step returns, so that the first call and
+        # all later ones share one compiled executable (parameters already there are not copied).
+        state = jax.device_put(
+            TrainState(params, opt_state, jnp.zeros((), jnp.int32)), self.state_shardings
+        )
+        self._step = jax.jit(
+            self._step_impl, donate_argnums=0, out_shardings=(self.state_shardings, None)
+        )
+        return state
+
+    # --- jitted pieces ----------------------------------------------------------------------
+
+    def _logprobs_impl(self, params, batch: Batch):
+        model = nnx.merge(self.graphdef, params)
+        return token_logprobs(
+            model,
+            batch.tokens,
+            batch.positions,
+            batch.valid,
+            self.cfg.sampling,
+            self.cfg.logprob_chunk,
+        )[0]
+
+    def _loss(self, params, mb: Batch, global_tokens, global_seqs):
+        model = nnx.merge(self.graphdef, params)
+        logp, ent = token_logprobs(
+            model, mb.tokens, mb.positions, mb.valid, self.cfg.sampling, self.cfg.logprob_chunk
+        )
+        old = jax.lax.stop_gradient(logp) if mb.old_logp is None else mb.old_logp
+        ent = ent if self.cfg.loss.entropy_coef > 0 else jax.lax.stop_gradient(ent)
+        return grpo_loss(
+            logp,
+            old,
+            mb.sampler_logp,
+            mb.ref_logp,
+            mb.advantages,
+            mb.loss_mask,
+            self.cfg.loss,
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
+            entropy=ent,
+        )
+
+    def _grads_impl(self, params, batch: Batch):
+        """Gradient and metrics of the whole batch, accumulated over micro-batches."""
+        m = self.cfg.micro_batches
+        if batch.tokens.shape[0] % m:
+            raise ValueError(
+                f"batch of {batch.tokens.shape[0]} rows: not divisible by micro_batches={m}"
+            )
+        global_tokens = jnp.sum(batch.loss_mask)
+        global_seqs = jnp.sum(jnp.any(batch.loss_mask > 0, axis=1)).astype(jnp.float32)
+        micro = jax.tree.map(lambda x: _strided_split(x, m), batch)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def body(carry, mb):
+            grads, metrics = carry
+            (_, new_metrics), new_grads = grad_fn(params, mb, global_tokens, global_seqs)
+            return (
+                jax.tree.map(jnp.add, grads, new_grads),
+                combine_metrics(metrics, new_metrics),
+            ), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        (_, metrics0), grads0 = grad_fn(params, first, global_tokens, global_seqs)
+        rest = jax.tree.map(lambda x: x[1:], micro)
+        (grads, metrics), _ = jax.lax.scan(body, (grads0, metrics0), rest)
+        metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["tokens"] = global_tokens
+        return grads, metrics
+
+    def _step_impl(self, state: TrainState, batch: Batch):
+        grads, metrics = self._grads_impl(state.params, batch)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    # --- public API -------------------------------------------------------------------------
+
+    def logprobs(self, params, batch: Batch):
+        """f32 [B,T-1] teacher-forced log-probs (π_old, or the reference with ref params)."""
+        return self._logprobs(params, batch)
+
+    def grads(self, params, batch: Batch):
+        return self._grads(params, batch)
+
+    def step(self, state: TrainState, batch: Batch):
+        """One optimizer update; `state` is donated. Returns (new state, metrics of arrays)."""
+        if self._step is None:
+            raise RuntimeError("call Learner.init_state(params) first")
+        return self._step(state, batch)
+
+    def learn(self, state: TrainState, ref_params, rollout: Batch):
+        """μ passes of `minibatches` steps over one rollout. Returns (state, list of host metrics)."""
+        cfg = self.cfg
+        if cfg.loss.kl_coef > 0 and cfg.loss.kl_in == "loss" and rollout.ref_logp is None:
+            rollout = rollout.replace(ref_logp=self.logprobs(ref_params, rollout))
+        exact_first_pass = cfg.num_iterations == 1 and cfg.minibatches == 1
+        if cfg.old_logp == "sampler":
+            rollout = rollout.replace(old_logp=rollout.sampler_logp)
+        elif not exact_first_pass:
+            rollout = rollout.replace(old_logp=self.logprobs(state.params, rollout))
+        rows = rollout.tokens.shape[0]
+        if rows % cfg.minibatches:
+            raise ValueError(
+                f"rollout of {rows} rows: not divisible by minibatches={cfg.minibatches}"
+            )
+        minibatches = jax.tree.map(lambda x: _strided_split(x, cfg.minibatches), rollout)
+        history = []
+        for _ in range(cfg.num_iterations):
+            for i in range(cfg.minibatches):
+                mb = jax.tree.map(lambda x, i=i: x[i], minibatches)
+                state, metrics = self.step(state, mb)
+                # Blocking every step: queued steps with collectives can deadlock on fake CPU devices.
+                history.append(jax.device_get(metrics))
+        return state, history

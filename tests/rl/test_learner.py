@@ -1,0 +1,222 @@
+"""The jitted GRPO train step: exact accumulation and sharding, π_old ratio, shardings kept, no
+recompiles, chunked log-prob memory, and a bandit that GRPO must solve."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import ModelConfig
+from models.sharding import (
+    DEFAULT_RULES,
+    abstract_model,
+    flatten,
+    init_params,
+    make_mesh,
+    state_shardings,
+)
+from rl.learner import Batch, Learner, LearnerConfig, batch_sharding
+from rl.logprobs import token_logprobs
+from rl.losses import AGGREGATIONS, LossConfig
+from sampling.distribution import SamplingParams, log_probs
+
+CFG = ModelConfig(
+    family="qwen2", vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8, qkv_bias=True, tie_embeddings=True,
+)  # fmt: skip
+
+
+def _batch(rows=32, t=24, seed=0):
+    """Prompts of 2..6 tokens and completions of 1..17 tokens, right-padded to t."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((rows, t), np.int32)
+    valid = np.zeros((rows, t), bool)
+    loss_mask = np.zeros((rows, t - 1), np.float32)
+    for i in range(rows):
+        p, c = rng.integers(2, 7), rng.choice([1, 2, 17, *rng.integers(1, 18, 5)])
+        tokens[i, : p + c] = rng.integers(3, CFG.vocab_size, p + c)
+        valid[i, : p + c] = True
+        loss_mask[i, p - 1 : p + c - 1] = 1.0  # targets tokens[p : p+c]
+    positions = np.tile(np.arange(t, dtype=np.int32), (rows, 1))
+    return Batch(
+        tokens=tokens,
+        positions=positions,
+        valid=valid,
+        loss_mask=loss_mask,
+        advantages=rng.normal(size=rows).astype(np.float32),
+        sampler_logp=np.where(loss_mask > 0, -rng.uniform(3.5, 4.5, loss_mask.shape), 0).astype(
+            np.float32
+        ),
+        ref_logp=np.where(loss_mask > 0, -rng.uniform(3.5, 4.5, loss_mask.shape), 0).astype(
+            np.float32
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, params = init_params(CFG, make_mesh({}, devices=jax.devices()[:1]), seed=0)
+    return graphdef, jax.device_get(params)
+
+
+def _setup(model, mesh, batch):
+    graphdef, host_params = model
+    shardings = state_shardings(host_params, mesh, DEFAULT_RULES)
+    params = jax.device_put(host_params, shardings)
+    batch = jax.device_put(batch, batch_sharding(mesh, DEFAULT_RULES))
+    return graphdef, shardings, params, batch
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_accumulation_and_data_parallel_are_exact(model, aggregation):
+    loss = LossConfig(aggregation=aggregation, max_new_tokens=17, is_correction="tis")
+    batch = _batch()
+    # Old log-probs away from the current ones, so that clipping is active in the gradient.
+    batch = batch.replace(old_logp=batch.sampler_logp + 0.3)
+    results = []
+    for micro, mesh_shape, n_dev in [(1, {}, 1), (4, {}, 1), (1, {"data": 2}, 2)]:
+        mesh = make_mesh(mesh_shape, devices=jax.devices()[:n_dev])
+        graphdef, shardings, params, b = _setup(model, mesh, batch)
+        learner = Learner(
+            LearnerConfig(micro_batches=micro, loss=loss, logprob_chunk=8), graphdef, shardings
+        )
+        grads, metrics = learner.grads(params, b)
+        results.append((flatten(jax.device_get(grads)), jax.device_get(metrics)))
+    (g1, m1), others = results[0], results[1:]
+    assert max(np.abs(g).max() for g in g1.values()) > 1e-3  # a real gradient, not zeros
+    for g, m in others:
+        for k in g1:
+            np.testing.assert_allclose(g[k], g1[k], atol=1e-6, rtol=0, err_msg=k)
+        np.testing.assert_allclose(m["loss"], m1["loss"], atol=1e-6)
+
+
+def test_ratio_is_exactly_one_with_recomputed_old_logp(model):
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, shardings, params, batch = _setup(model, mesh, _batch())
+    learner = Learner(LearnerConfig(loss=LossConfig(is_correction="none")), graphdef, shardings)
+    _, metrics = learner.grads(params, batch)
+    assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["ratio_max"]) == 1.0
+    assert float(metrics["clip_frac_low"]) == 0.0 and float(metrics["clip_frac_high"]) == 0.0
+
+
+def test_bypass_ratio_and_mismatch_metrics(model):
+    """Bypass: π_old = sampler log-probs. Here the 'sampler' is an independent unchunked dense
+    log-softmax of the same parameters (the paged sampler's own check lives with the sampler)."""
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, shardings, params, batch = _setup(model, mesh, _batch())
+
+    @jax.jit
+    def dense_logp(params, b):
+        logits = nnx.merge(graphdef, params)(b.tokens, b.positions, b.valid)[0][:, :-1]
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.take_along_axis(lp, b.tokens[:, 1:, None], axis=-1)[..., 0]
+
+    sampler = np.asarray(dense_logp(params, batch))
+    batch = batch.replace(sampler_logp=sampler, old_logp=sampler)
+    learner = Learner(LearnerConfig(old_logp="sampler"), graphdef, shardings)
+    learner_logp = np.asarray(learner.logprobs(params, batch))
+    _, metrics = learner.grads(params, batch)
+    mask = np.asarray(batch.loss_mask) > 0
+    ratio = np.exp(learner_logp - sampler)[mask]
+    assert np.abs(ratio - 1).max() < 1e-4
+    assert abs(float(metrics["ratio_mean"]) - 1) < 1e-4
+    # Mismatch metrics equal numpy on the two arrays (π_old vs sampler: both are `sampler` here,
+    # so use a shifted sampler to make them non-trivial).
+    shifted = sampler + np.random.default_rng(1).normal(0, 0.05, sampler.shape).astype(np.float32)
+    _, metrics = Learner(LearnerConfig(), graphdef, shardings).grads(
+        params, batch.replace(sampler_logp=shifted, old_logp=learner_logp)
+    )
+    d = (learner_logp - shifted)[mask]
+    np.testing.assert_allclose(metrics["mismatch_abs_logp"], np.abs(d).mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["mismatch_kl"], (np.exp(d) - d - 1).mean(), rtol=1e-4)
+
+
+def test_step_keeps_shardings_and_compiles_once(model):
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    graphdef, shardings, params, _ = _setup(model, mesh, _batch())
+    before = {k: v.sharding for k, v in flatten(params).items()}
+    learner = Learner(LearnerConfig(learning_rate=1e-3, micro_batches=2), graphdef, shardings)
+    state = learner.init_state(params)
+    for seed in range(3):
+        batch = jax.device_put(_batch(seed=seed), batch_sharding(mesh, DEFAULT_RULES))
+        state, metrics = learner.step(state, batch)
+        jax.block_until_ready(metrics)
+        for k, v in flatten(state.params).items():
+            assert v.sharding == before[k], k
+    assert int(state.step) == 3
+    assert learner._step._cache_size() == 1
+
+
+def _logprob_grad_temp_bytes(vocab, t, b=4, chunk=16):
+    cfg = dataclasses.replace(CFG, vocab_size=vocab, tie_embeddings=False)
+    graphdef, params = abstract_model(cfg)
+    tokens = jnp.zeros((b, t), jnp.int32)
+    pos = jnp.tile(jnp.arange(t), (b, 1))
+    valid = jnp.ones((b, t), bool)
+
+    def loss(params):
+        model = nnx.merge(graphdef, params)
+        return token_logprobs(model, tokens, pos, valid, SamplingParams(), chunk)[0].sum()
+
+    return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_logprob_memory_does_not_scale_with_vocab_times_length():
+    """The memory that a larger vocabulary costs stays that of one [B, chunk, V] block: it does
+    not double with the sequence length, and it is far below the full [B, T, V] f32 logits."""
+    small, large, b = 512, 16384, 4
+    extra = {
+        t: _logprob_grad_temp_bytes(large, t) - _logprob_grad_temp_bytes(small, t)
+        for t in (256, 512)
+    }
+    full_logits_extra = {t: b * t * (large - small) * 4 for t in extra}  # 62 MiB at t=256
+    assert extra[256] < full_logits_extra[256] / 2, extra
+    assert extra[512] < 1.25 * extra[256], extra  # full logits would double
+
+
+def test_grpo_solves_a_bandit():
+    """One prompt, one completion token; reward 1 iff the token is 7. 50 GRPO steps, default loss."""
+    cfg = dataclasses.replace(CFG, vocab_size=16)
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, params = init_params(cfg, mesh, seed=3)
+    shardings = state_shardings(params, mesh, DEFAULT_RULES)
+    lcfg = LearnerConfig(learning_rate=3e-3, loss=LossConfig(kl_coef=0.0))
+    learner = Learner(lcfg, graphdef, shardings)
+    state = learner.init_state(params)
+    from rl.advantages import compute_advantages
+
+    groups, g = 4, 16
+    prompt = np.tile(np.array([[1, 5, 9]], np.int32), (groups * g, 1))
+
+    @jax.jit
+    def sample(params, key):
+        logits = nnx.merge(graphdef, params)(prompt, np.tile(np.arange(3), (groups * g, 1)))[0]
+        lp = log_probs(logits[:, -1], lcfg.sampling)
+        tok = jax.random.categorical(key, lp)
+        return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+    key = jax.random.key(0)
+    rewards_seen = []
+    for _ in range(50):
+        key, sub = jax.random.split(key)
+        tok, lp = sample(state.params, sub)
+        reward = (np.asarray(tok) == 7).astype(np.float32)
+        rewards_seen.append(reward.mean())
+        adv, _ = compute_advantages(jnp.asarray(reward), g, "group_std", 1e-6)
+        tokens = np.concatenate([prompt, np.asarray(tok)[:, None]], axis=1).astype(np.int32)
+        mask = np.zeros((groups * g, 3), np.float32)
+        mask[:, 2] = 1.0
+        batch = Batch(
+            tokens=tokens,
+            positions=np.tile(np.arange(4, dtype=np.int32), (groups * g, 1)),
+            valid=np.ones_like(tokens, bool),
+            loss_mask=mask,
+            advantages=adv,
+            sampler_logp=np.pad(np.asarray(lp)[:, None], ((0, 0), (2, 0))),
+        )
+        state, _ = learner.learn(state, None, batch)
+    assert rewards_seen[0] < 0.2, rewards_seen[:3]
+    assert np.mean(rewards_seen[-5:]) > 0.9, rewards_seen[-5:]
