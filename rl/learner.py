@@ -25,6 +25,7 @@ ratio is exactly 1; otherwise π_old is computed once, before the first update o
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,9 @@ class Learner:
         metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = global_tokens
+        lengths = jnp.sum(batch.loss_mask, axis=1)  # [B] completion tokens per row
+        metrics["response_length_mean"] = global_tokens / jnp.maximum(global_seqs, 1)
+        metrics["response_length_max"] = jnp.max(lengths)
         return grads, metrics
 
     def _step_impl(self, state: TrainState, batch: Batch):
@@ -252,7 +256,12 @@ class Learner:
         for _ in range(cfg.num_iterations):
             for i in range(cfg.minibatches):
                 mb = jax.tree.map(lambda x, i=i: x[i], minibatches)
+                start = time.perf_counter()
                 state, metrics = self.step(state, mb)
                 # Blocking every step: queued steps with collectives can deadlock on fake CPU devices.
-                history.append(jax.device_get(metrics))
+                metrics = jax.device_get(metrics)
+                metrics["learn_tokens_per_s"] = float(metrics["tokens"]) / (
+                    time.perf_counter() - start
+                )
+                history.append(metrics)
         return state, history

@@ -1,0 +1,62 @@
+"""DAPO dynamic sampling: keep only prompt groups whose rewards differ, sample more to refill.
+
+A group whose G rewards are all equal has zero advantage everywhere and contributes no gradient
+(only KL and entropy terms), so DAPO drops it and samples further prompts until the batch holds
+`num_groups` informative groups. The number of extra sampling rounds is bounded by `max_tries`;
+when they run out, the batch is topped up with the zero-variance groups already drawn (they stay
+harmless: exactly zero advantage) and the shortfall is reported, so a step never stalls.
+
+`sample_groups(n)` is the caller's rollout: it samples n prompts x G completions and returns a list
+of n group records plus their rewards f32[n*G]. This module knows nothing about what a record is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rl.shaping import select_groups
+
+
+def fill_groups(
+    sample_groups: Callable[[int], tuple[Sequence[Any], np.ndarray]],
+    num_groups: int,
+    group_size: int,
+    max_tries: int,
+) -> tuple[list[Any], np.ndarray, dict[str, float]]:
+    """(records, rewards f32[num_groups*G], stats). Records keep the order they were sampled in."""
+    if max_tries < 1:
+        raise ValueError(f"max_tries={max_tries}: must be >= 1")
+    kept: list[Any] = []
+    kept_rewards: list[np.ndarray] = []
+    spare: list[tuple[Any, np.ndarray]] = []
+    tries = dropped = sampled = 0
+    while len(kept) < num_groups and tries < max_tries:
+        records, rewards = sample_groups(num_groups - len(kept))
+        rewards = np.asarray(rewards, np.float32).reshape(len(records), group_size)
+        tries += 1
+        sampled += len(records)
+        informative = set(select_groups(rewards.reshape(-1), group_size).tolist())
+        for i, record in enumerate(records):
+            if i in informative:
+                kept.append(record)
+                kept_rewards.append(rewards[i])
+            else:
+                dropped += 1
+                spare.append((record, rewards[i]))
+    shortfall = num_groups - len(kept)
+    for record, rewards in spare[:shortfall]:
+        kept.append(record)
+        kept_rewards.append(rewards)
+    if len(kept) < num_groups:
+        raise RuntimeError(
+            f"sample_groups returned {sampled} groups in {tries} tries, need {num_groups}"
+        )
+    stats = {
+        "dynamic_sampling_tries": float(tries),
+        "dynamic_sampling_dropped_groups": float(dropped),
+        "dynamic_sampling_shortfall": float(shortfall),
+    }
+    return kept, np.concatenate(kept_rewards), stats
