@@ -17,7 +17,7 @@ import sys
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """"data=2,fsdp=2,tensor=2" -> {"data": 2, ...}; "" -> all devices on the data axis."""
+    """Parses "data=2,fsdp=2,tensor=2" into {"data": 2, ...}; "" gives {}."""
     out = {}
     for part in filter(None, text.split(",")):
         name, _, size = part.partition("=")

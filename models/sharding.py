@@ -128,7 +128,7 @@ def init_params(cfg: ModelConfig, mesh, rules=DEFAULT_RULES, seed: int = 0):
 
 
 def path_name(path) -> str:
-    """"blocks.0.attn.q" for a pytree path into a params State (the Variable's `.value` dropped)."""
+    """The dotted name ("blocks.0.attn.q") of a pytree path into a params State."""
     keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
     return ".".join(str(k) for k in keys if k != "value")
 

@@ -78,7 +78,9 @@ def _greedy(graphdef, params, ref, steps):
 def test_greedy_matches_recorded_hf(name, mesh):
     _, graphdef, params, _ = load_hf(os.path.join(FIXTURES, name), mesh)
     ref = _reference(name)
-    np.testing.assert_array_equal(_greedy(graphdef, params, ref, ref["greedy"].shape[1]), ref["greedy"])
+    np.testing.assert_array_equal(
+        _greedy(graphdef, params, ref, ref["greedy"].shape[1]), ref["greedy"]
+    )
 
 
 def test_generation_ids_from_generation_config(mesh):
@@ -125,7 +127,9 @@ def test_unknown_architecture(mesh, tmp_path):
     cfg = json.load(open(d / "config.json"))
     cfg["architectures"] = ["MistralForCausalLM"]
     json.dump(cfg, open(d / "config.json", "w"))
-    with pytest.raises(CheckpointError, match=r"config.json: architectures=\['MistralForCausalLM'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"config.json: architectures=\['MistralForCausalLM'\]"
+    ):
         load_hf(str(d), mesh)
 
 
@@ -140,7 +144,9 @@ def _rewrite(path, fn):
 def test_missing_tensor(mesh, tmp_path):
     d = _copy("qwen3", tmp_path)
     _rewrite(d / "model.safetensors", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"
+    ):
         load_hf(str(d), mesh)
 
 
@@ -148,7 +154,9 @@ def test_wrong_shape(mesh, tmp_path):
     d = _copy("qwen2", tmp_path)
 
     def cut(t):
-        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1]
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][
+            :-1
+        ]
 
     _rewrite(d / "model.safetensors", cut)
     with pytest.raises(
