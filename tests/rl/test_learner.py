@@ -220,3 +220,18 @@ def test_grpo_solves_a_bandit():
         state, _ = learner.learn(state, None, batch)
     assert rewards_seen[0] < 0.2, rewards_seen[:3]
     assert np.mean(rewards_seen[-5:]) > 0.9, rewards_seen[-5:]
+
+
+def test_remat_gives_the_same_gradient(model):
+    graphdef, host_params = model
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    remat_graphdef, _ = abstract_model(dataclasses.replace(CFG, remat=True))
+    batch = _batch(rows=8)
+    grads = []
+    for gd in (graphdef, remat_graphdef):
+        _, shardings, params, b = _setup((gd, host_params), mesh, batch)
+        grads.append(
+            flatten(jax.device_get(Learner(LearnerConfig(), gd, shardings).grads(params, b)[0]))
+        )
+    for k in grads[0]:
+        np.testing.assert_allclose(grads[1][k], grads[0][k], atol=1e-6, rtol=0, err_msg=k)
