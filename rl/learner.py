@@ -203,10 +203,13 @@ class Learner:
                 combine_metrics(metrics, new_metrics),
             ), None
 
+        # Zero carries (0 is neutral for the sums and for the maxima, which are non-negative), so
+        # the scan covers every micro-batch and the loss graph is traced and compiled once.
         first = jax.tree.map(lambda x: x[0], micro)
-        (_, metrics0), grads0 = grad_fn(params, first, global_tokens, global_seqs)
-        rest = jax.tree.map(lambda x: x[1:], micro)
-        (grads, metrics), _ = jax.lax.scan(body, (grads0, metrics0), rest)
+        shapes = jax.eval_shape(lambda: grad_fn(params, first, global_tokens, global_seqs))
+        zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+        init = (jax.tree.map(jnp.zeros_like, params), zeros(shapes[0][1]))
+        (grads, metrics), _ = jax.lax.scan(body, init, micro)
         metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = global_tokens
