@@ -1,0 +1,307 @@
+"""Sampler engine in the shape of JetStream's: prefill, insert / bulk_insert, generate, free_resource,
+plus the batch loop `generate_all` with continuous batching over a fixed number of slots.
+
+Device work is three jitted functions over the donated `sampling.state.DecodeState`:
+- `prefill`: one prompt, right-padded to a power-of-two bucket (few recompiles), written into
+  freshly allocated pages. It caches all prompt tokens but the last; the last prompt token is the
+  `last_token` of the slot and is fed by the first decode step. So every token, the first one
+  included, is sampled in one place (`_generate`) with one key schedule, and the G samples of a
+  group draw their first tokens independently without a second sampling path. (JetStream's
+  prefill returns the first token instead; this costs one batched decode step per request.)
+- `bulk_insert`: one prefilled prompt into G slots. Full prompt pages are shared (refcount G);
+  the partial last page is copied on device for samples 1..G-1 (`PageAllocator.fork_for_group`).
+- `generate`: `num_steps` decode steps in one `lax.fori_loop`.
+
+Page allocation is host-side (`sampling.page_allocator` explains why): between `generate` calls the
+host gives each active slot the pages for its next `num_steps` tokens and uploads the page table.
+Admission reserves a group's worst-case pages up front, so a running request never runs out of
+pages and no preemption is needed.
+
+Randomness: the token of sample g of request r at step n is drawn with
+fold_in(fold_in(fold_in(root, r), g), n). It does not depend on the slot or on the other requests
+in the batch, so a request gives the same tokens alone or continuously batched.
+
+min_new_tokens masks the stop ids (logits -inf) while fewer than min_new_tokens tokens exist.
+The recorded log-prob is the one under that masked distribution, the one the token was actually
+drawn from; a learner that does not apply the same mask sees a (small) difference on those
+first tokens, which is what importance ratios should see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from sampling.distribution import SamplingParams, log_probs
+from sampling.page_allocator import PageAllocator, PageTable
+from sampling.state import DecodeState, PagedDecode, PagedPrefill
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 8  # B, sequences decoded together
+    page_size: int = 16
+    num_pages: int = 256  # P, pages in the pool including the null page 0
+    max_prompt_len: int = 256
+    max_new_tokens: int = 64  # M, size of the output buffers
+    min_new_tokens: int = 0  # stop ids are masked before this many tokens
+    steps_per_call: int = 16  # decode steps per `generate` call (host sync period)
+    stop_ids: tuple[int, ...] = ()
+    backend: str = "auto"  # paged attention backend
+    cache_dtype: str = "float32"
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt: its pages hold the KV of tokens[:-1]; tokens[-1] is fed at decode."""
+
+    pages: list[int]
+    cached_len: int
+    last_token: int
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    length: int
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _prefill(graphdef, params, state, tokens, length, page_row):
+    """tokens int32[1,T] (T a bucket), length int32 real tokens, page_row int32[1,pages_per_seq]."""
+    model = nnx.merge(graphdef, params)
+    t = tokens.shape[1]
+    valid = (jnp.arange(t) < length)[None]  # [1,T]
+    hook = PagedPrefill(state.k_pages, state.v_pages, page_row, valid)
+    _, hook = model.hidden(tokens, jnp.arange(t, dtype=jnp.int32)[None], valid, hook)
+    return state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src, copy_dst):
+    """Resets slots int32[G] for one request; copies pages copy_src -> copy_dst int32[G-1]."""
+    # Unused copy entries are (0, 0): the null page copied onto itself.
+    k = state.k_pages.at[:, :, copy_dst].set(state.k_pages[:, :, copy_src])
+    v = state.v_pages.at[:, :, copy_dst].set(state.v_pages[:, :, copy_src])
+    g = slots.shape[0]
+    return state.replace(
+        k_pages=k,
+        v_pages=v,
+        lengths=state.lengths.at[slots].set(cached_len),
+        last_token=state.last_token.at[slots].set(last_token),
+        active=state.active.at[slots].set(True),
+        num_generated=state.num_generated.at[slots].set(0),
+        max_new=state.max_new.at[slots].set(max_new),
+        request_id=state.request_id.at[slots].set(request_id),
+        sample_id=state.sample_id.at[slots].set(jnp.arange(g, dtype=jnp.int32)),
+        stopped=state.stopped.at[slots].set(False),
+        tokens=state.tokens.at[slots].set(0),
+        logprobs=state.logprobs.at[slots].set(0.0),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7), donate_argnums=2)
+def _generate(graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root):
+    model = nnx.merge(graphdef, params)
+    stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    is_stop_id = jnp.zeros((model.cfg.vocab_size,), bool).at[stop].set(bool(stop_ids), mode="drop")
+    rows = jnp.arange(state.lengths.shape[0])
+    m = state.tokens.shape[1]
+
+    def key_of(req, g, n):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), n)
+
+    def step(_, s: DecodeState):
+        hook = PagedDecode(s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, backend)
+        logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
+        logits = logits[:, 0]  # f32 [B,V]
+        early = (s.num_generated < min_new)[:, None]
+        logits = jnp.where(early & is_stop_id[None], -jnp.inf, logits)
+        lp = log_probs(logits, sampling)  # [B,V]
+        if sampling.temperature == 0:
+            tok = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+        else:
+            keys = jax.vmap(key_of)(s.request_id, s.sample_id, s.num_generated)
+            tok = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
+        tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+        a = s.active
+        col = jnp.minimum(s.num_generated, m - 1)
+        n = s.num_generated + a
+        hit_stop = a & is_stop_id[tok]
+        return s.replace(
+            k_pages=hook.k_pages,
+            v_pages=hook.v_pages,
+            lengths=s.lengths + a,
+            last_token=jnp.where(a, tok, s.last_token),
+            active=a & ~hit_stop & (n < s.max_new),
+            num_generated=n,
+            stopped=s.stopped | hit_stop,
+            tokens=s.tokens.at[rows, col].set(jnp.where(a, tok, s.tokens[rows, col])),
+            logprobs=s.logprobs.at[rows, col].set(jnp.where(a, tok_lp, s.logprobs[rows, col])),
+        )
+
+    return jax.lax.fori_loop(0, num_steps, step, state)
+
+
+class Engine:
+    """Host side of the sampler: allocator, page table, slot bookkeeping; device state is passed
+    in and returned (donated) by every call."""
+
+    def __init__(self, cfg: ModelConfig, graphdef, ecfg: EngineConfig, sampling: SamplingParams):
+        self.cfg, self.graphdef, self.ecfg, self.sampling = cfg, graphdef, ecfg, sampling
+        self.allocator = PageAllocator(ecfg.num_pages)
+        self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
+        self.free_slots = list(range(ecfg.num_slots))
+        # Per busy slot: cap on cached tokens and the host copy of its
+        # cached length after the last `generate`, to allocate ahead.
+        self._cap: dict[int, int] = {}
+        self._len: dict[int, int] = {}
+
+    def init_state(self) -> DecodeState:
+        e = self.ecfg
+        return DecodeState.zeros(
+            self.cfg, e.num_slots, e.num_pages, e.page_size, e.pages_per_seq,
+            e.max_new_tokens, jnp.dtype(e.cache_dtype),
+        )  # fmt: skip
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.ecfg.page_size)
+
+    def prefill(self, params, state, prompt: list[int]) -> tuple[DecodeState, Prefix]:
+        e = self.ecfg
+        if not 1 <= len(prompt) <= e.max_prompt_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{e.max_prompt_len}")
+        n = len(prompt) - 1
+        pages = self.allocator.alloc(self._pages_for(n))
+        if n:
+            t = _bucket(n)
+            tokens = np.zeros((1, t), np.int32)
+            tokens[0, :n] = prompt[:-1]
+            row = np.zeros((1, e.pages_per_seq), np.int32)
+            row[0, : len(pages)] = pages
+            state = _prefill(self.graphdef, params, state, tokens, np.int32(n), row)
+        return state, Prefix(pages, n, int(prompt[-1]))
+
+    def bulk_insert(self, state, prefix: Prefix, slots, request_id: int, max_new: int):
+        """Puts one prefix into len(slots) = G slots sharing its full pages."""
+        e, g = self.ecfg, len(slots)
+        if not 1 <= max_new <= e.max_new_tokens:
+            raise ValueError(f"max_new_tokens={max_new}: need 1..{e.max_new_tokens}")
+        rows, copies = self.allocator.fork_for_group(
+            prefix.pages, prefix.cached_len, e.page_size, g
+        )
+        copies = copies + [(0, 0)] * (g - 1 - len(copies))
+        src = np.array([c[0] for c in copies], np.int32)
+        dst = np.array([c[1] for c in copies], np.int32)
+        for s, r in zip(slots, rows):
+            self.table.set_row(s, r)
+            self._len[s] = prefix.cached_len
+            # Decode step j caches the token it is fed at position cached_len + j, j < max_new
+            # (the last sampled token is never cached, but the last prompt token is).
+            self._cap[s] = prefix.cached_len + max_new
+        slots_arr = np.asarray(slots, np.int32)
+        return _insert(
+            state, slots_arr, np.int32(prefix.cached_len), np.int32(prefix.last_token),
+            np.int32(request_id), np.int32(max_new), src, dst,
+        )  # fmt: skip
+
+    def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
+        return self.bulk_insert(state, prefix, [slot], request_id, max_new)
+
+    def generate(self, params, state, root_key, num_steps: int | None = None):
+        """Allocates pages ahead for `num_steps` tokens per busy slot, then decodes on device."""
+        e = self.ecfg
+        num_steps = num_steps or e.steps_per_call
+        for s, n in self._len.items():
+            need = self._pages_for(min(n + num_steps, self._cap[s])) - len(self.table.row(s))
+            if need > 0:
+                self.table.append(s, self.allocator.alloc(need))
+        state = state.replace(page_indices=jnp.asarray(self.table.array))
+        state = _generate(
+            self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
+            e.min_new_tokens, e.backend, root_key,
+        )  # fmt: skip
+        lengths = np.asarray(jax.device_get(state.lengths))  # also blocks on the loop
+        for s in self._len:
+            self._len[s] = int(lengths[s])
+        return state
+
+    def free_resource(self, state, slot: int) -> DecodeState:
+        """Returns the slot's pages to the pool and marks the slot idle."""
+        self.allocator.free(self.table.clear_row(slot))
+        self._len.pop(slot, None)
+        self._cap.pop(slot, None)
+        self.free_slots.append(slot)
+        return state.replace(active=state.active.at[slot].set(False))
+
+    def worst_case_pages(self, prompt_len: int, max_new: int, g: int) -> int:
+        """Pages a group of g samples may hold at its longest (shared full prompt pages once)."""
+        n = prompt_len - 1
+        shared = n // self.ecfg.page_size
+        return shared + g * (self._pages_for(n + max_new) - shared)
+
+    def _reserved(self) -> int:
+        return sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
+
+    def generate_all(
+        self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
+        request_ids=None,
+    ):  # fmt: skip
+        """Completions for every prompt, num_samples (G) each: returns (state, results) with
+        results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i)."""
+        e, g = self.ecfg, num_samples
+        max_new = max_new_tokens or e.max_new_tokens
+        if g > e.num_slots:
+            raise ValueError(f"num_samples={g} exceeds num_slots={e.num_slots}")
+        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        root = jax.random.key(seed)
+        results: list[list[Completion | None]] = [[None] * g for _ in prompts]
+        owner: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
+        pending = list(range(len(prompts)))
+        while pending or owner:
+            while pending and len(self.free_slots) >= g:
+                i = pending[0]
+                need = self.worst_case_pages(len(prompts[i]), max_new, g)
+                if need > self.allocator.num_free - self._reserved():
+                    if not owner:
+                        raise ValueError(
+                            f"request {i} needs {need} KV pages, more than the pool "
+                            f"({e.num_pages - 1}); raise num_pages"
+                        )
+                    break
+                pending.pop(0)
+                state, prefix = self.prefill(params, state, prompts[i])
+                slots = [self.free_slots.pop(0) for _ in range(g)]
+                state = self.bulk_insert(state, prefix, slots, ids[i], max_new)
+                owner.update({s: (i, k) for k, s in enumerate(slots)})
+            state = self.generate(params, state, root)
+            active, n, stopped, toks, lps = jax.device_get(
+                (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
+            )
+            for s in [s for s in owner if not active[s]]:
+                i, k = owner.pop(s)
+                m = int(n[s])
+                results[i][k] = Completion(
+                    tokens=toks[s, :m].tolist(),
+                    logprobs=lps[s, :m].tolist(),
+                    finish_reason="stop" if stopped[s] else "length",
+                    length=m,
+                )
+                state = self.free_resource(state, s)
+        return state, results

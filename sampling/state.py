@@ -1,0 +1,110 @@
+"""Sampler device state (paged KV cache + decode buffers) and the two paged attention hooks.
+
+`DecodeState` is one `flax.struct.dataclass` of fixed-shape arrays, so the jitted engine calls can
+donate it and update it in place. The KV pages of all layers are stacked into one array
+[L, K, P, page_size, H] (per layer the layout of `sampling.paged_attention`): a hook updates layer
+`l` with `.at[l].set`, which XLA performs in place on a donated buffer.
+
+The hooks implement `models.attention.Attend`, so the one transformer runs unchanged:
+- `PagedPrefill` (one prompt, T tokens): dense causal attention over the prompt itself, as in
+  training, and a scatter of the prompt's k, v into its pages. Nothing is read from the cache.
+- `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
+  attention over lengths[b] + 1 tokens. Idle slots write to the null page (position -1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.attention import causal_mask, dense_attention
+from models.config import ModelConfig
+from sampling.paged_attention import paged_attention, write_kv
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop reads and writes; B = slots, M = max_new_tokens."""
+
+    k_pages: jax.Array  # f32/bf16 [L,K,P,page_size,H]
+    v_pages: jax.Array  # f32/bf16 [L,K,P,page_size,H]
+    page_indices: jax.Array  # int32 [B,pages_per_seq]; uploaded from the host table
+    lengths: jax.Array  # int32 [B] tokens in the cache
+    last_token: jax.Array  # int32 [B] token fed to the next decode step (not yet cached)
+    active: jax.Array  # bool [B] still generating
+    num_generated: jax.Array  # int32 [B]
+    max_new: jax.Array  # int32 [B] per-request max_new_tokens (<= M)
+    request_id: jax.Array  # int32 [B] the PRNG stream: fold_in(fold_in(root, request), sample)
+    sample_id: jax.Array  # int32 [B] g in 0..G-1 within the request's group
+    stopped: jax.Array  # bool [B] finished on a stop id (else by length, once inactive)
+    tokens: jax.Array  # int32 [B,M] generated tokens
+    logprobs: jax.Array  # f32 [B,M] sampler log-probs of `tokens`
+
+    @classmethod
+    def zeros(
+        cls, cfg: ModelConfig, num_slots, num_pages, page_size, pages_per_seq, max_new, dtype
+    ):
+        pages = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        b = num_slots
+        i32 = lambda *s: jnp.zeros(s, jnp.int32)
+        return cls(
+            k_pages=jnp.zeros(pages, dtype),
+            v_pages=jnp.zeros(pages, dtype),
+            page_indices=i32(b, pages_per_seq),
+            lengths=i32(b),
+            last_token=i32(b),
+            active=jnp.zeros((b,), bool),
+            num_generated=i32(b),
+            max_new=i32(b),
+            request_id=i32(b),
+            sample_id=i32(b),
+            stopped=jnp.zeros((b,), bool),
+            tokens=i32(b, max_new),
+            logprobs=jnp.zeros((b, max_new), jnp.float32),
+        )
+
+
+@struct.dataclass
+class PagedPrefill:
+    """Prefill hook for tokens [B,T] (B = 1 prompt in the engine), right-padded by `valid`."""
+
+    k_pages: jax.Array  # [L,K,P,page_size,H]
+    v_pages: jax.Array
+    page_indices: jax.Array  # int32 [B,pages_per_seq]
+    valid: jax.Array  # bool [B,T]
+
+    def attend(self, layer, q, k, v):
+        t = self.valid.shape[1]
+        positions = jnp.where(self.valid, jnp.arange(t)[None], -1)  # padding -> null page
+        kp, vp = write_kv(
+            self.k_pages[layer], self.v_pages[layer], k, v, self.page_indices, positions
+        )
+        out = dense_attention(q, k, v, causal_mask(self.valid))
+        return out, self.replace(
+            k_pages=self.k_pages.at[layer].set(kp), v_pages=self.v_pages.at[layer].set(vp)
+        )
+
+
+@struct.dataclass
+class PagedDecode:
+    """Decode hook for one new token per slot: q/k/v [B,1,*,H]."""
+
+    k_pages: jax.Array  # [L,K,P,page_size,H]
+    v_pages: jax.Array
+    page_indices: jax.Array  # int32 [B,pages_per_seq]
+    lengths: jax.Array  # int32 [B] cached tokens before this step
+    active: jax.Array  # bool [B]
+    backend: str = struct.field(pytree_node=False, default="auto")
+
+    def attend(self, layer, q, k, v):
+        positions = jnp.where(self.active, self.lengths, -1)[:, None]  # [B,1]
+        kp, vp = write_kv(
+            self.k_pages[layer], self.v_pages[layer], k, v, self.page_indices, positions
+        )
+        # Idle slots attend over length 0 (zeros out); their result is discarded by the caller.
+        lengths = jnp.where(self.active, self.lengths + 1, 0)
+        out = paged_attention(q[:, 0], kp, vp, lengths, self.page_indices, self.backend)
+        return out[:, None], self.replace(
+            k_pages=self.k_pages.at[layer].set(kp), v_pages=self.v_pages.at[layer].set(vp)
+        )
