@@ -235,3 +235,44 @@ def test_remat_gives_the_same_gradient(model):
         )
     for k in grads[0]:
         np.testing.assert_allclose(grads[1][k], grads[0][k], atol=1e-6, rtol=0, err_msg=k)
+
+
+def test_bypass_ratio_with_the_paged_sampler(model):
+    """π_old taken from the paged sampler's own log-probs (bypass): the first-pass ratio is 1
+    within 1e-4, i.e. the sampler-learner gap of the sampler is all that is left."""
+    from sampling.engine import Engine, EngineConfig
+
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, shardings, params, _ = _setup(model, mesh, _batch(rows=8))
+    sampling = SamplingParams(temperature=0.7)
+    ecfg = EngineConfig(num_slots=8, page_size=4, num_pages=64, max_prompt_len=16,
+                        max_new_tokens=12, steps_per_call=12, backend="reference")  # fmt: skip
+    engine = Engine(CFG, graphdef, ecfg, sampling)
+    prompts = [[5, 9, 13, 2, 7], [11, 3, 8]]
+    _, results = engine.generate_all(params, engine.init_state(), prompts, num_samples=4, seed=3)
+    rows = [(p, c) for p, group in zip(prompts, results) for c in group]
+    t = max(len(p) + c.length for p, c in rows)
+    tokens, valid = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), bool)
+    mask, sampler = (
+        np.zeros((len(rows), t - 1), np.float32),
+        np.zeros((len(rows), t - 1), np.float32),
+    )
+    for i, (p, c) in enumerate(rows):
+        n = len(p) + c.length
+        tokens[i, :n], valid[i, :n] = p + c.tokens, True
+        mask[i, len(p) - 1 : n - 1] = 1.0
+        sampler[i, len(p) - 1 : n - 1] = c.logprobs
+    batch = Batch(
+        tokens=tokens,
+        positions=np.tile(np.arange(t, dtype=np.int32), (len(rows), 1)),
+        valid=valid,
+        loss_mask=mask,
+        advantages=np.linspace(-1, 1, len(rows)).astype(np.float32),
+        sampler_logp=sampler,
+        old_logp=sampler,
+    )
+    cfg = LearnerConfig(old_logp="sampler", sampling=sampling, loss=LossConfig(kl_coef=0.0))
+    _, metrics = Learner(cfg, graphdef, shardings).grads(params, batch)
+    assert abs(float(metrics["ratio_mean"]) - 1) < 1e-4
+    assert abs(float(metrics["ratio_max"]) - 1) < 1e-4
+    assert float(metrics["mismatch_abs_logp"]) < 1e-5
