@@ -261,10 +261,12 @@ class Engine:
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
-        request_ids=None,
+        request_ids=None, on_finish=None,
     ):  # fmt: skip
         """Completions for every prompt, num_samples (G) each: returns (state, results) with
-        results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i)."""
+        results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i).
+        `on_finish(n)`, if given, is called with the number of sequences each refill finished
+        (a progress bar hook)."""
         e, g = self.ecfg, num_samples
         max_new = max_new_tokens or e.max_new_tokens
         if g > e.num_slots:
@@ -304,4 +306,6 @@ class Engine:
                     length=m,
                 )
                 state = self.free_resource(state, s)
+                if on_finish is not None:
+                    on_finish(1)
         return state, results
