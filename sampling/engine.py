@@ -12,6 +12,13 @@ Device work is three jitted functions over the donated `sampling.state.DecodeSta
   the partial last page is copied on device for samples 1..G-1 (`PageAllocator.fork_for_group`).
 - `generate`: `num_steps` decode steps in one `lax.fori_loop`.
 
+Sharding: the engine runs on whatever mesh the parameters live on and takes them as they are.
+The jitted functions declare no `in_shardings`, so a committed parameter array is used in its own
+sharding: no resharded or gathered copy is made per call (tests/sampling/test_engine_scale.py
+checks the compiled input shardings and the buffers). Given the mesh, the `DecodeState` is
+sharded by `sampling.state.state_shardings` (KV pages over the kv-head axis) and every jitted
+function constrains its output state to that layout, so donation keeps reusing the same buffers.
+
 Page allocation is host-side (`sampling.page_allocator` explains why): between `generate` calls the
 host gives each active slot the pages for its next `num_steps` tokens and uploads the page table.
 Admission reserves a group's worst-case pages up front, so a running request never runs out of
@@ -38,9 +45,10 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.sharding import DEFAULT_RULES
 from sampling.distribution import SamplingParams, log_probs
 from sampling.page_allocator import PageAllocator, PageTable
-from sampling.state import DecodeState, PagedDecode, PagedPrefill
+from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,25 +90,32 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _prefill(graphdef, params, state, tokens, length, page_row):
+def _constrain(state: DecodeState, layout) -> DecodeState:
+    """Pins the state to its layout (None: single device, let XLA place it; else (mesh, rules))."""
+    if layout is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, *layout))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+def _prefill(graphdef, params, state, tokens, length, page_row, layout):
     """tokens int32[1,T] (T a bucket), length int32 real tokens, page_row int32[1,pages_per_seq]."""
     model = nnx.merge(graphdef, params)
     t = tokens.shape[1]
     valid = (jnp.arange(t) < length)[None]  # [1,T]
     hook = PagedPrefill(state.k_pages, state.v_pages, page_row, valid)
     _, hook = model.hidden(tokens, jnp.arange(t, dtype=jnp.int32)[None], valid, hook)
-    return state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages)
+    return _constrain(state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages), layout)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src, copy_dst):
+@functools.partial(jax.jit, static_argnums=8, donate_argnums=0)
+def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src, copy_dst, layout):
     """Resets slots int32[G] for one request; copies pages copy_src -> copy_dst int32[G-1]."""
     # Unused copy entries are (0, 0): the null page copied onto itself.
     k = state.k_pages.at[:, :, copy_dst].set(state.k_pages[:, :, copy_src])
     v = state.v_pages.at[:, :, copy_dst].set(state.v_pages[:, :, copy_src])
     g = slots.shape[0]
-    return state.replace(
+    state = state.replace(
         k_pages=k,
         v_pages=v,
         lengths=state.lengths.at[slots].set(cached_len),
@@ -114,10 +129,13 @@ def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src,
         tokens=state.tokens.at[slots].set(0),
         logprobs=state.logprobs.at[slots].set(0.0),
     )
+    return _constrain(state, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7), donate_argnums=2)
-def _generate(graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9), donate_argnums=2)
+def _generate(
+    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout
+):
     model = nnx.merge(graphdef, params)
     stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
     is_stop_id = jnp.zeros((model.cfg.vocab_size,), bool).at[stop].set(bool(stop_ids), mode="drop")
@@ -144,7 +162,7 @@ def _generate(graphdef, params, state, sampling, num_steps, stop_ids, min_new, b
         col = jnp.minimum(s.num_generated, m - 1)
         n = s.num_generated + a
         hit_stop = a & is_stop_id[tok]
-        return s.replace(
+        s = s.replace(
             k_pages=hook.k_pages,
             v_pages=hook.v_pages,
             lengths=s.lengths + a,
@@ -155,16 +173,27 @@ def _generate(graphdef, params, state, sampling, num_steps, stop_ids, min_new, b
             tokens=s.tokens.at[rows, col].set(jnp.where(a, tok, s.tokens[rows, col])),
             logprobs=s.logprobs.at[rows, col].set(jnp.where(a, tok_lp, s.logprobs[rows, col])),
         )
+        return _constrain(s, layout)
 
-    return jax.lax.fori_loop(0, num_steps, step, state)
+    return jax.lax.fori_loop(0, num_steps, step, _constrain(state, layout))
 
 
 class Engine:
     """Host side of the sampler: allocator, page table, slot bookkeeping; device state is passed
-    in and returned (donated) by every call."""
+    in and returned (donated) by every call. `mesh` (with the parameters' `rules`) lays the state
+    out over the devices; None keeps it on the default device."""
 
-    def __init__(self, cfg: ModelConfig, graphdef, ecfg: EngineConfig, sampling: SamplingParams):
+    def __init__(
+        self, cfg: ModelConfig, graphdef, ecfg: EngineConfig, sampling: SamplingParams,
+        mesh: jax.sharding.Mesh | None = None, rules=DEFAULT_RULES,
+    ):  # fmt: skip
         self.cfg, self.graphdef, self.ecfg, self.sampling = cfg, graphdef, ecfg, sampling
+        # Hashable (a static jit argument), also for rules written as lists in a config.
+        rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+        self.layout = None if mesh is None else (mesh, rules)
+        self._shardings = None
+        if mesh is not None:
+            self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
         self.allocator = PageAllocator(ecfg.num_pages)
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
         self.free_slots = list(range(ecfg.num_slots))
@@ -173,12 +202,22 @@ class Engine:
         self._cap: dict[int, int] = {}
         self._len: dict[int, int] = {}
 
-    def init_state(self) -> DecodeState:
+    def _zeros(self) -> DecodeState:
         e = self.ecfg
         return DecodeState.zeros(
             self.cfg, e.num_slots, e.num_pages, e.page_size, e.pages_per_seq,
             e.max_new_tokens, jnp.dtype(e.cache_dtype),
         )  # fmt: skip
+
+    def init_state(self) -> DecodeState:
+        if self.layout is None:
+            return self._zeros()
+        # Created sharded in place: no device ever holds the whole KV pool.
+        return jax.jit(self._zeros, out_shardings=self.state_shardings())()
+
+    def state_shardings(self) -> DecodeState | None:
+        """The NamedSharding of every DecodeState field, or None without a mesh."""
+        return self._shardings
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.ecfg.page_size)
@@ -195,7 +234,7 @@ class Engine:
             tokens[0, :n] = prompt[:-1]
             row = np.zeros((1, e.pages_per_seq), np.int32)
             row[0, : len(pages)] = pages
-            state = _prefill(self.graphdef, params, state, tokens, np.int32(n), row)
+            state = _prefill(self.graphdef, params, state, tokens, np.int32(n), row, self.layout)
         return state, Prefix(pages, n, int(prompt[-1]))
 
     def bulk_insert(self, state, prefix: Prefix, slots, request_id: int, max_new: int):
@@ -218,7 +257,7 @@ class Engine:
         slots_arr = np.asarray(slots, np.int32)
         return _insert(
             state, slots_arr, np.int32(prefix.cached_len), np.int32(prefix.last_token),
-            np.int32(request_id), np.int32(max_new), src, dst,
+            np.int32(request_id), np.int32(max_new), src, dst, self.layout,
         )  # fmt: skip
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -232,10 +271,13 @@ class Engine:
             need = self._pages_for(min(n + num_steps, self._cap[s])) - len(self.table.row(s))
             if need > 0:
                 self.table.append(s, self.allocator.alloc(need))
-        state = state.replace(page_indices=jnp.asarray(self.table.array))
+        table = self.table.array
+        if self.layout is not None:
+            table = jax.device_put(table, self._shardings.page_indices)
+        state = state.replace(page_indices=jnp.asarray(table))
         state = _generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            e.min_new_tokens, e.backend, root_key,
+            e.min_new_tokens, e.backend, root_key, self.layout,
         )  # fmt: skip
         lengths = np.asarray(jax.device_get(state.lengths))  # also blocks on the loop
         for s in self._len:
@@ -265,12 +307,23 @@ class Engine:
     ):  # fmt: skip
         """Completions for every prompt, num_samples (G) each: returns (state, results) with
         results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i).
-        `on_finish(n)`, if given, is called with the number of sequences each refill finished
-        (a progress bar hook)."""
+        max_new_tokens is one int for all requests or a list with one per request (default
+        `EngineConfig.max_new_tokens`). `on_finish(n)`, if given, is called with the number of
+        sequences each refill finished (a progress bar hook)."""
         e, g = self.ecfg, num_samples
-        max_new = max_new_tokens or e.max_new_tokens
+        if np.ndim(max_new_tokens) == 0:
+            max_new = [int(max_new_tokens or e.max_new_tokens)] * len(prompts)
+        else:
+            max_new = [int(m) for m in max_new_tokens]
+            if len(max_new) != len(prompts):
+                raise ValueError(
+                    f"max_new_tokens has {len(max_new)} entries for {len(prompts)} prompts"
+                )
         if g > e.num_slots:
             raise ValueError(f"num_samples={g} exceeds num_slots={e.num_slots}")
+        bad = [m for m in max_new if not 1 <= m <= e.max_new_tokens]
+        if bad:
+            raise ValueError(f"max_new_tokens={bad[0]}: need 1..{e.max_new_tokens}")
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
         root = jax.random.key(seed)
         results: list[list[Completion | None]] = [[None] * g for _ in prompts]
@@ -279,7 +332,7 @@ class Engine:
         while pending or owner:
             while pending and len(self.free_slots) >= g:
                 i = pending[0]
-                need = self.worst_case_pages(len(prompts[i]), max_new, g)
+                need = self.worst_case_pages(len(prompts[i]), max_new[i], g)
                 if need > self.allocator.num_free - self._reserved():
                     if not owner:
                         raise ValueError(
@@ -290,7 +343,7 @@ class Engine:
                 pending.pop(0)
                 state, prefix = self.prefill(params, state, prompts[i])
                 slots = [self.free_slots.pop(0) for _ in range(g)]
-                state = self.bulk_insert(state, prefix, slots, ids[i], max_new)
+                state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
                 owner.update({s: (i, k) for k, s in enumerate(slots)})
             state = self.generate(params, state, root)
             active, n, stopped, toks, lps = jax.device_get(

@@ -10,6 +10,16 @@ The hooks implement `models.attention.Attend`, so the one transformer runs uncha
   training, and a scatter of the prompt's k, v into its pages. Nothing is read from the cache.
 - `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
   attention over lengths[b] + 1 tokens. Idle slots write to the null page (position -1).
+
+On a mesh (`state_shardings`) the KV pages are split over the mesh axes of the parameters'
+`kv_heads` (`tensor` by default), so each device caches exactly the heads its k/v projections
+produce and the cache writes and paged attention stay local. The page pool is not split over
+slots: any slot may own any page, so splitting P would need per-shard pools. The small per-slot
+buffers are split over `batch` (data, fsdp) when num_slots divides, which lets GSPMD run decode
+data-parallel over slots; it adds the collectives that the update of the pool (replicated over
+those axes) needs. Dimensions the axes do not divide are replicated, as for parameters
+(`models.sharding.logical_to_spec`). Tested on CPU with the reference attention only: a Pallas
+kernel is opaque to GSPMD, so on GPU/TPU it needs a shard_map over K to stay local.
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
 
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
+from models.sharding import DEFAULT_RULES, logical_to_spec
 from sampling.paged_attention import paged_attention, write_kv
 
 
@@ -63,6 +75,26 @@ class DecodeState:
             tokens=i32(b, max_new),
             logprobs=jnp.zeros((b, max_new), jnp.float32),
         )
+
+
+# Logical axes of each DecodeState field, named as in the parameters' rules table.
+_PAGES = (None, "kv_heads", None, None, None)
+_AXES = DecodeState(
+    k_pages=_PAGES, v_pages=_PAGES, page_indices=("batch", None), lengths=("batch",),
+    last_token=("batch",), active=("batch",), num_generated=("batch",), max_new=("batch",),
+    request_id=("batch",), sample_id=("batch",), stopped=("batch",), tokens=("batch", None),
+    logprobs=("batch", None),
+)  # fmt: skip
+
+
+def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
+    """A DecodeState of NamedShardings for `state` (arrays or shape structs) on mesh."""
+    return jax.tree.map(
+        lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, rules, mesh)),
+        _AXES,
+        state,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 @struct.dataclass

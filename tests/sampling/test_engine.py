@@ -186,3 +186,17 @@ def test_one_new_token_at_page_boundary(tiny):
     _, res = engine.generate_all(params, engine.init_state(), prompts, max_new_tokens=1)
     assert [(c[0].length, c[0].finish_reason) for c in res] == [(1, "length")] * 3
     assert engine.allocator.num_used == 0 and engine.allocator.peak_used <= 2 + 1 + 3
+
+
+def test_per_request_max_new_tokens(tiny):
+    graphdef, params = tiny
+    engine = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
+    prompts = _prompts([9, 1, 17])
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        engine.generate_all(params, None, prompts, max_new_tokens=[3, 4])
+    with pytest.raises(ValueError, match="max_new_tokens=13: need 1..12"):
+        engine.generate_all(params, None, prompts, max_new_tokens=[3, 13, 1])
+    _, res = engine.generate_all(
+        params, engine.init_state(), prompts, max_new_tokens=np.array([3, 12, 1])
+    )
+    assert [c[0].length for c in res] == [3, 12, 1]

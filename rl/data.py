@@ -1,0 +1,245 @@
+"""Prompt data: records from jsonl / parquet files or a built-in task, batched per step with grain.
+
+A record is a dict with a prompt column (`prompt_field`, default "prompt") and any other columns the
+rewards need (e.g. "answer"). The prompt is text, or a list of {"role", "content"} messages for
+chat datasets. The pipeline yields, per training step, this process's share of the global batch
+as a list of records; `format_prompt` turns a record into token ids and `reward_inputs` lays the
+columns out for `rl.rewards.combined_rewards`.
+
+Source config (a dict or ml_collections.ConfigDict; missing keys take the defaults shown):
+    type: "jsonl" | "parquet" | "arithmetic"
+    path: file path, list of paths, or glob pattern   (jsonl / parquet)
+    prompt_field: "prompt"
+    num: 10_000, digits: 2, ops: "+", split: "train", eval_fraction: 0.1, seed: 0   (arithmetic,
+        see rl.tasks.arithmetic_records; the held-out set is the same config with split="eval")
+
+Choices a reader may question:
+- All records are read into host memory up front. Prompt sets are small (GSM8K: 7.5k rows), and a
+  list gives grain random access, so shuffling is a global permutation with no buffer.
+- Sharding takes the whole global batch on every process and keeps a contiguous slice of it
+  (`[p * B/P, (p+1) * B/P)`), rather than grain's strided `ds[p::P]`. Then the process-ordered
+  concatenation of local batches is exactly the single-process global batch, which is the order
+  `jax.make_array_from_process_local_data` assembles. Reading B records from a list per process
+  costs nothing.
+- The iterator is grain's own `DatasetIterator`. Its state, `{"next_index": step}`, counts global
+  steps, so it is JSON-able and a run can resume on a different number of processes; it does
+  depend on the data, seed, shuffle and batch size staying the same.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+
+from models.tokenizer import Tokenizer
+from rl.tasks import arithmetic_records
+
+SOURCE_TYPES = ("jsonl", "parquet", "arithmetic")
+
+
+def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
+    value = cfg.get(key, default) if hasattr(cfg, "get") else default
+    return default if value is None else value
+
+
+def _expand_paths(path: Any) -> list[str]:
+    patterns = [path] if isinstance(path, (str, os.PathLike)) else list(path or [])
+    if not patterns:
+        raise ValueError("data source has no `path`: set it to a file, list of files or glob")
+    paths = []
+    for pattern in map(os.fspath, patterns):
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise FileNotFoundError(f"no data files match {pattern!r}")
+            paths.extend(matches)
+        elif not os.path.isfile(pattern):
+            raise FileNotFoundError(f"data file not found: {pattern}")
+        else:
+            paths.append(pattern)
+    return paths
+
+
+def _check_record(record: Any, prompt_field: str, where: str) -> dict:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    if prompt_field not in record:
+        raise ValueError(
+            f"{where}: no prompt field {prompt_field!r} (the record has {sorted(record)}); "
+            "set the source's prompt_field"
+        )
+    return record
+
+
+def _read_jsonl(path: str, prompt_field: str) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            records.append(_check_record(record, prompt_field, f"{path}:{n}"))
+    return records
+
+
+def _read_parquet(path: str, prompt_field: str) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"reading {path} needs pyarrow, which is not installed: pip install pyarrow"
+        ) from None
+    table = pq.read_table(path)
+    if prompt_field not in table.column_names:
+        raise ValueError(
+            f"{path}: no prompt field {prompt_field!r} (columns: {table.column_names}); "
+            "set the source's prompt_field"
+        )
+    return table.to_pylist()
+
+
+def load_records(source_cfg: Any) -> list[dict]:
+    """All records of a source config (see the module docstring), in file order."""
+    kind = _cfg_get(source_cfg, "type", None)
+    prompt_field = _cfg_get(source_cfg, "prompt_field", "prompt")
+    if kind == "arithmetic":
+        records = arithmetic_records(
+            seed=int(_cfg_get(source_cfg, "seed", 0)),
+            num=int(_cfg_get(source_cfg, "num", 10_000)),
+            digits=int(_cfg_get(source_cfg, "digits", 2)),
+            ops=str(_cfg_get(source_cfg, "ops", "+")),
+            split=str(_cfg_get(source_cfg, "split", "train")),
+            eval_fraction=float(_cfg_get(source_cfg, "eval_fraction", 0.1)),
+        )
+        if prompt_field != "prompt":
+            raise ValueError(
+                f"the arithmetic task's prompt field is 'prompt', not {prompt_field!r}"
+            )
+    elif kind in ("jsonl", "parquet"):
+        read = _read_jsonl if kind == "jsonl" else _read_parquet
+        records = []
+        for path in _expand_paths(_cfg_get(source_cfg, "path", None)):
+            records.extend(read(path, prompt_field))
+    else:
+        raise ValueError(f"data source type must be one of {SOURCE_TYPES}, got {kind!r}")
+    if not records:
+        raise ValueError(f"data source {dict(source_cfg)} has no records")
+    return records
+
+
+def prompt_dataset(
+    records: Sequence[dict],
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
+    """A grain MapDataset whose element i is this process's slice of global step i's records.
+
+    `batch_size` is the global number of prompts per step; `num_epochs=None` repeats forever.
+    Every epoch is reshuffled (grain folds the epoch into the seed); a step may straddle two
+    epochs, and a last incomplete global step is dropped.
+    """
+    if batch_size < 1 or batch_size % process_count:
+        raise ValueError(
+            f"batch_size={batch_size} must be a positive multiple of process_count={process_count}"
+        )
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed} must be in [0, 2**32) for grain's shuffle")
+    if num_epochs is not None and len(records) * num_epochs < batch_size:
+        raise ValueError(
+            f"{len(records)} records x {num_epochs} epochs do not fill one batch of {batch_size}"
+        )
+    ds = grain.MapDataset.source(list(records))
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    local = batch_size // process_count
+    lo = process_index * local
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=list)
+    return ds.map(lambda batch: batch[lo : lo + local])
+
+
+def make_prompt_iterator(
+    source_cfg: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.DatasetIterator:
+    """Iterator of per-step local batches (lists of batch_size // process_count records).
+
+    Checkpoint with `it.get_state()` (a JSON-able dict) and resume with `it.set_state(state)` on
+    an iterator built from the same arguments (process_index/count may differ).
+    """
+    ds = prompt_dataset(
+        load_records(source_cfg),
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    # No reader threads: elements are list lookups, threads would only add latency and memory.
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+def format_prompt(
+    record: Mapping,
+    tokenizer: Tokenizer,
+    use_chat_template: bool,
+    system_prompt: str | None = None,
+    prompt_field: str = "prompt",
+) -> list[int]:
+    """Prompt token ids of one record.
+
+    With the chat template: [system_prompt?, user: prompt] rendered by the tokenizer with the
+    generation prompt appended, encoded without extra BOS (the template text has it). Without:
+    `system_prompt + prompt` verbatim (bring your own separator), with BOS only when the tokenizer
+    asks for it on raw text. A prompt that is already a message list needs the chat template.
+    """
+    prompt = record[prompt_field]
+    if use_chat_template:
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        )
+        if system_prompt:
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if not isinstance(prompt, str):
+        raise ValueError(
+            f"prompt field {prompt_field!r} holds {type(prompt).__name__}, not text; "
+            "message lists need use_chat_template=True"
+        )
+    return tokenizer.encode((system_prompt or "") + prompt, add_bos=tokenizer.add_bos_token)
+
+
+def reward_inputs(
+    records: Sequence[Mapping], num_generations: int, prompt_field: str = "prompt"
+) -> tuple[list, dict[str, list]]:
+    """(prompts, fields) for `combined_rewards`, each record repeated G times in a row.
+
+    That is the sampler's group-contiguous order (completion g of prompt i at row i*G + g). The
+    prompt is the record's raw prompt (text or messages), not the templated text.
+    """
+    rows = [r for r in records for _ in range(num_generations)]
+    prompts = [r[prompt_field] for r in rows]
+    keys = list(dict.fromkeys(k for r in records for k in r if k != prompt_field))
+    return prompts, {k: [r.get(k) for r in rows] for k in keys}

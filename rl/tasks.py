@@ -1,0 +1,74 @@
+"""Built-in synthetic task for the CPU demo: integer arithmetic with an exact answer.
+
+Records look like {"prompt": "23+58=", "answer": "81"}: the prompt is the whole question, so a tiny
+model with a `CharTokenizer(ARITHMETIC_ALPHABET)` can learn it from the `arithmetic_exact` reward
+alone, without a chat template or downloaded files.
+
+Choices a reader may question:
+- Train and held-out eval prompts are split by a stable hash of the prompt text (crc32), not by
+  seed: a prompt is held out iff its hash falls in the first `eval_fraction` of the hash range.
+  Each split's generator rejects the other split's prompts, so no eval prompt ever appears in
+  training, whatever seeds and record counts the two sides use.
+- Operands are drawn i.i.d. with replacement, so a split can repeat a prompt (small `digits` have
+  few distinct problems: 100 for one-digit addition). Training on a stream does not care; eval
+  averages over draws.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+ARITHMETIC_ALPHABET = "0123456789+-*="  # every character a prompt or an answer can contain
+ARITHMETIC_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+SPLITS = ("train", "eval")
+
+
+def is_heldout(prompt: str, eval_fraction: float) -> bool:
+    """Whether `prompt` belongs to the held-out eval split (stable across runs and machines)."""
+    return zlib.crc32(prompt.encode("utf-8")) < eval_fraction * 2**32
+
+
+def arithmetic_records(
+    seed: int,
+    num: int,
+    digits: int = 2,
+    ops: str = "+",
+    split: str = "train",
+    eval_fraction: float = 0.1,
+) -> list[dict]:
+    """`num` records {"prompt": "a<op>b=", "answer": str(result)} with operands in [0, 10**digits).
+
+    Deterministic in all arguments. `ops` is a string of operators drawn uniformly per record, a
+    subset of "+-*"; "-" can give negative answers ("-35").
+    """
+    if num < 0:
+        raise ValueError(f"num={num} must be >= 0")
+    if digits < 1:
+        raise ValueError(f"digits={digits} must be >= 1")
+    if not ops or any(op not in ARITHMETIC_OPS for op in ops):
+        raise ValueError(f"ops={ops!r} must be a non-empty string of {''.join(ARITHMETIC_OPS)!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {SPLITS}")
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction={eval_fraction} must be in (0, 1)")
+
+    rng = np.random.default_rng(seed)
+    want_heldout = split == "eval"
+    records, rejected = [], 0
+    while len(records) < num:
+        a, b = (int(x) for x in rng.integers(0, 10**digits, size=2))
+        op = ops[int(rng.integers(len(ops)))]
+        prompt = f"{a}{op}{b}="
+        if is_heldout(prompt, eval_fraction) != want_heldout:
+            rejected += 1
+            # A split can be empty for tiny problem spaces (e.g. digits=1 and a small fraction).
+            if rejected > 1000 * (num + 1):
+                raise ValueError(
+                    f"found no {split} prompts for digits={digits}, ops={ops!r}, "
+                    f"eval_fraction={eval_fraction}; use more digits or another eval_fraction"
+                )
+            continue
+        records.append({"prompt": prompt, "answer": str(ARITHMETIC_OPS[op](a, b))})
+    return records
