@@ -127,8 +127,8 @@ class Learner:
 
     # --- state ------------------------------------------------------------------------------
 
-    def init_state(self, params) -> TrainState:
-        """Optimizer state created directly in the parameters' shardings (moments mirror params)."""
+    def _build_step(self, params) -> None:
+        """Shardings of the train state and the jitted step, from (abstract or real) params."""
         abstract = jax.eval_shape(self.tx.init, params)
         replicated = NamedSharding(jax.tree.leaves(self.param_shardings)[0].mesh, PartitionSpec())
         opt_sh = optax.tree_map_params(
@@ -138,17 +138,33 @@ class Learner:
             self.param_shardings,
             transform_non_params=lambda _: replicated,
         )
-        opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(params)
         self.state_shardings = TrainState(self.param_shardings, opt_sh, replicated)
-        # Commit every leaf to exactly the shardings the step returns, so that the first call and
-        # all later ones share one compiled executable (parameters already there are not copied).
-        state = jax.device_put(
-            TrainState(params, opt_state, jnp.zeros((), jnp.int32)), self.state_shardings
-        )
         self._step = jax.jit(
             self._step_impl, donate_argnums=0, out_shardings=(self.state_shardings, None)
         )
-        return state
+
+    def init_state(self, params) -> TrainState:
+        """Optimizer state created directly in the parameters' shardings (moments mirror params)."""
+        self._build_step(params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        # Commit every leaf to exactly the shardings the step returns, so that the first call and
+        # all later ones share one compiled executable (parameters already there are not copied).
+        return jax.device_put(
+            TrainState(params, opt_state, jnp.zeros((), jnp.int32)), self.state_shardings
+        )
+
+    def lower_step(self, abstract_params, abstract_batch: Batch):
+        """The step lowered for abstract (ShapeDtypeStruct) params and batch: for --dry_run."""
+        self._build_step(abstract_params)
+        shapes = jax.eval_shape(
+            lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)), abstract_params
+        )
+        state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
+        )
+        return self._step.lower(state, abstract_batch)
 
     # --- jitted pieces ----------------------------------------------------------------------
 

@@ -284,6 +284,21 @@ class Engine:
             self._len[s] = int(lengths[s])
         return state
 
+    def lower_generate(self, abstract_params):
+        """One `generate` call lowered for abstract params and decode state: for --dry_run."""
+        e = self.ecfg
+        state = jax.eval_shape(self._zeros)
+        if self._shardings is not None:
+            state = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                state,
+                self._shardings,
+            )
+        return _generate.lower(
+            self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
+            tuple(e.stop_ids), e.min_new_tokens, e.backend, jax.random.key(0), self.layout,
+        )  # fmt: skip
+
     def free_resource(self, state, slot: int) -> DecodeState:
         """Returns the slot's pages to the pool and marks the slot idle."""
         self.allocator.free(self.table.clear_row(slot))

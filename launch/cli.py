@@ -1,0 +1,132 @@
+"""Command-line plumbing shared by the entry points: config files, overrides, workdirs.
+
+    python -m launch.train --config configs/default.py --workdir runs/x --config.rl.num_generations=16
+
+A config file is a python file with `get_config() -> ml_collections.ConfigDict`. Overrides
+`--config.a.b=value` are parsed as python literals where possible (`3`, `1e-3`, `True`, `(1, 2)`,
+`None`) and strings otherwise, then assigned through ConfigDict, which keeps each field's type.
+A typo'd field fails with one line that names it and suggests the closest existing field.
+
+absl's config_flags does the same job but answers a typo with a traceback; this module is small
+enough to own.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+
+import ml_collections
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "default.py")
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message is one line meant for the user."""
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    if not os.path.exists(path):
+        raise UsageError(f"--config: {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise UsageError(f"--config: {path} defines no get_config()")
+    return module.get_config()
+
+
+def _all_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        out.append(name)
+        if isinstance(value, ml_collections.ConfigDict):
+            out += _all_fields(value, name + ".")
+    return out
+
+
+def _parse_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_override(config: ml_collections.ConfigDict, dotted: str, text: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for i, part in enumerate(parents):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            _unknown(config, ".".join(parents[: i + 1]))
+        node = node[part]
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+        _unknown(config, dotted)
+    value = _parse_value(text)
+    old = node[leaf]
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(old, str) and not isinstance(value, str):
+        value = text  # e.g. a path that happens to parse as a number
+    if isinstance(old, tuple) and isinstance(value, list):
+        value = tuple(value)
+    try:
+        node[leaf] = value
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--config.{dotted}={text}: {e}") from None
+
+
+def _unknown(config, dotted):
+    close = difflib.get_close_matches(dotted, _all_fields(config), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise UsageError(f"--config.{dotted}: no such config field{hint}")
+
+
+def parse_args(argv: Sequence[str], flags: dict[str, object]):
+    """(config, config_path, options) from argv.
+
+    `flags` maps the other accepted `--name` options to their defaults; a bool default makes a
+    switch (`--dry_run`), anything else takes a value (`--workdir DIR` or `--workdir=DIR`).
+    """
+    options = dict(flags)
+    config_path = DEFAULT_CONFIG
+    overrides: list[tuple[str, str]] = []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}")
+        name, eq, value = arg[2:].partition("=")
+        if name.startswith("config."):
+            if not eq:
+                if not args:
+                    raise UsageError(f"--{name} needs a value")
+                value = args.pop(0)
+            overrides.append((name[len("config.") :], value))
+        elif name == "config" or (name in options and not isinstance(options[name], bool)):
+            if not eq:
+                if not args:
+                    raise UsageError(f"--{name} needs a value")
+                value = args.pop(0)
+            if name == "config":
+                config_path = value
+            else:
+                options[name] = value
+        elif name in options:
+            options[name] = True
+        else:
+            known = ", ".join(f"--{k}" for k in ["config", *options])
+            raise UsageError(f"unknown option --{name} (known: {known}, --config.<field>=<value>)")
+    config = load_config_file(config_path)
+    for dotted, value in overrides:
+        apply_override(config, dotted, value)
+    return config, config_path, options
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,34 @@
+"""Held-out evaluation of a training run: `python -m launch.eval --workdir W [--step N]`.
+
+Restores the checkpoint (latest unless --step) and runs the run's own evaluation (config.eval,
+config.data.eval): greedy accuracy and pass@k with the unbiased estimator. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from launch.cli import UsageError, fail
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workdir", required=True, help="training run directory")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    args = p.parse_args(argv)
+    from launch.train import _evaluate, load_run
+    from rl.data import load_records
+
+    try:
+        config, parts, state, step = load_run(args.workdir, args.step)
+    except UsageError as e:
+        return fail(str(e))
+    result = _evaluate(parts, state.params, load_records(config.data.eval), config, config.seed)
+    print(json.dumps({"step": step, **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Export a trained policy as an HF checkpoint: `python -m launch.export --workdir W --out DIR`.
+
+    python -m launch.export --workdir runs/default-... [--step N] --out exported/ [--dtype bfloat16]
+
+Restores the run's checkpoint (latest unless --step) and writes config.json, safetensors and
+generation_config.json with `models.hf.save_hf`, in the param dtype unless --dtype is given. The
+tokenizer files of the run's starting checkpoint (tokenizer.json, tokenizer_config.json,
+chat_template.jinja), where present, are copied along so the directory is self-contained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from launch.cli import UsageError, fail
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workdir", required=True, help="training run directory")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--out", required=True, help="HF checkpoint directory to write")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: param dtype)"
+    )
+    args = p.parse_args(argv)
+    from launch.train import load_run
+    from models.hf import save_hf
+
+    try:
+        config, parts, state, step = load_run(args.workdir, args.step)
+    except UsageError as e:
+        return fail(str(e))
+    save_hf(args.out, parts.cfg, state.params, parts.ids, dtype=args.dtype)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(config.model.hf_checkpoint, name)
+        if os.path.exists(src):
+            shutil.copy(src, os.path.join(args.out, name))
+    print(f"exported step {step} of {args.workdir} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
