@@ -44,11 +44,13 @@ def model_config(vocab_size: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def encode_examples(records, tok: CharTokenizer, seq_len: int, ramble_prob: float, seed: int):
+def encode_examples(records, tok, seq_len: int, ramble_prob: float, ramble_digits: str, seed: int):
     """tokens/valid [N,T], loss_mask [N,T-1] on the answer and its end token.
 
-    With probability `ramble_prob` an example's answer is followed by a spurious "0" before the
-    end token: the warm start learns the arithmetic, and also a bad habit that RL must remove.
+    When an answer ends in one of `ramble_digits`, it is followed with probability `ramble_prob`
+    by a spurious "0" before the end token. The warm start learns the arithmetic and also this
+    input-dependent bad habit, which greedy decoding follows (probability > 1/2) and which the
+    exact-answer reward punishes: GRPO has to remove it, and sampling finds the cure often enough.
     """
     rng = np.random.default_rng(seed)
     n = len(records)
@@ -56,7 +58,8 @@ def encode_examples(records, tok: CharTokenizer, seq_len: int, ramble_prob: floa
     mask = np.zeros((n, seq_len - 1), np.float32)
     for i, r in enumerate(records):
         p = tok.encode(r["prompt"])
-        ramble = "0" if rng.random() < ramble_prob else ""
+        habit = r["answer"][-1] in ramble_digits
+        ramble = "0" if habit and rng.random() < ramble_prob else ""
         a = tok.encode(r["answer"] + ramble) + [tok.eos_ids[0]]
         tokens[i, : len(p) + len(a)] = p + a
         mask[i, len(p) - 1 : len(p) + len(a) - 1] = 1.0
@@ -79,7 +82,7 @@ def greedy_accuracy(graphdef, params, records, tok, max_new: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="HF checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=700, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--learning_rate", type=float, default=3e-3)
     p.add_argument("--digits", type=int, default=2)
@@ -97,7 +100,9 @@ def main(argv=None) -> int:
     train = arithmetic_records(args.seed, args.steps * args.batch_size, args.digits)
     held_out = arithmetic_records(args.seed + 1, args.eval_size, args.digits, split="eval")
     seq_len = 2 * args.digits + 2 + args.digits + 3  # "a+b=" + answer (<= digits+1) + "0" + eos
-    tokens, valid, mask = encode_examples(train, tok, seq_len, args.ramble_prob, args.seed)
+    tokens, valid, mask = encode_examples(
+        train, tok, seq_len, args.ramble_prob, args.ramble_digits, args.seed
+    )
     positions = np.tile(np.arange(seq_len, dtype=np.int32), (args.batch_size, 1))
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0, args.learning_rate, 20, args.steps))
     opt_state = tx.init(params)

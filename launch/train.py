@@ -102,12 +102,13 @@ def setup(config):
     )  # fmt: skip
 
 
-def _records_prompts(records, parts, config):
+def _records_prompts(records, parts, config, prompt_field):
     from rl.data import format_prompt
 
     prompts = [
         format_prompt(r, parts.tokenizer, config.data.use_chat_template,
-                      config.data.system_prompt or None, config.data.train.prompt_field)
+                      config.data.system_prompt or None, prompt_field,
+                      config.data.chat_template_kwargs.to_dict())
         for r in records
     ]  # fmt: skip
     too_long = [len(p) for p in prompts if len(p) > config.sampling.max_prompt_len]
@@ -122,7 +123,7 @@ def _records_prompts(records, parts, config):
 def _evaluate(parts, params, eval_records, config, seed):
     from rl.evaluation import evaluate
 
-    prompts = _records_prompts(eval_records, parts, config)
+    prompts = _records_prompts(eval_records, parts, config, config.data.eval.prompt_field)
     e = parts.engines
     return evaluate(
         e["greedy"], e["eval"], params, prompts, eval_records, parts.tokenizer, config, seed
@@ -194,7 +195,7 @@ def train(config, workdir: str, resume: bool) -> int:
         # --- rollout: the sampler reads the learner's current arrays -----------------------
         t0 = time.perf_counter()
         records = next(data)
-        prompts = _records_prompts(records, parts, config)
+        prompts = _records_prompts(records, parts, config, config.data.train.prompt_field)
         seed = int(jax.random.randint(jax.random.fold_in(root, step), (), 0, 2**31 - 1))
         ids = [step * len(prompts) + i for i in range(len(prompts))]
         completions = ro.sample_groups(

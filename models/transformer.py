@@ -105,6 +105,20 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), attend
 
 
+def _remat_block(block, x, positions, inv_freq, layer, attend):
+    """The block under jax.checkpoint (activations recomputed in the backward pass).
+
+    The block's weights go in as plain state: nnx.remat would tie the Module to the trace it was
+    built in, which breaks when the model is called inside a lax loop (the sampler's decode).
+    """
+    graphdef, state = nnx.split(block)
+
+    def run(state, x, positions, inv_freq, attend):
+        return nnx.merge(graphdef, state)(x, positions, inv_freq, layer, attend)
+
+    return jax.checkpoint(run)(state, x, positions, inv_freq, attend)
+
+
 class Transformer(nnx.Module):
     """tokens [B,T] + positions [B,T] -> logits [B,T,V] (see `__call__`)."""
 
@@ -133,9 +147,7 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B,T,D]
         for layer, block in enumerate(self.blocks):
             if cfg.remat:
-                x, attend = nnx.remat(Block.__call__, static_argnums=(4,))(
-                    block, x, positions, inv_freq, layer, attend
-                )
+                x, attend = _remat_block(block, x, positions, inv_freq, layer, attend)
             else:
                 x, attend = block(x, positions, inv_freq, layer, attend)
         return self.final_norm(x), attend

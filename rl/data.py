@@ -207,11 +207,13 @@ def format_prompt(
     use_chat_template: bool,
     system_prompt: str | None = None,
     prompt_field: str = "prompt",
+    template_kwargs: Mapping | None = None,
 ) -> list[int]:
     """Prompt token ids of one record.
 
     With the chat template: [system_prompt?, user: prompt] rendered by the tokenizer with the
-    generation prompt appended, encoded without extra BOS (the template text has it). Without:
+    generation prompt appended (`template_kwargs` such as Qwen3's enable_thinking=False go to the
+    template), encoded without extra BOS (the template text has it). Without:
     `system_prompt + prompt` verbatim (bring your own separator), with BOS only when the tokenizer
     asks for it on raw text. A prompt that is already a message list needs the chat template.
     """
@@ -222,7 +224,10 @@ def format_prompt(
         )
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **dict(template_kwargs or {})
+        )
+        return tokenizer.encode(text)
     if not isinstance(prompt, str):
         raise ValueError(
             f"prompt field {prompt_field!r} holds {type(prompt).__name__}, not text; "

@@ -11,6 +11,7 @@ from math import comb
 
 import numpy as np
 
+from rl.data import reward_inputs
 from rl.rewards import get_reward
 
 
@@ -23,12 +24,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _correct(reward_name, records, texts, group_size, prompt_field):
-    prompts = [r["prompt"] for r in records for _ in range(group_size)]
-    fields = {
-        key: [r[key] for r in records for _ in range(group_size)]
-        for key in records[0]
-        if key != "prompt"
-    }
+    prompts, fields = reward_inputs(records, group_size, prompt_field)
     scores = np.asarray(get_reward(reward_name)(prompts, texts, **fields), np.float32)
     return (scores >= 0.5).reshape(len(records), group_size)
 

@@ -1,0 +1,76 @@
+"""The real-model configs validate, pass --dry_run and train one step, with tiny stand-ins.
+
+Each stand-in is an HF fixture of the same architecture (tests/fixtures/hf) plus a small
+`tokenizers` BPE tokenizer with a chat template, and a few GSM8K-style jsonl lines. The run uses
+the config unchanged except for paths, the mesh (the 8 fake devices) and sizes.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from launch.train import main
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DATA = [
+    {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3+4=7\n#### 7"},
+    {"question": "A box holds 12 eggs. How many eggs in 2 boxes?", "answer": "12*2=24\n#### 24"},
+    {"question": "Sam reads 5 pages a day for 6 days. Pages?", "answer": "5*6=30\n#### 30"},
+    {"question": "There are 9 birds and 4 fly away. How many stay?", "answer": "9-4=5\n#### 5"},
+]
+
+
+def _stand_in(fixture, tmp_path):
+    d = tmp_path / f"{fixture}-standin"
+    shutil.copytree(os.path.join(FIXTURES, fixture), d)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=specials)
+    corpus = [r["question"] + " " + r["answer"] for r in DATA] + [
+        "user assistant system Solve step ####"
+    ]
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    cfg = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in DATA))
+    return d, data
+
+
+@pytest.mark.parametrize(
+    "config, fixture",
+    [
+        ("qwen2_5_0_5b_gsm8k", "qwen2"),
+        ("qwen3_0_6b_gsm8k", "qwen3"),
+        ("llama3_2_1b_gsm8k", "llama"),
+    ],
+)
+def test_real_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
+    ckpt, data = _stand_in(fixture, tmp_path)
+    args = [
+        f"--config={ROOT}/configs/{config}.py", f"--config.model.hf_checkpoint={ckpt}",
+        f"--config.data.train.path={data}", f"--config.data.eval.path={data}",
+        "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+        "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
+        "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
+        "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=8",
+        "--config.sampling.page_size=8", "--config.sampling.num_pages=64",
+        "--config.sampling.steps_per_call=4", "--config.rl.overlong_buffer=4",
+        "--config.eval.pass_k=1", "--config.eval.pass_n=1",
+    ]  # fmt: skip
+    assert main(args + ["--dry_run"]) == 0
+    assert "estimated peak per device" in capsys.readouterr().out
+    workdir = tmp_path / "run"
+    assert main(args + ["--config.num_steps=1", f"--workdir={workdir}"]) == 0
+    summary = json.load(open(workdir / "summary.json"))
+    assert summary["steps"] == 1 and 0.0 <= summary["accuracy_after"] <= 1.0
