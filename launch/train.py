@@ -33,6 +33,20 @@ from launch.validate import check_resumable, learner_config, sampling_params, va
 FLAGS = {"workdir": "", "dry_run": False}
 
 
+def init_distributed(config) -> None:
+    """Multi-process runs: `jax.distributed.initialize()` on TPU / GPU clusters (it finds the
+    coordinator itself) when config.distributed is set, or from the environment variables
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (e.g. CPU processes on one
+    machine, with JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo)."""
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if address:
+        jax.distributed.initialize(
+            address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+        )
+    elif config.distributed:
+        jax.distributed.initialize()
+
+
 def _workdir(config_path: str, given: str) -> str:
     if given:
         return given
@@ -135,11 +149,12 @@ def _fingerprint(params) -> str:
     import hashlib
 
     from models.sharding import flatten
+    from sampling.engine import host_values
 
     h = hashlib.sha256()
     for name, x in sorted(flatten(params).items()):
         h.update(name.encode())
-        h.update(np.ascontiguousarray(jax.device_get(x)).tobytes())
+        h.update(np.ascontiguousarray(host_values(x)).tobytes())
     return h.hexdigest()
 
 
@@ -149,13 +164,13 @@ def train(config, workdir: str, resume: bool) -> int:
     from launch.logger import RunLogger
     from rl import rollout as ro
     from rl.checkpoint import Checkpointer
-    from rl.data import load_records, make_prompt_iterator
+    from rl.data import global_batch, load_records, make_prompt_iterator
 
     main_process = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(_config_json(config), f, indent=2)
     if main_process:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(_config_json(config), f, indent=2)
         print(config)
     parts = setup(config)
     learner, state = parts.learner, parts.state
@@ -194,7 +209,7 @@ def train(config, workdir: str, resume: bool) -> int:
     for step in bar:
         # --- rollout: the sampler reads the learner's current arrays -----------------------
         t0 = time.perf_counter()
-        records = next(data)
+        records = global_batch(next(data))
         prompts = _records_prompts(records, parts, config, config.data.train.prompt_field)
         seed = int(jax.random.randint(jax.random.fold_in(root, step), (), 0, 2**31 - 1))
         ids = [step * len(prompts) + i for i in range(len(prompts))]
@@ -297,8 +312,7 @@ def _batch_sharding(parts):
 def main(argv=None) -> int:
     try:
         config, config_path, opts = parse_args(sys.argv[1:] if argv is None else argv, FLAGS)
-        if config.distributed or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-            jax.distributed.initialize()
+        init_distributed(config)
         validate(config, jax.device_count())
         workdir = _workdir(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)

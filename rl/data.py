@@ -35,6 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from models.tokenizer import Tokenizer
 from rl.tasks import arithmetic_records
@@ -199,6 +202,25 @@ def make_prompt_iterator(
     )
     # No reader threads: elements are list lookups, threads would only add latency and memory.
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+def global_batch(local_records: Sequence[dict]) -> list[dict]:
+    """Every process's records of this step, in process order, on every process.
+
+    The sampler is one SPMD program over the global batch, so each host's scheduler needs all
+    prompts. Records travel as JSON bytes through `process_allgather` (one small collective).
+    """
+    if jax.process_count() == 1:
+        return list(local_records)
+    blob = np.frombuffer(json.dumps(list(local_records)).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([blob.size], np.int64))  # [P, 1]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    blobs = multihost_utils.process_allgather(padded)  # [P, max]
+    out: list[dict] = []
+    for row, size in zip(blobs, sizes[:, 0]):
+        out += json.loads(bytes(row[:size]).decode())
+    return out
 
 
 def format_prompt(

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
@@ -84,6 +85,17 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     length: int
+
+
+def host_values(tree):
+    """Numpy copies of (possibly sharded) arrays, the same on every process.
+
+    In a multi-process run the slot buffers are spread over devices of several hosts; gathering
+    them makes every process see all finish flags and so take the same scheduling decisions.
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _bucket(n: int) -> int:
@@ -279,7 +291,7 @@ class Engine:
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
             e.min_new_tokens, e.backend, root_key, self.layout,
         )  # fmt: skip
-        lengths = np.asarray(jax.device_get(state.lengths))  # also blocks on the loop
+        lengths = host_values(state.lengths)  # also blocks on the loop
         for s in self._len:
             self._len[s] = int(lengths[s])
         return state
@@ -361,7 +373,7 @@ class Engine:
                 state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
                 owner.update({s: (i, k) for k, s in enumerate(slots)})
             state = self.generate(params, state, root)
-            active, n, stopped, toks, lps = jax.device_get(
+            active, n, stopped, toks, lps = host_values(
                 (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
             )
             for s in [s for s in owner if not active[s]]:

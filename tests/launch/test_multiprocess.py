@@ -1,0 +1,68 @@
+"""2 processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo collectives) train like 1
+process x 8 devices: same metrics and parameters within 1e-5, rollouts included."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from launch.train import load_run
+from models.sharding import flatten
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = [
+    "--config.num_steps=2", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+    "--config.data.prompts_per_step=8", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
+    "--config.data.eval.num=8", "--config.eval.pass_k=0", "--config.eval_every=0",
+    "--config.checkpoint_every=2", "--config.sampling.num_slots=32", "--config.sampling.num_pages=128",
+]  # fmt: skip
+KEYS = ("loss", "policy_loss", "kl", "entropy", "reward_mean", "adv_mean", "adv_std", "grad_norm")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(workdir, devices, process_id=None, num_processes=None, port=None):
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    if num_processes:
+        env.update(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
+            JAX_PROCESS_ID=str(process_id), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+        )  # fmt: skip
+    cmd = [sys.executable, "-m", "launch.train", f"--workdir={workdir}", *TINY]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait(procs):
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+
+
+def _metrics(workdir):
+    rows = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+    return {r["step"]: [r[k] for k in KEYS] for r in rows if "loss" in r}
+
+
+def test_two_processes_equal_one(tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    _wait([_launch(single, 8)])
+    port = _free_port()
+    _wait([_launch(multi, 4, i, 2, port) for i in range(2)])
+    a, b = _metrics(single), _metrics(multi)
+    assert sorted(a) == sorted(b) == [1, 2]
+    for step in a:
+        np.testing.assert_allclose(b[step], a[step], atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
+    pa, pb = (flatten(load_run(str(w))[2].params) for w in (single, multi))
+    for name in pa:
+        np.testing.assert_allclose(
+            np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5, err_msg=name
+        )
