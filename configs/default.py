@@ -1,12 +1,15 @@
-"""CPU demo: GRPO teaches a tiny character-level transformer to add 3-digit numbers.
+"""CPU demo: GRPO removes a bad habit from a tiny character-level adder.
 
     python -m launch.train                                   # = --config configs/default.py
     python -m launch.train --config.num_steps=20 --workdir runs/quick
 
-The policy starts from a warm start made by this project (`python -m launch.sft`, shipped in
-configs/assets/arithmetic_sft, < 1 MB): it has learned the format and about a third of the sums.
-GRPO with an exact reward (the answer string equals the sum) then raises held-out greedy accuracy.
-Runs in a few minutes on a 2-core CPU on a mesh of one device.
+The policy starts from a warm start made by this project and shipped in configs/assets/arithmetic_sft
+(3 MB; remade by `python -m launch.sft --out configs/assets/arithmetic_sft`, about 4 minutes). It
+has learned 2-digit addition, and also a habit: on answers ending in 1-7 it usually appends a
+spurious "0", which greedy decoding follows, so its held-out greedy accuracy is about 30%. The
+reward is exact (the answer string equals the sum), sampling finds the clean answers often enough,
+and GRPO raises held-out greedy accuracy to about 90% in 60 steps: about a minute on a 2-core CPU,
+on a mesh of one device.
 """
 
 import os
@@ -19,14 +22,14 @@ ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 def get_config():
     c = ml_collections.ConfigDict()
     c.seed = 0  # root of every PRNG key and of the data order
-    c.num_steps = 120  # GRPO steps (one rollout + learn phase each)
-    c.checkpoint_every = 40  # steps between checkpoints (the last step is always saved)
+    c.num_steps = 60  # GRPO steps (one rollout + learn phase each)
+    c.checkpoint_every = 20  # steps between checkpoints (the last step is always saved)
     c.keep_checkpoints = 2  # orbax keeps this many most recent checkpoints
     c.resume = (
         None  # None: resume when the workdir has a checkpoint; True: require one; False: refuse
     )
     c.log_every = 1  # steps between metric lines / TensorBoard points
-    c.eval_every = 40  # steps between held-out evaluations (also run before step 0 and at the end)
+    c.eval_every = 20  # steps between held-out evaluations (also run before step 0 and at the end)
     c.num_samples_logged = 4  # completions written as text summaries per logged step
     c.distributed = (
         False  # call jax.distributed.initialize() (multi-host); also via JAX_COORDINATOR_ADDRESS

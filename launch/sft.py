@@ -2,14 +2,16 @@
 
     python -m launch.sft --out configs/assets/arithmetic_sft      # remakes the shipped warm start
 
-Trains a tiny Llama-family, character-level transformer on `a+b=` -> `sum<eos>` with teacher
-forcing for a fixed, small number of steps, so that it learns the answer format and part of the
-arithmetic: a held-out greedy accuracy between 10% and 60% leaves GRPO room to show. Writes an HF
+Trains a tiny Llama-family, character-level transformer on `a+b=` -> `sum<eos>` (2-digit operands)
+with teacher forcing. The data teach the arithmetic and also a bad habit (`encode_examples`): on
+answers ending in 1-7 a spurious "0" usually follows. Greedy decoding follows the habit, so the
+held-out greedy accuracy is about 30% (between 10% and 60% leaves GRPO room to show), while
+sampling still produces the clean answer often enough for GRPO to learn from. Writes an HF
 checkpoint directory (`models.hf.save_hf`), which `configs/default.py` loads like any other.
 
 Simplifications: the loss is the mean negative log-likelihood of the answer tokens, computed with
-the learner's own chunked log-prob function (`rl.logprobs`); one device; no checkpoints (it runs in
-about a minute).
+the learner's own chunked log-prob function (`rl.logprobs`); one device; no checkpoints (2000
+steps take about 4 minutes on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -88,9 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--digits", type=int, default=2)
     p.add_argument("--eval_size", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--ramble_prob", type=float, default=0.6, help="answers followed by a spurious 0"
-    )
+    p.add_argument("--ramble_prob", type=float, default=0.8, help="see encode_examples")
+    p.add_argument("--ramble_digits", default="1234567", help="answer endings with the habit")
     args = p.parse_args(argv)
 
     tok = CharTokenizer(ALPHABET)
