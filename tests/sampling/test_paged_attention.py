@@ -1,5 +1,5 @@
 """Paged KV writes and decode attention: the reference against a float64 numpy softmax, and the
-Pallas GPU / TPU kernels (interpreted on CPU) against the reference.
+blockwise CPU backend and the Pallas GPU / TPU kernels (interpreted on CPU) against the reference.
 
 Shapes are tiny because interpret mode runs the kernels op by op. Page assignments are shuffled
 so that a kernel reading pages in pool order instead of table order would fail.
@@ -14,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from sampling.paged_attention import (
     gather_kv,
     paged_attention,
+    paged_attention_blockwise,
     paged_attention_reference,
     resolve_backend,
     write_kv,
@@ -81,12 +82,48 @@ def test_length_zero_gives_zeros():
 
 
 def test_dispatch_on_cpu():
-    assert resolve_backend("auto") == "reference"
+    assert resolve_backend("auto") == "blockwise"
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda")
     q, kp, vp, lengths, table = _cache(2, 4, 2, _lengths(2))
     got = jax.jit(paged_attention)(q, kp, vp, lengths, table)
-    np.testing.assert_allclose(got, paged_attention_reference(q, kp, vp, lengths, table), atol=0)
+    want = paged_attention_blockwise(q, kp, vp, lengths, table)
+    np.testing.assert_allclose(got, want, atol=0)
+
+
+@pytest.mark.parametrize("n,k", GQA)
+@pytest.mark.parametrize("pages_per_block", [1, 3, 8])
+def test_blockwise_matches_reference(n, k, pages_per_block):
+    """Block sizes that divide PAGES_PER_SEQ, that do not (a padded last block), and one block.
+
+    Lengths cover 0, 1, page multiples, a full table and random ones, so blocks end inside a
+    page, on a page boundary and past the last valid page; max(lengths) sets the trip count.
+    """
+    rng = np.random.default_rng(8)
+    full = PAGE_SIZE * PAGES_PER_SEQ
+    f = jax.jit(paged_attention_blockwise, static_argnames="pages_per_block")
+    # At most 5 sequences fit the pool with distinct pages.
+    for seed, lengths in enumerate(
+        [
+            [0, 1, 3 * PAGE_SIZE, full, 2 * PAGE_SIZE + 1],
+            [PAGE_SIZE, full - 1, 2, *rng.integers(1, full, 2)],
+        ]
+    ):
+        q, kp, vp, lengths, table = _cache(8 + seed, n, k, lengths)
+        got = f(q, kp, vp, lengths, table, pages_per_block=pages_per_block)
+        want = paged_attention_reference(q, kp, vp, lengths, table)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    q, kp, vp, lengths, table = _cache(8, n, k, [0, 1, 3 * PAGE_SIZE, full, 2 * PAGE_SIZE + 1])
+    assert np.all(np.asarray(f(q, kp, vp, lengths, table, pages_per_block=pages_per_block))[0] == 0)
+    # Short batches stop early: the blocks past max(lengths) are never read, so their pages may
+    # hold anything, here NaN. (Masked slots inside a read block must stay finite: 0 * NaN.)
+    short = np.minimum(lengths, 2 * PAGE_SIZE)
+    kp_nan, vp_nan = kp.copy(), vp.copy()
+    late = table[:, 2:][table[:, 2:] > 0]
+    kp_nan[:, late], vp_nan[:, late] = np.nan, np.nan
+    got = f(q, kp_nan, vp_nan, short, table, pages_per_block=1)
+    want = paged_attention_reference(q, kp, vp, short, table)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_write_kv_then_read_back():

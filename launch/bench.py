@@ -1,0 +1,305 @@
+"""Sampler throughput benchmark: `python -m launch.bench sampler [--output bench_sampler.json]`.
+
+Runs on whatever JAX backend is present (one device) with a random-init Qwen2-style model
+("bench-small": V 4096, D 256, 4 layers, 8 heads, 2 KV heads, H 32, F 1024, tied embeddings)
+and reports, all measured in this one process so that ratios are fair on a noisy machine:
+
+- engine tokens/s for 8 prompts x 8 samples (64 sequences), prompt 64, exactly 128 new tokens,
+  temperature 1, no top-k/top-p, and the peak KV pages against a dense (unshared) cache;
+- HF `generate` tokens/s on the same weights and workload (torch on CPU), when torch and
+  transformers are installed; else null;
+- at 256 sequences (32 prompts x 8): the fraction of the compute floor (2 x params FLOPs per
+  token at the matmul peak measured here on square f32 matmuls) and the fraction of an
+  attention-free decode loop's tokens/s.
+
+The attention-free loop is the engine's decode step (same model, same sampling, same key
+schedule, same host sync every `steps_per_call` steps) with attention replaced by "output = v
+of the current token" and no KV cache at all, so 1 - fraction is what the paged cache costs:
+writes, attention and page tables. It is written out here rather than added as an engine
+backend so that the library has no debugging path.
+
+Timing: one warm-up run compiles everything, then the median of `--reps` runs; tokens/s counts
+generated tokens only (prefill time is included in the engine's wall time, as a user sees it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+SMALL = dict(vocab_size=4096, d_model=256, d_ff=1024, num_layers=4, num_heads=8)
+SMALL.update(num_kv_heads=2, head_dim=32)
+TINY = dict(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_heads=4)
+TINY.update(num_kv_heads=2, head_dim=8)
+
+
+def _interleaved(runs: dict, reps: int) -> dict:
+    """Median seconds of each run, the runs alternating so that load from other processes hits
+    them alike (the ratios are what the bench is for). Each run is called once first (compile)."""
+    for fn in runs.values():
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
+    """Best f32 FLOP/s of square matmuls measured on the spot (the compute floor's peak)."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda a: a @ a)
+    runs = {}
+    for n in sizes:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        runs[n] = functools.partial(lambda a: f(a).block_until_ready(), a)
+    return max(2 * n**3 / t for n, t in _interleaved(runs, reps).items())
+
+
+def _prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, vocab, (num_prompts, prompt_len)).tolist()
+
+
+def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None, **ecfg_kw):
+    """(run, engine): run() samples every prompt g times with `Engine.generate_all`."""
+    from sampling.distribution import SamplingParams
+    from sampling.engine import Engine, EngineConfig
+
+    plen, ps = len(prompts[0]), ecfg_kw["page_size"]
+    # Engine.worst_case_pages: the full prompt pages are shared by the G samples of a group.
+    shared = (plen - 1) // ps
+    worst = shared + g * (-(-(plen - 1 + new_tokens) // ps) - shared)
+    num_slots = num_slots or len(prompts) * g
+    ecfg = EngineConfig(
+        num_slots=num_slots, num_pages=worst * (num_slots // g) + 1,
+        max_prompt_len=plen, max_new_tokens=new_tokens, **ecfg_kw,
+    )  # fmt: skip
+    engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=1.0))
+    box = {"state": engine.init_state()}
+
+    def run():
+        box["state"], results = engine.generate_all(params, box["state"], prompts, g, new_tokens)
+        assert all(c.length == new_tokens for r in results for c in r)
+
+    return run, engine
+
+
+def attention_free_runner(cfg, graphdef, params, num_seqs, prompt_len, new_tokens, steps_per_call):
+    """run() decodes num_seqs x new_tokens without attention or KV cache (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx, struct
+
+    from sampling.distribution import SamplingParams, log_probs
+
+    @struct.dataclass
+    class CurrentV:
+        def attend(self, layer, q, k, v):
+            return jnp.repeat(v, q.shape[2] // k.shape[2], axis=2), self
+
+    sampling = SamplingParams(temperature=1.0)
+    rows = jnp.arange(num_seqs)
+
+    @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+    def decode(graphdef, params, carry, num_steps, root):
+        model = nnx.merge(graphdef, params)
+
+        def key_of(req, g, n):  # the engine's key schedule, 8 samples per request
+            return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), n)
+
+        def step(_, c):
+            last, length, n, toks, lps = c
+            logits, _ = model(last[:, None], length[:, None], None, CurrentV())
+            lp = log_probs(logits[:, 0], sampling)
+            keys = jax.vmap(key_of)(rows // 8, rows % 8, n)
+            tok = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
+            tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+            col = jnp.minimum(n, toks.shape[1] - 1)
+            toks, lps = toks.at[rows, col].set(tok), lps.at[rows, col].set(tok_lp)
+            return tok, length + 1, n + 1, toks, lps
+
+        return jax.lax.fori_loop(0, num_steps, step, carry)
+
+    def run():
+        zeros = jnp.zeros((num_seqs,), jnp.int32)
+        carry = (zeros + 1, zeros + prompt_len - 1, zeros)
+        carry += (jnp.zeros((num_seqs, new_tokens), jnp.int32),)
+        carry += (jnp.zeros((num_seqs, new_tokens), jnp.float32),)
+        for _ in range(0, new_tokens, steps_per_call):
+            carry = decode(graphdef, params, carry, steps_per_call, jax.random.key(0))
+            jax.device_get(carry[1])  # the host sync the engine does after each call
+
+    return run
+
+
+def hf_runner(cfg, params, prompts, g, new_tokens):
+    """run() calls HF `generate` on the same weights; None without torch / transformers."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from models.hf import save_hf
+    from models.hf_config import GenerationIds
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as d:
+        save_hf(d, cfg, params, GenerationIds(eos_ids=(0,), pad_id=0))
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([p for p in prompts for _ in range(g)], dtype=torch.long)
+    # HF's default top_k is 50; 0 turns it off, as in the engine's SamplingParams.
+    kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0)
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, **kw,
+            )  # fmt: skip
+        assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens)
+
+    return run
+
+
+def bench_sampler(args) -> dict:
+    import jax
+
+    from models.config import ModelConfig
+    from models.sharding import init_params, make_mesh, param_count
+    from sampling.paged_attention import resolve_backend
+
+    shape = TINY if args.small_test else SMALL
+    cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True, **shape)
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, params = init_params(cfg, mesh, seed=0)
+    n_params = param_count(params)
+    g, new, plen = args.num_samples, args.new_tokens, args.prompt_len
+    ekw = dict(steps_per_call=args.steps_per_call, backend=args.backend, page_size=args.page_size)
+    r = {"device": jax.devices()[0].platform, "params": n_params, "model": shape}
+    r["workload"] = dict(prompt_len=plen, new_tokens=new, num_samples=g, temperature=1.0)
+    r["engine"] = dict(ekw, backend_resolved=resolve_backend(args.backend))
+
+    # 64 sequences: engine against HF generate.
+    prompts = _prompts(args.num_prompts, plen, cfg.vocab_size)
+    n64 = len(prompts) * g
+    run, engine = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)
+    runs = {"engine": run}
+    hf = None if args.no_hf else hf_runner(cfg, params, prompts, g, new)
+    if hf is not None:
+        runs["hf"] = hf
+    t = _interleaved(runs, args.reps)
+    r.update(num_seqs=n64, tokens_per_s=n64 * new / t["engine"])
+    r["hf_generate_tokens_per_s"] = n64 * new / t["hf"] if hf else None
+    r["ratio_vs_hf"] = t["hf"] / t["engine"] if hf else None
+    r["peak_pages"] = engine.allocator.peak_used
+    r["dense_pages"] = n64 * engine.ecfg.pages_per_seq  # one unshared row per sequence
+
+    # 256 sequences: engine against the attention-free loop and the compute floor.
+    prompts = _prompts(args.num_prompts_256, plen, cfg.vocab_size, seed=1)
+    n256 = len(prompts) * g
+    runs = {"engine": engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)[0]}
+    runs["free"] = attention_free_runner(
+        cfg, graphdef, params, n256, plen, new, args.steps_per_call
+    )
+    for backend in args.compare_backends:
+        kw = dict(ekw, backend=backend)
+        runs[backend] = engine_runner(cfg, graphdef, params, prompts, g, new, **kw)[0]
+    t = _interleaved(runs, args.reps)
+    peak = matmul_peak_flops(reps=args.reps + 2)
+    floor = peak / (2 * n_params)  # tokens/s if every parameter's 2 FLOPs ran at the peak
+    tps = n256 * new / t["engine"]
+    r.update(num_seqs_256=n256, tokens_per_s_256=tps)
+    r["attention_free_tokens_per_s_256"] = n256 * new / t["free"]
+    r.update(matmul_peak_flops=peak, compute_floor_tokens_per_s=floor)
+    r["compute_floor_fraction_256"] = tps / floor
+    r["attention_free_fraction_256"] = t["free"] / t["engine"]
+    r["attention_free_floor_fraction_256"] = n256 * new / t["free"] / floor
+    r["backends_256"] = {b: n256 * new / t[b] for b in args.compare_backends}
+    if args.sweep:
+        r["sweep_256"] = _sweep(cfg, graphdef, params, prompts, g, new, ekw, args.reps)
+    return r
+
+
+def _sweep(cfg, graphdef, params, prompts, g, new, ekw, reps) -> list[dict]:
+    """Engine tokens/s at 256 sequences over steps_per_call x num_slots (fewer slots than
+    sequences: continuous batching refills freed slots)."""
+    runs, rows = {}, []
+    for steps in (16, 32, 64, 128):
+        for slots in (64, 128, len(prompts) * g):
+            kw = dict(ekw, steps_per_call=steps)
+            runs[(steps, slots)] = engine_runner(
+                cfg, graphdef, params, prompts, g, new, num_slots=slots, **kw
+            )[0]
+    for (steps, slots), t in _interleaved(runs, reps).items():
+        tps = len(prompts) * g * new / t
+        rows.append(dict(steps_per_call=steps, num_slots=slots, tokens_per_s=tps))
+    return rows
+
+
+def _table(r: dict) -> str:
+    hf = r["hf_generate_tokens_per_s"]
+    rows = [
+        (f"engine, {r['num_seqs']} seqs", f"{r['tokens_per_s']:.0f} tok/s"),
+        ("HF generate, same workload", "n/a" if hf is None else f"{hf:.0f} tok/s"),
+        ("engine / HF", "n/a" if hf is None else f"{r['ratio_vs_hf']:.2f}x"),
+        ("peak / dense pages", f"{r['peak_pages']} / {r['dense_pages']}"),
+        (f"engine, {r['num_seqs_256']} seqs", f"{r['tokens_per_s_256']:.0f} tok/s"),
+        ("attention-free loop", f"{r['attention_free_tokens_per_s_256']:.0f} tok/s"),
+        ("compute floor", f"{r['compute_floor_tokens_per_s']:.0f} tok/s"),
+        ("engine / attention-free", f"{r['attention_free_fraction_256']:.1%}"),
+        ("engine / compute floor", f"{r['compute_floor_fraction_256']:.1%}"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("what", choices=["sampler"], help="what to benchmark")
+    p.add_argument("--output", default="bench_sampler.json", help="JSON results file")
+    p.add_argument("--small_test", action="store_true", help="tiny model and workload (tests)")
+    p.add_argument("--no_hf", action="store_true", help="skip HF generate even if installed")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
+    p.add_argument("--num_prompts", type=int, default=8)
+    p.add_argument("--num_prompts_256", type=int, default=32, help="prompts of the 256-seq run")
+    p.add_argument("--num_samples", type=int, default=8, help="G samples per prompt")
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=128, help="exactly this many (no stop)")
+    p.add_argument("--steps_per_call", type=int, default=32, help="EngineConfig.steps_per_call")
+    p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--backend", default="auto", help="paged attention backend")
+    p.add_argument(
+        "--compare_backends", default="", help="comma-separated backends also timed at 256 seqs"
+    )
+    p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
+    args = p.parse_args(argv)
+    args.compare_backends = [b for b in args.compare_backends.split(",") if b]
+    if args.small_test:
+        args.num_prompts, args.num_prompts_256, args.num_samples = 2, 4, 2
+        args.prompt_len, args.new_tokens, args.steps_per_call, args.reps = 8, 8, 4, 1
+        args.page_size = 4
+    r = bench_sampler(args)
+    print(_table(r))
+    with open(args.output, "w") as f:
+        json.dump(r, f, indent=2)
+        f.write("\n")
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
