@@ -46,22 +46,31 @@ from models.attention import dense_attention
 BACKENDS = ("auto", "reference", "blockwise", "pallas_gpu", "pallas_tpu")
 
 
-def write_kv(k_pages, v_pages, k, v, page_indices, positions):
+def write_kv(k_pages, v_pages, k, v, page_indices, positions, layer=None):
     """Scatters k, v [B,T,K,H] into the pages at sequence positions int32[B,T].
 
-    positions < 0 are padding and go to the null page (slot 0), which no valid length covers as
-    a real token. Positions must be < pages_per_seq * page_size. Returns (k_pages, v_pages);
-    callers donate the old pages so the update is in place.
+    Pages are one layer's [K,P,page_size,H], or with `layer` the stacked [L,K,P,page_size,H] of all
+    layers, written in place at that layer (slicing a layer out and setting it back would copy the
+    whole layer every decode step). positions < 0 are padding and go to the null page (slot 0),
+    which no valid length covers as a real token. Positions must be < pages_per_seq * page_size.
+    Returns (k_pages, v_pages); callers donate the old pages so the update is in place.
     """
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     valid = positions >= 0  # [B,T]
     pos = jnp.where(valid, positions, 0)
     page = jnp.take_along_axis(page_indices, pos // page_size, axis=1)  # [B,T]
     page = jnp.where(valid, page, 0)
     slot = jnp.where(valid, pos % page_size, 0)
-    # Advanced indices page/slot [B,T] on axes 1, 2 select [K,B,T,H]; k/v must match that.
-    k_pages = k_pages.at[:, page, slot].set(jnp.transpose(k, (2, 0, 1, 3)).astype(k_pages.dtype))
-    v_pages = v_pages.at[:, page, slot].set(jnp.transpose(v, (2, 0, 1, 3)).astype(v_pages.dtype))
+    if layer is None:
+        # Advanced indices page/slot [B,T] on axes 1, 2 select [K,B,T,H]; k/v must match that.
+        k, v = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+        index = (slice(None), page, slot)
+    else:
+        # The scalar layer and page/slot are split by ':', so NumPy rules put the broadcast
+        # index dims first: the update is laid out [B,T,K,H], which is k/v as given.
+        index = (layer, slice(None), page, slot)
+    k_pages = k_pages.at[index].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype))
     return k_pages, v_pages
 
 

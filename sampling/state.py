@@ -109,13 +109,9 @@ class PagedPrefill:
     def attend(self, layer, q, k, v):
         t = self.valid.shape[1]
         positions = jnp.where(self.valid, jnp.arange(t)[None], -1)  # padding -> null page
-        kp, vp = write_kv(
-            self.k_pages[layer], self.v_pages[layer], k, v, self.page_indices, positions
-        )
+        kp, vp = write_kv(self.k_pages, self.v_pages, k, v, self.page_indices, positions, layer)
         out = dense_attention(q, k, v, causal_mask(self.valid))
-        return out, self.replace(
-            k_pages=self.k_pages.at[layer].set(kp), v_pages=self.v_pages.at[layer].set(vp)
-        )
+        return out, self.replace(k_pages=kp, v_pages=vp)
 
 
 @struct.dataclass
@@ -131,12 +127,10 @@ class PagedDecode:
 
     def attend(self, layer, q, k, v):
         positions = jnp.where(self.active, self.lengths, -1)[:, None]  # [B,1]
-        kp, vp = write_kv(
-            self.k_pages[layer], self.v_pages[layer], k, v, self.page_indices, positions
-        )
+        kp, vp = write_kv(self.k_pages, self.v_pages, k, v, self.page_indices, positions, layer)
         # Idle slots attend over length 0 (zeros out); their result is discarded by the caller.
         lengths = jnp.where(self.active, self.lengths + 1, 0)
-        out = paged_attention(q[:, 0], kp, vp, lengths, self.page_indices, self.backend)
-        return out[:, None], self.replace(
-            k_pages=self.k_pages.at[layer].set(kp), v_pages=self.v_pages.at[layer].set(vp)
+        out = paged_attention(
+            q[:, 0], kp[layer], vp[layer], lengths, self.page_indices, self.backend
         )
+        return out[:, None], self.replace(k_pages=kp, v_pages=vp)

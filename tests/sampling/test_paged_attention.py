@@ -197,3 +197,19 @@ def test_tpu_kernel_interpret_matches_bf16_reference(n, k):
     # The kernel really does round K and V to bf16: against the f32 cache it is off by far more.
     exact = paged_attention_reference(q, kp, vp, lengths, table)
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-4
+
+
+def test_write_kv_into_stacked_layers_equals_per_layer_write():
+    rng = np.random.default_rng(7)
+    layers, k_heads, pages, page_size, h = 3, 2, 12, 4, 8
+    stacked = jnp.asarray(rng.normal(size=(layers, k_heads, pages, page_size, h)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[:8].reshape(2, 4), jnp.int32)
+    k = jnp.asarray(rng.normal(size=(2, 3, k_heads, h)), jnp.float32)
+    positions = jnp.asarray([[5, 6, 7], [0, -1, 9]], jnp.int32)
+    kp, vp = write_kv(stacked, stacked, k, 2 * k, table, positions, layer=1)
+    k1, v1 = write_kv(stacked[1], stacked[1], k, 2 * k, table, positions)
+    np.testing.assert_array_equal(kp[1], k1)
+    np.testing.assert_array_equal(vp[1], v1)
+    np.testing.assert_array_equal(
+        np.delete(np.asarray(kp), 1, axis=0), np.delete(np.asarray(stacked), 1, axis=0)
+    )
