@@ -74,3 +74,56 @@ def test_real_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
     assert main(args + ["--config.num_steps=1", f"--workdir={workdir}"]) == 0
     summary = json.load(open(workdir / "summary.json"))
     assert summary["steps"] == 1 and 0.0 <= summary["accuracy_after"] <= 1.0
+
+
+def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
+    """launch.export of a trained run: our importer reads it back bitwise, and transformers (where
+    installed) loads it and gives our logits."""
+    import jax
+    import numpy as np
+
+    from launch.export import main as export
+    from launch.train import load_run
+    from models.hf import load_hf
+    from models.sharding import flatten
+
+    ckpt, data = _stand_in("qwen3", tmp_path)
+    workdir, out = tmp_path / "run", tmp_path / "exported"
+    args = [
+        f"--config={ROOT}/configs/qwen3_0_6b_gsm8k.py", f"--config.model.hf_checkpoint={ckpt}",
+        f"--config.data.train.path={data}", f"--config.data.eval.path={data}",
+        "--config.mesh.fsdp=8", "--config.data.prompts_per_step=4", "--config.rl.num_generations=2",
+        "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
+        "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=8",
+        "--config.sampling.page_size=8", "--config.sampling.num_pages=64",
+        "--config.sampling.steps_per_call=4", "--config.rl.overlong_buffer=4",
+        "--config.eval.pass_k=0", "--config.num_steps=2", "--config.optim.learning_rate=1e-2",
+        "--config.optim.warmup_steps=0", f"--workdir={workdir}",
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert export(["--workdir", str(workdir), "--out", str(out)]) == 0
+    _, parts, state, step = load_run(str(workdir))
+    assert step == 2
+    _, graphdef, params, _ = load_hf(str(out), parts.mesh)
+    trained, exported = flatten(state.params), flatten(params)
+    initial = flatten(load_hf(str(ckpt), parts.mesh)[2])
+    assert any(not np.array_equal(trained[k], initial[k]) for k in trained)  # it did train
+    for k in trained:
+        np.testing.assert_array_equal(np.asarray(exported[k]), np.asarray(trained[k]), err_msg=k)
+    assert (out / "tokenizer.json").exists()
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    tokens = np.array([[5, 17, 42, 7, 99, 3]], np.int32)
+    positions = np.arange(6, dtype=np.int32)[None]
+    ours = jax.jit(lambda p: nnx_forward(graphdef, p, tokens, positions))(params)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
+
+
+def nnx_forward(graphdef, params, tokens, positions):
+    from flax import nnx
+
+    return nnx.merge(graphdef, params)(tokens, positions)[0]
