@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             prompts,
             args.num_samples,
             seed=args.seed,
-            on_finish=bar.update,
+            on_finish=lambda *_: bar.update(1),
         )
     with open(args.output, "w") as f:
         for i, group in enumerate(results):

@@ -18,6 +18,7 @@ beyond the step (the key data is still saved, and checked on resume).
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -134,6 +135,45 @@ def _records_prompts(records, parts, config, prompt_field):
     return prompts
 
 
+def rollout_phase(step, parts, params, data, config, pool, decode_state):
+    """Scored groups of this step (rl/rollout.py), with DAPO dynamic sampling when configured:
+    groups whose G rewards are all equal are dropped and fresh prompts are sampled to refill, at
+    most `rl.dynamic_sampling_max_tries` rounds (rl/dynamic_sampling.py)."""
+    from rl import rollout as ro
+    from rl.data import global_batch
+    from rl.dynamic_sampling import fill_groups
+
+    engine = parts.engines["rollout"]
+    root = jax.random.fold_in(jax.random.key(config.seed), step)
+    first = [global_batch(next(data))]
+    tries = []
+
+    def sample(n):
+        nonlocal decode_state
+        records = (first.pop() if first else global_batch(next(data)))[:n]
+        prompts = _records_prompts(records, parts, config, config.data.train.prompt_field)
+        seed = int(jax.random.randint(jax.random.fold_in(root, len(tries)), (), 0, 2**31 - 1))
+        # Request ids (PRNG streams) unique over steps and refill rounds: at most B prompts a round.
+        base = (
+            step * config.rl.dynamic_sampling_max_tries + len(tries)
+        ) * config.data.prompts_per_step
+        tries.append(n)
+        state = engine.init_state() if decode_state is None else decode_state
+        groups, state = ro.sample_groups(
+            engine, params, state, records, prompts, config, parts.tokenizer, seed,
+            [base + i for i in range(len(records))], pool,
+        )  # fmt: skip
+        if not config.sampling.release_kv_between_phases:
+            decode_state = state  # keep the pages allocated for the next rollout
+        return groups, np.concatenate([grp.rewards for grp in groups])
+
+    b, g = config.data.prompts_per_step, config.rl.num_generations
+    if not config.rl.dynamic_sampling:
+        return sample(b)[0], {}, decode_state
+    groups, _, stats = fill_groups(sample, b, g, config.rl.dynamic_sampling_max_tries)
+    return groups, stats, decode_state
+
+
 def _evaluate(parts, params, eval_records, config, seed):
     from rl.evaluation import evaluate
 
@@ -164,7 +204,7 @@ def train(config, workdir: str, resume: bool) -> int:
     from launch.logger import RunLogger
     from rl import rollout as ro
     from rl.checkpoint import Checkpointer
-    from rl.data import global_batch, load_records, make_prompt_iterator
+    from rl.data import load_records, make_prompt_iterator
 
     main_process = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
@@ -195,41 +235,30 @@ def train(config, workdir: str, resume: bool) -> int:
         summary["accuracy_before"] = before["accuracy"]
         log.scalars(0, {f"eval/{k}": v for k, v in before.items() if k != "example"})
         print(f"held-out greedy accuracy before GRPO: {before['accuracy']:.3f}", file=sys.stderr)
-    g, t_len = (
-        config.rl.num_generations,
-        config.sampling.max_prompt_len + config.sampling.max_new_tokens,
-    )
+    t_len = config.sampling.max_prompt_len + config.sampling.max_new_tokens
     totals = {
         k: summary.get(k, 0.0)
         for k in ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens")
     }
     wall0 = time.perf_counter() - summary.get("wall_seconds", 0.0)
+    # Reward functions run on this thread while the device decodes (rl/rollout.py).
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    decode_state = None  # kept across steps only when release_kv_between_phases is False
     bar = tqdm.tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
                     desc="grpo", file=sys.stderr, disable=not main_process)  # fmt: skip
     for step in bar:
         # --- rollout: the sampler reads the learner's current arrays -----------------------
         t0 = time.perf_counter()
-        records = global_batch(next(data))
-        prompts = _records_prompts(records, parts, config, config.data.train.prompt_field)
-        seed = int(jax.random.randint(jax.random.fold_in(root, step), (), 0, 2**31 - 1))
-        ids = [step * len(prompts) + i for i in range(len(prompts))]
-        completions = ro.sample_groups(
-            parts.engines["rollout"], state.params, prompts, g, seed, ids
+        groups, ds_stats, decode_state = rollout_phase(
+            step, parts, state.params, data, config, pool, decode_state
         )
-        texts = [parts.tokenizer.decode(c.tokens) for c in completions]
-        rewards, stats = ro.score(
-            records, completions, texts, g, config.rl, config.sampling.max_new_tokens,
-            config.data.train.prompt_field,
-        )  # fmt: skip
-        rollout = ro.finish(
-            prompts, records, completions, texts, rewards, stats, config, t_len, parts.ids.pad_id
-        )
+        rollout = ro.finish(groups, config, t_len, parts.ids.pad_id)
         t1 = time.perf_counter()
         # --- learn: μ passes of minibatch steps; params and optimizer state donated ------------
         batch = jax.device_put(rollout.batch, _batch_sharding(parts))
         state, history = learner.learn(state, parts.ref_params, batch)
         t2 = time.perf_counter()
-        new_tokens = sum(c.length for c in completions)
+        new_tokens = sum(c.length for grp in groups for c in grp.completions)
         totals["rollout_seconds"] += t1 - t0
         totals["learn_seconds"] += t2 - t1
         totals["rollout_tokens"] += new_tokens
@@ -237,14 +266,16 @@ def train(config, workdir: str, resume: bool) -> int:
         metrics = {
             **{k: float(np.mean([h[k] for h in history])) for k in history[-1]},
             **rollout.stats,
+            **ds_stats,
         }
         metrics.update(rollout_seconds=t1 - t0, learn_seconds=t2 - t1,
                        rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
         if config.log_every and (step + 1) % config.log_every == 0:
             log.scalars(step + 1, metrics)
             n = config.num_samples_logged
-            log.texts(step + 1, [records[i // g][config.data.train.prompt_field] for i in range(n)],
-                      rollout.texts[:n], rollout.rewards[:n])  # fmt: skip
+            field = config.data.train.prompt_field
+            rows = [(grp.record[field], t) for grp in groups for t in grp.texts][:n]
+            log.texts(step + 1, [p for p, _ in rows], [t for _, t in rows], rollout.rewards[:n])
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
         if (
             config.eval_every
@@ -261,6 +292,7 @@ def train(config, workdir: str, resume: bool) -> int:
                     "key": jax.random.key_data(root).tolist()}  # fmt: skip
             ckpt.save(step + 1, state, meta)
     bar.close()
+    pool.shutdown()
     ckpt.close()
     after = _evaluate(parts, state.params, eval_records, config, config.seed)
     log.scalars(config.num_steps, {f"eval/{k}": v for k, v in after.items() if k != "example"})

@@ -335,8 +335,8 @@ class Engine:
         """Completions for every prompt, num_samples (G) each: returns (state, results) with
         results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i).
         max_new_tokens is one int for all requests or a list with one per request (default
-        `EngineConfig.max_new_tokens`). `on_finish(n)`, if given, is called with the number of
-        sequences each refill finished (a progress bar hook)."""
+        `EngineConfig.max_new_tokens`). `on_finish(i, g, completion)`, if given, is called as each
+        sequence finishes (progress bars; scoring finished groups while decoding goes on)."""
         e, g = self.ecfg, num_samples
         if np.ndim(max_new_tokens) == 0:
             max_new = [int(max_new_tokens or e.max_new_tokens)] * len(prompts)
@@ -387,5 +387,5 @@ class Engine:
                 )
                 state = self.free_resource(state, s)
                 if on_finish is not None:
-                    on_finish(1)
+                    on_finish(i, k, results[i][k])
         return state, results

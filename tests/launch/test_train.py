@@ -38,7 +38,8 @@ TINY = [
     "--config.data.prompts_per_step=4", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
     "--config.data.eval.num=8", "--config.eval.pass_k=2", "--config.eval.pass_n=2",
     "--config.eval_every=0", "--config.checkpoint_every=3", "--config.sampling.num_slots=16",
-    "--config.sampling.num_pages=64",
+    "--config.sampling.num_pages=64", "--config.rl.dynamic_sampling=True",
+    "--config.sampling.release_kv_between_phases=False",
 ]  # fmt: skip
 
 
@@ -72,7 +73,8 @@ def _metrics(workdir):
 
 
 def test_resume_is_exact(tmp_path):
-    """6 steps straight == 3 steps, then a new process that resumes and runs 3 more."""
+    """6 steps straight == 3 steps, then a new process that resumes and runs 3 more (with DAPO
+    dynamic sampling and a decode state kept across rollouts, the paths with the most state)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     _train(straight, 6)
     _train(split, 3)

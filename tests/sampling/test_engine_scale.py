@@ -161,10 +161,10 @@ def test_100_requests_in_16_slots_match_solo_runs():
     engine = Engine(SMALL, graphdef, ecfg, SamplingParams(0.0))
     busy, finished = [], []
 
-    def on_finish(k):
-        finished.append(k)
-        # Called once the k finished slots are free again: they were busy during the last step.
-        busy.append(ecfg.num_slots - len(engine.free_slots) + k)
+    def on_finish(i, g, completion):
+        finished.append(1)
+        # Called once the finished slot is free again: it was busy during the last step.
+        busy.append(ecfg.num_slots - len(engine.free_slots) + 1)
 
     state, batched = engine.generate_all(
         params, engine.init_state(), prompts, max_new_tokens=max_new, on_finish=on_finish
