@@ -284,7 +284,8 @@ def train(config, workdir: str, resume: bool) -> int:
         ):
             ev = _evaluate(parts, state.params, eval_records, config, config.seed)
             log.scalars(step + 1, {f"eval/{k}": v for k, v in ev.items() if k != "example"})
-            bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
+            if main_process:
+                bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
         last = step + 1 == config.num_steps
         if last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)
