@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-from launch.validate import learner_config, sampling_params
+from launch.validate import engine_config, learner_config, sampling_params
 
 
 def _abstract(tree, shardings):
@@ -42,7 +42,7 @@ def dry_run(config) -> int:
     from models.hf_config import config_from_hf, generation_ids
     from models.sharding import abstract_model, make_mesh, param_count, state_shardings
     from rl.learner import Batch, Learner, batch_sharding
-    from sampling.engine import Engine, EngineConfig
+    from sampling.engine import Engine
 
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
@@ -70,12 +70,7 @@ def dry_run(config) -> int:
     )
     learner = Learner(learner_config(config), graphdef, shardings)
     step = learner.lower_step(params, batch).compile()
-    ecfg = EngineConfig(
-        num_slots=s.num_slots, page_size=s.page_size, num_pages=s.num_pages,
-        max_prompt_len=s.max_prompt_len, max_new_tokens=s.max_new_tokens,
-        min_new_tokens=s.min_new_tokens, steps_per_call=s.steps_per_call,
-        stop_ids=tuple(ids.eos_ids), backend=s.backend, cache_dtype=m.dtype,
-    )  # fmt: skip
+    ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     generate = engine.lower_generate(params).compile()
     learn = _report("learn", step)

@@ -29,7 +29,13 @@ import jax
 import numpy as np
 
 from launch.cli import UsageError, fail, parse_args
-from launch.validate import check_resumable, learner_config, sampling_params, validate
+from launch.validate import (
+    check_resumable,
+    engine_config,
+    learner_config,
+    sampling_params,
+    validate,
+)
 
 FLAGS = {"workdir": "", "dry_run": False}
 
@@ -84,7 +90,7 @@ def setup(config):
     from models.tokenizer import load_tokenizer
     from rl.learner import Learner
     from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
+    from sampling.engine import Engine
 
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
@@ -98,13 +104,7 @@ def setup(config):
     tokenizer = load_tokenizer(m.hf_checkpoint if tok_spec["type"] == "hf" else tok_spec)
     learner = Learner(learner_config(config), graphdef, state_shardings(params, mesh, rules))
     state = learner.init_state(params)
-    s = config.sampling
-    ecfg = EngineConfig(
-        num_slots=s.num_slots, page_size=s.page_size, num_pages=s.num_pages,
-        max_prompt_len=s.max_prompt_len, max_new_tokens=s.max_new_tokens,
-        min_new_tokens=s.min_new_tokens, steps_per_call=s.steps_per_call,
-        stop_ids=tuple(ids.eos_ids), backend=s.backend, cache_dtype=m.dtype,
-    )  # fmt: skip
+    ecfg = engine_config(config, ids.eos_ids)
     engine = lambda sampling: Engine(cfg, graphdef, ecfg, sampling, mesh=mesh, rules=rules)
     engines = {
         "rollout": engine(sampling_params(config)),

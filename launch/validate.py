@@ -17,6 +17,7 @@ from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from sampling.distribution import SamplingParams
+from sampling.engine import EngineConfig
 
 BUILTIN_SOURCES = ("arithmetic",)
 
@@ -51,6 +52,16 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
 def sampling_params(c: ml_collections.ConfigDict) -> SamplingParams:
     s = c.sampling
     return SamplingParams(s.temperature, s.top_k, s.top_p)
+
+
+def engine_config(c: ml_collections.ConfigDict, stop_ids) -> EngineConfig:
+    s = c.sampling
+    return EngineConfig(
+        num_slots=s.num_slots, page_size=s.page_size, num_pages=s.num_pages,
+        max_prompt_len=s.max_prompt_len, max_new_tokens=s.max_new_tokens,
+        min_new_tokens=s.min_new_tokens, steps_per_call=s.steps_per_call,
+        stop_ids=tuple(stop_ids), backend=s.backend, cache_dtype=c.model.dtype,
+    )  # fmt: skip
 
 
 def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
