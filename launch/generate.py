@@ -22,27 +22,20 @@ import sys
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
     """Token ids of every line of a jsonl file; errors name the file and line."""
+    from rl.data import read_jsonl
+
     prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: invalid JSON ({e})") from None
-            if "prompt_ids" in record:
-                prompts.append([int(t) for t in record["prompt_ids"]])
-            elif "prompt" in record:
-                if tokenizer is None:
-                    raise ValueError(
-                        f"{path}:{n}: 'prompt' text needs tokenizer.json in the checkpoint"
-                    )
-                prompts.append(tokenizer.encode(record["prompt"], add_bos=tokenizer.add_bos_token))
-            else:
-                raise ValueError(f"{path}:{n}: expected a 'prompt' or 'prompt_ids' field")
-            if not prompts[-1]:
-                raise ValueError(f"{path}:{n}: empty prompt")
+    for where, record in read_jsonl(path):
+        if "prompt_ids" in record:
+            prompts.append([int(t) for t in record["prompt_ids"]])
+        elif "prompt" in record:
+            if tokenizer is None:
+                raise ValueError(f"{where}: 'prompt' text needs tokenizer.json in the checkpoint")
+            prompts.append(tokenizer.encode(record["prompt"], add_bos=tokenizer.add_bos_token))
+        else:
+            raise ValueError(f"{where}: expected a 'prompt' or 'prompt_ids' field")
+        if not prompts[-1]:
+            raise ValueError(f"{where}: empty prompt")
     return prompts
 
 

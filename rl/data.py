@@ -79,18 +79,22 @@ def _check_record(record: Any, prompt_field: str, where: str) -> dict:
     return record
 
 
-def _read_jsonl(path: str, prompt_field: str) -> list[dict]:
-    records = []
+def read_jsonl(path: str) -> list[tuple[str, Any]]:
+    """(where, record) for every non-empty line; `where` ("path:line") is for error messages."""
+    out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                out.append((f"{path}:{n}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            records.append(_check_record(record, prompt_field, f"{path}:{n}"))
-    return records
+    return out
+
+
+def _read_jsonl(path: str, prompt_field: str) -> list[dict]:
+    return [_check_record(record, prompt_field, where) for where, record in read_jsonl(path)]
 
 
 def _read_parquet(path: str, prompt_field: str) -> list[dict]:
