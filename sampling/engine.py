@@ -120,8 +120,10 @@ def _prefill(graphdef, params, state, tokens, length, page_row, layout):
     return _constrain(state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages), layout)
 
 
-@functools.partial(jax.jit, static_argnums=8, donate_argnums=0)
-def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src, copy_dst, layout):
+@functools.partial(jax.jit, static_argnums=9, donate_argnums=0)
+def _insert(
+    state, slots, cached_len, last_token, request_id, max_new, shared, copy_src, copy_dst, layout
+):
     """Resets slots int32[G] for one request; copies pages copy_src -> copy_dst int32[G-1]."""
     # Unused copy entries are (0, 0): the null page copied onto itself.
     k = state.k_pages.at[:, :, copy_dst].set(state.k_pages[:, :, copy_src])
@@ -137,6 +139,7 @@ def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src,
         max_new=state.max_new.at[slots].set(max_new),
         request_id=state.request_id.at[slots].set(request_id),
         sample_id=state.sample_id.at[slots].set(jnp.arange(g, dtype=jnp.int32)),
+        shared_len=state.shared_len.at[slots].set(shared),
         stopped=state.stopped.at[slots].set(False),
         tokens=state.tokens.at[slots].set(0),
         logprobs=state.logprobs.at[slots].set(0.0),
@@ -144,9 +147,18 @@ def _insert(state, slots, cached_len, last_token, request_id, max_new, copy_src,
     return _constrain(state, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
+def _release(state, slots, layout):
+    """Marks slots int32[n] idle (their pages are freed on the host)."""
+    state = state.replace(
+        active=state.active.at[slots].set(False), shared_len=state.shared_len.at[slots].set(0)
+    )
+    return _constrain(state, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10), donate_argnums=2)
 def _generate(
-    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout
+    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group
 ):
     model = nnx.merge(graphdef, params)
     stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
@@ -158,7 +170,9 @@ def _generate(
         return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), n)
 
     def step(_, s: DecodeState):
-        hook = PagedDecode(s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, backend)
+        hook = PagedDecode(
+            s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, s.shared_len, backend, group
+        )
         logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
         logits = logits[:, 0]  # f32 [B,V]
         early = (s.num_generated < min_new)[:, None]
@@ -209,6 +223,10 @@ class Engine:
         self.allocator = PageAllocator(ecfg.num_pages)
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
         self.free_slots = list(range(ecfg.num_slots))
+        # Cascade attention (`paged_attention_blockwise`): a group of `group` samples placed on
+        # an aligned block of slots reads its shared prompt pages once per decode step.
+        # `generate_all` sets it to its num_samples; 1 = off.
+        self.group = 1
         # Per busy slot: cap on cached tokens and the host copy of its
         # cached length after the last `generate`, to allocate ahead.
         self._cap: dict[int, int] = {}
@@ -267,9 +285,15 @@ class Engine:
             # (the last sampled token is never cached, but the last prompt token is).
             self._cap[s] = prefix.cached_len + max_new
         slots_arr = np.asarray(slots, np.int32)
+        aligned = (
+            g == self.group > 1
+            and slots[0] % g == 0
+            and list(slots) == list(range(slots[0], slots[0] + g))
+        )
+        shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
         return _insert(
             state, slots_arr, np.int32(prefix.cached_len), np.int32(prefix.last_token),
-            np.int32(request_id), np.int32(max_new), src, dst, self.layout,
+            np.int32(request_id), np.int32(max_new), np.int32(shared), src, dst, self.layout,
         )  # fmt: skip
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -289,7 +313,7 @@ class Engine:
         state = state.replace(page_indices=jnp.asarray(table))
         state = _generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            e.min_new_tokens, e.backend, root_key, self.layout,
+            e.min_new_tokens, e.backend, root_key, self.layout, self.group,
         )  # fmt: skip
         lengths = host_values(state.lengths)  # also blocks on the loop
         for s in self._len:
@@ -309,15 +333,38 @@ class Engine:
         return _generate.lower(
             self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
             tuple(e.stop_ids), e.min_new_tokens, e.backend, jax.random.key(0), self.layout,
+            self.group,
         )  # fmt: skip
 
     def free_resource(self, state, slot: int) -> DecodeState:
         """Returns the slot's pages to the pool and marks the slot idle."""
-        self.allocator.free(self.table.clear_row(slot))
-        self._len.pop(slot, None)
-        self._cap.pop(slot, None)
-        self.free_slots.append(slot)
-        return state.replace(active=state.active.at[slot].set(False))
+        return self.free_slots_of(state, [slot])
+
+    def free_slots_of(self, state, slots) -> DecodeState:
+        """`free_resource` for several slots with one device call."""
+        for slot in slots:
+            self.allocator.free(self.table.clear_row(slot))
+            self._len.pop(slot, None)
+            self._cap.pop(slot, None)
+            self.free_slots.append(slot)
+        return _release(state, np.asarray(slots, np.int32), self.layout)
+
+    def _take_slots(self, g: int) -> list[int]:
+        """g free slots: an aligned block when one is free (cascade attention), else the free
+        slots of partly used blocks first, keeping whole blocks for later groups."""
+        free = set(self.free_slots)
+        if g == self.group > 1:
+            for b0 in range(0, self.ecfg.num_slots, g):
+                if all(s in free for s in range(b0, b0 + g)):
+                    slots = list(range(b0, b0 + g))
+                    break
+            else:
+                whole = lambda s: all(t in free for t in range(s - s % g, s - s % g + g))
+                slots = sorted(self.free_slots, key=whole)[:g]
+        else:
+            slots = self.free_slots[:g]
+        self.free_slots = [s for s in self.free_slots if s not in slots]
+        return slots
 
     def worst_case_pages(self, prompt_len: int, max_new: int, g: int) -> int:
         """Pages a group of g samples may hold at its longest (shared full prompt pages once)."""
@@ -352,6 +399,8 @@ class Engine:
         if bad:
             raise ValueError(f"max_new_tokens={bad[0]}: need 1..{e.max_new_tokens}")
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        if not self._len:  # no busy slot: the block size can change
+            self.group = g if g > 1 and e.num_slots % g == 0 else 1
         root = jax.random.key(seed)
         results: list[list[Completion | None]] = [[None] * g for _ in prompts]
         owner: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
@@ -369,15 +418,16 @@ class Engine:
                     break
                 pending.pop(0)
                 state, prefix = self.prefill(params, state, prompts[i])
-                slots = [self.free_slots.pop(0) for _ in range(g)]
+                slots = self._take_slots(g)
                 state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
                 owner.update({s: (i, k) for k, s in enumerate(slots)})
             state = self.generate(params, state, root)
             active, n, stopped, toks, lps = host_values(
                 (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
             )
-            for s in [s for s in owner if not active[s]]:
-                i, k = owner.pop(s)
+            done = [s for s in owner if not active[s]]
+            for s in done:
+                i, k = owner[s]
                 m = int(n[s])
                 results[i][k] = Completion(
                     tokens=toks[s, :m].tolist(),
@@ -385,7 +435,10 @@ class Engine:
                     finish_reason="stop" if stopped[s] else "length",
                     length=m,
                 )
-                state = self.free_resource(state, s)
+            if done:
+                state = self.free_slots_of(state, done)
+            for s in done:
+                i, k = owner.pop(s)
                 if on_finish is not None:
                     on_finish(i, k, results[i][k])
         return state, results

@@ -102,48 +102,111 @@ def paged_attention_reference(q, k_pages, v_pages, lengths, page_indices):
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-def paged_attention_blockwise(q, k_pages, v_pages, lengths, page_indices, pages_per_block=2):
+def paged_attention_blockwise(
+    q, k_pages, v_pages, lengths, page_indices, pages_per_block=2, layer=None, group=1,
+    shared_len=None,
+):  # fmt: skip
     """Decode attention by an online softmax over blocks of pages: q [B,N,H] -> [B,N,H].
 
     Same result as `paged_attention_reference` (f32 softmax, zeros for length 0) to rounding;
-    see the module docstring for why it exists.
+    see the module docstring for why it exists. Pages are one layer's [K,P,page_size,H], or with
+    `layer` the stacked [L,K,P,page_size,H] pool, read in place.
+
+    Cascade (group > 1, B a multiple of it): slot b's first shared_len[b] tokens int32[B] (a
+    page multiple; 0 = none) are a prompt it shares with the other slots of its aligned block
+    b // group that have the same shared_len, with the same first pages in the table. Each
+    block's shared pages are read once, against all of the block's group * R query rows at
+    once, and every row then continues the same online softmax over its own pages only.
     """
     k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)  # numpy can't take tracers
     b, n, h = q.shape
-    kh, _, page_size, _ = k_pages.shape
+    kh, num_pages, page_size, _ = k_pages.shape[-4:]
     r = n // kh
-    num_blocks = -(-page_indices.shape[1] // pages_per_block)
-    # Padding with the null page lets every block be a full one; positions past `lengths` are
-    # masked anyway.
-    table = jnp.pad(
-        page_indices, ((0, 0), (0, num_blocks * pages_per_block - page_indices.shape[1]))
-    )
-    s_blk = pages_per_block * page_size
+    base = (0 if layer is None else layer * kh) + jnp.arange(kh)  # (layer, k) row block
+    pool = (k_pages.reshape(-1, page_size * h), v_pages.reshape(-1, page_size * h))
+    pool += (base * num_pages,)
     qg = q.reshape(b, kh, r, h).astype(jnp.float32) * h**-0.5  # [B,K,R,H]
+    m0 = jnp.full((b, kh, r), -jnp.inf, jnp.float32)
+    carry = (m0, jnp.zeros_like(m0), jnp.zeros((b, kh, r, h), jnp.float32))
+    start = jnp.zeros((b,), jnp.int32)  # first page of each row's own part
+    if group > 1:
+        carry = _shared_prefix(qg, pool, page_indices, shared_len, group, carry, pages_per_block)
+        start = shared_len // page_size
+    stop = jnp.broadcast_to(lengths[:, None], (b, r))
+    _, l, acc = _online_softmax(qg, pool, page_indices, start, stop, carry, pages_per_block)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # length 0: acc = 0, so zeros
+    return out.reshape(b, n, h).astype(q.dtype)
+
+
+def _shared_prefix(qg, pool, page_indices, shared_len, group, carry, pages_per_block):
+    """The cascade's first pass: each aligned block of `group` slots attends over its shared
+    pages with all its query rows together; returns the online-softmax carry per slot."""
+    b, kh, r, h = qg.shape
+    g = b // group
+
+    def to_blocks(x):  # [B,K,R,...] -> [G',K,group*R,...]
+        x = x.reshape(g, group, kh, r, *x.shape[3:])
+        return jnp.moveaxis(x, 1, 2).reshape(g, kh, group * r, *x.shape[4:])
+
+    def from_blocks(x):
+        x = x.reshape(g, kh, group, r, *x.shape[3:])
+        return jnp.moveaxis(x, 2, 1).reshape(b, kh, r, *x.shape[4:])
+
+    sl = shared_len.reshape(g, group)
+    leader = jnp.arange(g) * group + jnp.argmax(sl, axis=1)  # a slot holding the shared pages
+    stop = jnp.repeat(sl, r, axis=1)  # [G',group*R]: rows outside the prefix attend to nothing
+    start = jnp.zeros((g,), jnp.int32)
+    carry = tuple(to_blocks(x) for x in carry)
+    carry = _online_softmax(
+        to_blocks(qg), pool, page_indices[leader], start, stop, carry, pages_per_block
+    )
+    return tuple(from_blocks(x) for x in carry)
+
+
+def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
+    """Continues an online softmax of queries qg [X,K,M,H] over the pages table[x, start[x]:],
+    which hold tokens start[x]*page_size .. stop[x,m]-1 for query row m; carry is the running
+    max and sum [X,K,M] and the unnormalised output [X,K,M,H].
+
+    `pool` is (k rows, v rows, first row of each kv head): the pool viewed as one page per row
+    [(L*K*P), page_size*H], so a block's pages are one gather with a 1-D index, which XLA:CPU
+    copies several times faster than a multi-dimensional page gather.
+    """
+    k_rows, v_rows, head_base = pool
+    x, kh, _, h = qg.shape
+    page_size = k_rows.shape[1] // h
+    s_blk = pages_per_block * page_size
+    # Padding with the null page lets every block be a full one; its positions are masked.
+    table = jnp.pad(table, ((0, 0), (0, pages_per_block)))
+    last = table.shape[1] - pages_per_block
 
     def block(i, carry):
-        m, l, acc = carry  # running max and sum [B,K,R], unnormalised output [B,K,R,H]
-        idx = jax.lax.dynamic_slice_in_dim(table, i * pages_per_block, pages_per_block, 1)
-        k = k_pages[:, idx].reshape(kh, b, s_blk, h).astype(jnp.float32)  # [K,B,S,H]
-        v = v_pages[:, idx].reshape(kh, b, s_blk, h).astype(jnp.float32)
-        s = jnp.einsum("BKRH,KBSH->BKRS", qg, k)
-        valid = (i * s_blk + jnp.arange(s_blk))[None] < lengths[:, None]  # [B,S]
-        s = jnp.where(valid[:, None, None], s, -jnp.inf)
+        m, l, acc = carry
+        first = start + i * pages_per_block  # [X]
+        idx = jax.vmap(lambda t, f: jax.lax.dynamic_slice_in_dim(t, f, pages_per_block))(
+            table, jnp.minimum(first, last)
+        )  # [X,p]; clamped rows have no valid positions left
+        rows = (idx[:, None, :] + head_base[None, :, None]).reshape(-1)  # [X*K*p]
+        # Table entries are pages of the pool, so in bounds: no clamping or fill per element.
+        k = k_rows.at[rows].get(mode="promise_in_bounds").reshape(x, kh, s_blk, h)
+        v = v_rows.at[rows].get(mode="promise_in_bounds").reshape(x, kh, s_blk, h)
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        s = jnp.einsum("XKMH,XKSH->XKMS", qg, k)
+        pos = first[:, None] * page_size + jnp.arange(s_blk)  # [X,S]
+        valid = pos[:, None, :] < stop[:, :, None]  # [X,M,S]
+        s = jnp.where(valid[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         # A row with nothing valid yet keeps m = -inf; shifting by 0 then gives exp(-inf) = 0
         # instead of exp(nan).
         shift = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-        p = jnp.exp(s - shift[..., None])  # [B,K,R,S]
+        p = jnp.exp(s - shift[..., None])  # [X,K,M,S]
         scale = jnp.exp(m - shift)
-        acc = acc * scale[..., None] + jnp.einsum("BKRS,KBSH->BKRH", p, v)
+        acc = acc * scale[..., None] + jnp.einsum("XKMS,XKSH->XKMH", p, v)
         return m_new, l * scale + p.sum(-1), acc
 
-    m0 = jnp.full((b, kh, r), -jnp.inf, jnp.float32)
-    init = (m0, jnp.zeros_like(m0), jnp.zeros((b, kh, r, h), jnp.float32))
-    trips = (jnp.max(lengths, initial=0) + s_blk - 1) // s_blk
-    _, l, acc = jax.lax.fori_loop(0, trips, block, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # length 0: acc = 0, so zeros
-    return out.reshape(b, n, h).astype(q.dtype)
+    todo = jnp.maximum(stop.max(1) - start * page_size, 0)
+    trips = (jnp.max(todo, initial=0) + s_blk - 1) // s_blk
+    return jax.lax.fori_loop(0, trips, block, carry)
 
 
 def _largest_divisor(n: int, candidates) -> int:
@@ -201,22 +264,32 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 def paged_attention(
-    q, k_pages, v_pages, lengths, page_indices, backend: str = "auto", interpret: bool = False
-):
+    q, k_pages, v_pages, lengths, page_indices, backend: str = "auto", interpret: bool = False,
+    layer=None, group: int = 1, shared_len=None,
+):  # fmt: skip
     """Decode attention, one query per sequence: q [B,N,H] -> [B,N,H] (see module docstring).
 
+    Pages are one layer's [K,P,page_size,H], or with `layer` the stacked [L,K,P,page_size,H] of
+    all layers. `group` and `shared_len` describe prompts shared by aligned blocks of slots
+    (see `paged_attention_blockwise`); only the blockwise backend uses them to read shared pages
+    once, the others read every row's table as it is, which gives the same result.
     interpret=True runs the Pallas GPU kernel in interpret mode (works on CPU, for tests). The
     TPU kernel is interpreted on CPU by wrapping the call in `pltpu.force_tpu_interpret_mode()`.
     """
     backend = resolve_backend(backend)
-    if q.shape[1] % k_pages.shape[0]:
-        raise ValueError(
-            f"query heads N={q.shape[1]} not a multiple of kv heads K={k_pages.shape[0]}"
-        )
+    kh = k_pages.shape[-4]
+    if q.shape[1] % kh:
+        raise ValueError(f"query heads N={q.shape[1]} not a multiple of kv heads K={kh}")
+    if backend == "blockwise":
+        return paged_attention_blockwise(
+            q, k_pages, v_pages, lengths, page_indices, layer=layer, group=group,
+            shared_len=shared_len,
+        )  # fmt: skip
+    if layer is not None:
+        # The kernels take one layer; on GPU/TPU this slice is a copy of the layer per call.
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, lengths, page_indices)
-    if backend == "blockwise":
-        return paged_attention_blockwise(q, k_pages, v_pages, lengths, page_indices)
     lengths = lengths.astype(jnp.int32)  # both kernels insist on int32
     page_indices = page_indices.astype(jnp.int32)
     if backend == "pallas_gpu":

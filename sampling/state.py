@@ -49,6 +49,7 @@ class DecodeState:
     max_new: jax.Array  # int32 [B] per-request max_new_tokens (<= M)
     request_id: jax.Array  # int32 [B] the PRNG stream: fold_in(fold_in(root, request), sample)
     sample_id: jax.Array  # int32 [B] g in 0..G-1 within the request's group
+    shared_len: jax.Array  # int32 [B] prompt tokens shared with its aligned slot block (cascade)
     stopped: jax.Array  # bool [B] finished on a stop id (else by length, once inactive)
     tokens: jax.Array  # int32 [B,M] generated tokens
     logprobs: jax.Array  # f32 [B,M] sampler log-probs of `tokens`
@@ -71,6 +72,7 @@ class DecodeState:
             max_new=i32(b),
             request_id=i32(b),
             sample_id=i32(b),
+            shared_len=i32(b),
             stopped=jnp.zeros((b,), bool),
             tokens=i32(b, max_new),
             logprobs=jnp.zeros((b, max_new), jnp.float32),
@@ -82,7 +84,7 @@ _PAGES = (None, "kv_heads", None, None, None)
 _AXES = DecodeState(
     k_pages=_PAGES, v_pages=_PAGES, page_indices=("batch", None), lengths=("batch",),
     last_token=("batch",), active=("batch",), num_generated=("batch",), max_new=("batch",),
-    request_id=("batch",), sample_id=("batch",), stopped=("batch",), tokens=("batch", None),
+    request_id=("batch",), sample_id=("batch",), shared_len=("batch",), stopped=("batch",), tokens=("batch", None),
     logprobs=("batch", None),
 )  # fmt: skip
 
@@ -123,7 +125,9 @@ class PagedDecode:
     page_indices: jax.Array  # int32 [B,pages_per_seq]
     lengths: jax.Array  # int32 [B] cached tokens before this step
     active: jax.Array  # bool [B]
+    shared_len: jax.Array  # int32 [B] see `sampling.paged_attention.paged_attention_blockwise`
     backend: str = struct.field(pytree_node=False, default="auto")
+    group: int = struct.field(pytree_node=False, default=1)
 
     def attend(self, layer, q, k, v):
         positions = jnp.where(self.active, self.lengths, -1)[:, None]  # [B,1]
@@ -131,6 +135,7 @@ class PagedDecode:
         # Idle slots attend over length 0 (zeros out); their result is discarded by the caller.
         lengths = jnp.where(self.active, self.lengths + 1, 0)
         out = paged_attention(
-            q[:, 0], kp[layer], vp[layer], lengths, self.page_indices, self.backend
-        )
+            q[:, 0], kp, vp, lengths, self.page_indices, self.backend, layer=layer,
+            group=self.group, shared_len=self.shared_len,
+        )  # fmt: skip
         return out[:, None], self.replace(k_pages=kp, v_pages=vp)

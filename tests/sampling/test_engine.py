@@ -178,6 +178,34 @@ def test_group_shares_full_prompt_pages(tiny):
     assert jnp.isfinite(state.k_pages).all()
 
 
+def test_cascade_attention_matches_reference(tiny):
+    """The blockwise backend's cascade: groups of G=4 on aligned blocks of 8 slots read their
+    shared prompt pages once. Stop ids free slots unevenly, so later groups also land on
+    non-aligned slots (no sharing) next to a block's remaining samples; every token and log-prob
+    must equal the reference backend's, which reads each row's full page table."""
+    graphdef, params = tiny
+    kw = dict(
+        num_slots=8, page_size=4, num_pages=160, max_prompt_len=24, max_new_tokens=10,
+        min_new_tokens=1, steps_per_call=4, stop_ids=tuple(range(1, 13)),
+    )  # fmt: skip
+    prompts = _prompts([9, 17, 6, 24, 13, 3], seed=5)  # 2, 4, 1, 5, 3, 0 shared pages
+    out, placements = {}, []
+    for backend in ("reference", "blockwise"):
+        engine = Engine(CFG, graphdef, EngineConfig(backend=backend, **kw), SamplingParams(1.0))
+        take = engine._take_slots
+        engine._take_slots = lambda g, take=take: placements.append(take(g)) or placements[-1]
+        _, out[backend] = engine.generate_all(
+            params, engine.init_state(), prompts, num_samples=4, seed=3
+        )
+        assert engine.group == 4 and engine.allocator.num_used == 0
+    aligned = [s for s in placements if s in ([0, 1, 2, 3], [4, 5, 6, 7])]
+    assert 0 < len(aligned) < len(placements)  # both kinds of placement happened
+    for want, got in zip(out["reference"], out["blockwise"]):
+        for a, b in zip(want, got):
+            assert a.tokens == b.tokens
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_one_new_token_at_page_boundary(tiny):
     """max_new_tokens=1: the fed last prompt token is cached at a page boundary (position 8)."""
     graphdef, params = tiny

@@ -100,7 +100,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     #     moves no parameter bytes (a mismatch would make jit reshard, i.e. copy, per call);
     lowered_args = [
         (engine_lib._generate, (graphdef, params, state, sampling, 4, (), 0, "reference",
-                                jax.random.key(0), engine.layout)),
+                                jax.random.key(0), engine.layout, engine.group)),
         (engine_lib._prefill, (graphdef, params, state, np.zeros((1, 16), np.int32),
                                np.int32(3), np.zeros((1, ecfg.pages_per_seq), np.int32),
                                engine.layout)),
@@ -160,11 +160,16 @@ def test_100_requests_in_16_slots_match_solo_runs():
     max_new = rng.integers(1, 17, n).tolist()
     engine = Engine(SMALL, graphdef, ecfg, SamplingParams(0.0))
     busy, finished = [], []
+    generate = engine.generate
+
+    def counting_generate(*args, **kw):  # busy slots during each generate call
+        busy.append(ecfg.num_slots - len(engine.free_slots))
+        return generate(*args, **kw)
+
+    engine.generate = counting_generate
 
     def on_finish(i, g, completion):
         finished.append(1)
-        # Called once the finished slot is free again: it was busy during the last step.
-        busy.append(ecfg.num_slots - len(engine.free_slots) + 1)
 
     state, batched = engine.generate_all(
         params, engine.init_state(), prompts, max_new_tokens=max_new, on_finish=on_finish

@@ -213,3 +213,34 @@ def test_write_kv_into_stacked_layers_equals_per_layer_write():
     np.testing.assert_array_equal(
         np.delete(np.asarray(kp), 1, axis=0), np.delete(np.asarray(stacked), 1, axis=0)
     )
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 2, 3])
+def test_cascade_over_shared_prompts_matches_reference(pages_per_block):
+    """group=4 over a stacked [L,K,P,page_size,H] pool: block 0 shares 2 pages, block 1 shares
+    3 but its first slot was reused by an unrelated sequence (shared_len 0, its own table row,
+    so the block's shared pages must come from another row), block 2 shares nothing."""
+    rng = np.random.default_rng(11)
+    layers, n, k, group = 2, 8, 2, 4
+    b = 3 * group
+    kp = rng.standard_normal((layers, k, 1 + b * PAGES_PER_SEQ, PAGE_SIZE, H)).astype(np.float32)
+    vp = rng.standard_normal(kp.shape).astype(np.float32)
+    q = rng.standard_normal((b, n, H)).astype(np.float32)
+    pages = iter(rng.permutation(np.arange(1, kp.shape[2])).tolist())
+    table = np.array([[next(pages) for _ in range(PAGES_PER_SEQ)] for _ in range(b)], np.int32)
+    shared_len = np.zeros(b, np.int32)
+    for block, shared in ((0, 2), (1, 3)):
+        rows = range(block * group + block, (block + 1) * group)  # row 4 is the reused slot
+        table[list(rows), :shared] = table[rows[0], :shared]
+        shared_len[list(rows)] = shared * PAGE_SIZE
+    full = PAGE_SIZE * PAGES_PER_SEQ
+    lengths = np.maximum(rng.integers(1, full + 1, b), shared_len).astype(np.int32)
+    lengths[1], lengths[6], lengths[11] = shared_len[1], full, 0  # own part empty; full; idle
+    f = jax.jit(paged_attention_blockwise, static_argnames=("pages_per_block", "layer", "group"))
+    for layer in range(layers):
+        want = paged_attention_reference(q, kp[layer], vp[layer], lengths, table)
+        got = f(q, kp, vp, lengths, table, pages_per_block, layer, group, shared_len)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(
+            got, _numpy_attention(q, kp[layer], vp[layer], lengths, table), atol=1e-5
+        )
