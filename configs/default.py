@@ -123,7 +123,7 @@ def get_config():
     c.sampling.num_pages = 512  # KV pages in the pool (page 0 is reserved)
     c.sampling.steps_per_call = 5  # decode steps per jitted generate call
     c.sampling.max_prompt_len = 8  # longest prompt (tokens); longer prompts are an error
-    c.sampling.backend = "auto"  # paged attention: auto | reference | pallas_gpu | pallas_tpu
+    c.sampling.backend = "auto"  # paged attention: auto | cpu_kernel | blockwise | reference | pallas_gpu | pallas_tpu
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
 
     c.eval = ml_collections.ConfigDict()

@@ -10,6 +10,9 @@ Device work is three jitted functions over the donated `sampling.state.DecodeSta
   prefill returns the first token instead; this costs one batched decode step per request.)
 - `bulk_insert`: one prefilled prompt into G slots. Full prompt pages are shared (refcount G);
   the partial last page is copied on device for samples 1..G-1 (`PageAllocator.fork_for_group`).
+  `generate_all` puts a group on an aligned block of G slots when one is free, which lets the
+  blockwise attention backend read the shared pages once per block (`shared_len`); otherwise on
+  any free slots, the free slots of partly used blocks first.
 - `generate`: `num_steps` decode steps in one `lax.fori_loop`.
 
 Sharding: the engine runs on whatever mesh the parameters live on and takes them as they are.
@@ -49,6 +52,7 @@ from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
 from sampling.distribution import SamplingParams, log_probs
 from sampling.page_allocator import PageAllocator, PageTable
+from sampling.paged_attention import resolve_backend
 from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
 
 
@@ -62,7 +66,7 @@ class EngineConfig:
     min_new_tokens: int = 0  # stop ids are masked before this many tokens
     steps_per_call: int = 16  # decode steps per `generate` call (host sync period)
     stop_ids: tuple[int, ...] = ()
-    backend: str = "auto"  # paged attention backend
+    backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
     cache_dtype: str = "float32"
 
     @property
@@ -217,6 +221,9 @@ class Engine:
         # Hashable (a static jit argument), also for rules written as lists in a config.
         rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
         self.layout = None if mesh is None else (mesh, rules)
+        # Resolved once: "auto" avoids the CPU kernel when the state spans several devices.
+        sharded = mesh is not None and mesh.size > 1
+        self.backend = resolve_backend(ecfg.backend, sharded, ecfg.cache_dtype)
         self._shardings = None
         if mesh is not None:
             self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
@@ -313,7 +320,7 @@ class Engine:
         state = state.replace(page_indices=jnp.asarray(table))
         state = _generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            e.min_new_tokens, e.backend, root_key, self.layout, self.group,
+            e.min_new_tokens, self.backend, root_key, self.layout, self.group,
         )  # fmt: skip
         lengths = host_values(state.lengths)  # also blocks on the loop
         for s in self._len:
@@ -332,7 +339,7 @@ class Engine:
             )
         return _generate.lower(
             self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
-            tuple(e.stop_ids), e.min_new_tokens, e.backend, jax.random.key(0), self.layout,
+            tuple(e.stop_ids), e.min_new_tokens, self.backend, jax.random.key(0), self.layout,
             self.group,
         )  # fmt: skip
 

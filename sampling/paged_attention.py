@@ -1,5 +1,5 @@
 """Paged KV cache writes and single-query (decode) paged attention: a pure-JAX reference, a
-blockwise pure-JAX version for CPU, and dispatch to JAX's Pallas GPU and TPU kernels.
+blockwise pure-JAX version, a C++ kernel for CPU, and dispatch to JAX's Pallas GPU and TPU kernels.
 
 Layout per layer (the layout of both Pallas kernels, so no transposes on the hot path):
   k_pages, v_pages  [K, P, page_size, H]   P pages in the pool, page 0 the null page
@@ -16,16 +16,20 @@ Conventions all backends share, so that results agree with `models.attention.den
   null page, must hold finite values. Pages start zeroed and only ever receive k/v, so they do.
 
 Backend notes (jax 0.10.2):
-- blockwise (what "auto" picks on CPU): flash-decoding in plain JAX. A `lax.fori_loop` walks the
-  page table in blocks of `pages_per_block` pages, gathers only that block of K and V, and keeps
-  an online softmax (running max, sum, output). Its trip count is dynamic, ceil(max(lengths) /
-  block), so a batch of short sequences reads only the pages it has, and the whole cache is never
-  materialised: the reference's [B,S,K,H] gather is a fresh buffer per layer and step, which on
-  CPU costs more than the attention math. Measured on a 2-core CPU at 256 sequences (bench-small
-  shape, pages_per_seq 12): 0.45x the reference's time at half length and 0.7x at full length;
-  2 pages of 16 (32 keys) per block was the fastest block, 6+ pages lose the gain. The einsum
-  letter order below (q [B,K,R,H] against blocks [K,B,S,H]) was also the fastest of the layouts
-  tried, by about 1.5x: XLA:CPU runs these tiny batched matmuls very differently by layout.
+- cpu_kernel (what "auto" picks on CPU): `sampling.cpu_attention`, a C++ kernel through the XLA
+  FFI that reads the pages in place. At 256 sequences (bench-small shape) it takes about half the
+  blockwise backend's time. It is built on first use; without a C++ compiler "auto" falls back
+  to blockwise, and it is not used when the pages are sharded over devices.
+- blockwise (the portable CPU fallback, and what sharded pages use on CPU): flash-decoding in
+  plain JAX. A `lax.fori_loop` walks the page table in blocks of `pages_per_block` pages,
+  gathers only that block of K and V, and keeps an online softmax (running max, sum, output). Its
+  trip count is dynamic, so a batch of short sequences reads only the pages it has, and the whole
+  cache is never materialised (the reference's [B,S,K,H] gather is a fresh buffer per layer and
+  step). Three things measured on a 2-core CPU at 256 sequences decide its speed: a block is one
+  1-D gather of page rows from the pool viewed as [(L*K*P), page_size*H] (about 1.4x faster than
+  indexing the 5-D pool), the stacked pool is indexed in that gather rather than sliced per layer
+  (a slice feeding a loop is copied every step), and the cascade: slots on an aligned block of
+  G samples read their shared prompt pages once, with all G*R query rows at once.
 - pallas_tpu rounds K and V to bfloat16 inside the kernel (its page loader casts to bf16
   whatever the cache dtype), while q and the softmax stay in f32. An f32 cache therefore gets
   bf16 attention on TPU; a bf16 cache, the intended use, loses nothing.
@@ -42,8 +46,9 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import dense_attention
+from sampling import cpu_attention
 
-BACKENDS = ("auto", "reference", "blockwise", "pallas_gpu", "pallas_tpu")
+BACKENDS = ("auto", "reference", "blockwise", "cpu_kernel", "pallas_gpu", "pallas_tpu")
 
 
 def write_kv(k_pages, v_pages, k, v, page_indices, positions, layer=None):
@@ -254,13 +259,20 @@ def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices):
     return out.astype(q.dtype)
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """ "auto" -> the kernel for jax.default_backend() (tpu, gpu), else "blockwise"."""
+def resolve_backend(backend: str = "auto", sharded: bool = False, dtype="float32") -> str:
+    """ "auto" -> the kernel for jax.default_backend() (tpu, gpu); on CPU the C++ kernel
+    (`sampling.cpu_attention`) when it builds, the pages are f32 and not spread over several
+    devices (the kernel is opaque to GSPMD), else "blockwise"."""
     if backend not in BACKENDS:
         raise ValueError(f"paged attention backend={backend!r}: must be one of {BACKENDS}")
-    if backend == "auto":
-        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "blockwise")
-    return backend
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    if platform in ("tpu", "gpu"):
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}[platform]
+    if not sharded and jnp.dtype(dtype) == jnp.float32 and cpu_attention.available():
+        return "cpu_kernel"
+    return "blockwise"
 
 
 def paged_attention(
@@ -276,10 +288,12 @@ def paged_attention(
     interpret=True runs the Pallas GPU kernel in interpret mode (works on CPU, for tests). The
     TPU kernel is interpreted on CPU by wrapping the call in `pltpu.force_tpu_interpret_mode()`.
     """
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, dtype=k_pages.dtype)
     kh = k_pages.shape[-4]
     if q.shape[1] % kh:
         raise ValueError(f"query heads N={q.shape[1]} not a multiple of kv heads K={kh}")
+    if backend == "cpu_kernel":
+        return cpu_attention.paged_attention_cpu(q, k_pages, v_pages, lengths, page_indices, layer)
     if backend == "blockwise":
         return paged_attention_blockwise(
             q, k_pages, v_pages, lengths, page_indices, layer=layer, group=group,

@@ -182,7 +182,8 @@ def test_cascade_attention_matches_reference(tiny):
     """The blockwise backend's cascade: groups of G=4 on aligned blocks of 8 slots read their
     shared prompt pages once. Stop ids free slots unevenly, so later groups also land on
     non-aligned slots (no sharing) next to a block's remaining samples; every token and log-prob
-    must equal the reference backend's, which reads each row's full page table."""
+    must equal the reference backend's, which reads each row's full page table. The C++ CPU
+    kernel runs the same workload."""
     graphdef, params = tiny
     kw = dict(
         num_slots=8, page_size=4, num_pages=160, max_prompt_len=24, max_new_tokens=10,
@@ -190,7 +191,7 @@ def test_cascade_attention_matches_reference(tiny):
     )  # fmt: skip
     prompts = _prompts([9, 17, 6, 24, 13, 3], seed=5)  # 2, 4, 1, 5, 3, 0 shared pages
     out, placements = {}, []
-    for backend in ("reference", "blockwise"):
+    for backend in ("reference", "blockwise", "cpu_kernel"):
         engine = Engine(CFG, graphdef, EngineConfig(backend=backend, **kw), SamplingParams(1.0))
         take = engine._take_slots
         engine._take_slots = lambda g, take=take: placements.append(take(g)) or placements[-1]
@@ -200,10 +201,11 @@ def test_cascade_attention_matches_reference(tiny):
         assert engine.group == 4 and engine.allocator.num_used == 0
     aligned = [s for s in placements if s in ([0, 1, 2, 3], [4, 5, 6, 7])]
     assert 0 < len(aligned) < len(placements)  # both kinds of placement happened
-    for want, got in zip(out["reference"], out["blockwise"]):
-        for a, b in zip(want, got):
-            assert a.tokens == b.tokens
-            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    for backend in ("blockwise", "cpu_kernel"):
+        for want, got in zip(out["reference"], out[backend]):
+            for a, b in zip(want, got):
+                assert a.tokens == b.tokens
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def test_one_new_token_at_page_boundary(tiny):

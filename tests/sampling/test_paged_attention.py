@@ -5,12 +5,15 @@ Shapes are tiny because interpret mode runs the kernels op by op. Page assignmen
 so that a kernel reading pages in pool order instead of table order would fail.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from sampling import cpu_attention
 from sampling.paged_attention import (
     gather_kv,
     paged_attention,
@@ -82,13 +85,69 @@ def test_length_zero_gives_zeros():
 
 
 def test_dispatch_on_cpu():
-    assert resolve_backend("auto") == "blockwise"
+    # With a C++ compiler (CI has one) the kernel must build; sharded or bf16 pages never use it.
+    kernel = cpu_attention._compiler() is not None
+    assert resolve_backend("auto") == ("cpu_kernel" if kernel else "blockwise")
+    assert resolve_backend("auto", sharded=True) == "blockwise"
+    assert resolve_backend("auto", dtype=jnp.bfloat16) == "blockwise"
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda")
     q, kp, vp, lengths, table = _cache(2, 4, 2, _lengths(2))
     got = jax.jit(paged_attention)(q, kp, vp, lengths, table)
-    want = paged_attention_blockwise(q, kp, vp, lengths, table)
-    np.testing.assert_allclose(got, want, atol=0)
+    np.testing.assert_allclose(got, paged_attention_reference(q, kp, vp, lengths, table), atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,h", [(2, 2, 16), (8, 2, 16), (8, 2, 32), (14, 2, 64)])
+def test_cpu_kernel_matches_reference(n, k, h):
+    """The C++ kernel on a stacked [L,K,P,page_size,H] pool, per layer: head sizes with a
+    compile-time path (32, 64) and the generic one (16); GQA ratios 1, 4 and 7. Pages past each
+    length hold NaN: the kernel must never read them."""
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(12)
+    layers, b = 3, 5
+    kp = rng.standard_normal((layers, k, 1 + b * PAGES_PER_SEQ, PAGE_SIZE, h)).astype(np.float32)
+    vp = rng.standard_normal(kp.shape).astype(np.float32)
+    q = rng.standard_normal((b, n, h)).astype(np.float32)
+    table = rng.permutation(np.arange(1, kp.shape[2])).reshape(b, PAGES_PER_SEQ).astype(np.int32)
+    full = PAGE_SIZE * PAGES_PER_SEQ
+    lengths = np.array([0, 1, 2 * PAGE_SIZE, full, int(rng.integers(2, full)) | 1], np.int32)
+    kp_nan, vp_nan = kp.copy(), vp.copy()
+    for i, length in enumerate(lengths):
+        unread = table[i, -(-length // PAGE_SIZE) :]
+        kp_nan[:, :, unread], vp_nan[:, :, unread] = np.nan, np.nan
+        if length % PAGE_SIZE:  # the tail of a partial page
+            last = table[i, length // PAGE_SIZE]
+            kp_nan[:, :, last, length % PAGE_SIZE :] = np.nan
+            vp_nan[:, :, last, length % PAGE_SIZE :] = np.nan
+    f = jax.jit(cpu_attention.paged_attention_cpu, static_argnames="layer")
+    for layer in range(layers):
+        want = paged_attention_reference(q, kp[layer], vp[layer], lengths, table)
+        got = np.asarray(f(q, kp_nan, vp_nan, lengths, table, layer=layer))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert np.all(got[0] == 0)
+    got = paged_attention(q, kp_nan[1], vp_nan[1], lengths, table, backend="cpu_kernel")
+    np.testing.assert_allclose(
+        got, paged_attention_reference(q, kp[1], vp[1], lengths, table), atol=1e-5
+    )
+
+
+def test_cpu_kernel_falls_back_without_compiler(monkeypatch, tmp_path):
+    """No compiler: one warning, `available()` False, and "auto" picks the blockwise backend."""
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    cpu_attention.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+            assert not cpu_attention.available()
+        assert resolve_backend("auto") == "blockwise"
+    finally:
+        monkeypatch.undo()
+        cpu_attention.available.cache_clear()
+    # A fresh cache directory builds the kernel from scratch (what a new machine does).
+    if cpu_attention._compiler() is not None:
+        monkeypatch.setenv("JAX_GRPO_KERNEL_CACHE", str(tmp_path))
+        lib = cpu_attention._build(cpu_attention._compiler())
+        assert os.path.dirname(lib) == str(tmp_path) and os.path.getsize(lib) > 0
 
 
 @pytest.mark.parametrize("n,k", GQA)
