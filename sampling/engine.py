@@ -1,9 +1,10 @@
 """Sampler engine in the shape of JetStream's: prefill, insert / bulk_insert, generate, free_resource,
 plus the batch loop `generate_all` with continuous batching over a fixed number of slots.
 
-Device work is three jitted functions over the donated `sampling.state.DecodeState`:
-- `prefill`: one prompt, right-padded to a power-of-two bucket (few recompiles), written into
-  freshly allocated pages. It caches all prompt tokens but the last; the last prompt token is the
+Device work is jitted functions over the donated `sampling.state.DecodeState`:
+- `prefill` / `prefill_many`: prompts right-padded to a power-of-two length bucket, up to
+  MAX_PREFILL_BATCH rows per call (`generate_all` prefills everything it admits at once), written
+  into freshly allocated pages. It caches all prompt tokens but the last; the last prompt token is the
   `last_token` of the slot and is fed by the first decode step. So every token, the first one
   included, is sampled in one place (`_generate`) with one key schedule, and the G samples of a
   group draw their first tokens independently without a second sampling path. (JetStream's
@@ -102,6 +103,9 @@ def host_values(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
+MAX_PREFILL_BATCH = 16  # prompts per prefill call
+
+
 def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
@@ -114,13 +118,15 @@ def _constrain(state: DecodeState, layout) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def _prefill(graphdef, params, state, tokens, length, page_row, layout):
-    """tokens int32[1,T] (T a bucket), length int32 real tokens, page_row int32[1,pages_per_seq]."""
+def _prefill(graphdef, params, state, tokens, lengths, page_rows, layout):
+    """tokens int32[n,T] (n and T buckets), lengths int32[n] real tokens per row (0: padding),
+    page_rows int32[n,pages_per_seq]."""
     model = nnx.merge(graphdef, params)
-    t = tokens.shape[1]
-    valid = (jnp.arange(t) < length)[None]  # [1,T]
-    hook = PagedPrefill(state.k_pages, state.v_pages, page_row, valid)
-    _, hook = model.hidden(tokens, jnp.arange(t, dtype=jnp.int32)[None], valid, hook)
+    n, t = tokens.shape
+    valid = jnp.arange(t)[None] < lengths[:, None]  # [n,T]
+    hook = PagedPrefill(state.k_pages, state.v_pages, page_rows, valid)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    _, hook = model.hidden(tokens, positions, valid, hook)
     return _constrain(state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages), layout)
 
 
@@ -260,19 +266,34 @@ class Engine:
         return -(-tokens // self.ecfg.page_size)
 
     def prefill(self, params, state, prompt: list[int]) -> tuple[DecodeState, Prefix]:
+        state, (prefix,) = self.prefill_many(params, state, [prompt])
+        return state, prefix
+
+    def prefill_many(self, params, state, prompts) -> tuple[DecodeState, list[Prefix]]:
+        """`prefill` for several prompts, up to MAX_PREFILL_BATCH per jitted call (the row count
+        is padded to a power of two, the length to a bucket, to keep compiles few)."""
         e = self.ecfg
-        if not 1 <= len(prompt) <= e.max_prompt_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{e.max_prompt_len}")
-        n = len(prompt) - 1
-        pages = self.allocator.alloc(self._pages_for(n))
-        if n:
-            t = _bucket(n)
-            tokens = np.zeros((1, t), np.int32)
-            tokens[0, :n] = prompt[:-1]
-            row = np.zeros((1, e.pages_per_seq), np.int32)
-            row[0, : len(pages)] = pages
-            state = _prefill(self.graphdef, params, state, tokens, np.int32(n), row, self.layout)
-        return state, Prefix(pages, n, int(prompt[-1]))
+        for prompt in prompts:
+            if not 1 <= len(prompt) <= e.max_prompt_len:
+                raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{e.max_prompt_len}")
+        # The last prompt token is not cached: the first decode step feeds it.
+        prefixes = []
+        for prompt in prompts:
+            pages = self.allocator.alloc(self._pages_for(len(prompt) - 1))
+            prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1])))
+        todo = [(p, x) for p, x in zip(prompts, prefixes) if x.cached_len]
+        for c in range(0, len(todo), MAX_PREFILL_BATCH):
+            chunk = todo[c : c + MAX_PREFILL_BATCH]
+            rows = 1 << (len(chunk) - 1).bit_length()
+            tokens = np.zeros((rows, _bucket(max(x.cached_len for _, x in chunk))), np.int32)
+            lengths = np.zeros((rows,), np.int32)
+            page_rows = np.zeros((rows, e.pages_per_seq), np.int32)
+            for r, (prompt, x) in enumerate(chunk):
+                tokens[r, : x.cached_len] = prompt[:-1]
+                lengths[r] = x.cached_len
+                page_rows[r, : len(x.pages)] = x.pages
+            state = _prefill(self.graphdef, params, state, tokens, lengths, page_rows, self.layout)
+        return state, prefixes
 
     def bulk_insert(self, state, prefix: Prefix, slots, request_id: int, max_new: int):
         """Puts one prefix into len(slots) = G slots sharing its full pages."""
@@ -413,21 +434,28 @@ class Engine:
         owner: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
         pending = list(range(len(prompts)))
         while pending or owner:
-            while pending and len(self.free_slots) >= g:
+            # Admit what fits (slots, and worst-case pages counted together), prefill it in
+            # batches, then put each prompt into its G slots.
+            admit, need_total = [], 0
+            free_pages = self.allocator.num_free - self._reserved()
+            while pending and len(self.free_slots) - g * len(admit) >= g:
                 i = pending[0]
                 need = self.worst_case_pages(len(prompts[i]), max_new[i], g)
-                if need > self.allocator.num_free - self._reserved():
-                    if not owner:
+                if need_total + need > free_pages:
+                    if not owner and not admit:
                         raise ValueError(
                             f"request {i} needs {need} KV pages, more than the pool "
                             f"({e.num_pages - 1}); raise num_pages"
                         )
                     break
-                pending.pop(0)
-                state, prefix = self.prefill(params, state, prompts[i])
-                slots = self._take_slots(g)
-                state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
-                owner.update({s: (i, k) for k, s in enumerate(slots)})
+                admit.append(pending.pop(0))
+                need_total += need
+            if admit:
+                state, prefixes = self.prefill_many(params, state, [prompts[i] for i in admit])
+                for i, prefix in zip(admit, prefixes):
+                    slots = self._take_slots(g)
+                    state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
+                    owner.update({s: (i, k) for k, s in enumerate(slots)})
             state = self.generate(params, state, root)
             active, n, stopped, toks, lps = host_values(
                 (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)

@@ -102,7 +102,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
         (engine_lib._generate, (graphdef, params, state, sampling, 4, (), 0, "reference",
                                 jax.random.key(0), engine.layout, engine.group)),
         (engine_lib._prefill, (graphdef, params, state, np.zeros((1, 16), np.int32),
-                               np.int32(3), np.zeros((1, ecfg.pages_per_seq), np.int32),
+                               np.array([3], np.int32), np.zeros((1, ecfg.pages_per_seq), np.int32),
                                engine.layout)),
     ]  # fmt: skip
     for fn, args in lowered_args:
@@ -185,8 +185,9 @@ def test_100_requests_in_16_slots_match_solo_runs():
         assert c.finish_reason == "stop" or c.length == m
         assert all(t not in stop_ids for t in c.tokens[:-1])
 
-    # Solo reruns through the same engine reuse every compiled function (fixed state shapes,
-    # prefill buckets 16/32/64 already seen), which keeps 100 reruns to a few seconds.
+    # Solo reruns through the same engine reuse the compiled decode loop (fixed state shapes)
+    # and add at most one single-prompt prefill per length bucket (16/32/64), which keeps 100
+    # reruns to a few seconds.
     sizes = [f._cache_size() for f in (engine_lib._prefill, engine_lib._generate)]
     for i, p in enumerate(prompts):
         state, solo = engine.generate_all(
@@ -194,4 +195,5 @@ def test_100_requests_in_16_slots_match_solo_runs():
         )
         assert solo[0][0].tokens == batched[i][0].tokens, i
         np.testing.assert_allclose(solo[0][0].logprobs, batched[i][0].logprobs, atol=1e-6)
-    assert [f._cache_size() for f in (engine_lib._prefill, engine_lib._generate)] == sizes
+    assert engine_lib._generate._cache_size() == sizes[1]
+    assert engine_lib._prefill._cache_size() <= sizes[0] + 3
