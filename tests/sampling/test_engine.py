@@ -28,7 +28,7 @@ CFG = ModelConfig(
 )  # fmt: skip
 ECFG = EngineConfig(
     num_slots=8, page_size=8, num_pages=96, max_prompt_len=24, max_new_tokens=12,
-    steps_per_call=4, backend="reference",
+    steps_per_call=4, backend="auto",  # the C++ kernel on CPU (blockwise without a compiler)
 )  # fmt: skip
 
 
@@ -47,7 +47,7 @@ def _prompts(lengths, seed=0):
     return [rng.integers(1, CFG.vocab_size, n).tolist() for n in lengths]
 
 
-def _check_greedy(name, mesh):
+def _check_greedy(name, mesh, backend="reference"):
     cfg, graphdef, params, _ = load_hf(os.path.join(FIXTURES, name), mesh)
     ref = dict(np.load(os.path.join(FIXTURES, name, "reference.npz")))
     mask = ref["attention_mask"].astype(bool)
@@ -55,7 +55,7 @@ def _check_greedy(name, mesh):
     steps = ref["greedy"].shape[1]
     ecfg = EngineConfig(
         num_slots=4, page_size=8, num_pages=64, max_prompt_len=16, max_new_tokens=steps,
-        steps_per_call=16, backend="reference",
+        steps_per_call=16, backend=backend,
     )  # fmt: skip
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=0.0))
     _, results = engine.generate_all(params, engine.init_state(), prompts)
@@ -65,9 +65,10 @@ def _check_greedy(name, mesh):
     assert engine.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_recorded_hf(name, mesh):
-    _check_greedy(name, mesh)
+def test_greedy_matches_recorded_hf(name, backend, mesh):
+    _check_greedy(name, mesh, backend)
 
 
 def test_greedy_with_sharded_params():
