@@ -1,0 +1,123 @@
+"""The sampler's jitted device functions over the donated `sampling.state.DecodeState`: prefill
+(prompts into their pages), insert (a prompt into its slots), release (slots idle) and generate
+(k decode steps in one `lax.fori_loop`). `sampling.engine.Engine` is the host side that calls
+them; see its docstring for the design (key schedule, min_new_tokens, sharding).
+
+Each takes `layout`, None on a single device or (mesh, rules), and pins its output state to
+that layout, so donation keeps reusing the same buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sampling.distribution import log_probs
+from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
+
+
+def _constrain(state: DecodeState, layout) -> DecodeState:
+    """Pins the state to its layout (None: single device, let XLA place it; else (mesh, rules))."""
+    if layout is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, *layout))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+def _prefill(graphdef, params, state, tokens, lengths, page_rows, layout):
+    """tokens int32[n,T] (n and T buckets), lengths int32[n] real tokens per row (0: padding),
+    page_rows int32[n,pages_per_seq]."""
+    model = nnx.merge(graphdef, params)
+    n, t = tokens.shape
+    valid = jnp.arange(t)[None] < lengths[:, None]  # [n,T]
+    hook = PagedPrefill(state.k_pages, state.v_pages, page_rows, valid)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    _, hook = model.hidden(tokens, positions, valid, hook)
+    return _constrain(state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages), layout)
+
+
+@functools.partial(jax.jit, static_argnums=9, donate_argnums=0)
+def _insert(
+    state, slots, cached_len, last_token, request_id, max_new, shared, copy_src, copy_dst, layout
+):
+    """Resets slots int32[G] for one request; copies pages copy_src -> copy_dst int32[G-1]."""
+    # Unused copy entries are (0, 0): the null page copied onto itself.
+    k = state.k_pages.at[:, :, copy_dst].set(state.k_pages[:, :, copy_src])
+    v = state.v_pages.at[:, :, copy_dst].set(state.v_pages[:, :, copy_src])
+    g = slots.shape[0]
+    state = state.replace(
+        k_pages=k,
+        v_pages=v,
+        lengths=state.lengths.at[slots].set(cached_len),
+        last_token=state.last_token.at[slots].set(last_token),
+        active=state.active.at[slots].set(True),
+        num_generated=state.num_generated.at[slots].set(0),
+        max_new=state.max_new.at[slots].set(max_new),
+        request_id=state.request_id.at[slots].set(request_id),
+        sample_id=state.sample_id.at[slots].set(jnp.arange(g, dtype=jnp.int32)),
+        shared_len=state.shared_len.at[slots].set(shared),
+        stopped=state.stopped.at[slots].set(False),
+        tokens=state.tokens.at[slots].set(0),
+        logprobs=state.logprobs.at[slots].set(0.0),
+    )
+    return _constrain(state, layout)
+
+
+@functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
+def _release(state, slots, layout):
+    """Marks slots int32[n] idle (their pages are freed on the host)."""
+    state = state.replace(
+        active=state.active.at[slots].set(False), shared_len=state.shared_len.at[slots].set(0)
+    )
+    return _constrain(state, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10), donate_argnums=2)
+def _generate(
+    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group
+):
+    model = nnx.merge(graphdef, params)
+    stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    is_stop_id = jnp.zeros((model.cfg.vocab_size,), bool).at[stop].set(bool(stop_ids), mode="drop")
+    rows = jnp.arange(state.lengths.shape[0])
+    m = state.tokens.shape[1]
+
+    def key_of(req, g, n):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), n)
+
+    def step(_, s: DecodeState):
+        hook = PagedDecode(
+            s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, s.shared_len, backend, group
+        )
+        logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
+        logits = logits[:, 0]  # f32 [B,V]
+        early = (s.num_generated < min_new)[:, None]
+        logits = jnp.where(early & is_stop_id[None], -jnp.inf, logits)
+        lp = log_probs(logits, sampling)  # [B,V]
+        if sampling.temperature == 0:
+            tok = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+        else:
+            keys = jax.vmap(key_of)(s.request_id, s.sample_id, s.num_generated)
+            tok = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
+        tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+        a = s.active
+        col = jnp.minimum(s.num_generated, m - 1)
+        n = s.num_generated + a
+        hit_stop = a & is_stop_id[tok]
+        s = s.replace(
+            k_pages=hook.k_pages,
+            v_pages=hook.v_pages,
+            lengths=s.lengths + a,
+            last_token=jnp.where(a, tok, s.last_token),
+            active=a & ~hit_stop & (n < s.max_new),
+            num_generated=n,
+            stopped=s.stopped | hit_stop,
+            tokens=s.tokens.at[rows, col].set(jnp.where(a, tok, s.tokens[rows, col])),
+            logprobs=s.logprobs.at[rows, col].set(jnp.where(a, tok_lp, s.logprobs[rows, col])),
+        )
+        return _constrain(s, layout)
+
+    return jax.lax.fori_loop(0, num_steps, step, _constrain(state, layout))
