@@ -236,7 +236,7 @@ class Engine:
         state = state.replace(page_indices=jnp.asarray(table))
         state = _generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            e.min_new_tokens, self.backend, root_key, self.layout, self.group,
+            e.min_new_tokens, self.backend, root_key, self.layout, self._cascade_group(),
         )  # fmt: skip
         lengths = host_values(state.lengths)  # also blocks on the loop
         for s in self._len:
@@ -256,8 +256,13 @@ class Engine:
         return _generate.lower(
             self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
             tuple(e.stop_ids), e.min_new_tokens, self.backend, jax.random.key(0), self.layout,
-            self.group,
+            self._cascade_group(),
         )  # fmt: skip
+
+    def _cascade_group(self) -> int:
+        """The block size the decode loop is compiled for: only the blockwise backend uses it,
+        so other backends always get 1 and are not recompiled per group size."""
+        return self.group if self.backend == "blockwise" else 1
 
     def free_resource(self, state, slot: int) -> DecodeState:
         """Returns the slot's pages to the pool and marks the slot idle."""
