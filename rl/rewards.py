@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
+from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
 import numpy as np
 
@@ -111,35 +112,76 @@ def arithmetic_exact(prompts, completions, *, answer, **_):
     return out
 
 
-# Comma-grouped numbers first, so "1,234" is one number and "1,2,3" three; a trailing '.' (end of
-# sentence) is not part of the number.
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_HASHES = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
-_ANY_NUMBER = re.compile(_NUMBER)
+# GSM8K numbers. A sign is '+', '-' or a dash-like minus (U+2212 minus sign, U+2012 figure dash,
+# U+2013 en dash, U+FE63 small / U+FF0D fullwidth hyphen-minus), and counts only directly before the
+# digits or the leading '.' ("-5", "-.5"), or before a currency '$' ("-$5"; also "$-5").
+# After '####' the answer is one number, so a ',' between digits is always a separator ("1,2345" is
+# 12345) and spaces (plain, no-break U+00A0, thin U+2009, narrow no-break U+202F) separate groups of
+# exactly three digits ("1 234"). In free text "1,2,3" is a list, so there a ',', U+00A0, U+2009 or
+# U+202F only joins groups of exactly three digits ("1,234") and a plain space never joins.
+_SIGN = "[-+\u2212\u2012\u2013\ufe63\uff0d]"
+_FRACTION_EXPONENT = r"(?:\.\d+)?(?:[eE][-+\u2212]?\d{1,3}(?!\d))?"  # "1." stops before the '.'
+_HASHES = re.compile(
+    r"####[\s*_`]*"  # markdown around the answer: "#### **42**"
+    rf"(?:(?P<currency_sign>{_SIGN})?\\?\$\s*)?(?P<sign>{_SIGN})?"  # "$5", "-$5", "$-5", "\$5"
+    r"(?P<body>(?:\d{1,3}(?:[ \u00a0\u2009\u202f]\d{3})+(?!\d)|\d+(?:,\d+)*|(?=\.\d))"
+    + _FRACTION_EXPONENT
+    + ")"
+)
+_ANY_NUMBER = re.compile(
+    rf"(?:(?<![\w)\]}}])(?P<sign>{_SIGN})(?:\\?\$)?)?"  # after a digit, letter or bracket: hyphen
+    r"(?P<body>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?!\d)|\d+"
+    r"|(?<!\w)(?=\.\d))" + _FRACTION_EXPONENT + ")"
+)
+_TO_DECIMAL_SYNTAX = str.maketrans(
+    {
+        **{c: None for c in ", \u00a0\u2009\u202f+"},
+        **{c: "-" for c in "\u2212\u2012\u2013\ufe63\uff0d"},
+    }
+)
 
 
-def _normalize_number(s: str) -> str:
-    s = s.replace(",", "")
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")  # "72.0" -> "72", "2.50" -> "2.5"
-    return "0" if s == "-0" else s
+def _normalize_number(sign: str, body: str) -> str:
+    """The canonical string of the number `sign + body` as matched above, by exact decimal value.
+
+    Separators go, every minus-like sign becomes '-', and the value is written in plain notation
+    with no exponent, leading zeros or trailing fractional zeros: "007" -> "7", "2.50" -> "2.5",
+    "1e3" -> "1000", ".5" -> "0.5", "-0.0" -> "0". Equal values give equal strings.
+    """
+    value = Decimal((sign + body).translate(_TO_DECIMAL_SYNTAX))
+    if not value:
+        return "0"  # also "-0"
+    exact = Context(prec=len(value.as_tuple().digits), Emax=MAX_EMAX, Emin=MIN_EMIN)
+    return format(value.normalize(exact), "f")
 
 
 def extract_gsm8k_number(text: str) -> str | None:
-    """The number after the first `####`, else the last number in `text`, normalised; or None."""
+    """The GSM8K answer in `text` as a canonical decimal string ("1000", "0.5", "-5"), or None.
+
+    The answer is the number right after the first `####` that is followed by one, else the last
+    number anywhere in `text`, else None. Between `####` and the number may come whitespace,
+    markdown (`*`, `_`, backticks) and a currency `$` (or `\\$`). A number is an optional sign,
+    digits with optional separators (the comment above `_SIGN` says which), an optional `.fraction`
+    (or a bare `.5`) and an optional exponent of at most three digits (`1e3`, `2.5E-2`); whatever
+    follows it (a unit, '%', a sentence's '.', more text) is ignored. In the last-number fallback a
+    sign right after a digit, letter, '_' or closing bracket is a hyphen or an operator: "10-3"
+    gives 3, while "x = -3" and "(-3)" give -3. Values are exact (`decimal.Decimal`, never floats)
+    and canonical (see `_normalize_number`), so equal values give equal strings.
+    """
     m = _HASHES.search(text)
     if m is not None:
-        return _normalize_number(m.group(1))
-    numbers = _ANY_NUMBER.findall(text)
-    return _normalize_number(numbers[-1]) if numbers else None
+        return _normalize_number(m["sign"] or m["currency_sign"] or "", m["body"])
+    numbers = list(_ANY_NUMBER.finditer(text))
+    return _normalize_number(numbers[-1]["sign"] or "", numbers[-1]["body"]) if numbers else None
 
 
 @register_reward("gsm8k_answer")
 def gsm8k_answer(prompts, completions, *, answer, **_):
-    """1 if the completion's final number equals the gold one, else 0.
+    """1 if the completion's answer number equals the gold one in value, else 0.
 
     `answer` is GSM8K's full solution ending in `#### n` (a bare number works too); gold and
-    completion are extracted the same way by `extract_gsm8k_number`.
+    completion are extracted the same way by `extract_gsm8k_number`, so "#### 007", "7.0" and "7"
+    all match gold 7. A gold answer with no number raises ValueError naming the item.
     """
     out = []
     for i, (completion, gold_text) in enumerate(zip(completions, answer)):

@@ -33,28 +33,92 @@ def test_arithmetic_exact():
 @pytest.mark.parametrize(
     "text, number",
     [
-        ("so she has 1,234 left.\n#### 1,234", "1234"),
-        ("The answer is 42.", "42"),
+        # The seven inputs the old extractor got wrong.
+        ("#### 1,2345", "12345"),  # a ',' between digits is a separator, whatever the grouping
+        ("#### \u22125", "-5"),  # U+2212 minus sign
+        ("#### .5", "0.5"),
+        ("#### 007", "7"),
+        ("#### 1 234", "1234"),
+        ("#### 1e3", "1000"),
+        ("10-3", "3"),  # a '-' after a digit is an operator, not a sign
+        # Signs.
         ("#### -3", "-3"),
+        ("#### \u20135", "-5"),  # en dash directly before the digit
+        ("#### +5", "5"),
+        ("#### -.5", "-0.5"),
+        ("#### -0", "0"),
+        ("#### -0.00", "0"),
+        ("x = -3", "-3"),
+        ("(-3)", "-3"),
+        ("x-3", "3"),  # after a letter: a hyphen
+        ("f(2)-3", "3"),  # after a closing bracket: an operator
+        ("it is \u22127 degrees", "-7"),
+        ("10 - 3", "3"),  # a sign only counts directly before the digits
+        # Separators, currency, units, markdown.
+        ("so she has 1,234 left.\n#### 1,234", "1234"),
         ("#### $18", "18"),
+        ("#### $1,000", "1000"),
+        ("#### -$5", "-5"),
+        ("#### 1,000.50", "1000.5"),
+        ("#### 1\u2009234", "1234"),  # thin space
+        ("#### 1\u202f234 567", "1234567"),  # narrow no-break space, then a plain one
+        ("#### 18 dollars", "18"),
+        ("#### 50%", "50"),
+        ("#### 42.", "42"),
+        ("#### **42**", "42"),
+        ("The answer is **42**.", "42"),
+        ("#### 2.5E-2", "0.025"),
+        ("#### 12345678901234567890123456789012345", "12345678901234567890123456789012345"),
+        # The first #### wins; without one, the last number in the text.
+        ("#### 5 and later 7", "5"),
+        ("#### 5\n#### 7", "5"),
+        ("#### none here, but 9", "9"),
+        ("The answer is 42.", "42"),
         ("I get 3 then 72.0", "72"),
         ("costs 2.50 dollars", "2.5"),
-        ("#### 5 and later 7", "5"),
-        ("counted 1,2,3", "3"),
+        ("counted 1,2,3", "3"),  # in free text a badly grouped ',' separates a list
+        ("about 1\u2009234 of them", "1234"),
+        ("the 3 400 items", "400"),  # in free text a plain space never joins digits
+        ("version 1.2.3", "3"),
         ("no number here", None),
+        ("", None),
+        ("####", None),
     ],
 )
 def test_extract_gsm8k_number(text, number):
     assert extract_gsm8k_number(text) == number
 
 
-def test_gsm8k_answer():
-    gold = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,234"
-    completions = ["#### 1,234", "The answer is 1234.", "1234.0", "#### 1235", "no idea", "-1234"]
-    assert _score("gsm8k_answer", completions, [gold] * 6) == [1, 1, 1, 0, 0, 0]
-    assert _score("gsm8k_answer", ["The answer is 42."], ["42"]) == [1.0]
-    with pytest.raises(ValueError, match="no number in the answer"):
-        _score("gsm8k_answer", ["42"], ["unknown"])
+GSM8K_GOLD = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,234"
+
+
+@pytest.mark.parametrize(
+    "completion, gold, reward",
+    [
+        ("#### 007", "7", 1.0),  # compared by value, not as strings
+        ("The answer is 7.0", "7", 1.0),
+        ("#### 2.50", "2.5", 1.0),
+        ("#### .5", "0.5", 1.0),
+        ("#### 1e3", "1000", 1.0),
+        ("#### \u22125", "-5", 1.0),
+        ("#### 5", "-5", 0.0),
+        ("#### 1,234", GSM8K_GOLD, 1.0),
+        ("The answer is 1234.", GSM8K_GOLD, 1.0),
+        ("1234.0", GSM8K_GOLD, 1.0),
+        ("#### 1235", GSM8K_GOLD, 0.0),
+        ("-1234", GSM8K_GOLD, 0.0),
+        ("no idea", GSM8K_GOLD, 0.0),
+        ("0.1 + 0.2 = 0.3", "0.3", 1.0),  # exact decimals, no float rounding
+        ("#### 0.30000000000000004", "0.3", 0.0),
+    ],
+)
+def test_gsm8k_answer(completion, gold, reward):
+    assert _score("gsm8k_answer", [completion], [gold]) == [reward]
+
+
+def test_gsm8k_answer_gold_without_number():
+    with pytest.raises(ValueError, match="no number in the answer field of item 1"):
+        _score("gsm8k_answer", ["42", "42"], ["42", "unknown"])
 
 
 def test_registry_errors():
