@@ -25,15 +25,11 @@ def get_config():
     c.num_steps = 60  # GRPO steps (one rollout + learn phase each)
     c.checkpoint_every = 20  # steps between checkpoints (the last step is always saved)
     c.keep_checkpoints = 2  # orbax keeps this many most recent checkpoints
-    c.resume = (
-        None  # None: resume when the workdir has a checkpoint; True: require one; False: refuse
-    )
+    c.resume = None  # None: resume when the workdir has a checkpoint; True: require; False: refuse
     c.log_every = 1  # steps between metric lines / TensorBoard points
     c.eval_every = 20  # steps between held-out evaluations (also run before step 0 and at the end)
     c.num_samples_logged = 4  # completions written as text summaries per logged step
-    c.distributed = (
-        False  # call jax.distributed.initialize() (multi-host); also via JAX_COORDINATOR_ADDRESS
-    )
+    c.distributed = False  # jax.distributed.initialize() (multi-host); or JAX_COORDINATOR_ADDRESS
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data-parallel axis size
@@ -78,28 +74,38 @@ def get_config():
     c.data.eval.split = "eval"
     c.data.eval.seed = 1
 
+    # Every field of rl.losses.LossConfig, rl.learner.LearnerConfig, sampling.engine.EngineConfig
+    # and sampling.distribution.SamplingParams is set here under its own name
+    # (launch.validate.from_config maps them): rl and optim -> the learner, sampling -> the sampler.
     c.rl = ml_collections.ConfigDict()
     c.rl.num_generations = 8  # G completions per prompt
     c.rl.rewards = {"arithmetic_exact": 1.0}  # reward name -> weight (rl/rewards.py)
     c.rl.advantage = "group_std"  # group_std | group_mean (Dr.GRPO) | batch_std
     c.rl.advantage_eps = 1e-6  # added to the std
     c.rl.policy_loss = "ppo_clip"  # ppo_clip | dual_clip | gspo | cispo
-    c.rl.eps_low = 0.2  # PPO clip below
-    c.rl.eps_high = 0.28  # PPO clip above (DAPO clip-higher)
-    c.rl.aggregation = (
-        "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | drgrpo_constant
-    )
+    c.rl.eps_low = 0.2  # clip the ratio below at 1 - eps_low (ppo_clip, dual_clip, cispo)
+    c.rl.eps_high = 0.28  # clip above at 1 + eps_high (> eps_low: DAPO clip-higher)
+    c.rl.dual_clip_c = 3.0  # dual_clip: for A < 0 the loss is at most c * |A|
+    c.rl.gspo_eps_low = 3e-4  # gspo: clip range of the length-normalised sequence ratio, below ...
+    c.rl.gspo_eps_high = 4e-4  # ... and above
+    c.rl.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | ...
+    # ... drgrpo_constant (Dr. GRPO: sum / (sequences * max_new_tokens)); rl/losses.py aggregate
     c.rl.kl_coef = 0.0  # beta; 0 = no reference model is loaded or run
-    c.rl.kl_estimator = "k3"  # k1 | k2 | k3
-    c.rl.entropy_coef = 0.0  # entropy bonus
+    c.rl.kl_estimator = "k3"  # loss: k3 (grad KL(ref||pi)) | k2 (grad KL(pi||ref)); reward: k1
+    c.rl.kl_in = "loss"  # "loss": + beta * KL in the loss | "reward": - beta * sum_t k1 in the reward
+    c.rl.kl_clamp = 10.0  # |log ref - log pi| per token is clamped to this before any estimator
+    c.rl.entropy_coef = 0.0  # entropy bonus (entropy of the tempered full softmax)
     c.rl.is_correction = "none"  # sampler/learner mismatch correction: none | tis | mis
+    c.rl.is_level = "token"  # IS ratio per token | per "sequence"
+    c.rl.is_cap = 2.0  # tis: weight = min(ratio, is_cap)
+    c.rl.mis_low = 0.5  # mis: tokens (or sequences) with ratio outside [mis_low, mis_high] ...
+    c.rl.mis_high = 2.0  # ... get no policy loss
     c.rl.old_logp = "recompute"  # π_old: recompute (learner) | sampler (bypass)
     c.rl.num_iterations = 1  # μ: passes over each rollout
     c.rl.minibatches = 1  # optimizer steps per pass
     c.rl.micro_batches = 1  # gradient accumulation chunks per optimizer step
-    c.rl.overlong_buffer = (
-        0  # DAPO overlong shaping: tokens before the limit where the penalty ramps (0 = off)
-    )
+    c.rl.logprob_chunk = 128  # sequence positions per vocabulary projection in the learner
+    c.rl.overlong_buffer = 0  # DAPO soft overlong penalty: ramp over this many last tokens (0 off)
     c.rl.overlong_penalty = 1.0  # penalty at the length limit
     c.rl.mask_truncated = False  # DAPO: truncated completions get no loss
     c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups and sample more
@@ -107,23 +113,28 @@ def get_config():
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 2e-4  # peak AdamW learning rate
-    c.optim.warmup_steps = 5  # linear warmup
+    c.optim.warmup_steps = 5  # linear warmup from 0
     c.optim.decay_steps = 0  # cosine decay length after warmup (0 = constant)
+    c.optim.end_lr_fraction = 0.1  # the cosine decays to this fraction of the peak
     c.optim.weight_decay = 0.0  # decoupled, matrices only
+    c.optim.b1 = 0.9  # AdamW first-moment decay
+    c.optim.b2 = 0.999  # AdamW second-moment decay
     c.optim.max_grad_norm = 1.0  # global-norm clipping (0 = off)
 
     c.sampling = ml_collections.ConfigDict()
-    c.sampling.temperature = 1.0  # rollout temperature
+    c.sampling.temperature = 1.0  # rollout temperature (> 0); the learner scores with the same
     c.sampling.top_k = 0  # 0 = off (RL default: the learner then sees the exact distribution)
     c.sampling.top_p = 1.0  # 1.0 = off
     c.sampling.max_new_tokens = 5  # completion budget (answer + end token)
-    c.sampling.min_new_tokens = 0  # stop tokens masked before this many tokens
+    c.sampling.min_new_tokens = 0  # stop ids are banned before this many tokens (the learner too)
+    c.sampling.stop_ids = ()  # token ids that end a completion, besides the tokenizer's end ids
     c.sampling.num_slots = 128  # sequences decoded together
     c.sampling.page_size = 8  # tokens per KV page
     c.sampling.num_pages = 512  # KV pages in the pool (page 0 is reserved)
     c.sampling.steps_per_call = 5  # decode steps per jitted generate call
     c.sampling.max_prompt_len = 8  # longest prompt (tokens); longer prompts are an error
     c.sampling.backend = "auto"  # paged attention: auto | cpu_kernel | blockwise | reference | pallas_gpu | pallas_tpu
+    c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
 
     c.eval = ml_collections.ConfigDict()

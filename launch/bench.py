@@ -77,11 +77,10 @@ def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None,
     """(run, engine): run() samples every prompt g times with `Engine.generate_all`."""
     from sampling.distribution import SamplingParams
     from sampling.engine import Engine, EngineConfig
+    from sampling.page_allocator import group_pages
 
-    plen, ps = len(prompts[0]), ecfg_kw["page_size"]
-    # Engine.worst_case_pages: the full prompt pages are shared by the G samples of a group.
-    shared = (plen - 1) // ps
-    worst = shared + g * (-(-(plen - 1 + new_tokens) // ps) - shared)
+    plen = len(prompts[0])
+    worst = group_pages(plen, new_tokens, ecfg_kw["page_size"], g)
     num_slots = num_slots or len(prompts) * g
     ecfg = EngineConfig(
         num_slots=num_slots, num_pages=worst * (num_slots // g) + 1,

@@ -14,8 +14,10 @@ enough to own.
 from __future__ import annotations
 
 import ast
+import datetime
 import difflib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -125,6 +127,18 @@ def parse_args(argv: Sequence[str], flags: dict[str, object]):
     for dotted, value in overrides:
         apply_override(config, dotted, value)
     return config, config_path, options
+
+
+def config_json(config: ml_collections.ConfigDict) -> dict:
+    return json.loads(config.to_json())
+
+
+def workdir_for(config_path: str, given: str) -> str:
+    """--workdir, or runs/<config name>-<timestamp>."""
+    if given:
+        return given
+    name = os.path.splitext(os.path.basename(config_path))[0]
+    return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 
 def fail(message: str) -> int:

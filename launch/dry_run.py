@@ -14,12 +14,10 @@ from __future__ import annotations
 import jax
 
 from launch.validate import engine_config, learner_config, sampling_params
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
-    )
+from models.hf_config import config_from_hf, generation_ids
+from models.sharding import abstract_model, make_mesh, param_count, state_shardings, with_shardings
+from rl.learner import Batch, Learner, batch_sharding
+from sampling.engine import Engine
 
 
 def _report(name: str, compiled) -> float:
@@ -39,11 +37,6 @@ def _report(name: str, compiled) -> float:
 
 
 def dry_run(config) -> int:
-    from models.hf_config import config_from_hf, generation_ids
-    from models.sharding import abstract_model, make_mesh, param_count, state_shardings
-    from rl.learner import Batch, Learner, batch_sharding
-    from sampling.engine import Engine
-
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
     m, s = config.model, config.sampling
@@ -51,7 +44,7 @@ def dry_run(config) -> int:
     ids = generation_ids(m.hf_checkpoint)
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, rules)
-    params = _abstract(shapes, shardings)
+    params = with_shardings(shapes, shardings)
     print(f"{cfg.family}: {param_count(shapes) / 1e6:.1f}M parameters, mesh {dict(mesh.shape)}")
 
     rows = config.data.prompts_per_step * config.rl.num_generations // config.rl.minibatches
@@ -67,8 +60,9 @@ def dry_run(config) -> int:
         sampler_logp=spec((rows, t - 1), "float32"),
         old_logp=None if config.rl.old_logp == "recompute" else spec((rows, t - 1), "float32"),
         ref_logp=spec((rows, t - 1), "float32") if config.rl.kl_coef > 0 else None,
+        stop_masked=spec((rows, t - 1), "bool") if s.min_new_tokens else None,
     )
-    learner = Learner(learner_config(config), graphdef, shardings)
+    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
     step = learner.lower_step(params, batch).compile()
     ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)

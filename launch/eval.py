@@ -10,7 +10,9 @@ import argparse
 import json
 import sys
 
+from launch.build import load_run
 from launch.cli import UsageError, fail
+from rl.data import load_records
 
 
 def main(argv=None) -> int:
@@ -18,14 +20,11 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     args = p.parse_args(argv)
-    from launch.train import _evaluate, load_run
-    from rl.data import load_records
-
     try:
-        config, parts, state, step = load_run(args.workdir, args.step)
+        run, step = load_run(args.workdir, args.step)
     except UsageError as e:
         return fail(str(e))
-    result = _evaluate(parts, state.params, load_records(config.data.eval), config, config.seed)
+    result = run.evaluate(run.state.params, load_records(run.config.data.eval))
     print(json.dumps({"step": step, **result}))
     return 0
 

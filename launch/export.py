@@ -15,7 +15,9 @@ import os
 import shutil
 import sys
 
+from launch.build import load_run
 from launch.cli import UsageError, fail
+from models.hf import save_hf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -29,16 +31,13 @@ def main(argv=None) -> int:
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: param dtype)"
     )
     args = p.parse_args(argv)
-    from launch.train import load_run
-    from models.hf import save_hf
-
     try:
-        config, parts, state, step = load_run(args.workdir, args.step)
+        run, step = load_run(args.workdir, args.step)
     except UsageError as e:
         return fail(str(e))
-    save_hf(args.out, parts.cfg, state.params, parts.ids, dtype=args.dtype)
+    save_hf(args.out, run.model_cfg, run.state.params, run.ids, dtype=args.dtype)
     for name in TOKENIZER_FILES:
-        src = os.path.join(config.model.hf_checkpoint, name)
+        src = os.path.join(run.config.model.hf_checkpoint, name)
         if os.path.exists(src):
             shutil.copy(src, os.path.join(args.out, name))
     print(f"exported step {step} of {args.workdir} to {args.out}")

@@ -6,18 +6,21 @@ fails in a second instead of after compiling, and never touches an existing work
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import math
 import os
 
 import ml_collections
 
-from launch.cli import UsageError
+from launch.cli import UsageError, config_json
 from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
+from sampling.page_allocator import group_pages
 
 BUILTIN_SOURCES = ("arithmetic",)
 
@@ -33,44 +36,64 @@ def _need(cond: bool, field: str, value, reason: str) -> None:
         raise UsageError(f"config.{field}={value!r}: {reason}")
 
 
-def group_pages(prompt_len: int, max_new: int, page_size: int, g: int) -> int:
-    """KV pages one group needs at most: shared prompt pages + per sample a copied partial page
-    and its decode pages."""
-    return math.ceil(prompt_len / page_size) + g * (1 + math.ceil(max_new / page_size))
+def from_config(cls, c: ml_collections.ConfigDict, sections: tuple[str, ...], **given):
+    """cls(**fields) with every field not `given` read from the first of `sections` of the config
+    that has a field of that name: the one place where config fields meet the dataclasses.
 
-
-def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
-    rl = c.rl
-    return LossConfig(
-        policy_loss=rl.policy_loss, eps_low=rl.eps_low, eps_high=rl.eps_high,
-        kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef,
-        aggregation=rl.aggregation, max_new_tokens=c.sampling.max_new_tokens,
-        is_correction=rl.is_correction,
-    )  # fmt: skip
+    A dataclass field that no section holds is a bug in the config file, named in the error; a
+    value the dataclass refuses is reported as the config field it came from.
+    """
+    kwargs, origin = dict(given), {}
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs:
+            continue
+        where = next((s for s in sections if f.name in c[s]), None)
+        if where is None:
+            raise UsageError(f"config.{'/'.join(sections)} has no field {f.name} ({cls.__name__})")
+        value = c[where][f.name]
+        kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+        origin[f.name] = f"config.{where}.{f.name}"
+    try:
+        obj = cls(**kwargs)
+        if hasattr(obj, "validate"):
+            obj.validate()
+    except ValueError as e:
+        msg = str(e)
+        field = msg.split("=")[0].split(".")[-1]
+        if field in origin:
+            msg = (
+                f"{origin[field]}{msg[msg.index('=') :]}"
+                if "=" in msg
+                else f"{origin[field]}: {msg}"
+            )
+        raise UsageError(msg) from None
+    return obj
 
 
 def sampling_params(c: ml_collections.ConfigDict) -> SamplingParams:
-    s = c.sampling
-    return SamplingParams(s.temperature, s.top_k, s.top_p)
+    return from_config(SamplingParams, c, ("sampling",))
 
 
-def engine_config(c: ml_collections.ConfigDict, stop_ids) -> EngineConfig:
-    s = c.sampling
-    return EngineConfig(
-        num_slots=s.num_slots, page_size=s.page_size, num_pages=s.num_pages,
-        max_prompt_len=s.max_prompt_len, max_new_tokens=s.max_new_tokens,
-        min_new_tokens=s.min_new_tokens, steps_per_call=s.steps_per_call,
-        stop_ids=tuple(stop_ids), backend=s.backend, cache_dtype=c.model.dtype,
-    )  # fmt: skip
+def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
+    return from_config(LossConfig, c, ("rl", "sampling"))
 
 
-def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
-    o, rl = c.optim, c.rl
-    return LearnerConfig(
-        learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, decay_steps=o.decay_steps,
-        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, micro_batches=rl.micro_batches,
-        num_iterations=rl.num_iterations, minibatches=rl.minibatches, old_logp=rl.old_logp,
-        sampling=sampling_params(c), loss=loss_config(c),
+def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
+    """The tokenizer's end ids and config.sampling.stop_ids, each once."""
+    return tuple(dict.fromkeys([*eos_ids, *c.sampling.stop_ids]))
+
+
+def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
+    dtype = c.sampling.cache_dtype or c.model.dtype
+    return from_config(
+        EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype
+    )
+
+
+def learner_config(c: ml_collections.ConfigDict, eos_ids) -> LearnerConfig:
+    return from_config(
+        LearnerConfig, c, ("optim", "rl"), sampling=sampling_params(c), loss=loss_config(c),
+        stop_ids=stop_ids(c, eos_ids),
     )  # fmt: skip
 
 
@@ -93,6 +116,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
           f"B*G = {b * g} is not divisible by minibatches*micro_batches = {mb}")  # fmt: skip
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")
+    _need(s.temperature > 0, "sampling.temperature", s.temperature,
+          "a rollout needs temperature > 0 (0 is greedy: G identical completions, no signal)")  # fmt: skip
+    _need(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
+          f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
     need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, g)
     _need(
         s.num_pages - 1 >= need, "sampling.num_pages", s.num_pages,
@@ -119,10 +146,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         else:
             _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
                   f"expected jsonl, parquet or one of {BUILTIN_SOURCES}")  # fmt: skip
-    try:
-        learner_config(c).validate()
-    except ValueError as e:
-        raise UsageError(f"config.rl / config.optim: {e}") from None
+    learner_config(c, ())
+    engine_config(c, ())
 
 
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -150,3 +175,18 @@ def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None
     return d
+
+
+def prepare_workdir(config, workdir: str) -> bool:
+    """Checks the resume settings against the workdir; returns whether to resume. Writes nothing."""
+    saved = os.path.join(workdir, "config.json")
+    ckpts = os.path.join(workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+    if config.resume is False and os.path.exists(saved):
+        raise UsageError(f"--workdir {workdir} already holds a run and config.resume=False")
+    if config.resume is True and not has_ckpt:
+        raise UsageError(f"config.resume=True but {workdir} has no checkpoint")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            check_resumable(json.load(f), config_json(config))
+    return has_ckpt

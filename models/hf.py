@@ -32,7 +32,7 @@ from models.hf_config import (
     generation_config_to_hf,
     generation_ids,
 )
-from models.sharding import DEFAULT_RULES, abstract_model, path_name, state_shardings
+from models.sharding import DEFAULT_RULES, abstract_model, is_var, path_name, state_shardings
 
 _DTYPES = {
     "float32": np.float32,
@@ -88,12 +88,6 @@ def _mapping(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Callable
         m[ours + "mlp.up"] = (hf + "mlp.up_proj.weight", (f, d), *transpose)
         m[ours + "mlp.down"] = (hf + "mlp.down_proj.weight", (d, f), *transpose)
     return m
-
-
-def _is_var(x) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Variable)
 
 
 def _tensor_files(ckpt_dir: str) -> dict[str, str]:
@@ -158,8 +152,8 @@ def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, **config_overrides: Any):
         x = np.ascontiguousarray(to_ours(x).astype(target))
         return var.replace(jax.device_put(x, sharding.get_value()))
 
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)
-    flat_sh = jax.tree.leaves(shardings, is_leaf=_is_var)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_var)
+    flat_sh = jax.tree.leaves(shardings, is_leaf=is_var)
     leaves = [read(path, var, sh) for (path, var), sh in zip(flat, flat_sh)]
     return cfg, graphdef, jax.tree_util.tree_unflatten(treedef, leaves), ids
 
@@ -178,7 +172,7 @@ def save_hf(
         raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     os.makedirs(out_dir, exist_ok=True)
     mapping = _mapping(cfg)
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for path, var in flat:

@@ -93,8 +93,20 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def _is_var(x) -> bool:
+def is_var(x) -> bool:
+    """Leaf test for parameter States: an nnx.Variable is one leaf (its metadata included)."""
     return isinstance(x, nnx.Variable)
+
+
+def with_shardings(tree, shardings=None):
+    """ShapeDtypeStructs of tree's leaves (arrays or shape structs) carrying `shardings` (a tree of
+    the same structure), or each leaf's own sharding when None: abstract inputs for lowering and
+    orbax restore targets, with nothing allocated."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda x: x.sharding, tree)
+    return jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
+    )
 
 
 def state_shardings(state, mesh, rules):
@@ -106,7 +118,7 @@ def state_shardings(state, mesh, rules):
             raise ValueError(f"parameter of shape {v.shape} has no logical `axes` metadata")
         return v.replace(NamedSharding(mesh, logical_to_spec(axes, v.shape, rules, mesh)))
 
-    return jax.tree.map(one, state, is_leaf=_is_var)
+    return jax.tree.map(one, state, is_leaf=is_var)
 
 
 def abstract_model(cfg: ModelConfig):

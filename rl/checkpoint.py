@@ -14,11 +14,15 @@ step listed is always a complete checkpoint, also after a crash in the middle of
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
-import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from models.sharding import flatten, with_shardings
+from sampling.engine import host_values
 
 
 class Checkpointer:
@@ -46,9 +50,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_like
-        )
+        abstract = with_shardings(state_like)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -57,9 +59,16 @@ class Checkpointer:
         )
         return restored.state, restored.meta
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def fingerprint(params) -> str:
+    """sha256 of every parameter's bytes in a fixed order: equal iff the params are bitwise equal
+    (what resume tests compare; a run's summary.json records it)."""
+    h = hashlib.sha256()
+    for name, x in sorted(flatten(params).items()):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(host_values(x)).tobytes())
+    return h.hexdigest()

@@ -262,6 +262,24 @@ def format_prompt(
     return tokenizer.encode((system_prompt or "") + prompt, add_bos=tokenizer.add_bos_token)
 
 
+def tokenize_prompts(records: Sequence[Mapping], tokenizer: Tokenizer, config, prompt_field: str):
+    """Prompt ids of records under a training config's data settings (chat template, system
+    prompt, template kwargs); a prompt longer than config.sampling.max_prompt_len is an error."""
+    d = config.data
+    prompts = [
+        format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None, prompt_field,
+                      d.chat_template_kwargs.to_dict())
+        for r in records
+    ]  # fmt: skip
+    longest = max((len(p) for p in prompts), default=0)
+    if longest > config.sampling.max_prompt_len:
+        raise ValueError(
+            f"a prompt has {longest} tokens > config.sampling.max_prompt_len="
+            f"{config.sampling.max_prompt_len}"
+        )
+    return prompts
+
+
 def reward_inputs(
     records: Sequence[Mapping], num_generations: int, prompt_field: str = "prompt"
 ) -> tuple[list, dict[str, list]]:

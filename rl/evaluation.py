@@ -11,7 +11,7 @@ from math import comb
 
 import numpy as np
 
-from rl.data import reward_inputs
+from rl.data import reward_inputs, tokenize_prompts
 from rl.rewards import get_reward
 
 
@@ -29,8 +29,10 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
     return (scores >= 0.5).reshape(len(records), group_size)
 
 
-def evaluate(greedy_engine, sample_engine, params, prompts, records, tokenizer, cfg, seed: int):
-    """{"accuracy": greedy accuracy, f"pass@{k}": ...} on the held-out prompts."""
+def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed: int):
+    """{"accuracy": greedy accuracy, f"pass@{k}": ..., "example": a completion} on the held-out
+    records (config.data.eval), with a greedy engine and a sampling engine."""
+    prompts = tokenize_prompts(records, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]
     ids = list(range(len(prompts)))
     _, greedy = greedy_engine.generate_all(

@@ -33,7 +33,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rl.logprobs import token_logprobs
+from models.sharding import with_shardings
+from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import LossConfig, combine_metrics, grpo_loss
 from sampling.distribution import SamplingParams
 
@@ -54,6 +55,7 @@ class LearnerConfig:
     minibatches: int = 1  # optimizer steps per pass
     old_logp: str = "recompute"  # π_old: "recompute" (learner) or "sampler" (bypass)
     sampling: SamplingParams = SamplingParams()  # the distribution the sampler drew from
+    stop_ids: tuple[int, ...] = ()  # banned where Batch.stop_masked (the sampler's min_new_tokens)
     loss: LossConfig = LossConfig()
 
     def validate(self):
@@ -62,6 +64,18 @@ class LearnerConfig:
         for name in ("micro_batches", "logprob_chunk", "num_iterations", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("warmup_steps", "decay_steps", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
+        if not 0 <= self.end_lr_fraction <= 1:
+            raise ValueError(f"end_lr_fraction={self.end_lr_fraction}: must be in [0, 1]")
+        if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
+            raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
         self.loss.validate()
 
 
@@ -83,7 +97,8 @@ class Batch:
     advantages: jax.Array  # f32 [B]
     sampler_logp: jax.Array | None = None  # f32 [B,T-1]
     old_logp: jax.Array | None = None  # f32 [B,T-1]; None: stop_gradient(logp) (exact ratio 1)
-    ref_logp: jax.Array | None = None  # f32 [B,T-1]; None when the KL term is off
+    ref_logp: jax.Array | None = None  # f32 [B,T-1] tempered full softmax; None: KL off
+    stop_masked: jax.Array | None = None  # bool [B,T-1] stop ids banned (min_new_tokens)
 
 
 def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
@@ -122,7 +137,7 @@ class Learner:
         self.tx = make_optimizer(cfg)
         self.param_shardings = param_shardings
         self._step = None
-        self._logprobs = jax.jit(self._logprobs_impl)
+        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=2)
         self._grads = jax.jit(self._grads_impl)
 
     # --- state ------------------------------------------------------------------------------
@@ -159,45 +174,29 @@ class Learner:
         shapes = jax.eval_shape(
             lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)), abstract_params
         )
-        state = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            shapes,
-            self.state_shardings,
-        )
-        return self._step.lower(state, abstract_batch)
+        return self._step.lower(with_shardings(shapes, self.state_shardings), abstract_batch)
 
     # --- jitted pieces ----------------------------------------------------------------------
 
-    def _logprobs_impl(self, params, batch: Batch):
-        model = nnx.merge(self.graphdef, params)
+    def _token_logprobs(self, params, batch: Batch) -> TokenLogprobs:
+        c = self.cfg
         return token_logprobs(
-            model,
-            batch.tokens,
-            batch.positions,
-            batch.valid,
-            self.cfg.sampling,
-            self.cfg.logprob_chunk,
-        )[0]
+            nnx.merge(self.graphdef, params), batch.tokens, batch.positions, batch.valid,
+            c.sampling, c.logprob_chunk, c.stop_ids, batch.stop_masked,
+        )  # fmt: skip
+
+    def _logprobs_impl(self, params, batch: Batch, which: str):
+        return getattr(self._token_logprobs(params, batch), which)
 
     def _loss(self, params, mb: Batch, global_tokens, global_seqs):
-        model = nnx.merge(self.graphdef, params)
-        logp, ent = token_logprobs(
-            model, mb.tokens, mb.positions, mb.valid, self.cfg.sampling, self.cfg.logprob_chunk
-        )
-        old = jax.lax.stop_gradient(logp) if mb.old_logp is None else mb.old_logp
-        ent = ent if self.cfg.loss.entropy_coef > 0 else jax.lax.stop_gradient(ent)
+        tl = self._token_logprobs(params, mb)
+        old = jax.lax.stop_gradient(tl.logp) if mb.old_logp is None else mb.old_logp
+        ent = tl.entropy if self.cfg.loss.entropy_coef > 0 else jax.lax.stop_gradient(tl.entropy)
         return grpo_loss(
-            logp,
-            old,
-            mb.sampler_logp,
-            mb.ref_logp,
-            mb.advantages,
-            mb.loss_mask,
-            self.cfg.loss,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-            entropy=ent,
-        )
+            tl.logp, old, mb.sampler_logp, mb.ref_logp, mb.advantages, mb.loss_mask,
+            self.cfg.loss, global_tokens=global_tokens, global_seqs=global_seqs, entropy=ent,
+            full_logp=tl.full,
+        )  # fmt: skip
 
     def _grads_impl(self, params, batch: Batch):
         """Gradient and metrics of the whole batch, accumulated over micro-batches."""
@@ -242,9 +241,11 @@ class Learner:
 
     # --- public API -------------------------------------------------------------------------
 
-    def logprobs(self, params, batch: Batch):
-        """f32 [B,T-1] teacher-forced log-probs (π_old, or the reference with ref params)."""
-        return self._logprobs(params, batch)
+    def logprobs(self, params, batch: Batch, which: str = "logp"):
+        """f32 [B,T-1] teacher-forced log-probs of the batch's tokens: which="logp" under the
+        sampling distribution (π_old), "full" under the tempered full softmax (the reference
+        model, and the policy side of KL-in-reward); see `rl.logprobs`."""
+        return self._logprobs(params, batch, which)
 
     def grads(self, params, batch: Batch):
         return self._grads(params, batch)
@@ -259,7 +260,7 @@ class Learner:
         """μ passes of `minibatches` steps over one rollout. Returns (state, list of host metrics)."""
         cfg = self.cfg
         if cfg.loss.kl_coef > 0 and cfg.loss.kl_in == "loss" and rollout.ref_logp is None:
-            rollout = rollout.replace(ref_logp=self.logprobs(ref_params, rollout))
+            rollout = rollout.replace(ref_logp=self.logprobs(ref_params, rollout, "full"))
         exact_first_pass = cfg.num_iterations == 1 and cfg.minibatches == 1
         if cfg.old_logp == "sampler":
             rollout = rollout.replace(old_logp=rollout.sampler_logp)

@@ -6,24 +6,49 @@ time inside a `lax.scan`: only one f32 [B, chunk, V] logits block exists at a ti
 [B, T, V]. The chunk body is rematerialised (`jax.checkpoint`), so the backward pass does not keep
 every chunk's logits alive either: it recomputes them from the saved hidden states.
 
-Position t of the output scores token t+1: logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1])
-under `sampling.distribution.log_probs` with the given SamplingParams (temperature, top-k, top-p),
-exactly the distribution the sampler drew from.
+Position t of the outputs scores token t+1 given tokens[:, :t+1]. Two distributions are scored:
+- `logp`: the sampling distribution (`sampling.distribution.log_probs`: temperature, top-k,
+  top-p, and the stop ids banned where `stop_masked` says the sampler banned them), exactly what the
+  sampler drew from. Importance ratios (π/π_old, π_old/sampler) compare these: they are the
+  probabilities of the actions actually taken.
+- `full`: the tempered full softmax (no top-k / top-p / ban). The KL to the reference model and the
+  entropy are measured on it, as in TRL and verl: a truncated reference would give sampled tokens
+  outside its own top-p set probability 0 (k1, k2 infinite, k3 without gradient), and the policy
+  being regularised is the network's distribution, not its sampler's truncation.
+Without truncation or bans the two are the same array.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from sampling.distribution import SamplingParams, entropy, log_probs
+from sampling.distribution import (
+    SamplingParams,
+    banned_stop_ids,
+    entropy,
+    log_probs,
+    tempered_log_probs,
+)
 
 
-def token_logprobs(model, tokens, positions, valid, sampling: SamplingParams, chunk: int = 128):
-    """(logp f32[B,T-1], entropy f32[B,T-1]) of tokens[:, 1:] given their prefixes.
+class TokenLogprobs(NamedTuple):
+    logp: jax.Array  # f32 [B,T-1] sampling-distribution log-prob of tokens[:, 1:]
+    full: jax.Array  # f32 [B,T-1] tempered full-softmax log-prob of tokens[:, 1:]
+    entropy: jax.Array  # f32 [B,T-1] entropy of the tempered full softmax
 
-    tokens, positions: int32 [B,T]; valid: bool [B,T] real tokens. Values at positions whose target
-    is padding are garbage-free but meaningless; the caller masks them.
+
+def token_logprobs(
+    model, tokens, positions, valid, sampling: SamplingParams, chunk: int = 128,
+    stop_ids: tuple[int, ...] = (), stop_masked=None,
+) -> TokenLogprobs:  # fmt: skip
+    """Log-probs of tokens[:, 1:] given their prefixes (see the module docstring).
+
+    tokens, positions: int32 [B,T]; valid: bool [B,T] real tokens; stop_masked: bool [B,T-1] where
+    the sampler banned `stop_ids` (min_new_tokens), or None. Values at positions whose target is
+    padding are finite but meaningless; the caller masks them.
     """
     h, _ = model.hidden(tokens, positions, valid)  # [B,T,D]
     h, targets = h[:, :-1], tokens[:, 1:]  # predict t+1 from t
@@ -33,20 +58,26 @@ def token_logprobs(model, tokens, positions, valid, sampling: SamplingParams, ch
     pad = n * c - t
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    early = jnp.zeros((b, t), bool) if stop_masked is None else stop_masked
+    early = jnp.pad(early, ((0, 0), (0, pad)))
     w = model.unembed_matrix()  # [D,V]
-    h = h.reshape(b, n, c, -1).swapaxes(0, 1)  # [n,B,c,D]
-    targets = targets.reshape(b, n, c).swapaxes(0, 1)  # [n,B,c]
+    to_chunks = lambda x: x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)  # [n,B,c,...]
+    same = not sampling.truncates and stop_masked is None
 
     @jax.checkpoint
-    def one_chunk(h_c, tgt_c):
+    def one_chunk(h_c, tgt_c, early_c):
         logits = jnp.einsum("BCD,DV->BCV", h_c, w).astype(jnp.float32)
-        lp = log_probs(logits, sampling)  # [B,c,V]
-        chosen = jnp.take_along_axis(lp, tgt_c[..., None], axis=-1)[..., 0]
-        return chosen, entropy(lp)
+        pick = lambda lp: jnp.take_along_axis(lp, tgt_c[..., None], axis=-1)[..., 0]
+        full = tempered_log_probs(logits, sampling.temperature)  # [B,c,V]
+        if same:
+            return pick(full), pick(full), entropy(full)
+        banned = None if stop_masked is None else banned_stop_ids(early_c, stop_ids, w.shape[1])
+        lp = log_probs(logits, sampling, banned, keep=tgt_c)  # [B,c,V]
+        return pick(lp), pick(full), entropy(full)
 
     def body(_, xs):
         return None, one_chunk(*xs)
 
-    _, (lp, ent) = jax.lax.scan(body, None, (h, targets))  # [n,B,c] each
+    _, out = jax.lax.scan(body, None, (to_chunks(h), to_chunks(targets), to_chunks(early)))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    return unchunk(lp), unchunk(ent)
+    return TokenLogprobs(*(unchunk(x) for x in out))

@@ -11,12 +11,15 @@ Shapes: B sequences (completions) in this micro-batch, T completion length; mask
 Inputs at padded positions may be garbage (e.g. -inf log-probs): `grpo_loss` zeroes them before any
 exp, so neither the value nor the gradient can become NaN.
 
-Three log-prob tensors of the same tokens take part:
+Three log-prob tensors of the same tokens take part in the policy term, all under the sampling
+distribution (temperature, top-k, top-p: the probabilities of the actions actually taken):
 - `logp`: current policy, the only one with a gradient;
 - `old_logp`: the learner's log-probs under the parameters that sampled the batch (PPO's pi_old);
 - `sampler_logp`: what the sampler reported for the same parameters. It differs from `old_logp` only
   by numerics (kernels, bf16, batch shapes), and `behaviour_weights` corrects for that mismatch
   (truncated / masked importance sampling); `mismatch_metrics` measures it.
+The KL term compares the current policy's tempered full softmax (`full_logp`) with the
+reference's: see `rl.logprobs` for why the KL is not taken between truncated distributions.
 
 Choices a reader may question:
 - The policy term is aggregated with `mask * keep` (MIS drops tokens), KL and entropy with `mask`:
@@ -55,9 +58,9 @@ class LossConfig:
     gspo_eps_low: float = 3e-4  # GSPO clips the sequence ratio, hence the tiny range
     gspo_eps_high: float = 4e-4
     kl_coef: float = 0.04  # beta; 0 disables the KL term
-    kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman's estimators of KL(pi || ref))
+    kl_estimator: str = "k3"  # k2 or k3 in the loss, k1 in the reward (see `kl_penalty`)
     kl_in: str = "loss"  # "loss": beta * KL in the loss; "reward": k1 folded into rewards
-    kl_clamp: float = 10.0  # |ref_logp - logp| clamp before exp in k3
+    kl_clamp: float = 10.0  # |ref_logp - logp| clamp before any estimator
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
     aggregation: str = "token_mean"  # one of AGGREGATIONS
     max_new_tokens: int = 0  # Dr. GRPO's constant normaliser; must be > 0 for drgrpo_constant
@@ -96,6 +99,12 @@ class LossConfig:
             bad("gspo_eps_high", "must be >= 0")
         if self.kl_coef < 0.0:
             bad("kl_coef", "must be >= 0 (0 disables the KL penalty)")
+        if self.kl_coef > 0 and self.kl_in == "loss" and self.kl_estimator == "k1":
+            bad("kl_estimator", "k1 in the loss has zero expected gradient (no penalty); use k2 "
+                "or k3, or kl_in='reward', where k1 is the right estimator")  # fmt: skip
+        if self.kl_coef > 0 and self.kl_in == "reward" and self.kl_estimator != "k1":
+            bad("kl_estimator", "kl_in='reward' folds k1 = log pi - log ref into the rewards; "
+                "set kl_estimator='k1'")  # fmt: skip
         if self.kl_clamp <= 0.0:
             bad("kl_clamp", "must be > 0")
         if self.entropy_coef < 0.0:
@@ -116,17 +125,24 @@ class LossConfig:
 def kl_penalty(logp, ref_logp, estimator: str, clamp: float):
     """Per-token estimate of KL(pi || ref) from samples of pi. [B, T] -> [B, T].
 
-    With d = ref_logp - logp: k1 = -d (unbiased, high variance, can be negative), k2 = d^2 / 2,
-    k3 = exp(d) - d - 1 (unbiased, always >= 0). Only k3 exponentiates, so only k3 clamps d: one
-    token the reference finds absurd must not blow up the step.
+    With d = ref_logp - logp, clamped to [-clamp, clamp] first (one token the reference finds
+    absurd, or a -inf, must not blow up the step; the clamp also zeroes that token's gradient):
+    - k1 = -d. Unbiased value, can be negative. As a loss its gradient grad(log pi) has expectation
+      0 under pi: no penalty at all, so the config refuses it in the loss. As a reward
+      (kl_in="reward", `rl.shaping.kl_reward`) the policy gradient of sum_t k1 is the gradient of
+      KL(pi || ref): the InstructGPT / PPO-RLHF form.
+    - k2 = d^2 / 2. Biased value (>= 0); as a loss its gradient (log pi - log ref) grad(log pi) has
+      expectation grad KL(pi || ref) (per token, on-policy).
+    - k3 = exp(d) - d - 1. Unbiased value, >= 0 (the GRPO paper's choice). As a loss its gradient
+      (1 - ref/pi) grad(log pi) has expectation grad KL(ref || pi), the reverse direction: it also
+      pulls pi towards ref, with a different weighting of the tokens.
     """
-    d = ref_logp - logp
+    d = jnp.clip(ref_logp - logp, -clamp, clamp)
     if estimator == "k1":
         return -d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        d = jnp.clip(d, -clamp, clamp)
         return jnp.exp(d) - d - 1.0
     raise ValueError(f"unknown kl_estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
@@ -272,6 +288,7 @@ def grpo_loss(
     global_tokens,
     global_seqs,
     entropy=None,
+    full_logp=None,
 ):
     """This micro-batch's contribution to the GRPO loss, and summable metrics.
 
@@ -285,6 +302,8 @@ def grpo_loss(
       cfg: LossConfig (static under jit).
       global_tokens, global_seqs: valid tokens / sequences of the whole optimizer step.
       entropy: optional f32[B, T] per-token policy entropy (required if entropy_coef > 0).
+      full_logp: optional f32[B, T] current policy log-probs under the tempered full softmax, the
+        distribution the KL to the reference compares (`rl.logprobs`); None: logp (no top-k/p).
 
     Returns:
       loss = agg(w * policy, mask*keep) + kl_coef * agg(kl, mask) - entropy_coef * agg(H, mask),
@@ -340,7 +359,8 @@ def grpo_loss(
     if ref_logp is not None:
         # In reward mode the penalty applied is k1, so that is what gets logged.
         estimator = cfg.kl_estimator if cfg.kl_in == "loss" else "k1"
-        kl = kl_penalty(logp, sg(clean(ref_logp)), estimator, cfg.kl_clamp)  # [B, T]
+        pi = logp if full_logp is None else clean(full_logp)
+        kl = kl_penalty(pi, sg(clean(ref_logp)), estimator, cfg.kl_clamp)  # [B, T]
         metrics["kl"] = token_mean(kl)
         if kl_in_loss:
             loss = loss + cfg.kl_coef * agg(kl, mask)

@@ -1,29 +1,40 @@
-"""Rollout orchestration: prompts -> sampler completions -> rewards -> advantages -> learner Batch.
+"""Rollout: the sampling half of one GRPO step, from data records to the learner's Batch.
 
-`sample_groups` is the sampling half of one GRPO step. The sampler reads the policy parameters the
-learner holds (same arrays, no copy). Rewards are plain host functions (`rl.rewards`); each group
-is decoded and scored on a worker thread as soon as its last completion finishes, while the device
-keeps decoding the other groups, so reward time hides behind device time. `finish` then computes
-group advantages and lays out the learner Batch.
+    records --tokenise--> prompts --Engine.generate_all(params)--> G completions each
+            --rewards (worker thread, as each group finishes)--> [KL folded into rewards]
+            --group advantages--> learner Batch (device, sharded over the batch axes)
+
+The sampler reads the policy parameters the learner holds (same arrays, no copy). Rewards are plain
+host functions (`rl.rewards`); each group is decoded and scored on a worker thread as soon as its
+last completion finishes, while the device keeps decoding the other groups, so reward time hides
+behind device time. With DAPO dynamic sampling (`rl.dynamic_sampling`), groups whose G rewards
+are all equal are dropped and fresh prompts refill the batch.
+
+Randomness: the sampling seed of step s, round r is drawn from fold_in(fold_in(key(seed), s), r),
+and request ids (the sampler's PRNG streams) are unique over steps and refill rounds, so a resumed
+run samples exactly what an uninterrupted one does.
 
 Sequences are laid out right-padded to a fixed length `max_prompt_len + max_new_tokens`, so every
 learner step sees the same shapes and compiles once. A completion includes its stop token (the
-policy must learn to stop), and `loss_mask[b, t]` marks the completion tokens tokens[b, t+1].
+policy must learn to stop); `loss_mask[b, t]` marks the completion tokens tokens[b, t+1], and
+`sampler_logp[b, t]` holds the sampler's log-prob of that same token.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rl.advantages import compute_advantages
-from rl.data import reward_inputs
+from rl.data import global_batch, reward_inputs, tokenize_prompts
+from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.rewards import combined_rewards
-from rl.shaping import overlong_penalty
+from rl.shaping import kl_reward, overlong_penalty
 
 
 @dataclasses.dataclass
@@ -34,16 +45,16 @@ class Group:
     prompt: list[int]
     completions: list  # sampling.engine.Completion, G of them
     texts: list[str]
-    rewards: np.ndarray  # f32 [G] total reward (weighted sum, after shaping)
+    rewards: np.ndarray  # f32 [G] total reward (weighted sum, after shaping; before KL)
     parts: dict[str, np.ndarray]  # reward name -> unweighted f32 [G]
 
 
 @dataclasses.dataclass
 class Rollout:
-    batch: Batch  # numpy arrays, global batch of B*G rows
+    batch: Batch  # the learner batch of B*G rows, on device
     groups: list[Group]
-    rewards: np.ndarray  # f32 [B*G]
-    stats: dict[str, float]  # reward / advantage / length statistics
+    rewards: np.ndarray  # f32 [B*G] the rewards the advantages were computed from
+    stats: dict[str, float]  # reward / advantage / length / dynamic-sampling statistics
 
 
 def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, prompt_field):
@@ -61,38 +72,20 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
     return Group(record, prompt, completions, texts, np.asarray(total, np.float32), parts)
 
 
-def sample_groups(
-    engine, params, state, records, prompts, cfg, tokenizer, seed, request_ids, pool: Executor
-):
-    """(groups, decode state): G completions of every prompt, scored as their groups finish."""
-    g = cfg.rl.num_generations
-    done: list[list] = [[None] * g for _ in prompts]
-    left = [g] * len(prompts)
-    futures = {}
+def build_batch(groups: list[Group], seq_len: int, pad_id: int, mask_truncated: bool,
+                min_new_tokens: int = 0) -> Batch:  # fmt: skip
+    """Right-padded learner Batch (numpy) with rows group-major: row i*G+k is completion k of i.
 
-    def on_finish(i, k, completion):
-        done[i][k] = completion
-        left[i] -= 1
-        if not left[i]:
-            futures[i] = pool.submit(
-                score_group, records[i], prompts[i], done[i], tokenizer, cfg.rl,
-                cfg.sampling.max_new_tokens, cfg.data.train.prompt_field,
-            )  # fmt: skip
-
-    state, _ = engine.generate_all(
-        params, state, prompts, g, seed=seed, request_ids=request_ids, on_finish=on_finish
-    )
-    return [futures[i].result() for i in range(len(prompts))], state
-
-
-def build_batch(groups: list[Group], advantages, seq_len, pad_id, mask_truncated):
-    """Right-padded learner Batch (numpy) with rows group-major: row i*G+k is completion k of i."""
+    Advantages are left at 0 (`Rollout` fills them in); `stop_masked` marks the first
+    min_new_tokens completion positions, where the sampler banned the stop ids (None if 0).
+    """
     rows = [(grp.prompt, c) for grp in groups for c in grp.completions]
     n_rows = len(rows)
     tokens = np.full((n_rows, seq_len), pad_id, np.int32)
     valid = np.zeros((n_rows, seq_len), bool)
     loss_mask = np.zeros((n_rows, seq_len - 1), np.float32)
     sampler_logp = np.zeros((n_rows, seq_len - 1), np.float32)
+    stop_masked = np.zeros((n_rows, seq_len - 1), bool)
     for r, (p, c) in enumerate(rows):
         n = len(p) + c.length
         if n > seq_len:
@@ -101,35 +94,127 @@ def build_batch(groups: list[Group], advantages, seq_len, pad_id, mask_truncated
             )
         tokens[r, :n] = p + c.tokens
         valid[r, :n] = True
+        first = len(p) - 1  # position t scores token t + 1: the first completion token
         if not (mask_truncated and c.finish_reason == "length"):
-            loss_mask[r, len(p) - 1 : n - 1] = 1.0
-        sampler_logp[r, len(p) - 1 : n - 1] = c.logprobs
+            loss_mask[r, first : n - 1] = 1.0
+        sampler_logp[r, first : n - 1] = c.logprobs
+        stop_masked[r, first : first + min(min_new_tokens, c.length)] = True
     return Batch(
         tokens=tokens,
         positions=np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1)),
         valid=valid,
         loss_mask=loss_mask,
-        advantages=np.asarray(advantages, np.float32),
+        advantages=np.zeros((n_rows,), np.float32),
         sampler_logp=sampler_logp,
+        stop_masked=stop_masked if min_new_tokens else None,
     )
 
 
-def finish(groups: list[Group], cfg, seq_len: int, pad_id: int) -> Rollout:
-    """Group advantages, statistics and the learner Batch from scored groups."""
-    g = cfg.rl.num_generations
-    rewards = np.concatenate([grp.rewards for grp in groups])
-    adv, adv_stats = compute_advantages(
-        jnp.asarray(rewards), g, cfg.rl.advantage, cfg.rl.advantage_eps
-    )
-    batch = build_batch(groups, np.asarray(adv), seq_len, pad_id, cfg.rl.mask_truncated)
-    stats = {k: float(v) for k, v in adv_stats.items()}
-    for name in groups[0].parts:
-        stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
+def length_stats(groups: list[Group]) -> dict[str, float]:
     completions = [c for grp in groups for c in grp.completions]
     lengths = np.array([c.length for c in completions])
-    stats["rollout/length_mean"] = float(lengths.mean())
-    stats["rollout/length_max"] = float(lengths.max())
-    stats["rollout/truncated_frac"] = float(
-        np.mean([c.finish_reason == "length" for c in completions])
-    )
-    return Rollout(batch, groups, rewards, stats)
+    return {
+        "rollout/length_mean": float(lengths.mean()),
+        "rollout/length_max": float(lengths.max()),
+        "rollout/truncated_frac": float(
+            np.mean([c.finish_reason == "length" for c in completions])
+        ),
+    }
+
+
+class Rollouts:
+    """Produces one step's Rollout from the data iterator with the current policy parameters.
+
+    Holds the rollout engine, the reward worker thread, and (with
+    `sampling.release_kv_between_phases=False`) the decode state kept between steps.
+    """
+
+    def __init__(self, config, engine, tokenizer, learner, ref_params, batch_sharding, pad_id):
+        self.config, self.engine, self.tokenizer = config, engine, tokenizer
+        self.learner, self.ref_params = learner, ref_params
+        self.batch_sharding, self.pad_id = batch_sharding, pad_id
+        self.pool = ThreadPoolExecutor(max_workers=1)  # reward functions overlap decoding
+        self.decode_state = None
+
+    def __call__(self, step: int, params, data) -> Rollout:
+        c = self.config
+        groups, stats = self._sample(step, params, data)
+        s = c.sampling
+        batch = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
+                            c.rl.mask_truncated, s.min_new_tokens)  # fmt: skip
+        batch = jax.device_put(batch, self.batch_sharding)
+        rewards = np.concatenate([grp.rewards for grp in groups])
+        if c.rl.kl_in == "reward" and c.rl.kl_coef > 0:
+            # The KL is data here: beta * sum_t k1 of the rollout policy against the reference,
+            # both on the tempered full softmax (rl.logprobs), subtracted from each reward.
+            ref = self.learner.logprobs(self.ref_params, batch, "full")
+            pi = self.learner.logprobs(params, batch, "full")
+            rewards = np.asarray(kl_reward(rewards, pi, ref, batch.loss_mask, c.rl.kl_coef,
+                                           c.rl.kl_clamp))  # fmt: skip
+            stats["reward/kl_penalty_mean"] = float(
+                np.mean(np.concatenate([grp.rewards for grp in groups]) - rewards)
+            )
+            batch = batch.replace(ref_logp=ref)  # the learner logs the KL, the loss ignores it
+        adv, adv_stats = compute_advantages(
+            jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps
+        )
+        batch = batch.replace(advantages=jax.device_put(adv, self.batch_sharding))
+        stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
+        for name in groups[0].parts:
+            stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
+        return Rollout(batch, groups, rewards, stats)
+
+    def _sample(self, step: int, params, data) -> tuple[list[Group], dict[str, float]]:
+        c = self.config
+        b, g, max_tries = (
+            c.data.prompts_per_step,
+            c.rl.num_generations,
+            c.rl.dynamic_sampling_max_tries,
+        )
+        root = jax.random.fold_in(jax.random.key(c.seed), step)
+        rounds = []
+
+        def sample_round(n):
+            records = global_batch(next(data))[:n]
+            prompts = tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
+            seed = int(jax.random.randint(jax.random.fold_in(root, len(rounds)), (), 0, 2**31 - 1))
+            # Request ids unique over steps and refill rounds: at most b prompts a round.
+            base = (step * max_tries + len(rounds)) * b
+            rounds.append(n)
+            groups = self.sample_groups(params, records, prompts, seed, range(base, base + n))
+            return groups, np.concatenate([grp.rewards for grp in groups])
+
+        if not c.rl.dynamic_sampling:
+            return sample_round(b)[0], {}
+        groups, _, stats = fill_groups(sample_round, b, g, max_tries)
+        return groups, stats
+
+    def sample_groups(self, params, records, prompts, seed, request_ids) -> list[Group]:
+        """G completions of every prompt, each group scored on the worker as it finishes."""
+        c = self.config
+        g = c.rl.num_generations
+        done = [[None] * g for _ in prompts]
+        left = [g] * len(prompts)
+        futures = {}
+
+        def on_finish(i, k, completion):
+            done[i][k] = completion
+            left[i] -= 1
+            if not left[i]:
+                futures[i] = self.pool.submit(
+                    score_group, records[i], prompts[i], done[i], self.tokenizer, c.rl,
+                    c.sampling.max_new_tokens, c.data.train.prompt_field,
+                )  # fmt: skip
+
+        state = self.engine.init_state() if self.decode_state is None else self.decode_state
+        self.decode_state = None  # donated below; kept again only once the call has returned
+        state, _ = self.engine.generate_all(
+            params, state, prompts, g, seed=seed, request_ids=list(request_ids),
+            on_finish=on_finish,
+        )  # fmt: skip
+        if not c.sampling.release_kv_between_phases:
+            self.decode_state = state  # keep the pages allocated for the next rollout
+        return [futures[i].result() for i in range(len(prompts))]
+
+    def close(self) -> None:
+        self.pool.shutdown()

@@ -2,21 +2,23 @@
 
 - `overlong_penalty`: DAPO's soft length penalty, a linear ramp over the last `buffer` tokens of the
   budget, added to the task reward.
-- `truncation_mask`: DAPO's overlong filtering; completions cut by the length limit get loss weight
-  0 instead of being punished for an answer they never finished.
 - `kl_reward`: for kl_in="reward", folds beta * KL(pi || ref) into the scalar reward before the
   advantages (the k1 estimator, as in InstructGPT-style PPO; `rl.losses.kl_penalty` is the in-loss
-  alternative).
+  alternative). The rollout (`rl.rollout.Rollouts`) calls it with both log-probs on the tempered
+  full softmax. DAPO's overlong filtering (truncated completions get no loss) is
+  `rl.mask_truncated`, applied where the batch is built.
 - `select_groups`: DAPO's dynamic sampling keeps only prompts whose G rewards differ; the refill loop
   with bounded retries lives with the rollout code.
 
-The first three are jnp (they also accept numpy arrays, and work inside jit). `select_groups`
+The first two are jnp (they also accept numpy arrays, and work inside jit). `select_groups`
 returns a data-dependent number of indices, so it is host-side numpy.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from rl.losses import kl_penalty
 
 
 def overlong_penalty(lengths, max_new_tokens: int, buffer: int, penalty: float = 1.0):
@@ -32,21 +34,13 @@ def overlong_penalty(lengths, max_new_tokens: int, buffer: int, penalty: float =
     return -penalty * jnp.clip(excess / buffer, 0.0, 1.0)
 
 
-def truncation_mask(finished_by_stop):
-    """f32[B]: 1 for completions that ended with a stop token, 0 for those cut at the limit.
+def kl_reward(rewards, logp, ref_logp, mask, beta: float, clamp: float = 10.0):
+    """rewards f32[N] - beta * sum_t k1 over valid tokens of [N, T], k1 = logp - ref_logp.
 
-    Multiply the loss mask with it: `mask * truncation_mask(done)[:, None]`. Keep counting the
-    global normalisers from the masked result, so truncated rows do not dilute the loss.
+    k1 is `rl.losses.kl_penalty`'s (clamped to `clamp` per token). No gradient flows: the result is
+    a reward, i.e. data.
     """
-    return jnp.asarray(finished_by_stop).astype(jnp.float32)
-
-
-def kl_reward(rewards, logp, ref_logp, mask, beta: float):
-    """rewards f32[N] - beta * sum_t k1, with k1 = logp - ref_logp on valid tokens of [N, T].
-
-    No gradient flows: the result is a reward, i.e. data.
-    """
-    k1 = jnp.where(mask > 0, logp - ref_logp, 0.0)  # [N, T]
+    k1 = jnp.where(mask > 0, kl_penalty(logp, ref_logp, "k1", clamp), 0.0)  # [N, T]
     return jnp.asarray(rewards, jnp.float32) - beta * jax.lax.stop_gradient(jnp.sum(k1, axis=1))
 
 

@@ -10,10 +10,12 @@ kernel reads the pages in place, one sequence at a time, on XLA's CPU thread poo
 Build: the first call compiles the kernel with the system C++ compiler (`$CXX`, else c++, g++ or
 clang++) against the XLA FFI headers that ship with jaxlib, into a cache directory
 (`$JAX_GRPO_KERNEL_CACHE`, default ~/.cache/jax-grpo/kernels) keyed by the source, the flags,
-the jaxlib version and the CPU, so later processes just load it. `-march=native` targets the CPU
-it runs on. Compiling and linking are separate steps so that -ffast-math (needed to vectorise
-the f32 sums and exp) never links GCC's crtfastmath, which would flush denormals to zero in the
-whole process. If there is no compiler or the build fails, `available()` is False, a warning
+the jaxlib version and the CPU's instruction-set flags, so later processes just load it.
+`-march=native` targets the CPU it runs on: keying on its flags, not its model name, keeps a home
+directory shared by machines with different CPUs from loading a build for another instruction set
+(SIGILL). Compiling and linking are separate steps so that -ffast-math (needed to vectorise the
+f32 sums and exp) never links GCC's crtfastmath, which would flush denormals to zero in the whole
+process. If there is no compiler or the build fails, `available()` is False, a warning
 says why once, and "auto" falls back to the blockwise backend: results are the same to rounding.
 
 Limits: f32 caches only; the kernel is opaque to GSPMD, so the engine uses it only when its
@@ -39,6 +41,7 @@ import numpy as np
 SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "paged_attention_cpu.cc")
 TARGET = "jax_grpo_paged_attention_cpu"
 COMPILE_FLAGS = ["-O3", "-ffast-math", "-march=native", "-std=c++17", "-fPIC"]
+CPUINFO = "/proc/cpuinfo"  # read for the instruction-set flags that key the build cache
 
 
 def _compiler() -> str | None:
@@ -48,25 +51,39 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_id() -> str:
+def _cpu_flags() -> str:
+    """The CPU's instruction-set extensions: the `flags` line of /proc/cpuinfo on Linux (x86;
+    `Features` on Arm), else platform.processor(). Two machines may share a model name yet not
+    the extensions (a VM hides some), and only the extensions decide where a -march=native
+    build runs."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("model name")), "")
+        with open(CPUINFO) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return " ".join(sorted(value.split()))
     except OSError:
-        return platform.processor()
+        pass
+    return platform.processor()
 
 
-def _build(cxx: str) -> str:
-    """Path of the compiled shared library, building it if the cache lacks it."""
+def _library_path(cxx: str) -> str:
+    """Where the build for this source, these flags, jaxlib, CPU and compiler is cached."""
     with open(SOURCE, "rb") as f:
         source = f.read()
     key = [source, " ".join(COMPILE_FLAGS).encode(), jax.__version__.encode()]
-    key += [platform.machine().encode(), _cpu_id().encode(), cxx.encode()]
+    key += [platform.machine().encode(), _cpu_flags().encode(), cxx.encode()]
     digest = hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
     cache = os.environ.get("JAX_GRPO_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "jax-grpo", "kernels"
     )
-    lib = os.path.join(cache, f"paged_attention_cpu-{digest}.so")
+    return os.path.join(cache, f"paged_attention_cpu-{digest}.so")
+
+
+def _build(cxx: str) -> str:
+    """Path of the compiled shared library, building it if the cache lacks it."""
+    lib = _library_path(cxx)
+    cache = os.path.dirname(lib)
     if os.path.exists(lib):
         return lib
     os.makedirs(cache, exist_ok=True)

@@ -1,16 +1,32 @@
-"""The sampling distribution: temperature, top-k and top-p applied to logits, as log-probabilities.
+"""The sampling distribution: temperature, top-k, top-p and banned tokens applied to logits.
 
 This is the single definition of "the distribution a token was drawn from". The sampler draws from
-it and records the log-probability of the chosen token; the learner's teacher-forced path
+`log_probs` and records the log-probability of the chosen token; the learner's teacher-forced path
 (`rl.logprobs`) calls the same function with the same parameters, so the two agree to numerics.
 
 - temperature == 0 means greedy decoding: the token is the argmax, and its log-probability is taken
   under the unscaled distribution (temperature 1), which is the usual convention for logging.
-- top_k (0 = off) keeps the k largest logits; ties at the k-th value are all kept.
-- top_p (1.0 = off) keeps the smallest set of most likely tokens whose mass reaches top_p (after
-  top-k), always at least one token; ties at the cut-off are kept.
-The kept tokens are renormalised. RL configs default to top_k off and top_p 1, where the
-tempered softmax is the whole story and no sort over the vocabulary is needed.
+  Rollouts for training refuse it (`launch.validate`).
+- top_k (0 = off) keeps the k largest tempered logits; ties at the k-th value are all kept.
+- top_p (1.0 = off) keeps the smallest set of most likely tokens whose mass (renormalised after
+  top-k) reaches top_p, always at least one token; ties at the cut-off are kept.
+- `banned` tokens (the stop ids before `min_new_tokens`, see `banned_stop_ids`) get probability 0
+  before top-k and top-p.
+The kept tokens are renormalised.
+
+Why the kept set is chosen in sorted order and scattered back, rather than by comparing every
+log-prob with a cut-off value: under jit XLA may compute the two uses of a log-softmax in
+different fusions with different bits, and the token at the cut-off (sometimes the only kept one)
+then drops out: -inf everywhere, NaN in the learner. Sorting once and deciding on ranks of that
+one sorted array cannot disagree with itself.
+
+`keep` (the learner's sampled targets) is always kept in the set. The sampler's token is in its own
+set by construction; forcing it in on the learner side changes nothing then, but keeps the
+learner finite when numerics (or, after a few updates, the policy itself) move a sampled token
+just outside the set: a ratio or a CISPO weight of an "impossible" token would be -inf.
+
+`tempered_log_probs` is the full tempered softmax without truncation: the distribution the KL to
+the reference and the entropy are measured on (`rl.logprobs` explains why).
 """
 
 from __future__ import annotations
@@ -35,28 +51,75 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cut the tempered softmax (greedy never truncates)."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
-def log_probs(logits, params: SamplingParams):
-    """f32 log-probs [..., V] of the distribution tokens are drawn from (see module docstring)."""
-    logits = logits.astype(jnp.float32)
-    if params.temperature == 0:
-        return jax.nn.log_softmax(logits, axis=-1)
-    z = logits / params.temperature
-    neg_inf = jnp.float32(-jnp.inf)
-    if params.top_k and params.top_k < z.shape[-1]:
-        kth = jax.lax.top_k(z, params.top_k)[0][..., -1:]  # [...,1]
-        z = jnp.where(z >= kth, z, neg_inf)
+
+def banned_stop_ids(early, stop_ids, vocab_size: int):
+    """bool [...,V]: the stop ids at positions where early [...] is True (min_new_tokens)."""
+    is_stop = jnp.zeros((vocab_size,), bool)
+    if stop_ids:
+        is_stop = is_stop.at[jnp.asarray(stop_ids, jnp.int32)].set(True, mode="drop")
+    return early[..., None] & is_stop
+
+
+def tempered_log_probs(logits, temperature: float):
+    """f32 log_softmax(logits / temperature) [...,V]; temperature 0 counts as 1 (greedy)."""
+    z = logits.astype(jnp.float32)
+    if temperature > 0:
+        z = z / temperature
+    return jax.nn.log_softmax(z, axis=-1)
+
+
+def _kept(z, params: SamplingParams):
+    """bool [...,V]: the top-k / top-p set of tempered logits z [...,V], decided in sorted order."""
+    v = z.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    neg, order = jax.lax.sort_key_val(-z, iota)  # ascending -z: descending z, and its indices
+    desc = -neg  # [...,V]
+    keep = jnp.ones(z.shape, bool)
+    if params.top_k and params.top_k < v:
+        keep = desc >= desc[..., params.top_k - 1 : params.top_k]
     if params.top_p < 1.0:
-        lp = jax.nn.log_softmax(z, axis=-1)
-        desc = -jnp.sort(-lp, axis=-1)  # [...,V] descending
-        mass_before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)
-        n_keep = jnp.maximum(jnp.sum(mass_before < params.top_p, axis=-1, keepdims=True), 1)
-        cut = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
-        z = jnp.where(lp >= cut, z, neg_inf)
+        p = jax.nn.softmax(jnp.where(keep, desc, -jnp.inf), axis=-1)  # renormalised after top-k
+        mass_before = jnp.cumsum(p, axis=-1) - p
+        n_keep = jnp.maximum(jnp.sum(keep & (mass_before < params.top_p), -1, keepdims=True), 1)
+        keep = keep & (desc >= jnp.take_along_axis(desc, n_keep - 1, axis=-1))
+    # Back to vocabulary order: position order[..., i] holds sorted entry i.
+    flat_keep, flat_order = keep.reshape(-1, v), order.reshape(-1, v)
+    rows = jnp.arange(flat_keep.shape[0])[:, None]
+    out = jnp.zeros_like(flat_keep).at[rows, flat_order].set(flat_keep, unique_indices=True)
+    return out.reshape(z.shape)
+
+
+def log_probs(logits, params: SamplingParams, banned=None, keep=None):
+    """f32 log-probs [...,V] of the distribution tokens are drawn from (see module docstring).
+
+    logits [...,V]; banned: bool broadcastable to [...,V], tokens that get probability 0, or None;
+    keep: int32 [...] a token always kept in the top-k / top-p set (the learner's target), or None.
+    """
+    z = logits.astype(jnp.float32)
+    if banned is not None:
+        z = jnp.where(banned, -jnp.inf, z)
+    if params.temperature == 0:
+        return jax.nn.log_softmax(z, axis=-1)
+    z = z / params.temperature
+    if params.truncates:
+        kept = _kept(z, params)
+        if keep is not None:
+            kept = kept | (
+                jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == keep[..., None]
+            )
+        z = jnp.where(kept, z, -jnp.inf)
     return jax.nn.log_softmax(z, axis=-1)
 
 
 def entropy(logp):
-    """Entropy [...] of the distribution with log-probs logp [..., V] (-inf entries allowed)."""
+    """Entropy [...] of the distribution with log-probs logp [..., V] (-inf entries allowed).
+
+    The inner `where` keeps the gradient finite: p * logp at p = 0 would differentiate 0 * -inf.
+    """
     p = jnp.exp(logp)
-    return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    return -jnp.sum(jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0), axis=-1)

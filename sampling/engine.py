@@ -9,8 +9,9 @@ Device work is jitted functions (`sampling.steps`) over the donated `sampling.st
   included, is sampled in one place (`_generate`) with one key schedule, and the G samples of a
   group draw their first tokens independently without a second sampling path. (JetStream's
   prefill returns the first token instead; this costs one batched decode step per request.)
-- `bulk_insert`: one prefilled prompt into G slots. Full prompt pages are shared (refcount G);
-  the partial last page is copied on device for samples 1..G-1 (`PageAllocator.fork_for_group`).
+- `bulk_insert`: one prefilled prompt (a single-use `Prefix`) into G idle slots. Full prompt
+  pages are shared (refcount G); the partial last page is copied on device for samples 1..G-1
+  (`PageAllocator.fork_for_group`).
   `generate_all` puts a group on an aligned block of G slots when one is free, which lets the
   blockwise attention backend read the shared pages once per block (`shared_len`); otherwise on
   any free slots, the free slots of partly used blocks first.
@@ -25,8 +26,15 @@ function constrains its output state to that layout, so donation keeps reusing t
 
 Page allocation is host-side (`sampling.page_allocator` explains why): between `generate` calls the
 host gives each active slot the pages for its next `num_steps` tokens and uploads the page table.
-Admission reserves a group's worst-case pages up front, so a running request never runs out of
-pages and no preemption is needed.
+Admission reserves a group's worst-case pages (`sampling.page_allocator.group_pages`) up front, so
+a running request never runs out of pages and no preemption is needed.
+
+Misuse raises ValueError before anything changes: `bulk_insert` rejects a consumed or stale
+Prefix and busy, repeated or out-of-range slots; `prefill_many` allocates all or nothing. `init_state()`
+resets the host bookkeeping along with the device state (every slot idle, every page free).
+Every call donates the state it is given. If `generate_all` raises (on_finish included), it frees
+the host side of every slot it admitted before re-raising; the caller then starts again from
+`init_state()`.
 
 Randomness: the token of sample g of request r at step n is drawn with
 fold_in(fold_in(fold_in(root, r), g), n). It does not depend on the slot or on the other requests
@@ -41,6 +49,7 @@ first tokens, which is what importance ratios should see.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +59,13 @@ from jax.experimental import multihost_utils
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
 from sampling.distribution import SamplingParams
-from sampling.page_allocator import PageAllocator, PageTable
+from sampling.page_allocator import (
+    NULL_PAGE,
+    OutOfPagesError,
+    PageAllocator,
+    PageTable,
+    group_pages,
+)
 from sampling.paged_attention import resolve_backend
 from sampling.state import DecodeState, state_shardings
 from sampling.steps import _generate, _insert, _prefill, _release
@@ -76,11 +91,16 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class Prefix:
-    """A prefilled prompt: its pages hold the KV of tokens[:-1]; tokens[-1] is fed at decode."""
+    """A prefilled prompt: its pages hold the KV of tokens[:-1]; tokens[-1] is fed at decode.
+
+    Single use: `bulk_insert` hands its page references to the slots and sets `consumed`. It is
+    valid only in the engine that made it, until that engine's next `init_state`."""
 
     pages: list[int]
     cached_len: int
     last_token: int
+    consumed: bool = False
+    epoch: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -124,21 +144,31 @@ class Engine:
         self.layout = None if mesh is None else (mesh, rules)
         # Resolved once: "auto" avoids the CPU kernel when the state spans several devices.
         sharded = mesh is not None and mesh.size > 1
-        self.backend = resolve_backend(ecfg.backend, sharded, ecfg.cache_dtype)
+        self.backend = resolve_backend(
+            ecfg.backend, sharded, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size,
+            platform=None if mesh is None else mesh.devices.flat[0].platform,
+        )  # fmt: skip
         self._shardings = None
         if mesh is not None:
             self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
         self.allocator = PageAllocator(ecfg.num_pages)
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
-        self.free_slots = list(range(ecfg.num_slots))
+        self._reset_host()
+
+    def _reset_host(self) -> None:
+        """Host bookkeeping of an empty state: every page free, every slot idle."""
+        self.allocator.reset()
+        self.table.array[:] = NULL_PAGE
+        self.free_slots = list(range(self.ecfg.num_slots))
         # Cascade attention (`paged_attention_blockwise`): a group of `group` samples placed on
         # an aligned block of slots reads its shared prompt pages once per decode step.
         # `generate_all` sets it to its num_samples; 1 = off.
         self.group = 1
-        # Per busy slot: cap on cached tokens and the host copy of its
-        # cached length after the last `generate`, to allocate ahead.
+        # Per busy slot (the keys are the busy slots): cap on cached tokens and the host copy of
+        # its cached length after the last `generate`, to allocate ahead.
         self._cap: dict[int, int] = {}
         self._len: dict[int, int] = {}
+        self._epoch = object()  # Prefixes made before the last reset are stale
 
     def _zeros(self) -> DecodeState:
         e = self.ecfg
@@ -148,6 +178,10 @@ class Engine:
         )  # fmt: skip
 
     def init_state(self) -> DecodeState:
+        """A fresh DecodeState: every slot idle, every page empty. The host bookkeeping is reset
+        to match (pages, slots, Prefixes not yet inserted are forgotten), so this is also how to
+        start over after an exception, which leaves the donated state unusable."""
+        self._reset_host()
         if self.layout is None:
             return self._zeros()
         # Created sharded in place: no device ever holds the whole KV pool.
@@ -164,18 +198,37 @@ class Engine:
         state, (prefix,) = self.prefill_many(params, state, [prompt])
         return state, prefix
 
+    def _check_prompt(self, prompt) -> None:
+        if not 1 <= len(prompt) <= self.ecfg.max_prompt_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{self.ecfg.max_prompt_len}")
+
     def prefill_many(self, params, state, prompts) -> tuple[DecodeState, list[Prefix]]:
         """`prefill` for several prompts, up to MAX_PREFILL_BATCH per jitted call (the row count
-        is padded to a power of two, the length to a bucket, to keep compiles few)."""
-        e = self.ecfg
+        is padded to a power of two, the length to a bucket, to keep compiles few). All or
+        nothing on the host: on an error no page stays allocated."""
         for prompt in prompts:
-            if not 1 <= len(prompt) <= e.max_prompt_len:
-                raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{e.max_prompt_len}")
+            self._check_prompt(prompt)
         # The last prompt token is not cached: the first decode step feeds it.
+        sizes = [self._pages_for(len(prompt) - 1) for prompt in prompts]
+        if sum(sizes) > self.allocator.num_free:
+            raise OutOfPagesError(
+                f"prefill of {len(prompts)} prompts needs {sum(sizes)} KV pages but only "
+                f"{self.allocator.num_free} of {self.ecfg.num_pages - 1} are free"
+            )
         prefixes = []
-        for prompt in prompts:
-            pages = self.allocator.alloc(self._pages_for(len(prompt) - 1))
-            prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1])))
+        try:
+            for prompt, n in zip(prompts, sizes):
+                pages = self.allocator.alloc(n)
+                prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1]), epoch=self._epoch))
+            state = self._prefill_pages(params, state, prompts, prefixes)
+        except BaseException:
+            for x in prefixes:
+                self.allocator.free(x.pages)
+            raise
+        return state, prefixes
+
+    def _prefill_pages(self, params, state, prompts, prefixes) -> DecodeState:
+        e = self.ecfg
         todo = [(p, x) for p, x in zip(prompts, prefixes) if x.cached_len]
         for c in range(0, len(todo), MAX_PREFILL_BATCH):
             chunk = todo[c : c + MAX_PREFILL_BATCH]
@@ -188,16 +241,42 @@ class Engine:
                 lengths[r] = x.cached_len
                 page_rows[r, : len(x.pages)] = x.pages
             state = _prefill(self.graphdef, params, state, tokens, lengths, page_rows, self.layout)
-        return state, prefixes
+        return state
+
+    def _check_slots(self, slots, unique: bool = True) -> list[int]:
+        slots = [operator.index(s) for s in slots]
+        bad = [s for s in slots if not 0 <= s < self.ecfg.num_slots]
+        if bad:
+            raise ValueError(f"slot(s) {bad} out of range: need 0..{self.ecfg.num_slots - 1}")
+        dup = sorted({s for s in slots if slots.count(s) > 1})
+        if unique and dup:
+            raise ValueError(f"slot(s) {dup} given more than once")
+        return slots
 
     def bulk_insert(self, state, prefix: Prefix, slots, request_id: int, max_new: int):
-        """Puts one prefix into len(slots) = G slots sharing its full pages."""
-        e, g = self.ecfg, len(slots)
+        """Puts one prefix into len(slots) = G idle slots sharing its full pages, and consumes
+        the prefix (its page references pass to the slots). A consumed or stale prefix, slots
+        out of range, repeated or busy, or a bad max_new raise ValueError before anything
+        changes."""
+        e = self.ecfg
+        slots = self._check_slots(slots)
+        g = len(slots)
+        if not slots:
+            raise ValueError("bulk_insert needs at least one slot")
+        if prefix.consumed:
+            raise ValueError("prefix already inserted (bulk_insert consumes it): prefill again")
+        if prefix.epoch is not self._epoch:
+            raise ValueError("prefix was not prefilled by this engine since its last init_state")
+        busy = [s for s in slots if s in self._cap]
+        if busy:
+            raise ValueError(f"slot(s) {busy} busy: free_resource them first")
         if not 1 <= max_new <= e.max_new_tokens:
             raise ValueError(f"max_new_tokens={max_new}: need 1..{e.max_new_tokens}")
         rows, copies = self.allocator.fork_for_group(
             prefix.pages, prefix.cached_len, e.page_size, g
         )
+        prefix.consumed = True
+        self.free_slots = [s for s in self.free_slots if s not in slots]
         copies = copies + [(0, 0)] * (g - 1 - len(copies))
         src = np.array([c[0] for c in copies], np.int32)
         dst = np.array([c[1] for c in copies], np.int32)
@@ -265,21 +344,27 @@ class Engine:
         return self.group if self.backend == "blockwise" else 1
 
     def free_resource(self, state, slot: int) -> DecodeState:
-        """Returns the slot's pages to the pool and marks the slot idle."""
+        """Returns the slot's pages to the pool and marks the slot idle (no-op on an idle slot)."""
         return self.free_slots_of(state, [slot])
 
     def free_slots_of(self, state, slots) -> DecodeState:
         """`free_resource` for several slots with one device call."""
+        slots = self._check_slots(slots, unique=False)
         for slot in slots:
-            self.allocator.free(self.table.clear_row(slot))
-            self._len.pop(slot, None)
-            self._cap.pop(slot, None)
-            self.free_slots.append(slot)
+            self._free_host(slot)
         return _release(state, np.asarray(slots, np.int32), self.layout)
 
+    def _free_host(self, slot: int) -> None:
+        self.allocator.free(self.table.clear_row(slot))
+        self._len.pop(slot, None)
+        self._cap.pop(slot, None)
+        if slot not in self.free_slots:
+            self.free_slots.append(slot)
+
     def _take_slots(self, g: int) -> list[int]:
-        """g free slots: an aligned block when one is free (cascade attention), else the free
-        slots of partly used blocks first, keeping whole blocks for later groups."""
+        """g free slots (`bulk_insert` marks them busy): an aligned block when one is free
+        (cascade attention), else the free slots of partly used blocks first, keeping whole
+        blocks for later groups."""
         free = set(self.free_slots)
         if g == self.group > 1:
             for b0 in range(0, self.ecfg.num_slots, g):
@@ -291,14 +376,11 @@ class Engine:
                 slots = sorted(self.free_slots, key=whole)[:g]
         else:
             slots = self.free_slots[:g]
-        self.free_slots = [s for s in self.free_slots if s not in slots]
         return slots
 
     def worst_case_pages(self, prompt_len: int, max_new: int, g: int) -> int:
-        """Pages a group of g samples may hold at its longest (shared full prompt pages once)."""
-        n = prompt_len - 1
-        shared = n // self.ecfg.page_size
-        return shared + g * (self._pages_for(n + max_new) - shared)
+        """Pages a group of g samples may hold at its longest (`page_allocator.group_pages`)."""
+        return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
     def _reserved(self) -> int:
         return sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
@@ -311,7 +393,13 @@ class Engine:
         results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i).
         max_new_tokens is one int for all requests or a list with one per request (default
         `EngineConfig.max_new_tokens`). `on_finish(i, g, completion)`, if given, is called as each
-        sequence finishes (progress bars; scoring finished groups while decoding goes on)."""
+        sequence finishes (progress bars; scoring finished groups while decoding goes on).
+
+        `state` is consumed (donated): use the returned one. Arguments are checked before any
+        work. If anything raises later (on_finish included), the pages and slots this call took
+        are freed on the host before the exception propagates, but the device state is lost:
+        start again from `init_state()`.
+        """
         e, g = self.ecfg, num_samples
         if np.ndim(max_new_tokens) == 0:
             max_new = [int(max_new_tokens or e.max_new_tokens)] * len(prompts)
@@ -321,59 +409,80 @@ class Engine:
                 raise ValueError(
                     f"max_new_tokens has {len(max_new)} entries for {len(prompts)} prompts"
                 )
-        if g > e.num_slots:
-            raise ValueError(f"num_samples={g} exceeds num_slots={e.num_slots}")
+        if not 1 <= g <= e.num_slots:
+            raise ValueError(f"num_samples={g}: need 1..num_slots={e.num_slots}")
         bad = [m for m in max_new if not 1 <= m <= e.max_new_tokens]
         if bad:
             raise ValueError(f"max_new_tokens={bad[0]}: need 1..{e.max_new_tokens}")
         ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+        if len(ids) != len(prompts):
+            raise ValueError(f"request_ids has {len(ids)} entries for {len(prompts)} prompts")
+        for prompt in prompts:
+            self._check_prompt(prompt)
+        need = [group_pages(len(p), m, e.page_size, g) for p, m in zip(prompts, max_new)]
+        for i, n in enumerate(need):
+            if n > e.num_pages - 1:
+                raise ValueError(
+                    f"request {i} needs {n} KV pages, more than the pool ({e.num_pages - 1}); "
+                    "raise num_pages"
+                )
         if not self._len:  # no busy slot: the block size can change
             self.group = g if g > 1 and e.num_slots % g == 0 else 1
         root = jax.random.key(seed)
         results: list[list[Completion | None]] = [[None] * g for _ in prompts]
         owner: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
+        mine: set[int] = set()  # every slot this call inserted into
+        prefixes: list[Prefix] = []  # of the last prefill
         pending = list(range(len(prompts)))
-        while pending or owner:
-            # Admit what fits (slots, and worst-case pages counted together), prefill it in
-            # batches, then put each prompt into its G slots.
-            admit, need_total = [], 0
-            free_pages = self.allocator.num_free - self._reserved()
-            while pending and len(self.free_slots) - g * len(admit) >= g:
-                i = pending[0]
-                need = self.worst_case_pages(len(prompts[i]), max_new[i], g)
-                if need_total + need > free_pages:
-                    if not owner and not admit:
-                        raise ValueError(
-                            f"request {i} needs {need} KV pages, more than the pool "
-                            f"({e.num_pages - 1}); raise num_pages"
-                        )
-                    break
-                admit.append(pending.pop(0))
-                need_total += need
-            if admit:
-                state, prefixes = self.prefill_many(params, state, [prompts[i] for i in admit])
-                for i, prefix in zip(admit, prefixes):
-                    slots = self._take_slots(g)
-                    state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
-                    owner.update({s: (i, k) for k, s in enumerate(slots)})
-            state = self.generate(params, state, root)
-            active, n, stopped, toks, lps = host_values(
-                (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
-            )
-            done = [s for s in owner if not active[s]]
-            for s in done:
-                i, k = owner[s]
-                m = int(n[s])
-                results[i][k] = Completion(
-                    tokens=toks[s, :m].tolist(),
-                    logprobs=lps[s, :m].tolist(),
-                    finish_reason="stop" if stopped[s] else "length",
-                    length=m,
+        try:
+            while pending or owner:
+                # Admit what fits (slots, and worst-case pages counted together), prefill it in
+                # batches, then put each prompt into its G slots.
+                admit, need_total = [], 0
+                free_pages = self.allocator.num_free - self._reserved()
+                while pending and len(self.free_slots) - g * len(admit) >= g:
+                    if need_total + need[pending[0]] > free_pages:
+                        break
+                    need_total += need[pending[0]]
+                    admit.append(pending.pop(0))
+                if pending and not admit and not owner:  # nothing of ours will free anything
+                    raise ValueError(
+                        f"request {pending[0]} needs {g} slots and {need[pending[0]]} KV pages; "
+                        f"{len(self.free_slots)} slots and {free_pages} pages are free, the rest "
+                        "is held by slots or prefixes from outside this call"
+                    )
+                if admit:
+                    state, prefixes = self.prefill_many(params, state, [prompts[i] for i in admit])
+                    for i, prefix in zip(admit, prefixes):
+                        slots = self._take_slots(g)
+                        state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
+                        mine.update(slots)
+                        owner.update({s: (i, k) for k, s in enumerate(slots)})
+                state = self.generate(params, state, root)
+                active, n, stopped, toks, lps = host_values(
+                    (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
                 )
-            if done:
-                state = self.free_slots_of(state, done)
-            for s in done:
-                i, k = owner.pop(s)
+                done = [s for s in owner if not active[s]]
+                finished = [owner.pop(s) for s in done]
+                for s, (i, k) in zip(done, finished):
+                    m = int(n[s])
+                    results[i][k] = Completion(
+                        tokens=toks[s, :m].tolist(),
+                        logprobs=lps[s, :m].tolist(),
+                        finish_reason="stop" if stopped[s] else "length",
+                        length=m,
+                    )
+                if done:
+                    state = self.free_slots_of(state, done)
                 if on_finish is not None:
-                    on_finish(i, k, results[i][k])
+                    for i, k in finished:
+                        on_finish(i, k, results[i][k])
+        except BaseException:
+            for s in mine & self._cap.keys():
+                self._free_host(s)
+            for x in prefixes:
+                if not x.consumed and x.epoch is self._epoch:
+                    self.allocator.free(x.pages)
+                    x.consumed = True
+            raise
         return state, results

@@ -21,6 +21,9 @@ shared, because each sample appends its own tokens into the free slots of that p
 since every sample is certain to write into it on its first decode step). Sample 0 keeps the
 original page, so only G - 1 copies are made and no page is freed during the fork; that avoids a
 freed source page being re-allocated as a copy destination before the device has done the copy.
+
+`group_pages` is the one formula for the most pages such a group holds: the engine admits requests
+by it, and config validation and benchmarks size the pool with it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,24 @@ class OutOfPagesError(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 
 
+def group_pages(prompt_len: int, max_new: int, page_size: int, g: int) -> int:
+    """KV pages a group of g samples of one prompt holds at its longest, as the engine allocates.
+
+    The engine caches the prompt's first prompt_len - 1 tokens (the first decode step feeds the
+    last one) and each sample at most max_new more (`sampling.engine`). The full pages of the
+    cached prompt are shared by the g samples, so they count once; each sample owns the rest of
+    its pages: a copy of the partial last prompt page, if any, and its decode pages.
+    """
+    if prompt_len < 1 or max_new < 0 or page_size < 1 or g < 1:
+        raise ValueError(
+            f"group_pages(prompt_len={prompt_len}, max_new={max_new}, page_size={page_size}, "
+            f"g={g}): need prompt_len >= 1, max_new >= 0, page_size >= 1, g >= 1"
+        )
+    cached = prompt_len - 1
+    shared = cached // page_size
+    return shared + g * (-(-(cached + max_new) // page_size) - shared)
+
+
 class PageAllocator:
     """Reference-counted pool of pages 1..num_pages-1 (page 0 is the reserved null page)."""
 
@@ -42,10 +63,15 @@ class PageAllocator:
             raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
         self.num_pages = num_pages
         self._refcount = np.zeros(num_pages, np.int32)
+        self.reset()
+        self._peak_used = 0
+
+    def reset(self) -> None:
+        """Every page free again, whatever held it (a fresh decode state); keeps `peak_used`."""
+        self._refcount[:] = 0
         # A stack popped from the end; reversed so a fresh pool hands out 1, 2, 3, ... in order,
         # which keeps tests and debugging output readable.
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
-        self._peak_used = 0
+        self._free = list(range(self.num_pages - 1, NULL_PAGE, -1))
 
     @property
     def num_free(self) -> int:

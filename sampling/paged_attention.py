@@ -20,7 +20,8 @@ Backend notes (jax 0.10.2):
   FFI that reads the pages in place. At 256 sequences (bench-small shape) it takes about half the
   blockwise backend's time. It is built on first use; without a C++ compiler "auto" falls back
   to blockwise, and it is not used when the pages are sharded over devices.
-- blockwise (the portable CPU fallback, and what sharded pages use on CPU): flash-decoding in
+- blockwise (the portable fallback: what "auto" picks for sharded pages on every platform and
+  for page shapes the Pallas kernels cannot lower, e.g. head_dim 64 on TPU): flash-decoding in
   plain JAX. A `lax.fori_loop` walks the page table in blocks of `pages_per_block` pages,
   gathers only that block of K and V, and keeps an online softmax (running max, sum, output). Its
   trip count is dynamic, so a batch of short sequences reads only the pages it has, and the whole
@@ -30,14 +31,21 @@ Backend notes (jax 0.10.2):
   indexing the 5-D pool), the stacked pool is indexed in that gather rather than sliced per layer
   (a slice feeding a loop is copied every step), and the cascade: slots on an aligned block of
   G samples read their shared prompt pages once, with all G*R query rows at once.
-- pallas_tpu rounds K and V to bfloat16 inside the kernel (its page loader casts to bf16
-  whatever the cache dtype), while q and the softmax stay in f32. An f32 cache therefore gets
-  bf16 attention on TPU; a bf16 cache, the intended use, loses nothing.
+- pallas_tpu is what "auto" picks on TPU for one device and head_dim % 128 == 0 (see
+  `resolve_backend`). Exporting for TPU from a CPU host runs the real Mosaic lowering: head_dim
+  128 and 256 lower, 32, 64, 96 and 192 do not (tests/sampling/test_tpu_export.py). The kernel
+  rounds K and V to bfloat16 (its page loader casts to bf16 whatever the cache dtype), while q
+  and the softmax stay in f32. An f32 cache therefore gets bf16 attention on TPU; a bf16 cache,
+  the intended use, loses nothing.
+- Neither Pallas kernel is partitioned by GSPMD: on a multi-device mesh JAX refuses to lower the
+  TPU kernel outside a shard_map, so a sharded KV state uses blockwise until they run in one.
 - pallas_gpu runs `pl.dot` at default precision, which Triton lowers to TF32 for f32 operands:
   expect ~1e-3 differences on real GPUs with an f32 cache (interpret mode on CPU is exact).
   Its grid splits the pages of a sequence into `k_splits` partitions, each processed in blocks
   of `pages_per_compute_block` pages, and its q heads per KV head are padded to block_h = 16.
-  On real GPUs page_size and pages_per_seq should be powers of two and H a power of two >= 16.
+  The Triton lowering (which also runs when exporting for CUDA from a CPU host) needs H and
+  page_size to be powers of two, and Triton's dot needs blocks of >= 16 keys, so "auto" uses it
+  for H and page_size powers of two >= 16 on one device; pages_per_seq may be any number.
 """
 
 from __future__ import annotations
@@ -259,18 +267,52 @@ def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices):
     return out.astype(q.dtype)
 
 
-def resolve_backend(backend: str = "auto", sharded: bool = False, dtype="float32") -> str:
-    """ "auto" -> the kernel for jax.default_backend() (tpu, gpu); on CPU the C++ kernel
-    (`sampling.cpu_attention`) when it builds, the pages are f32 and not spread over several
-    devices (the kernel is opaque to GSPMD), else "blockwise"."""
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def resolve_backend(
+    backend: str = "auto", sharded: bool = False, dtype="float32", head_dim: int | None = None,
+    page_size: int | None = None, platform: str | None = None,
+) -> str:  # fmt: skip
+    """The backend to run: `backend` as given, or for "auto" the fastest one that lowers here.
+
+    `platform` is where the attention runs ("cpu", "gpu", "tpu"; default jax.default_backend(),
+    the engine passes its mesh's), `sharded` whether the KV state spans several devices, `dtype`
+    the cache dtype, `head_dim` and `page_size` the page shape. "auto" picks
+    - tpu: "pallas_tpu" on one device when head_dim % 128 == 0. Mosaic needs a block's last dim
+      divisible by 128 or equal to the array's, and the kernel gives its softmax max/sum outputs
+      [..., 1] q's block spec, last dim H: head_dim 64 (Qwen2.5-0.5B, Llama-3.2-1B) fails;
+    - gpu: "pallas_gpu" on one device when head_dim and page_size are powers of two >= 16
+      (Triton loads only power-of-two blocks; its dot needs >= 16 per dimension);
+    - cpu: "cpu_kernel" on one device with an f32 cache, if the kernel builds;
+    - otherwise "blockwise", which lowers for every shape and mesh. Unknown shapes (None) get it.
+    A sharded state always gets "blockwise": JAX refuses to partition a Mosaic (TPU) kernel
+    outside shard_map, and the Triton (GPU) and C++ kernels are opaque to GSPMD. Until the
+    kernels run inside a shard_map, an explicit Pallas backend with sharded=True raises.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"paged attention backend={backend!r}: must be one of {BACKENDS}")
+    if sharded and backend in ("pallas_tpu", "pallas_gpu"):
+        raise ValueError(
+            f"config.sampling.backend={backend!r} needs the KV cache on one device, but it is "
+            f"sharded over several: JAX does not partition a Pallas kernel outside shard_map "
+            f"(the TPU kernel does not lower, the GPU kernel is opaque to GSPMD). Use 'auto' "
+            f"or 'blockwise', or a mesh of one device"
+        )
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
-    if platform in ("tpu", "gpu"):
-        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}[platform]
-    if not sharded and jnp.dtype(dtype) == jnp.float32 and cpu_attention.available():
+    platform = platform or jax.default_backend()
+    platform = "gpu" if platform in ("cuda", "rocm") else platform  # jax.export's spellings
+    if sharded:
+        return "blockwise"
+    if platform == "tpu":
+        return "pallas_tpu" if head_dim is not None and head_dim % 128 == 0 else "blockwise"
+    if platform == "gpu":
+        fits = head_dim is not None and page_size is not None
+        fits = fits and head_dim >= 16 and _pow2(head_dim) and page_size >= 16 and _pow2(page_size)
+        return "pallas_gpu" if fits else "blockwise"
+    if platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_attention.available():
         return "cpu_kernel"
     return "blockwise"
 
@@ -288,7 +330,9 @@ def paged_attention(
     interpret=True runs the Pallas GPU kernel in interpret mode (works on CPU, for tests). The
     TPU kernel is interpreted on CPU by wrapping the call in `pltpu.force_tpu_interpret_mode()`.
     """
-    backend = resolve_backend(backend, dtype=k_pages.dtype)
+    backend = resolve_backend(
+        backend, dtype=k_pages.dtype, head_dim=k_pages.shape[-1], page_size=k_pages.shape[-2]
+    )
     kh = k_pages.shape[-4]
     if q.shape[1] % kh:
         raise ValueError(f"query heads N={q.shape[1]} not a multiple of kv heads K={kh}")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sampling.distribution import log_probs
+from sampling.distribution import banned_stop_ids, log_probs
 from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
 
 
@@ -80,8 +80,7 @@ def _generate(
     graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group
 ):
     model = nnx.merge(graphdef, params)
-    stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
-    is_stop_id = jnp.zeros((model.cfg.vocab_size,), bool).at[stop].set(bool(stop_ids), mode="drop")
+    is_stop_id = banned_stop_ids(jnp.array(True), stop_ids, model.cfg.vocab_size)  # [V]
     rows = jnp.arange(state.lengths.shape[0])
     m = state.tokens.shape[1]
 
@@ -94,9 +93,8 @@ def _generate(
         )
         logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
         logits = logits[:, 0]  # f32 [B,V]
-        early = (s.num_generated < min_new)[:, None]
-        logits = jnp.where(early & is_stop_id[None], -jnp.inf, logits)
-        lp = log_probs(logits, sampling)  # [B,V]
+        banned = banned_stop_ids(s.num_generated < min_new, stop_ids, logits.shape[-1])
+        lp = log_probs(logits, sampling, banned)  # [B,V]
         if sampling.temperature == 0:
             tok = jnp.argmax(lp, axis=-1).astype(jnp.int32)
         else:

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from launch.train import load_run
+from launch.build import load_run
 from models.sharding import flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +61,7 @@ def test_two_processes_equal_one(tmp_path):
     assert sorted(a) == sorted(b) == [1, 2]
     for step in a:
         np.testing.assert_allclose(b[step], a[step], atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
-    pa, pb = (flatten(load_run(str(w))[2].params) for w in (single, multi))
+    pa, pb = (flatten(load_run(str(w))[0].state.params) for w in (single, multi))
     for name in pa:
         np.testing.assert_allclose(
             np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5, err_msg=name

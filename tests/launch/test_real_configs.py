@@ -82,8 +82,8 @@ def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
     import jax
     import numpy as np
 
+    from launch.build import load_run
     from launch.export import main as export
-    from launch.train import load_run
     from models.hf import load_hf
     from models.sharding import flatten
 
@@ -102,11 +102,12 @@ def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
     ]  # fmt: skip
     assert main(args) == 0
     assert export(["--workdir", str(workdir), "--out", str(out)]) == 0
-    _, parts, state, step = load_run(str(workdir))
+    run, step = load_run(str(workdir))
+    state = run.state
     assert step == 2
-    _, graphdef, params, _ = load_hf(str(out), parts.mesh)
+    _, graphdef, params, _ = load_hf(str(out), run.mesh)
     trained, exported = flatten(state.params), flatten(params)
-    initial = flatten(load_hf(str(ckpt), parts.mesh)[2])
+    initial = flatten(load_hf(str(ckpt), run.mesh)[2])
     assert any(not np.array_equal(trained[k], initial[k]) for k in trained)  # it did train
     for k in trained:
         np.testing.assert_array_equal(np.asarray(exported[k]), np.asarray(trained[k]), err_msg=k)

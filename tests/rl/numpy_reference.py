@@ -38,13 +38,13 @@ def advantages(rewards, group_size, mode, eps):
 
 
 def kl(lp, ref, estimator, clamp):
-    """One token. KL(pi || ref) estimators written via q = ref / pi."""
+    """One token. KL(pi || ref) estimators written via q = ref / pi, log q clamped to +-clamp."""
+    log_q = min(max(ref - lp, -clamp), clamp)
     if estimator == "k1":
-        return lp - ref
+        return -log_q
     if estimator == "k2":
-        return 0.5 * (lp - ref) ** 2
-    d = min(max(ref - lp, -clamp), clamp)
-    q = math.exp(d)
+        return 0.5 * log_q**2
+    q = math.exp(log_q)
     return q - math.log(q) - 1.0
 
 

@@ -58,6 +58,16 @@ def test_matches_numpy(mode):
     np.testing.assert_allclose(stats["adv_min"], want.min(), **TOL)
 
 
+def test_large_eps_enters_the_denominator():
+    # [3, 1] with eps = 1: centred [1, -1], std sqrt(2) -> 1 / (sqrt(2) + 1) = 0.4142136.
+    # batch_std over [3, 1, 0, 2]: mean 1.5, ddof=1 std = sqrt(5/3) -> centred [1, -1, -1, 1]
+    # over (1.2909944 + 1) = 2.2909944.
+    adv, _ = compute_advantages(jnp.array([3.0, 1.0]), 2, "group_std", eps=1.0)
+    np.testing.assert_allclose(adv, [0.4142136, -0.4142136], **TOL)
+    adv, _ = compute_advantages(jnp.array([3.0, 1.0, 0.0, 2.0]), 2, "batch_std", eps=1.0)
+    np.testing.assert_allclose(adv, np.array([1, -1, -1, 1]) / 2.2909944, **TOL)
+
+
 def test_all_zero_variance_and_jit():
     f = jax.jit(compute_advantages, static_argnums=(1, 2))
     adv, stats = f(jnp.full((6,), 0.3), 3, "batch_std", 1e-6)
@@ -82,12 +92,6 @@ def test_overlong_penalty():
     np.testing.assert_allclose(got, [0.0, 0.0, -0.1, -1.0, -2.0], **TOL)
     with pytest.raises(ValueError, match="buffer"):
         shaping.overlong_penalty(np.array([1]), 10, 0)
-
-
-def test_truncation_mask():
-    got = shaping.truncation_mask(np.array([True, False, True]))
-    np.testing.assert_array_equal(got, [1.0, 0.0, 1.0])
-    assert got.dtype == jnp.float32
 
 
 def test_kl_reward():

@@ -97,6 +97,35 @@ def test_dispatch_on_cpu():
     np.testing.assert_allclose(got, paged_attention_reference(q, kp, vp, lengths, table), atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "platform,sharded,head_dim,page_size,want",
+    [
+        ("tpu", False, 128, 32, "pallas_tpu"),
+        ("tpu", False, 256, 16, "pallas_tpu"),
+        ("tpu", False, 64, 32, "blockwise"),  # Qwen2.5-0.5B, Llama-3.2-1B: Mosaic cannot lower it
+        ("tpu", True, 128, 32, "blockwise"),  # Mosaic kernels are not partitioned outside shard_map
+        ("tpu", False, None, None, "blockwise"),  # unknown shape: no kernel
+        ("gpu", False, 64, 32, "pallas_gpu"),
+        ("cuda", False, 128, 16, "pallas_gpu"),
+        ("gpu", False, 96, 32, "blockwise"),  # Triton loads power-of-two blocks only
+        ("gpu", False, 8, 32, "blockwise"),  # Triton's dot needs >= 16
+        ("gpu", False, 64, 8, "blockwise"),
+        ("gpu", True, 128, 32, "blockwise"),
+    ],
+)
+def test_dispatch_on_accelerators(platform, sharded, head_dim, page_size, want):
+    """ "auto" picks a Pallas kernel only where it lowers: one device and a supported page shape
+    (tests/sampling/test_tpu_export.py checks the TPU rule against the real lowering)."""
+    got = resolve_backend("auto", sharded, "bfloat16", head_dim, page_size, platform=platform)
+    assert got == want
+    # Explicit backends stay as given, except a Pallas kernel on a sharded state.
+    assert resolve_backend("reference", sharded, platform=platform) == "reference"
+    assert resolve_backend("pallas_tpu", platform="cpu") == "pallas_tpu"
+    for backend in ("pallas_tpu", "pallas_gpu"):
+        with pytest.raises(ValueError, match="config.sampling.backend"):
+            resolve_backend(backend, sharded=True, platform=platform)
+
+
 @pytest.mark.parametrize("n,k,h", [(2, 2, 16), (8, 2, 16), (8, 2, 32), (14, 2, 64)])
 def test_cpu_kernel_matches_reference(n, k, h):
     """The C++ kernel on a stacked [L,K,P,page_size,H] pool, per layer: head sizes with a
@@ -148,6 +177,24 @@ def test_cpu_kernel_falls_back_without_compiler(monkeypatch, tmp_path):
         monkeypatch.setenv("JAX_GRPO_KERNEL_CACHE", str(tmp_path))
         lib = cpu_attention._build(cpu_attention._compiler())
         assert os.path.dirname(lib) == str(tmp_path) and os.path.getsize(lib) > 0
+
+
+def test_cpu_kernel_cache_is_keyed_on_instruction_set(monkeypatch, tmp_path):
+    """A -march=native build is cached per set of CPU flags: a home directory shared by two
+    CPUs with different extensions keeps one library each (loading the other's would SIGILL)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(cpu_attention, "CPUINFO", str(cpuinfo))
+    model = "model name\t: Same CPU @ 2.0GHz\n"
+    cpuinfo.write_text(f"processor\t: 0\n{model}flags\t\t: fpu sse2 avx2\n")
+    assert cpu_attention._cpu_flags() == "avx2 fpu sse2"
+    path = cpu_attention._library_path("c++")
+    cpuinfo.write_text(f"processor\t: 0\n{model}flags\t\t: fpu sse2 avx2 avx512f\n")
+    assert cpu_attention._library_path("c++") != path
+    cpuinfo.write_text(f"processor\t: 0\n{model}flags\t\t: avx2 sse2 fpu\n")  # order only
+    assert cpu_attention._library_path("c++") == path
+    monkeypatch.setattr(cpu_attention, "CPUINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(cpu_attention.platform, "processor", lambda: "arm")
+    assert cpu_attention._cpu_flags() == "arm"
 
 
 @pytest.mark.parametrize("n,k", GQA)

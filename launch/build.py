@@ -1,0 +1,109 @@
+"""The parts of a training run, built from its config: mesh, tokenizer, policy (and reference),
+learner, train state, sampler engines and the rollout. `launch.train` builds them once; `load_run`
+rebuilds them for a finished run's checkpoint (`launch.eval`, `launch.export`).
+
+The reference policy, when the KL term is on, is a second frozen copy of the starting checkpoint
+loaded in the same shardings (no optimizer state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import ml_collections
+from jax.sharding import Mesh, NamedSharding
+
+from launch.cli import UsageError
+from launch.validate import engine_config, learner_config, sampling_params
+from models.config import ModelConfig
+from models.hf import load_hf
+from models.hf_config import GenerationIds
+from models.sharding import make_mesh, state_shardings
+from models.tokenizer import Tokenizer, load_tokenizer
+from rl.checkpoint import Checkpointer
+from rl.evaluation import evaluate
+from rl.learner import Learner, TrainState, batch_sharding
+from rl.rollout import Rollouts
+from sampling.distribution import SamplingParams
+from sampling.engine import Engine
+
+
+@dataclasses.dataclass
+class Run:
+    config: ml_collections.ConfigDict
+    mesh: Mesh
+    model_cfg: ModelConfig
+    ids: GenerationIds  # pad / bos / eos ids of the checkpoint
+    tokenizer: Tokenizer
+    learner: Learner
+    state: TrainState  # params + optimizer state, sharded
+    ref_params: object  # frozen reference parameters, or None without a KL term
+    engines: dict[str, Engine]  # "rollout", "greedy" (held-out accuracy), "eval" (pass@k)
+    batch_sharding: NamedSharding  # learner batch rows over the batch mesh axes
+
+    def rollouts(self) -> Rollouts:
+        return Rollouts(self.config, self.engines["rollout"], self.tokenizer, self.learner,
+                        self.ref_params, self.batch_sharding, self.ids.pad_id)  # fmt: skip
+
+    def evaluate(self, params, records) -> dict:
+        """Held-out greedy accuracy and pass@k of params (rl.evaluation)."""
+        e, c = self.engines, self.config
+        return evaluate(e["greedy"], e["eval"], params, records, self.tokenizer, c, c.seed)
+
+
+def init_distributed(config) -> None:
+    """Multi-process runs: `jax.distributed.initialize()` on TPU / GPU clusters (it finds the
+    coordinator itself) when config.distributed is set, or from the environment variables
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (e.g. CPU processes on one
+    machine, with JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo)."""
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if address:
+        jax.distributed.initialize(
+            address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+        )
+    elif config.distributed:
+        jax.distributed.initialize()
+
+
+def build(config) -> Run:
+    mesh = make_mesh(dict(config.mesh))
+    rules = tuple(tuple(r) for r in config.rules)
+    m = config.model
+    overrides = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    model_cfg, graphdef, params, ids = load_hf(m.hf_checkpoint, mesh, rules, **overrides)
+    ref_params = None
+    if config.rl.kl_coef > 0:
+        ref_params = load_hf(m.hf_checkpoint, mesh, rules, **overrides)[2]
+    tok_spec = config.tokenizer.to_dict()
+    tokenizer = load_tokenizer(m.hf_checkpoint if tok_spec["type"] == "hf" else tok_spec)
+    shardings = state_shardings(params, mesh, rules)
+    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
+    ecfg = engine_config(config, ids.eos_ids)
+    engine = lambda sampling: Engine(model_cfg, graphdef, ecfg, sampling, mesh=mesh, rules=rules)
+    engines = {
+        "rollout": engine(sampling_params(config)),
+        "greedy": engine(SamplingParams(temperature=0.0)),
+        "eval": engine(SamplingParams(temperature=config.eval.temperature)),
+    }
+    return Run(config, mesh, model_cfg, ids, tokenizer, learner, learner.init_state(params),
+               ref_params, engines, batch_sharding(mesh, rules))  # fmt: skip
+
+
+def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
+    """(run with its state restored from the checkpoint at `step` (default: the latest), step)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise UsageError(f"--workdir {workdir}: no config.json (not a training run)")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    ckpt = Checkpointer(workdir)
+    steps = ckpt.manager.all_steps()
+    if not steps or (step is not None and step not in steps):
+        raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
+    run = build(config)
+    run.state, meta = ckpt.restore(run.state, step)
+    ckpt.close()
+    return run, meta["step"]

@@ -1,0 +1,108 @@
+"""Every field of LossConfig, LearnerConfig, EngineConfig and SamplingParams can be set from the
+command line (`--config.<section>.<field>=...`), arrives in the object the run builds, and is
+documented with a comment in configs/default.py."""
+
+import dataclasses
+import os
+
+import pytest
+
+from launch.cli import DEFAULT_CONFIG, UsageError, parse_args
+from launch.validate import engine_config, learner_config, validate
+from rl.learner import LearnerConfig
+from rl.losses import LossConfig
+from sampling.distribution import SamplingParams
+from sampling.engine import EngineConfig
+
+EOS = (2,)
+# A value each field accepts, different from its default. Numbers are derived from the default.
+CHOICES = {
+    "policy_loss": "cispo", "kl_estimator": "k2", "kl_in": "reward",
+    "aggregation": "seq_mean_token_sum", "is_correction": "tis", "is_level": "sequence",
+    "old_logp": "sampler", "backend": "blockwise", "cache_dtype": "bfloat16", "stop_ids": (61, 62),
+}  # fmt: skip
+
+
+def _fields(cls):
+    """Leaf field names of cls, nested dataclasses expanded."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or f.name in ("sampling", "loss"):
+            continue  # LearnerConfig.sampling / .loss: walked as SamplingParams / LossConfig
+        out.append((cls, f.name))
+    return out
+
+
+FIELDS = sorted(
+    {name for cls in (LossConfig, LearnerConfig, EngineConfig, SamplingParams)
+     for _, name in _fields(cls)}
+)  # fmt: skip
+
+
+def _new_value(name, old):
+    if name in CHOICES:
+        return CHOICES[name]
+    if isinstance(old, bool):
+        return not old
+    if isinstance(old, int):
+        return old + 3
+    if isinstance(old, float):
+        return old * 0.5 if old else 0.25
+    raise AssertionError(f"no test value for {name}={old!r}")
+
+
+def _built(config):
+    """The four objects a run builds from a config, by class."""
+    learner = learner_config(config, EOS)
+    return {
+        LearnerConfig: learner, LossConfig: learner.loss, SamplingParams: learner.sampling,
+        EngineConfig: engine_config(config, EOS),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_field_is_settable_from_the_command_line(name):
+    default = parse_args([], {})[0]
+    sections = [s for s in ("rl", "optim", "sampling") if name in default[s]]
+    assert len(sections) == 1, f"{name} is in config sections {sections}: expected exactly one"
+    dotted = f"{sections[0]}.{name}"
+    value = _new_value(name, default[sections[0]][name])
+    text = repr(value) if not isinstance(value, str) else value
+    config = parse_args([f"--config.{dotted}={text}"], {})[0]
+    built = _built(config)
+    holders = [cls for cls in built if name in {f.name for f in dataclasses.fields(cls)}]
+    assert holders
+    for cls in holders:
+        got = getattr(built[cls], name)
+        if name == "stop_ids":
+            assert set(value) <= set(got) and set(EOS) <= set(got), got
+        else:
+            assert got == value, (cls.__name__, name, got, value)
+
+
+def test_every_field_is_documented_in_the_default_config():
+    with open(DEFAULT_CONFIG) as f:
+        lines = f.read().splitlines()
+    for name in FIELDS:
+        rows = [ln for ln in lines if f".{name} = " in ln]
+        assert rows, f"{name} is not set in {os.path.basename(DEFAULT_CONFIG)}"
+        assert all("#" in ln for ln in rows), rows
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sampling.temperature=0.0", "config.sampling.temperature=0.0: a rollout needs temperature > 0"),
+        ("sampling.top_p=1.5", "config.sampling.top_p=1.5: must be in (0, 1]"),
+        ("rl.eps_low=1.5", "config.rl.eps_low=1.5: must be in [0, 1)"),
+        ("rl.kl_estimator=k1", "config.rl.kl_estimator='k1': k1 in the loss has zero expected gradient"),
+        ("rl.kl_in=reward", "config.rl.kl_estimator='k3': kl_in='reward' folds k1"),
+        ("optim.b1=-1.0", "config.optim.b1=-1.0"),
+        ("sampling.min_new_tokens=9", "config.sampling.min_new_tokens=9: must be in [0, sampling.max_new_tokens = 5]"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_config_field(override, message):
+    config = parse_args([f"--config.{override}", "--config.rl.kl_coef=0.04"], {})[0]
+    with pytest.raises(UsageError) as e:
+        validate(config, 1)
+    assert str(e.value).startswith(message), str(e.value)

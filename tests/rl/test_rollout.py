@@ -1,0 +1,91 @@
+"""The rollout's learner batch on hand-made groups (which tokens the loss mask selects, where the
+sampler log-probs sit), and KL-in-reward changing the advantages as defined."""
+
+import jax
+import numpy as np
+import pytest
+
+from launch.build import build
+from launch.cli import parse_args
+from rl.data import make_prompt_iterator
+from rl.rollout import Group, build_batch
+from sampling.engine import Completion
+
+PAD = 0
+
+
+def _group(prompt, *completions):
+    cs = [Completion(list(t), list(lp), reason, len(t)) for t, lp, reason in completions]
+    return Group({}, list(prompt), cs, [], np.zeros(len(cs), np.float32), {})
+
+
+GROUPS = [
+    _group([10, 11, 12], ([20, 21, 2], [-0.1, -0.2, -0.3], "stop"), ([22], [-0.4], "length")),
+    _group([13], ([23, 24, 25, 26], [-0.5, -0.6, -0.7, -0.8], "length"), ([2], [-0.9], "stop")),
+]
+
+
+def test_build_batch_by_hand():
+    b = build_batch(GROUPS, 6, PAD, mask_truncated=False)
+    np.testing.assert_array_equal(
+        b.tokens,
+        [[10, 11, 12, 20, 21, 2], [10, 11, 12, 22, PAD, PAD],
+         [13, 23, 24, 25, 26, PAD], [13, 2, PAD, PAD, PAD, PAD]],
+    )  # fmt: skip
+    np.testing.assert_array_equal(b.valid, b.tokens != PAD)
+    # Position t scores tokens[t + 1]: the mask covers exactly the completion tokens.
+    np.testing.assert_array_equal(
+        b.loss_mask,
+        [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]],
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        b.sampler_logp,
+        [[0, 0, -0.1, -0.2, -0.3], [0, 0, -0.4, 0, 0],
+         [-0.5, -0.6, -0.7, -0.8, 0], [-0.9, 0, 0, 0, 0]],
+    )  # fmt: skip
+    np.testing.assert_array_equal(b.positions, np.tile(np.arange(6), (4, 1)))
+    assert b.stop_masked is None and b.advantages.shape == (4,)
+
+
+def test_build_batch_masks_truncated_and_marks_min_new_tokens():
+    b = build_batch(GROUPS, 6, PAD, mask_truncated=True, min_new_tokens=2)
+    # Rows 1 and 2 ended by length: no loss at all; the stop-ended rows keep theirs.
+    np.testing.assert_array_equal(b.loss_mask.sum(1), [3, 0, 0, 1])
+    np.testing.assert_array_equal(
+        b.stop_masked,
+        [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sequence of 6 tokens > max_prompt_len"):
+        build_batch(GROUPS, 5, PAD, mask_truncated=False)
+
+
+def _group_std(r, g, eps):
+    r = r.reshape(-1, g)
+    std = r.std(axis=1, ddof=1, keepdims=True)
+    same = (r.max(1) == r.min(1))[:, None]
+    return np.where(same, 0.0, (r - r.mean(1, keepdims=True)) / (std + eps)).reshape(-1)
+
+
+def test_kl_in_reward_changes_the_advantages_as_defined():
+    beta = 0.5
+    args = [
+        "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+        "--config.sampling.num_slots=8", "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1",
+        f"--config.rl.kl_coef={beta}", "--config.data.eval.num=1",
+    ]  # fmt: skip
+    config = parse_args(args, {})[0]
+    run = build(config)
+    run.ref_params = jax.tree.map(lambda x: 0.8 * x, run.ref_params)  # a reference that differs
+    data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
+    rollout = run.rollouts()(0, run.state.params, data)
+    raw = np.concatenate([grp.rewards for grp in rollout.groups])
+    b = jax.device_get(rollout.batch)
+    pi = np.asarray(run.learner.logprobs(run.state.params, rollout.batch, "full"))
+    ref = np.asarray(run.learner.logprobs(run.ref_params, rollout.batch, "full"))
+    k1 = np.where(b.loss_mask > 0, np.clip(pi - ref, -10, 10), 0).sum(1)
+    assert np.abs(k1).max() > 0.1
+    shaped = raw - beta * k1
+    np.testing.assert_allclose(rollout.rewards, shaped, atol=1e-5)
+    np.testing.assert_allclose(b.advantages, _group_std(shaped, 4, 1e-6), atol=1e-4)
+    assert np.abs(b.advantages - _group_std(raw, 4, 1e-6)).max() > 1e-2  # the KL changed them
+    np.testing.assert_allclose(b.ref_logp, ref, atol=1e-6)  # kept for the learner's KL metric
