@@ -46,10 +46,6 @@ def get_config():
     c.model.param_dtype = "float32"  # master weights
     c.model.remat = False  # rematerialise transformer blocks in the backward pass
 
-    c.tokenizer = ml_collections.ConfigDict()
-    c.tokenizer.type = "char"  # "char" (built-in) or "hf" (tokenizer.json in model.hf_checkpoint)
-    c.tokenizer.alphabet = "0123456789+="  # characters of the char tokenizer
-
     c.data = ml_collections.ConfigDict()
     c.data.prompts_per_step = 16  # prompts per GRPO step (B); B * G sequences per rollout
     c.data.use_chat_template = False  # wrap prompts in the tokenizer's chat template
@@ -92,7 +88,7 @@ def get_config():
     # ... drgrpo_constant (Dr. GRPO: sum / (sequences * max_new_tokens)); rl/losses.py aggregate
     c.rl.kl_coef = 0.0  # beta; 0 = no reference model is loaded or run
     c.rl.kl_estimator = "k3"  # loss: k3 (grad KL(ref||pi)) | k2 (grad KL(pi||ref)); reward: k1
-    c.rl.kl_in = "loss"  # "loss": + beta * KL in the loss | "reward": - beta * sum_t k1 in the reward
+    c.rl.kl_in = "loss"  # "loss": + beta * KL in the loss | "reward": - beta * sum_t k1 in rewards
     c.rl.kl_clamp = 10.0  # |log ref - log pi| per token is clamped to this before any estimator
     c.rl.entropy_coef = 0.0  # entropy bonus (entropy of the tempered full softmax)
     c.rl.is_correction = "none"  # sampler/learner mismatch correction: none | tis | mis
@@ -133,7 +129,8 @@ def get_config():
     c.sampling.num_pages = 512  # KV pages in the pool (page 0 is reserved)
     c.sampling.steps_per_call = 5  # decode steps per jitted generate call
     c.sampling.max_prompt_len = 8  # longest prompt (tokens); longer prompts are an error
-    c.sampling.backend = "auto"  # paged attention: auto | cpu_kernel | blockwise | reference | pallas_gpu | pallas_tpu
+    # paged attention: auto | cpu_kernel | blockwise | reference | pallas_gpu | pallas_tpu
+    c.sampling.backend = "auto"  # auto: the fastest that lowers for this platform, shape and mesh
     c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
 

@@ -32,8 +32,6 @@ def get_config():
     c.model.dtype = "bfloat16"  # compute dtype; master weights stay float32
     c.model.remat = True  # recompute blocks in the backward pass
 
-    c.tokenizer.type = "hf"  # tokenizer.json + chat template from model.hf_checkpoint
-
     c.data.prompts_per_step = 64  # B prompts per step
     c.data.use_chat_template = True  # system + user messages through the chat template
     c.data.system_prompt = "Solve the problem step by step. End with a line '#### <number>'."

@@ -77,8 +77,7 @@ def build(config) -> Run:
     ref_params = None
     if config.rl.kl_coef > 0:
         ref_params = load_hf(m.hf_checkpoint, mesh, rules, **overrides)[2]
-    tok_spec = config.tokenizer.to_dict()
-    tokenizer = load_tokenizer(m.hf_checkpoint if tok_spec["type"] == "hf" else tok_spec)
+    tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
     ecfg = engine_config(config, ids.eos_ids)

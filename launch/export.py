@@ -5,7 +5,8 @@
 Restores the run's checkpoint (latest unless --step) and writes config.json, safetensors and
 generation_config.json with `models.hf.save_hf`, in the param dtype unless --dtype is given. The
 tokenizer files of the run's starting checkpoint (tokenizer.json, tokenizer_config.json,
-chat_template.jinja), where present, are copied along so the directory is self-contained.
+chat_template.jinja, char_tokenizer.json), where present, are copied along so the directory is
+self-contained.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ import sys
 from launch.build import load_run
 from launch.cli import UsageError, fail
 from models.hf import save_hf
+from models.tokenizer import CHAR_TOKENIZER_FILE
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    CHAR_TOKENIZER_FILE,
+)
 
 
 def main(argv=None) -> int:

@@ -3,11 +3,11 @@
     python -m launch.generate --hf_checkpoint DIR --prompts prompts.jsonl --output out.jsonl \
         --num_samples 4 --temperature 0.7 --max_new_tokens 64
 
-Each input line holds `prompt` (text; needs tokenizer.json in the checkpoint directory) or
-`prompt_ids` (token ids). Each output line holds `prompt_index`, `sample_index`, `token_ids`,
-`logprobs` (the sampler's, under the distribution the token was drawn from), `finish_reason`
-("stop" or "length"), and `text` where a tokenizer is present. Parameters are sharded over all
-local devices on the data axis; a progress bar goes to stderr.
+Each input line holds `prompt` (text; needs tokenizer.json or char_tokenizer.json in the
+checkpoint directory) or `prompt_ids` (token ids). Each output line holds `prompt_index`,
+`sample_index`, `token_ids`, `logprobs` (the sampler's, under the distribution the token was drawn
+from), `finish_reason` ("stop" or "length"), and `text` where a tokenizer is present. Parameters
+are sharded over all local devices on the data axis; a progress bar goes to stderr.
 
 Not yet here: loading a training checkpoint with a config (that arrives with `launch.train`).
 """
@@ -30,7 +30,7 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
             prompts.append([int(t) for t in record["prompt_ids"]])
         elif "prompt" in record:
             if tokenizer is None:
-                raise ValueError(f"{where}: 'prompt' text needs tokenizer.json in the checkpoint")
+                raise ValueError(f"{where}: 'prompt' text needs a tokenizer in the checkpoint")
             prompts.append(tokenizer.encode(record["prompt"], add_bos=tokenizer.add_bos_token))
         else:
             raise ValueError(f"{where}: expected a 'prompt' or 'prompt_ids' field")
@@ -66,13 +66,14 @@ def main(argv=None) -> int:
     from models.hf import load_hf
     from models.hf_config import CheckpointError
     from models.sharding import make_mesh
-    from models.tokenizer import HFTokenizer
+    from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
     from sampling.distribution import SamplingParams
     from sampling.engine import Engine, EngineConfig
 
     try:
-        has_tok = os.path.exists(os.path.join(args.hf_checkpoint, "tokenizer.json"))
-        tokenizer = HFTokenizer.from_dir(args.hf_checkpoint) if has_tok else None
+        files = ("tokenizer.json", CHAR_TOKENIZER_FILE)
+        has_tok = any(os.path.exists(os.path.join(args.hf_checkpoint, f)) for f in files)
+        tokenizer = load_tokenizer(args.hf_checkpoint) if has_tok else None
         prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         import jax

@@ -7,7 +7,9 @@ with teacher forcing. The data teach the arithmetic and also a bad habit (`encod
 answers ending in 1-7 a spurious "0" usually follows. Greedy decoding follows the habit, so the
 held-out greedy accuracy is about 30% (between 10% and 60% leaves GRPO room to show), while
 sampling still produces the clean answer often enough for GRPO to learn from. Writes an HF
-checkpoint directory (`models.hf.save_hf`), which `configs/default.py` loads like any other.
+checkpoint directory (`models.hf.save_hf`) with the tokenizer beside the weights
+(`char_tokenizer.json`, over `rl.tasks.ARITHMETIC_ALPHABET`, so every operator is encodable), which
+`configs/default.py` loads like any other.
 
 Simplifications: the loss is the mean negative log-likelihood of the answer tokens, computed with
 the learner's own chunked log-prob function (`rl.logprobs`); one device; no checkpoints (2000
@@ -17,6 +19,8 @@ steps take about 4 minutes on a 2-core CPU).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -30,12 +34,10 @@ from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh
-from models.tokenizer import CharTokenizer
+from models.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
 from rl.logprobs import token_logprobs
-from rl.tasks import arithmetic_records
+from rl.tasks import ARITHMETIC_ALPHABET, arithmetic_records
 from sampling.distribution import SamplingParams
-
-ALPHABET = "0123456789+="  # configs/default.py's tokenizer.alphabet
 
 
 def model_config(vocab_size: int) -> ModelConfig:
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--ramble_digits", default="1234567", help="answer endings with the habit")
     args = p.parse_args(argv)
 
-    tok = CharTokenizer(ALPHABET)
+    tok = CharTokenizer(ARITHMETIC_ALPHABET)
     cfg = model_config(tok.vocab_size)
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(cfg, mesh, seed=args.seed)
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     def step(params, opt_state, tokens, valid, mask):
         def loss_fn(params):
             model = nnx.merge(graphdef, params)
-            logp, _ = token_logprobs(model, tokens, positions, valid, SamplingParams(), 16)
+            logp = token_logprobs(model, tokens, positions, valid, SamplingParams(), 16).logp
             return -jnp.sum(logp * mask) / jnp.sum(mask)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
         params,
         GenerationIds(eos_ids=tok.eos_ids, pad_id=tok.pad_id, bos_id=tok.bos_id),
     )
+    with open(os.path.join(args.out, CHAR_TOKENIZER_FILE), "w") as f:
+        json.dump(tok.to_dict(), f, indent=2)
     print(f"held-out greedy accuracy {acc:.3f} after {args.steps} steps "
           f"({time.perf_counter() - start:.0f} s); wrote {args.out}")  # fmt: skip
     return 0

@@ -14,7 +14,6 @@ The config is hashable so that it can be a static argument of jitted functions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -62,21 +61,3 @@ class ModelConfig:
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-
-    def replace(self, **kw: Any) -> ModelConfig:
-        return dataclasses.replace(self, **kw)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Builds from a plain dict (e.g. a ConfigDict's `to_dict()`), with a clear unknown-key error."""
-        d = dict(d)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown model config field(s) {unknown}; known: {sorted(names)}")
-        if isinstance(d.get("rope_scaling"), dict):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

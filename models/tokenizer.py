@@ -4,7 +4,9 @@
 special ids the sampler needs (`pad_id`, `bos_id`, `eos_ids`). Two implementations:
 
 - `CharTokenizer`: one id per character of a fixed alphabet, for synthetic tasks (arithmetic) with
-  tiny models, so tests and the CPU demo need no downloaded files.
+  tiny models, so tests and the CPU demo need no downloaded files. Like tokenizer.json for an HF
+  model, it belongs to the checkpoint: its `to_dict()` is saved as `char_tokenizer.json` in the
+  checkpoint directory, where `load_tokenizer(directory)` finds it.
 - `HFTokenizer`: a Hugging Face checkpoint directory read with the `tokenizers` library and jinja2,
   not `transformers` (which pulls in torch). Chat templates render as in transformers (same jinja
   environment and variables), so prompts match what the model was trained on.
@@ -67,6 +69,9 @@ def _as_id_list(ids: Sequence[int] | np.ndarray) -> list[int]:
     if arr.ndim != 1:
         raise ValueError(f"decode expects a 1-D id sequence, got shape {arr.shape}")
     return arr.tolist()
+
+
+CHAR_TOKENIZER_FILE = "char_tokenizer.json"  # a CharTokenizer's to_dict() in a checkpoint directory
 
 
 class CharTokenizer(Tokenizer):
@@ -254,10 +259,14 @@ def _compile_template(source: str):
 
 
 def load_tokenizer(spec: Any) -> Tokenizer:
-    """A tokenizer from a config value: a directory path, a `to_dict()` dict, or a Tokenizer."""
+    """A tokenizer from a checkpoint directory (its `char_tokenizer.json` where present, else the
+    HF tokenizer files), a `to_dict()` dict, or a Tokenizer."""
     if isinstance(spec, Tokenizer):
         return spec
     if isinstance(spec, (str, os.PathLike)):
+        char_file = os.path.join(os.fspath(spec), CHAR_TOKENIZER_FILE)
+        if os.path.isfile(char_file):
+            return load_tokenizer(_read_json(char_file))
         return HFTokenizer.from_dir(spec)
     if isinstance(spec, Mapping) or hasattr(spec, "keys"):  # dict or ml_collections.ConfigDict
         d = dict(spec)

@@ -180,30 +180,14 @@ def prompt_dataset(
     return ds.map(lambda batch: batch[lo : lo + local])
 
 
-def make_prompt_iterator(
-    source_cfg: Any,
-    *,
-    batch_size: int,
-    seed: int,
-    shuffle: bool = True,
-    num_epochs: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> grain.DatasetIterator:
-    """Iterator of per-step local batches (lists of batch_size // process_count records).
+def make_prompt_iterator(source_cfg: Any, **dataset_kwargs) -> grain.DatasetIterator:
+    """Iterator of per-step local batches (lists of batch_size // process_count records) over the
+    records of `source_cfg`; `dataset_kwargs` are `prompt_dataset`'s (batch_size, seed, ...).
 
     Checkpoint with `it.get_state()` (a JSON-able dict) and resume with `it.set_state(state)` on
     an iterator built from the same arguments (process_index/count may differ).
     """
-    ds = prompt_dataset(
-        load_records(source_cfg),
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        num_epochs=num_epochs,
-        process_index=process_index,
-        process_count=process_count,
-    )
+    ds = prompt_dataset(load_records(source_cfg), **dataset_kwargs)
     # No reader threads: elements are list lookups, threads would only add latency and memory.
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 

@@ -168,13 +168,15 @@ class Learner:
             TrainState(params, opt_state, jnp.zeros((), jnp.int32)), self.state_shardings
         )
 
-    def lower_step(self, abstract_params, abstract_batch: Batch):
-        """The step lowered for abstract (ShapeDtypeStruct) params and batch: for --dry_run."""
+    def lower_step(self, abstract_params, abstract_batch: Batch, platforms=None):
+        """The step lowered for abstract (ShapeDtypeStruct) params and batch, nothing allocated:
+        for --dry_run, and with `platforms` (e.g. ("tpu",)) to check another platform lowers."""
         self._build_step(abstract_params)
         shapes = jax.eval_shape(
             lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)), abstract_params
         )
-        return self._step.lower(with_shardings(shapes, self.state_shardings), abstract_batch)
+        state = with_shardings(shapes, self.state_shardings)
+        return self._step.trace(state, abstract_batch).lower(lowering_platforms=platforms)
 
     # --- jitted pieces ----------------------------------------------------------------------
 
@@ -189,7 +191,9 @@ class Learner:
         return getattr(self._token_logprobs(params, batch), which)
 
     def _loss(self, params, mb: Batch, global_tokens, global_seqs):
-        tl = self._token_logprobs(params, mb)
+        return self._objective(self._token_logprobs(params, mb), mb, global_tokens, global_seqs)
+
+    def _objective(self, tl: TokenLogprobs, mb: Batch, global_tokens, global_seqs):
         old = jax.lax.stop_gradient(tl.logp) if mb.old_logp is None else mb.old_logp
         ent = tl.entropy if self.cfg.loss.entropy_coef > 0 else jax.lax.stop_gradient(tl.entropy)
         return grpo_loss(
@@ -219,11 +223,13 @@ class Learner:
             ), None
 
         # Zero carries (0 is neutral for the sums and for the maxima, which are non-negative), so
-        # the scan covers every micro-batch and the loss graph is traced and compiled once.
+        # the scan covers every micro-batch and the loss graph is traced and compiled once. The
+        # metrics' structure comes from the objective alone, without tracing the model again.
         first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(lambda: grad_fn(params, first, global_tokens, global_seqs))
+        tl = TokenLogprobs(first.loss_mask, first.loss_mask, first.loss_mask)
+        shapes = jax.eval_shape(self._objective, tl, first, global_tokens, global_seqs)
         zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-        init = (jax.tree.map(jnp.zeros_like, params), zeros(shapes[0][1]))
+        init = (jax.tree.map(jnp.zeros_like, params), zeros(shapes[1]))
         (grads, metrics), _ = jax.lax.scan(body, init, micro)
         metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
         metrics["grad_norm"] = optax.tree.norm(grads)

@@ -20,7 +20,9 @@ import zlib
 
 import numpy as np
 
-ARITHMETIC_ALPHABET = "0123456789+-*="  # every character a prompt or an answer can contain
+# Every character a prompt or an answer can contain; the one definition (launch.sft writes it into
+# the warm start's char_tokenizer.json). Appending keeps the ids of the earlier characters.
+ARITHMETIC_ALPHABET = "0123456789+=-*"
 ARITHMETIC_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 SPLITS = ("train", "eval")
 

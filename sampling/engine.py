@@ -6,7 +6,7 @@ Device work is jitted functions (`sampling.steps`) over the donated `sampling.st
   MAX_PREFILL_BATCH rows per call (`generate_all` prefills everything it admits at once), written
   into freshly allocated pages. It caches all prompt tokens but the last; the last prompt token is the
   `last_token` of the slot and is fed by the first decode step. So every token, the first one
-  included, is sampled in one place (`_generate`) with one key schedule, and the G samples of a
+  included, is sampled in one place (`steps.generate`) with one key schedule, and the G samples of a
   group draw their first tokens independently without a second sampling path. (JetStream's
   prefill returns the first token instead; this costs one batched decode step per request.)
 - `bulk_insert`: one prefilled prompt (a single-use `Prefix`) into G idle slots. Full prompt
@@ -57,7 +57,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from models.config import ModelConfig
-from models.sharding import DEFAULT_RULES
+from models.sharding import DEFAULT_RULES, with_shardings
+from sampling import steps
 from sampling.distribution import SamplingParams
 from sampling.page_allocator import (
     NULL_PAGE,
@@ -68,7 +69,6 @@ from sampling.page_allocator import (
 )
 from sampling.paged_attention import resolve_backend
 from sampling.state import DecodeState, state_shardings
-from sampling.steps import _generate, _insert, _prefill, _release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +240,9 @@ class Engine:
                 tokens[r, : x.cached_len] = prompt[:-1]
                 lengths[r] = x.cached_len
                 page_rows[r, : len(x.pages)] = x.pages
-            state = _prefill(self.graphdef, params, state, tokens, lengths, page_rows, self.layout)
+            state = steps.prefill(
+                self.graphdef, params, state, tokens, lengths, page_rows, self.layout
+            )
         return state
 
     def _check_slots(self, slots, unique: bool = True) -> list[int]:
@@ -293,7 +295,7 @@ class Engine:
             and list(slots) == list(range(slots[0], slots[0] + g))
         )
         shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
-        return _insert(
+        return steps.insert(
             state, slots_arr, np.int32(prefix.cached_len), np.int32(prefix.last_token),
             np.int32(request_id), np.int32(max_new), np.int32(shared), src, dst, self.layout,
         )  # fmt: skip
@@ -313,7 +315,7 @@ class Engine:
         if self.layout is not None:
             table = jax.device_put(table, self._shardings.page_indices)
         state = state.replace(page_indices=jnp.asarray(table))
-        state = _generate(
+        state = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
             e.min_new_tokens, self.backend, root_key, self.layout, self._cascade_group(),
         )  # fmt: skip
@@ -322,21 +324,18 @@ class Engine:
             self._len[s] = int(lengths[s])
         return state
 
-    def lower_generate(self, abstract_params):
-        """One `generate` call lowered for abstract params and decode state: for --dry_run."""
+    def lower_generate(self, abstract_params, platforms: tuple[str, ...] | None = None):
+        """One `generate` call lowered for abstract params and decode state (nothing allocated):
+        for --dry_run, and with `platforms` (e.g. ("tpu",)) to check another platform lowers."""
         e = self.ecfg
         state = jax.eval_shape(self._zeros)
         if self._shardings is not None:
-            state = jax.tree.map(
-                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                state,
-                self._shardings,
-            )
-        return _generate.lower(
+            state = with_shardings(state, self._shardings)
+        return steps.generate.trace(
             self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
             tuple(e.stop_ids), e.min_new_tokens, self.backend, jax.random.key(0), self.layout,
             self._cascade_group(),
-        )  # fmt: skip
+        ).lower(lowering_platforms=platforms)  # fmt: skip
 
     def _cascade_group(self) -> int:
         """The block size the decode loop is compiled for: only the blockwise backend uses it,
@@ -352,7 +351,7 @@ class Engine:
         slots = self._check_slots(slots, unique=False)
         for slot in slots:
             self._free_host(slot)
-        return _release(state, np.asarray(slots, np.int32), self.layout)
+        return steps.release(state, np.asarray(slots, np.int32), self.layout)
 
     def _free_host(self, slot: int) -> None:
         self.allocator.free(self.table.clear_row(slot))

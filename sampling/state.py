@@ -6,7 +6,7 @@ donate it and update it in place. The KV pages of all layers are stacked into on
 `l` with `.at[l].set`, which XLA performs in place on a donated buffer.
 
 The hooks implement `models.attention.Attend`, so the one transformer runs unchanged:
-- `PagedPrefill` (one prompt, T tokens): dense causal attention over the prompt itself, as in
+- `PagedPrefill` (B prompts of T tokens): dense causal attention over the prompt itself, as in
   training, and a scatter of the prompt's k, v into its pages. Nothing is read from the cache.
 - `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
   attention over lengths[b] + 1 tokens. Idle slots write to the null page (position -1).
@@ -101,7 +101,8 @@ def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
 
 @struct.dataclass
 class PagedPrefill:
-    """Prefill hook for tokens [B,T] (B = 1 prompt in the engine), right-padded by `valid`."""
+    """Prefill hook for tokens [B,T]: B prompts (the engine batches up to MAX_PREFILL_BATCH),
+    right-padded by `valid`."""
 
     k_pages: jax.Array  # [L,K,P,page_size,H]
     v_pages: jax.Array

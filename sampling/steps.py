@@ -27,7 +27,7 @@ def _constrain(state: DecodeState, layout) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def _prefill(graphdef, params, state, tokens, lengths, page_rows, layout):
+def prefill(graphdef, params, state, tokens, lengths, page_rows, layout):
     """tokens int32[n,T] (n and T buckets), lengths int32[n] real tokens per row (0: padding),
     page_rows int32[n,pages_per_seq]."""
     model = nnx.merge(graphdef, params)
@@ -40,7 +40,7 @@ def _prefill(graphdef, params, state, tokens, lengths, page_rows, layout):
 
 
 @functools.partial(jax.jit, static_argnums=9, donate_argnums=0)
-def _insert(
+def insert(
     state, slots, cached_len, last_token, request_id, max_new, shared, copy_src, copy_dst, layout
 ):
     """Resets slots int32[G] for one request; copies pages copy_src -> copy_dst int32[G-1]."""
@@ -67,7 +67,7 @@ def _insert(
 
 
 @functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
-def _release(state, slots, layout):
+def release(state, slots, layout):
     """Marks slots int32[n] idle (their pages are freed on the host)."""
     state = state.replace(
         active=state.active.at[slots].set(False), shared_len=state.shared_len.at[slots].set(0)
@@ -76,7 +76,7 @@ def _release(state, slots, layout):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10), donate_argnums=2)
-def _generate(
+def generate(
     graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group
 ):
     model = nnx.merge(graphdef, params)

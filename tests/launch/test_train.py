@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from launch.train import main
+from launch.cli import config_json, parse_args
+from launch.train import FLAGS, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
@@ -104,11 +105,8 @@ def test_resume_is_exact(tmp_path):
 def test_resume_refuses_a_changed_config(tmp_path, capsys):
     workdir = tmp_path / "run"
     workdir.mkdir()
-    from launch.cli import parse_args
-    from launch.train import FLAGS, _config_json
-
     config, _, _ = parse_args(EIGHT, FLAGS)
-    (workdir / "config.json").write_text(json.dumps(_config_json(config)))
+    (workdir / "config.json").write_text(json.dumps(config_json(config)))
     assert main(EIGHT + ["--workdir", str(workdir), "--config.optim.learning_rate=0.1"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume with a changed config (optim.learning_rate: 0.0002 -> 0.1)" in err

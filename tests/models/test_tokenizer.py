@@ -14,7 +14,13 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from models.tokenizer import (
+    CHAR_TOKENIZER_FILE,
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
 # ---------------------------------------------------------------- CharTokenizer
 
@@ -77,6 +83,18 @@ def test_char_chat_template_and_serialisation():
     assert load_tokenizer(tok) is tok
     with pytest.raises(ValueError, match="'bpe'"):
         load_tokenizer({"type": "bpe"})
+
+
+def test_char_tokenizer_file_in_a_checkpoint_directory(tmp_path):
+    """A checkpoint directory with char_tokenizer.json loads as that CharTokenizer; without it,
+    load_tokenizer wants the HF files."""
+    (tmp_path / CHAR_TOKENIZER_FILE).write_text(json.dumps(CharTokenizer(ALPHABET).to_dict()))
+    for spec in (tmp_path, str(tmp_path)):
+        tok = load_tokenizer(spec)
+        assert isinstance(tok, CharTokenizer) and tok.alphabet == ALPHABET
+    (tmp_path / CHAR_TOKENIZER_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(str(tmp_path))
 
 
 # ---------------------------------------------------------------- HFTokenizer

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from models.tokenizer import CharTokenizer
+from configs import default
+from models.tokenizer import CharTokenizer, load_tokenizer
 from rl.data import format_prompt, load_records, make_prompt_iterator, reward_inputs
 from rl.tasks import ARITHMETIC_ALPHABET, arithmetic_records, is_heldout
 
@@ -28,6 +29,24 @@ def test_arithmetic_records():
         assert r["answer"] == str(eval(r["prompt"][:-1]))
         assert set(r["prompt"] + r["answer"]) <= set(ARITHMETIC_ALPHABET)
     assert any(r["answer"].startswith("-") for r in records)
+
+
+def test_warm_start_tokenizer_encodes_every_op():
+    """The demo's warm start (configs/assets/arithmetic_sft) carries a CharTokenizer over
+    ARITHMETIC_ALPHABET, sized like the model's vocabulary, that encodes records of every op."""
+    checkpoint = default.get_config().model.hf_checkpoint
+    tok = load_tokenizer(checkpoint)
+    assert isinstance(tok, CharTokenizer) and tok.alphabet == ARITHMETIC_ALPHABET
+    with open(f"{checkpoint}/config.json") as f:
+        assert json.load(f)["vocab_size"] == tok.vocab_size
+    seen = set()
+    for ops in ("+", "-", "*", "+-*"):
+        for split in ("train", "eval"):
+            for r in arithmetic_records(seed=0, num=100, digits=2, ops=ops, split=split):
+                text = r["prompt"] + r["answer"]
+                assert tok.decode(tok.encode(text)) == text
+                seen |= set(text)
+    assert seen == set(ARITHMETIC_ALPHABET)  # every character occurs (negative answers too)
 
 
 def test_arithmetic_eval_split_disjoint():

@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sampling import engine as engine_module
+from sampling import steps as steps_module
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.page_allocator import OutOfPagesError, PageAllocator, group_pages
@@ -130,7 +130,7 @@ def test_prefill_many_rolls_back(tiny, monkeypatch):
     def broken(*args):
         raise RuntimeError("device failure")
 
-    monkeypatch.setattr(engine_module, "_prefill", broken)
+    monkeypatch.setattr(steps_module, "prefill", broken)
     with pytest.raises(RuntimeError, match="device failure"):
         engine.prefill_many(params, state, te._prompts([17, 9]))
     _assert_same(before, _host(engine))

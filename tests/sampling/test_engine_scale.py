@@ -2,7 +2,7 @@
 continuous batching of 100 requests equal to their solo runs.
 
 Models are tiny (fp32) so that the tests measure the engine's bookkeeping, not FLOPs; the 8-device
-mesh test is the slowest (two `_generate` compiles on 8 fake devices, cached on reruns).
+mesh test is the slowest (two `steps.generate` compiles on 8 fake devices, cached on reruns).
 """
 
 import dataclasses
@@ -99,9 +99,9 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     # (b) the compiled programs take the parameters in their own shardings, so calling them
     #     moves no parameter bytes (a mismatch would make jit reshard, i.e. copy, per call);
     lowered_args = [
-        (steps_lib._generate, (graphdef, params, state, sampling, 4, (), 0, "reference",
+        (steps_lib.generate, (graphdef, params, state, sampling, 4, (), 0, "reference",
                                 jax.random.key(0), engine.layout, engine.group)),
-        (steps_lib._prefill, (graphdef, params, state, np.zeros((1, 16), np.int32),
+        (steps_lib.prefill, (graphdef, params, state, np.zeros((1, 16), np.int32),
                                np.array([3], np.int32), np.zeros((1, ecfg.pages_per_seq), np.int32),
                                engine.layout)),
     ]  # fmt: skip
@@ -188,12 +188,12 @@ def test_100_requests_in_16_slots_match_solo_runs():
     # Solo reruns through the same engine reuse the compiled decode loop (fixed state shapes)
     # and add at most one single-prompt prefill per length bucket (16/32/64), which keeps 100
     # reruns to a few seconds.
-    sizes = [f._cache_size() for f in (steps_lib._prefill, steps_lib._generate)]
+    sizes = [f._cache_size() for f in (steps_lib.prefill, steps_lib.generate)]
     for i, p in enumerate(prompts):
         state, solo = engine.generate_all(
             params, state, [p], max_new_tokens=[max_new[i]], request_ids=[i]
         )
         assert solo[0][0].tokens == batched[i][0].tokens, i
         np.testing.assert_allclose(solo[0][0].logprobs, batched[i][0].logprobs, atol=1e-6)
-    assert steps_lib._generate._cache_size() == sizes[1]
-    assert steps_lib._prefill._cache_size() <= sizes[0] + 3
+    assert steps_lib.generate._cache_size() == sizes[1]
+    assert steps_lib.prefill._cache_size() <= sizes[0] + 3

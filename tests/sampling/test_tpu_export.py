@@ -1,34 +1,30 @@
 """The shipped real configs lower for TPU: the sampler's decode step and the learner's train step
-of Qwen2.5-0.5B, Qwen3-0.6B and Llama-3.2-1B, exported with `jax.export` for platforms=["tpu"]
-from this CPU host, on one device and on the config's 8-device mesh.
+of Qwen2.5-0.5B, Qwen3-0.6B and Llama-3.2-1B, lowered for platform "tpu" from this CPU host (what
+`jax.export` does), on one device and on the config's 8-device mesh.
 
-Exporting for TPU runs the real TPU lowering, Mosaic's included, without a TPU: a Pallas kernel
+Lowering for TPU runs the real TPU lowering, Mosaic's included, without a TPU: a Pallas kernel
 that cannot lower for a shape fails here as it would on the chip. Everything is abstract
 (ShapeDtypeStruct, `models.sharding.abstract_model`): model shapes and sampler and batch sizes
 are the configs' own, and nothing is allocated. The decode step uses the backend that
-`resolve_backend("auto", platform="tpu", ...)` picks for its shape and mesh; a test pins why it
-avoids the Pallas TPU kernel for head_dim 64 and for sharded caches.
+`resolve_backend("auto", platform="tpu", ...)` picks for its shape and mesh; a test exports the
+Pallas TPU kernel with `jax.export` to pin why "auto" avoids it for head_dim 64 and on a mesh.
 
-Cost: tracing a train step takes about 10 s per model on a 2-core CPU (lowering about 2 s), so
-each model's step is traced once, on the config's mesh, and the 1-device step reuses that trace
-(see `test_train_step_exports_for_tpu`). The layer counts are the real ones.
+Cost: tracing a 24-28 layer train step takes several seconds per model and mesh on a 2-core CPU;
+the layer counts are the real ones.
 """
 
 import dataclasses
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 
 from configs import llama3_2_1b_gsm8k, qwen2_5_0_5b_gsm8k, qwen3_0_6b_gsm8k
 from launch.validate import engine_config, learner_config, sampling_params
 from models.config import ModelConfig, RopeScaling
-from models.sharding import abstract_model, make_mesh, state_shardings
-from rl.learner import Batch, Learner, TrainState, batch_sharding
-from sampling import engine as engine_module
-from sampling import steps
+from models.sharding import abstract_model, make_mesh, state_shardings, with_shardings
+from rl.learner import Batch, Learner, batch_sharding
 from sampling.engine import Engine
 from sampling.paged_attention import paged_attention, resolve_backend
 
@@ -64,13 +60,7 @@ MODELS = {
         (128001, 128008, 128009),
     ),
 }  # fmt: skip
-MESHES = ("1 device", "config mesh")
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
-    )
+MESHES = ("1-device", "config-mesh")
 
 
 @functools.cache
@@ -79,7 +69,7 @@ def _model(name):
     module, cfg, eos = MODELS[name]
     c = module.get_config()
     m = c.model
-    cfg = cfg.replace(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    cfg = dataclasses.replace(cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
     assert cfg.dtype == "bfloat16"
     return (c, cfg, eos, *abstract_model(cfg))
 
@@ -88,35 +78,19 @@ def _model(name):
 def _setup(name, mesh_name):
     """The model's abstract params in their shardings on a 1-device mesh or the config's."""
     c, cfg, eos, graphdef, shapes = _model(name)
-    if mesh_name == "1 device":
+    if mesh_name == "1-device":
         mesh = make_mesh({}, devices=jax.devices()[:1])
     else:
         mesh = make_mesh(dict(c.mesh))
         assert mesh.size == 8
     rules = tuple(tuple(r) for r in c.rules)
     shardings = state_shardings(shapes, mesh, rules)
-    return c, cfg, eos, graphdef, mesh, rules, shardings, _abstract(shapes, shardings)
-
-
-def _generate_args(engine, params, monkeypatch):
-    """The arguments the engine passes to `steps._generate`, as its `lower_generate` builds them
-    (recorded instead of lowered, so this test follows the engine's call as it changes)."""
-    calls = []
-
-    class Record:
-        def lower(self, *args, **kwargs):
-            calls.append((args, kwargs))
-
-    with monkeypatch.context() as m:
-        m.setattr(engine_module, "_generate", Record())
-        engine.lower_generate(params)
-    (call,) = calls
-    return call
+    return c, cfg, eos, graphdef, mesh, rules, shardings, with_shardings(shapes, shardings)
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("name", MODELS)
-def test_decode_step_exports_for_tpu(name, mesh_name, monkeypatch):
+def test_decode_step_lowers_for_tpu(name, mesh_name):
     c, cfg, eos, graphdef, mesh, rules, _, params = _setup(name, mesh_name)
     ecfg = engine_config(c, eos)
     assert ecfg.cache_dtype == "bfloat16" and ecfg.page_size == 32
@@ -131,14 +105,14 @@ def test_decode_step_exports_for_tpu(name, mesh_name, monkeypatch):
     assert engine.backend == backend
     # GRPO rollouts decode G samples per prompt: `generate_all` sets the cascade group to G.
     engine.group = c.rl.num_generations
-    args, kwargs = _generate_args(engine, params, monkeypatch)
-    exported = jax.export.export(steps._generate, platforms=["tpu"])(*args, **kwargs)
-    assert exported.platforms == ("tpu",) and exported.nr_devices == mesh.size
+    lowered = engine.lower_generate(params, platforms=("tpu",))
+    text = lowered.as_text()
+    assert f"mhlo.num_partitions = {mesh.size}" in text
     # The Mosaic kernel is in the module exactly when "auto" chose it.
-    assert ("tpu_custom_call" in exported.mlir_module()) == kernel
+    assert ("tpu_custom_call" in text) == kernel
     pages = (cfg.num_layers, cfg.num_kv_heads, ecfg.num_pages, ecfg.page_size, cfg.head_dim)
     assert jax.ShapeDtypeStruct(pages, jnp.bfloat16) in [
-        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.in_avals
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(lowered.in_avals)
     ]
 
 
@@ -167,50 +141,19 @@ def _batch(c, mesh, rules):
     return Batch(**{k: v for k, v in fields.items() if k in known})
 
 
-@functools.cache
-def _learner(name, mesh_name):
-    """(Learner, abstract train state, abstract batch) on that mesh, the step built (jitted,
-    not traced) for the abstract params. One per model and mesh, so that jit's trace cache
-    serves every later trace of its step."""
-    c, cfg, eos, graphdef, mesh, rules, shardings, params = _setup(name, mesh_name)
-    learner = Learner(learner_config(c, eos), graphdef, shardings)
-    learner._build_step(params)
-    state = jax.eval_shape(
-        lambda p: TrainState(p, learner.tx.init(p), jnp.zeros((), jnp.int32)), params
-    )
-    return learner, _abstract(state, learner.state_shardings), _batch(c, mesh, rules)
-
-
-@functools.cache
-def _traced_train_step(name):
-    """The train step traced on the config's mesh, the way `Learner.lower_step` traces it."""
-    learner, state, batch = _learner(name, "config mesh")
-    return learner._step.trace(state, batch)
-
-
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("name", MODELS)
-def test_train_step_exports_for_tpu(name, mesh_name):
-    learner, state, batch = _learner(name, mesh_name)
-    traced = _traced_train_step(name)
-    if mesh_name == "config mesh":
-        step = learner._step
-    else:
-        # Tracing costs about 10 s per model, and the step's body does not depend on the mesh
-        # (no sharding constraints inside: only its inputs and outputs are placed). So the
-        # 1-device step is the mesh trace's jaxpr, jitted as `Learner._build_step` jits
-        # `_step_impl` (donated state, out_shardings), with this learner's shardings.
-        body = jax.extend.core.jaxpr_as_fun(traced.jaxpr)
-        step = jax.jit(
-            lambda *args: jax.tree.unflatten(traced.out_tree, body(*jax.tree.leaves(args))),
-            donate_argnums=0,
-            out_shardings=(learner.state_shardings, None),
-        )
-    exported = jax.export.export(step, platforms=["tpu"])(state, batch)
-    assert exported.platforms == ("tpu",) and exported.nr_devices == _setup(name, mesh_name)[4].size
+def test_train_step_lowers_for_tpu(name, mesh_name):
+    c, cfg, eos, graphdef, mesh, rules, shardings, params = _setup(name, mesh_name)
+    learner = Learner(learner_config(c, eos), graphdef, shardings)
+    lowered = learner.lower_step(params, _batch(c, mesh, rules), platforms=("tpu",))
+    assert f"mhlo.num_partitions = {mesh.size}" in lowered.as_text()
     # The updated state comes back in the shardings it went in with (the sampler reads it).
-    n = len(jax.tree.leaves(state))
-    assert exported.out_shardings_hlo[:n] == exported.in_shardings_hlo[:n]
+    state_out = jax.tree.leaves(lowered.out_info[0])
+    want = jax.tree.leaves(learner.state_shardings)
+    assert len(state_out) == len(want)
+    for out, sharding in zip(state_out, want):
+        assert out.sharding.is_equivalent_to(sharding, len(out.shape)), (out, sharding)
 
 
 def _attention_args(cfg, page_size=32, pages=64, slots=8, pages_per_seq=27, sharding=None):
@@ -228,7 +171,7 @@ def test_pallas_tpu_lowers_only_for_head_dim_multiple_of_128_on_one_device():
     outside shard_map."""
     f = jax.jit(functools.partial(paged_attention, backend="pallas_tpu"))
     export = jax.export.export(f, platforms=["tpu"])
-    qwen3, qwen25, llama = (_model(n)[1] for n in ("qwen3-0.6b", "qwen2.5-0.5b", "llama3.2-1b"))
+    qwen3, qwen25, llama = (MODELS[n][1] for n in ("qwen3-0.6b", "qwen2.5-0.5b", "llama3.2-1b"))
     assert "tpu_custom_call" in export(*_attention_args(qwen3)).mlir_module()
     for cfg in (qwen25, llama):
         with pytest.raises(ValueError, match="divisible by 8 and 128"):
@@ -240,7 +183,7 @@ def test_pallas_tpu_lowers_only_for_head_dim_multiple_of_128_on_one_device():
 
 
 def test_engine_refuses_pallas_on_a_sharded_cache():
-    c, cfg, eos, graphdef, mesh, rules, *_ = _setup("qwen3-0.6b", "config mesh")
+    c, cfg, eos, graphdef, mesh, rules, *_ = _setup("qwen3-0.6b", "config-mesh")
     for backend in ("pallas_tpu", "pallas_gpu"):
         ecfg = dataclasses.replace(engine_config(c, eos), backend=backend)
         with pytest.raises(ValueError, match="config.sampling.backend"):
