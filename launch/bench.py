@@ -33,6 +33,19 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from models.config import ModelConfig
+from models.hf import save_hf
+from models.hf_config import GenerationIds
+from models.sharding import init_params, make_mesh, param_count
+from sampling.distribution import SamplingParams, log_probs
+from sampling.engine import Engine, EngineConfig
+from sampling.page_allocator import group_pages
+
 SMALL = dict(vocab_size=4096, d_model=256, d_ff=1024, num_layers=4, num_heads=8)
 SMALL.update(num_kv_heads=2, head_dim=32)
 TINY = dict(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_heads=4)
@@ -55,8 +68,6 @@ def _interleaved(runs: dict, reps: int) -> dict:
 
 def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
     """Best f32 FLOP/s of square matmuls measured on the spot (the compute floor's peak)."""
-    import jax
-    import jax.numpy as jnp
 
     f = jax.jit(lambda a: a @ a)
     runs = {}
@@ -67,7 +78,6 @@ def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
 
 
 def _prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0):
-    import numpy as np
 
     rng = np.random.default_rng(seed)
     return rng.integers(1, vocab, (num_prompts, prompt_len)).tolist()
@@ -75,9 +85,6 @@ def _prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0):
 
 def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None, **ecfg_kw):
     """(run, engine): run() samples every prompt g times with `Engine.generate_all`."""
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
-    from sampling.page_allocator import group_pages
 
     plen = len(prompts[0])
     worst = group_pages(plen, new_tokens, ecfg_kw["page_size"], g)
@@ -98,11 +105,6 @@ def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None,
 
 def attention_free_runner(cfg, graphdef, params, num_seqs, prompt_len, new_tokens, steps_per_call):
     """run() decodes num_seqs x new_tokens without attention or KV cache (module docstring)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx, struct
-
-    from sampling.distribution import SamplingParams, log_probs
 
     @struct.dataclass
     class CurrentV:
@@ -151,8 +153,6 @@ def hf_runner(cfg, params, prompts, g, new_tokens):
         import transformers
     except ImportError:
         return None
-    from models.hf import save_hf
-    from models.hf_config import GenerationIds
 
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as d:
@@ -175,11 +175,6 @@ def hf_runner(cfg, params, prompts, g, new_tokens):
 
 
 def bench_sampler(args) -> dict:
-    import jax
-
-    from models.config import ModelConfig
-    from models.sharding import init_params, make_mesh, param_count
-    from sampling.paged_attention import resolve_backend
 
     shape = TINY if args.small_test else SMALL
     cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True, **shape)
@@ -190,12 +185,12 @@ def bench_sampler(args) -> dict:
     ekw = dict(steps_per_call=args.steps_per_call, backend=args.backend, page_size=args.page_size)
     r = {"device": jax.devices()[0].platform, "params": n_params, "model": shape}
     r["workload"] = dict(prompt_len=plen, new_tokens=new, num_samples=g, temperature=1.0)
-    r["engine"] = dict(ekw, backend_resolved=resolve_backend(args.backend))
 
     # 64 sequences: engine against HF generate.
     prompts = _prompts(args.num_prompts, plen, cfg.vocab_size)
     n64 = len(prompts) * g
     run, engine = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)
+    r["engine"] = dict(ekw, backend_resolved=engine.backend)  # what "auto" picked here
     runs = {"engine": run}
     hf = None if args.no_hf else hf_runner(cfg, params, prompts, g, new)
     if hf is not None:

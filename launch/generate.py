@@ -9,7 +9,8 @@ checkpoint directory) or `prompt_ids` (token ids). Each output line holds `promp
 from), `finish_reason` ("stop" or "length"), and `text` where a tokenizer is present. Parameters
 are sharded over all local devices on the data axis; a progress bar goes to stderr.
 
-Not yet here: loading a training checkpoint with a config (that arrives with `launch.train`).
+To sample from a training run, export it first (`python -m launch.export --workdir W --out DIR`):
+the exported directory is an HF checkpoint with its tokenizer files.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ import json
 import os
 import sys
 
+import jax
+import tqdm
+
+from models.hf import load_hf
+from models.hf_config import CheckpointError
+from models.sharding import make_mesh
+from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
+from rl.data import read_jsonl
+from sampling.distribution import SamplingParams
+from sampling.engine import Engine, EngineConfig
+
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
     """Token ids of every line of a jsonl file; errors name the file and line."""
-    from rl.data import read_jsonl
-
     prompts = []
     for where, record in read_jsonl(path):
         if "prompt_ids" in record:
@@ -61,23 +71,12 @@ def main(argv=None) -> int:
             print(f"--{flag}: {path} does not exist", file=sys.stderr)
             return 2
 
-    import tqdm
-
-    from models.hf import load_hf
-    from models.hf_config import CheckpointError
-    from models.sharding import make_mesh
-    from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
-
     try:
         files = ("tokenizer.json", CHAR_TOKENIZER_FILE)
         has_tok = any(os.path.exists(os.path.join(args.hf_checkpoint, f)) for f in files)
         tokenizer = load_tokenizer(args.hf_checkpoint) if has_tok else None
         prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-        import jax
-
         cfg, graphdef, params, ids = load_hf(
             args.hf_checkpoint, make_mesh({"data": jax.device_count()})
         )

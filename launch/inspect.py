@@ -15,6 +15,15 @@ import argparse
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.hf import load_hf
+from models.hf_config import CheckpointError
+from models.sharding import flatten, make_mesh, param_count
+
 
 def parse_mesh(text: str) -> dict[str, int]:
     """Parses "data=2,fsdp=2,tensor=2" into {"data": 2, ...}; "" gives {}."""
@@ -39,18 +48,8 @@ def main(argv=None) -> int:
         print(f"--hf_checkpoint: {args.hf_checkpoint} is not a directory", file=sys.stderr)
         return 2
 
-    import jax
-
-    if args.fake_devices:
+    if args.fake_devices:  # before the first use of a device initialises the backend
         jax.config.update("jax_num_cpu_devices", args.fake_devices)
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from models.hf import load_hf
-    from models.hf_config import CheckpointError
-    from models.sharding import flatten, make_mesh, param_count
-
     mesh_shape = parse_mesh(args.mesh) or {"data": jax.device_count()}
     try:
         mesh = make_mesh(mesh_shape)

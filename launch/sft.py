@@ -38,6 +38,7 @@ from models.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
 from rl.logprobs import token_logprobs
 from rl.tasks import ARITHMETIC_ALPHABET, arithmetic_records
 from sampling.distribution import SamplingParams
+from sampling.engine import Engine, EngineConfig
 
 
 def model_config(vocab_size: int) -> ModelConfig:
@@ -71,8 +72,6 @@ def encode_examples(records, tok, seq_len: int, ramble_prob: float, ramble_digit
 
 
 def greedy_accuracy(graphdef, params, records, tok, max_new: int) -> float:
-    from sampling.engine import Engine, EngineConfig
-
     cfg = nnx.merge(graphdef, params).cfg
     ecfg = EngineConfig(num_slots=128, page_size=8, num_pages=512, max_prompt_len=16,
                         max_new_tokens=max_new, steps_per_call=max_new, stop_ids=tok.eos_ids)  # fmt: skip

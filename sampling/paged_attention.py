@@ -101,11 +101,12 @@ def gather_kv(pages, page_indices):
 
 
 def paged_attention_reference(q, k_pages, v_pages, lengths, page_indices):
-    """Decode attention by gathering pages: q [B,N,H] -> [B,N,H]. The CPU path and the oracle.
+    """Decode attention by gathering pages: q [B,N,H] -> [B,N,H]. The oracle the other
+    backends are tested against (backend="reference").
 
     Gathers each sequence's pages into a dense [B,S,K,H] and calls the model's dense_attention,
     so there is one attention formula (GQA, H**-0.5, f32 softmax) in the code base. The gather
-    materialises the whole cache per step, which is fine on CPU and for tests.
+    materialises the whole cache per step: fine for tests, slow for real decoding.
     """
     k = gather_kv(k_pages, page_indices)  # [B,S,K,H]
     v = gather_kv(v_pages, page_indices)
@@ -227,6 +228,7 @@ def _largest_divisor(n: int, candidates) -> int:
 
 
 def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
+    # Imported on use, like an optional dependency: a run needs one platform's kernel at most.
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa
 
     pages_per_seq, page_size = page_indices.shape[1], k_pages.shape[2]
@@ -256,6 +258,7 @@ def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
 
 
 def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices):
+    # Imported on use, like an optional dependency: a run needs one platform's kernel at most.
     from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
 
     per_block = _largest_divisor(page_indices.shape[1], (16, 8, 4, 2, 1))
