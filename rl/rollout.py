@@ -35,6 +35,7 @@ from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward, overlong_penalty
+from sampling.engine import host_values
 
 
 @dataclasses.dataclass
@@ -149,8 +150,8 @@ class Rollouts:
             # both on the tempered full softmax (rl.logprobs), subtracted from each reward.
             ref = self.learner.logprobs(self.ref_params, batch, "full")
             pi = self.learner.logprobs(params, batch, "full")
-            rewards = np.asarray(kl_reward(rewards, pi, ref, batch.loss_mask, c.rl.kl_coef,
-                                           c.rl.kl_clamp))  # fmt: skip
+            shaped = kl_reward(rewards, pi, ref, batch.loss_mask, c.rl.kl_coef, c.rl.kl_clamp)
+            rewards = np.asarray(host_values(shaped))  # every process gets all rows
             stats["reward/kl_penalty_mean"] = float(
                 np.mean(np.concatenate([grp.rewards for grp in groups]) - rewards)
             )
@@ -158,7 +159,7 @@ class Rollouts:
         adv, adv_stats = compute_advantages(
             jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps
         )
-        batch = batch.replace(advantages=jax.device_put(adv, self.batch_sharding))
+        batch = batch.replace(advantages=jax.device_put(np.asarray(adv), self.batch_sharding))
         stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
         for name in groups[0].parts:
             stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
