@@ -16,3 +16,66 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by subprocesses
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# Shared test helpers, imported by test modules as `from tests.conftest import ...` (below the
+# device setup above, which must run before anything touches a JAX backend).
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from models.config import ModelConfig  # noqa: E402
+from models.sharding import init_params, make_mesh  # noqa: E402
+from sampling.engine import EngineConfig  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")  # tiny HF checkpoints + references
+
+# The engine tests' tiny model and engine shapes, shared so that their compiles are shared. Every
+# parameter dimension divides the (data=2, fsdp=2, tensor=2) mesh, and K = 2 KV heads split over
+# tensor, so on that mesh parameters and KV pages are genuinely sharded.
+CFG = ModelConfig(
+    family="qwen2", vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8, qkv_bias=True,
+)  # fmt: skip
+ECFG = EngineConfig(
+    num_slots=8, page_size=8, num_pages=96, max_prompt_len=24, max_new_tokens=12,
+    steps_per_call=4, backend="auto",  # the C++ kernel on CPU (blockwise without a compiler)
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_device_mesh():
+    return make_mesh({}, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def tiny(one_device_mesh):
+    """(graphdef, params) of CFG on one device."""
+    return init_params(CFG, one_device_mesh, seed=3)
+
+
+def random_prompts(lengths, vocab=CFG.vocab_size, seed=0):
+    """One prompt of uniform random ids in [1, vocab) per length."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, n).tolist() for n in lengths]
+
+
+# The per-step training metrics that two runs of `launch.train` must agree on.
+METRIC_KEYS = (
+    "loss",
+    "policy_loss",
+    "kl",
+    "entropy",
+    "reward_mean",
+    "adv_mean",
+    "adv_std",
+    "grad_norm",
+)
+
+
+def train_metrics(workdir):
+    """{step: {key: value}} over METRIC_KEYS of the train-step rows of workdir/metrics.jsonl."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    return {r["step"]: {k: r[k] for k in METRIC_KEYS} for r in rows if "loss" in r}

@@ -6,8 +6,9 @@ import os
 import numpy as np
 
 from launch.generate import main
+from tests.conftest import FIXTURES
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "qwen3")
+FIXTURE = os.path.join(FIXTURES, "qwen3")
 
 
 def test_greedy_generate_writes_the_hf_continuations(tmp_path, capsys):

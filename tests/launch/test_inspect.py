@@ -3,8 +3,9 @@
 import os
 
 from launch.inspect import main
+from tests.conftest import FIXTURES
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", "qwen3")
+FIXTURE = os.path.join(FIXTURES, "qwen3")
 
 
 def test_inspect_prints_shardings_and_greedy(capsys):

@@ -13,9 +13,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from launch.train import main
+from tests.conftest import FIXTURES, ROOT
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -9,8 +9,8 @@ import pytest
 
 from launch.cli import config_json, parse_args
 from launch.train import FLAGS, main
+from tests.conftest import ROOT, train_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
 
 
@@ -58,21 +58,6 @@ def _train(workdir, steps):
     return out
 
 
-def _metrics(workdir):
-    rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
-    keys = (
-        "loss",
-        "policy_loss",
-        "kl",
-        "reward_mean",
-        "adv_mean",
-        "adv_std",
-        "grad_norm",
-        "entropy",
-    )
-    return {r["step"]: {k: r[k] for k in keys} for r in rows if "loss" in r}
-
-
 def test_resume_is_exact(tmp_path):
     """6 steps straight == 3 steps, then a new process that resumes and runs 3 more (with DAPO
     dynamic sampling and a decode state kept across rollouts, the paths with the most state)."""
@@ -86,8 +71,8 @@ def test_resume_is_exact(tmp_path):
     assert (
         a["accuracy_before"] == b["accuracy_before"] and a["accuracy_after"] == b["accuracy_after"]
     )
-    assert _metrics(straight) == _metrics(split)
-    assert sorted(_metrics(split)) == [1, 2, 3, 4, 5, 6]
+    assert train_metrics(straight) == train_metrics(split)
+    assert sorted(train_metrics(split)) == [1, 2, 3, 4, 5, 6]
     for name in (
         "config.json",
         "metrics.jsonl",

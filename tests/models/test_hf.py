@@ -17,8 +17,8 @@ from flax import nnx
 from models.hf import load_hf, save_hf
 from models.hf_config import CheckpointError
 from models.sharding import flatten, make_mesh
+from tests.conftest import FIXTURES
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 NAMES = ["llama", "qwen2", "qwen3"]
 
 

@@ -2,7 +2,7 @@
 
 Most tests run on a one-device mesh: the engine's logic does not depend on sharding, and a single
 device keeps compiles few and fast; one greedy test repeats on all 8 devices with sharded params.
-Engine shapes are shared between tests where possible.
+Engine shapes (tests/conftest.py) are shared between tests where possible.
 """
 
 import os
@@ -13,39 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import ModelConfig
 from models.hf import load_hf
-from models.sharding import init_params, make_mesh
+from models.sharding import make_mesh
 from rl.logprobs import token_logprobs
 from sampling import cpu_attention
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
-
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-
-CFG = ModelConfig(
-    family="qwen2", vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, qkv_bias=True,
-)  # fmt: skip
-ECFG = EngineConfig(
-    num_slots=8, page_size=8, num_pages=96, max_prompt_len=24, max_new_tokens=12,
-    steps_per_call=4, backend="auto",  # the C++ kernel on CPU (blockwise without a compiler)
-)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return make_mesh({}, devices=jax.devices()[:1])
-
-
-@pytest.fixture(scope="module")
-def tiny(mesh):
-    return init_params(CFG, mesh, seed=3)
-
-
-def _prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, CFG.vocab_size, n).tolist() for n in lengths]
+from tests.conftest import CFG, ECFG, FIXTURES, random_prompts
 
 
 def _check_greedy(name, mesh, backend="reference"):
@@ -68,8 +42,8 @@ def _check_greedy(name, mesh, backend="reference"):
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_greedy_matches_recorded_hf(name, backend, mesh):
-    _check_greedy(name, mesh, backend)
+def test_greedy_matches_recorded_hf(name, backend, one_device_mesh):
+    _check_greedy(name, one_device_mesh, backend)
 
 
 def test_greedy_with_sharded_params():
@@ -97,7 +71,7 @@ def test_sampler_logprobs_match_learner(sampling, tiny):
     graphdef, params = tiny
     # Cached prompt lengths 5, 8, 11 at page_size 8: partial, exactly full, full + partial pages,
     # so the copy-on-write of the last page (G = 4) is exercised.
-    prompts = _prompts([6, 9, 12])
+    prompts = random_prompts([6, 9, 12])
     engine = Engine(CFG, graphdef, ECFG, sampling)
     _, results = engine.generate_all(params, engine.init_state(), prompts, num_samples=4)
     rows = [(p, c) for p, group in zip(prompts, results) for c in group]
@@ -126,7 +100,7 @@ def test_continuous_batching_matches_alone(tiny):
         min_new_tokens=2, steps_per_call=4, stop_ids=stop_ids, backend="reference",
     )  # fmt: skip
     sampling = SamplingParams(1.0)
-    prompts = _prompts([1, 5, 17, 8, 3, 24, 12, 9, 2, 16], seed=1)
+    prompts = random_prompts([1, 5, 17, 8, 3, 24, 12, 9, 2, 16], seed=1)
     max_new = 10
     engine = Engine(CFG, graphdef, ecfg, sampling)
     state, batched = engine.generate_all(params, engine.init_state(), prompts, seed=7)
@@ -155,7 +129,7 @@ def test_continuous_batching_matches_alone(tiny):
 def test_group_shares_full_prompt_pages(tiny):
     graphdef, params = tiny
     engine = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
-    prompt = _prompts([21])[0]  # 20 cached tokens = 2 full pages + 1 partial at page_size 8
+    prompt = random_prompts([21])[0]  # 20 cached tokens = 2 full pages + 1 partial at page_size 8
     state, prefix = engine.prefill(params, engine.init_state(), prompt)
     assert len(prefix.pages) == 3 and engine.allocator.num_used == 3
     slots = list(range(8))
@@ -191,7 +165,7 @@ def test_cascade_attention_matches_reference(tiny):
         num_slots=8, page_size=4, num_pages=160, max_prompt_len=24, max_new_tokens=10,
         min_new_tokens=1, steps_per_call=4, stop_ids=tuple(range(1, 13)),
     )  # fmt: skip
-    prompts = _prompts([9, 17, 6, 24, 13, 3], seed=5)  # 2, 4, 1, 5, 3, 0 shared pages
+    prompts = random_prompts([9, 17, 6, 24, 13, 3], seed=5)  # 2, 4, 1, 5, 3, 0 shared pages
     out, placements = {}, []
     kernels = ("blockwise", "cpu_kernel") if cpu_attention.available() else ("blockwise",)
     for backend in ("reference", *kernels):
@@ -215,7 +189,7 @@ def test_one_new_token_at_page_boundary(tiny):
     """max_new_tokens=1: the fed last prompt token is cached at a page boundary (position 8)."""
     graphdef, params = tiny
     engine = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
-    prompts = _prompts([9, 1, 17])
+    prompts = random_prompts([9, 1, 17])
     _, res = engine.generate_all(params, engine.init_state(), prompts, max_new_tokens=1)
     assert [(c[0].length, c[0].finish_reason) for c in res] == [(1, "length")] * 3
     assert engine.allocator.num_used == 0 and engine.allocator.peak_used <= 2 + 1 + 3
@@ -224,7 +198,7 @@ def test_one_new_token_at_page_boundary(tiny):
 def test_per_request_max_new_tokens(tiny):
     graphdef, params = tiny
     engine = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
-    prompts = _prompts([9, 1, 17])
+    prompts = random_prompts([9, 1, 17])
     with pytest.raises(ValueError, match="2 entries for 3 prompts"):
         engine.generate_all(params, None, prompts, max_new_tokens=[3, 4])
     with pytest.raises(ValueError, match="max_new_tokens=13: need 1..12"):

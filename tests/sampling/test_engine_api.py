@@ -1,7 +1,8 @@
 """Engine API misuse: every mistake raises a clear error or rolls back, never corrupts the host
 bookkeeping (allocator refcounts, page table, slot lists) silently.
 
-The engine shapes are those of tests/sampling/test_engine.py, so compiles are shared.
+The engine shapes are tests/conftest.py's CFG and ECFG, as in tests/sampling/test_engine.py, so
+compiles are shared.
 """
 
 import itertools
@@ -13,13 +14,11 @@ from sampling import steps as steps_module
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.page_allocator import OutOfPagesError, PageAllocator, group_pages
-from tests.sampling import test_engine as te
-
-mesh, tiny = te.mesh, te.tiny  # module-scoped fixtures, built once more for this module
+from tests.conftest import CFG, ECFG, random_prompts
 
 
 def _engine(graphdef):
-    return Engine(te.CFG, graphdef, te.ECFG, SamplingParams(1.0))
+    return Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
 
 
 def _host(engine):
@@ -42,7 +41,7 @@ def _assert_same(before, after):
 
 def _assert_empty(engine):
     assert engine.allocator.num_used == 0
-    assert sorted(engine.free_slots) == list(range(te.ECFG.num_slots))
+    assert sorted(engine.free_slots) == list(range(ECFG.num_slots))
     assert engine._len == engine._cap == {}
     assert not engine.table.array.any()
 
@@ -63,7 +62,7 @@ def test_group_pages_is_the_peak_of_a_group():
 def test_prefix_inserts_once(tiny):
     graphdef, params = tiny
     engine = _engine(graphdef)
-    state, prefix = engine.prefill(params, engine.init_state(), te._prompts([21])[0])
+    state, prefix = engine.prefill(params, engine.init_state(), random_prompts([21])[0])
     state = engine.bulk_insert(state, prefix, [0, 1], request_id=0, max_new=4)
     full = prefix.pages[:2]  # 20 cached tokens: 2 full pages + 1 partial
     assert [engine.allocator.refcount(p) for p in full] == [2, 2]
@@ -75,14 +74,14 @@ def test_prefix_inserts_once(tiny):
     _assert_empty(engine)
 
     # A prefix from before init_state: its pages were forgotten with the old state.
-    state, stale = engine.prefill(params, state, te._prompts([9])[0])
+    state, stale = engine.prefill(params, state, random_prompts([9])[0])
     state = engine.init_state()
     with pytest.raises(ValueError, match="since its last init_state"):
         engine.bulk_insert(state, stale, [0, 1], request_id=0, max_new=4)
     _assert_empty(engine)
     # ... and one from another engine.
     other = _engine(graphdef)
-    _, foreign = other.prefill(params, other.init_state(), te._prompts([9])[0])
+    _, foreign = other.prefill(params, other.init_state(), random_prompts([9])[0])
     with pytest.raises(ValueError, match="not prefilled by this engine"):
         engine.bulk_insert(state, foreign, [0, 1], request_id=0, max_new=4)
     _assert_empty(engine)
@@ -91,7 +90,7 @@ def test_prefix_inserts_once(tiny):
 def test_bulk_insert_checks_slots(tiny):
     graphdef, params = tiny
     engine = _engine(graphdef)
-    state, (a, b) = engine.prefill_many(params, engine.init_state(), te._prompts([21, 9]))
+    state, (a, b) = engine.prefill_many(params, engine.init_state(), random_prompts([21, 9]))
     state = engine.bulk_insert(state, a, [0, 1], request_id=0, max_new=4)
     before = _host(engine)
     for slots, match in [
@@ -123,7 +122,7 @@ def test_prefill_many_rolls_back(tiny, monkeypatch):
     before = _host(engine)
     # 16 cached tokens = 2 pages each: the first two prompts fit in the 5 free pages, not the third.
     with pytest.raises(OutOfPagesError) as err:
-        engine.prefill_many(params, state, te._prompts([17, 17, 17]))
+        engine.prefill_many(params, state, random_prompts([17, 17, 17]))
     _assert_same(before, _host(engine))
     assert "needs 6 KV pages but only 5" in str(err.value)
 
@@ -132,7 +131,7 @@ def test_prefill_many_rolls_back(tiny, monkeypatch):
 
     monkeypatch.setattr(steps_module, "prefill", broken)
     with pytest.raises(RuntimeError, match="device failure"):
-        engine.prefill_many(params, state, te._prompts([17, 9]))
+        engine.prefill_many(params, state, random_prompts([17, 9]))
     _assert_same(before, _host(engine))
     engine.allocator.free(held)
     assert engine.allocator.num_used == 0
@@ -142,7 +141,7 @@ class Boom(Exception):
     pass
 
 
-PROMPTS = te._prompts([6, 9, 12, 5, 17], seed=4)
+PROMPTS = random_prompts([6, 9, 12, 5, 17], seed=4)
 MAX_NEW = [4, 4, 12, 12, 8]  # groups 0, 1 finish after the first generate call, 2, 3 run on
 
 
@@ -204,8 +203,8 @@ def test_generate_all_checks_arguments_first(tiny):
 def test_init_state_resets_host_bookkeeping(tiny):
     graphdef, params = tiny
     engine = _engine(graphdef)
-    state, prefix = engine.prefill(params, engine.init_state(), te._prompts([21])[0])
+    state, prefix = engine.prefill(params, engine.init_state(), random_prompts([21])[0])
     engine.bulk_insert(state, prefix, [4, 5], request_id=0, max_new=4)
     engine.init_state()
     _assert_empty(engine)
-    assert engine.worst_case_pages(21, 12, 8) == group_pages(21, 12, te.ECFG.page_size, 8)
+    assert engine.worst_case_pages(21, 12, 8) == group_pages(21, 12, ECFG.page_size, 8)

@@ -17,22 +17,12 @@ from models.sharding import init_params, make_mesh
 from sampling import steps as steps_lib
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from tests.conftest import CFG, random_prompts
 
-# Every parameter dimension divides the (data=2, fsdp=2, tensor=2) mesh, and K = 2 KV heads split
-# over tensor, so parameters and KV pages are genuinely sharded.
-CFG = ModelConfig(
-    family="qwen2", vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, qkv_bias=True,
-)  # fmt: skip
 SMALL = ModelConfig(
     family="llama", vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=4,
     num_kv_heads=2, head_dim=8,
 )  # fmt: skip
-
-
-def _prompts(lengths, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, vocab, n).tolist() for n in lengths]
 
 
 def _pointers(params):
@@ -55,6 +45,7 @@ def _shardings_equal(compiled, own):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
 def test_mesh_generation_matches_single_device_without_param_copy(temperature):
+    # CFG (tests/conftest.py) shards every parameter dimension and the KV heads on this mesh.
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     graphdef, params = init_params(CFG, mesh, seed=3)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -66,7 +57,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     sampling = SamplingParams(temperature)
     # Prompt lengths 1..17 keep every prefill in the 16-token bucket (one compile); G = 2 samples
     # exercise the shared prompt pages and the copied partial page on the mesh.
-    prompts = _prompts([3, 9, 17, 1, 12], CFG.vocab_size)
+    prompts = random_prompts([3, 9, 17, 1, 12], CFG.vocab_size)
 
     # Reference: the same values on one device, engine without a mesh.
     single = jax.device_put(params, jax.devices()[0])
@@ -136,7 +127,7 @@ def test_skewed_lengths_use_few_pages():
     ecfg = dataclasses.replace(ecfg, num_pages=dense + 1)
     engine = Engine(SMALL, graphdef, ecfg, SamplingParams(0.0))
     _, results = engine.generate_all(
-        params, engine.init_state(), _prompts(lengths, SMALL.vocab_size)
+        params, engine.init_state(), random_prompts(lengths, SMALL.vocab_size)
     )
     assert all(r[0].length == max_new for r in results)
     ratio = engine.allocator.peak_used / dense
@@ -156,7 +147,7 @@ def test_100_requests_in_16_slots_match_solo_runs():
     )  # fmt: skip
     rng = np.random.default_rng(2)
     n = 100
-    prompts = _prompts(rng.integers(1, 41, n), SMALL.vocab_size, seed=3)
+    prompts = random_prompts(rng.integers(1, 41, n), SMALL.vocab_size, seed=3)
     max_new = rng.integers(1, 17, n).tolist()
     engine = Engine(SMALL, graphdef, ecfg, SamplingParams(0.0))
     busy, finished = [], []
