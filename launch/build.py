@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import jax
@@ -68,14 +69,15 @@ def init_distributed(config) -> None:
         jax.distributed.initialize()
 
 
-def build(config) -> Run:
+def build(config, with_reference: bool = True) -> Run:
+    """The run's parts; the reference copy only when the KL term needs it (and with_reference)."""
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
     m = config.model
     overrides = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
     model_cfg, graphdef, params, ids = load_hf(m.hf_checkpoint, mesh, rules, **overrides)
     ref_params = None
-    if config.rl.kl_coef > 0:
+    if config.rl.kl_coef > 0 and with_reference:
         ref_params = load_hf(m.hf_checkpoint, mesh, rules, **overrides)[2]
     tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
@@ -92,17 +94,22 @@ def build(config) -> Run:
 
 
 def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
-    """(run with its state restored from the checkpoint at `step` (default: the latest), step)."""
+    """(run with its state restored from the checkpoint at `step` (default: the latest), step),
+    for evaluating or exporting a run: without the reference copy, and on the devices at hand
+    (the training mesh when it fits them, else fsdp over all of them; orbax reshards)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise UsageError(f"--workdir {workdir}: no config.json (not a training run)")
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    init_distributed(config)
+    if math.prod(config.mesh.values()) != jax.device_count():
+        config.mesh.update(data=1, fsdp=jax.device_count(), tensor=1)
     ckpt = Checkpointer(workdir)
     steps = ckpt.manager.all_steps()
     if not steps or (step is not None and step not in steps):
         raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
-    run = build(config)
+    run = build(config, with_reference=False)
     run.state, meta = ckpt.restore(run.state, step)
     ckpt.close()
     return run, meta["step"]

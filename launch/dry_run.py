@@ -1,9 +1,11 @@
 """`python -m launch.train --config X --dry_run`: will this config fit, before paying for a machine?
 
 Builds the mesh, reads only the checkpoint's config.json (no weights), and lowers and compiles the
-two jitted phases with abstract shapes: the learner's train step (one minibatch of B*G/minibatches
-sequences) and the sampler's `generate` (all slots, `steps_per_call` decode steps). Prints XLA's
-per-device memory analysis of each. Nothing is allocated or run.
+jitted functions with abstract shapes: the learner's train step (one minibatch of
+B*G/minibatches sequences), its reference / π_old log-prob pass over the whole rollout, and the
+sampler's `generate` (all slots, `steps_per_call` decode steps). Prints XLA's per-device memory
+analysis of each, what stays resident (train state, reference parameters), and an upper bound
+on the peak of each phase. Nothing is allocated or run.
 
 The numbers are XLA's static estimates for one device: arguments (parameters, optimizer state,
 KV pages, batch), outputs, and temporaries; donated inputs are aliased to outputs and counted once.
@@ -11,13 +13,18 @@ KV pages, batch), outputs, and temporaries; donated inputs are aliased to output
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 
 from launch.validate import engine_config, learner_config, sampling_params
 from models.hf_config import config_from_hf, generation_ids
 from models.sharding import abstract_model, make_mesh, param_count, state_shardings, with_shardings
-from rl.learner import Batch, Learner, batch_sharding
+from rl.learner import Batch, Learner, TrainState, batch_sharding
 from sampling.engine import Engine
+
+MIB = 2**20
 
 
 def _report(name: str, compiled) -> float:
@@ -25,15 +32,37 @@ def _report(name: str, compiled) -> float:
     if m is None:
         print(f"{name:10s} memory analysis unavailable on this backend")
         return 0.0
-    mib = lambda b: b / 2**20
     total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
     total -= m.alias_size_in_bytes
     print(
-        f"{name:10s} args {mib(m.argument_size_in_bytes):10.1f} MiB  out {mib(m.output_size_in_bytes):10.1f} MiB"
-        f"  temp {mib(m.temp_size_in_bytes):10.1f} MiB  aliased {mib(m.alias_size_in_bytes):10.1f} MiB"
-        f"  => peak ~{mib(total):10.1f} MiB per device"
+        f"{name:10s} args {m.argument_size_in_bytes / MIB:10.1f} MiB  out {m.output_size_in_bytes / MIB:10.1f} MiB"
+        f"  temp {m.temp_size_in_bytes / MIB:10.1f} MiB  aliased {m.alias_size_in_bytes / MIB:10.1f} MiB"
+        f"  => peak ~{total / MIB:10.1f} MiB per device"
     )
     return total
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    leaves = jax.tree.leaves(tree)
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves
+    )
+
+
+def _batch(config, rows, sharding) -> Batch:
+    s = config.sampling
+    t = s.max_prompt_len + s.max_new_tokens
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    per_token = lambda dtype="float32": spec((rows, t - 1), dtype)
+    return Batch(
+        tokens=spec((rows, t), "int32"), positions=spec((rows, t), "int32"),
+        valid=spec((rows, t), "bool"), loss_mask=per_token(), advantages=spec((rows,), "float32"),
+        sampler_logp=per_token(),
+        old_logp=None if config.rl.old_logp == "recompute" else per_token(),
+        ref_logp=per_token() if config.rl.kl_coef > 0 else None,
+        stop_masked=per_token("bool") if s.min_new_tokens else None,
+    )  # fmt: skip
 
 
 def dry_run(config) -> int:
@@ -47,29 +76,28 @@ def dry_run(config) -> int:
     params = with_shardings(shapes, shardings)
     print(f"{cfg.family}: {param_count(shapes) / 1e6:.1f}M parameters, mesh {dict(mesh.shape)}")
 
-    rows = config.data.prompts_per_step * config.rl.num_generations // config.rl.minibatches
-    t = s.max_prompt_len + s.max_new_tokens
+    rollout_rows = config.data.prompts_per_step * config.rl.num_generations
     row_sh = batch_sharding(mesh, rules)
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=row_sh)
-    batch = Batch(
-        tokens=spec((rows, t), "int32"),
-        positions=spec((rows, t), "int32"),
-        valid=spec((rows, t), "bool"),
-        loss_mask=spec((rows, t - 1), "float32"),
-        advantages=spec((rows,), "float32"),
-        sampler_logp=spec((rows, t - 1), "float32"),
-        old_logp=None if config.rl.old_logp == "recompute" else spec((rows, t - 1), "float32"),
-        ref_logp=spec((rows, t - 1), "float32") if config.rl.kl_coef > 0 else None,
-        stop_masked=spec((rows, t - 1), "bool") if s.min_new_tokens else None,
-    )
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
-    step = learner.lower_step(params, batch).compile()
+    step = learner.lower_step(params, _batch(config, rollout_rows // config.rl.minibatches, row_sh))
+    logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     generate = engine.lower_generate(params).compile()
-    learn = _report("learn", step)
+    state_shapes = jax.eval_shape(lambda p: TrainState(p, learner.tx.init(p), 0), params)
+    state = _per_device_bytes(with_shardings(state_shapes, learner.state_shardings))
+    ref = _per_device_bytes(params) if config.rl.kl_coef > 0 else 0
+    opt = state - _per_device_bytes(params)
+    print(f"resident   params + optimizer {state / MIB:.1f} MiB, reference {ref / MIB:.1f} MiB")
+    learn = _report("learn", step.compile())
+    logprobs = _report("logprobs", logp.compile())  # reference and π_old, args = one params copy
     sample = _report("rollout", generate)
-    phases = max(learn, sample) if s.release_kv_between_phases else learn + sample
-    print(f"estimated peak per device: {phases / 2**20:.1f} MiB "
-          f"({'max' if s.release_kv_between_phases else 'sum, an upper bound,'} of the two phases)")  # fmt: skip
+    # Upper bounds: the learn phase holds the reference; the log-prob pass runs beside the train
+    # state; the rollout beside the optimizer state (and the KV cache stays when not released).
+    learn_phase = ref + max(learn, state + logprobs)
+    rollout_phase = ref + opt + sample
+    kv_kept = not s.release_kv_between_phases
+    peak = (learn_phase + sample) if kv_kept else max(learn_phase, rollout_phase)
+    print(f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "
+          f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})")  # fmt: skip
     return 0

@@ -27,6 +27,7 @@ import time
 import jax
 import numpy as np
 import tqdm
+from jax.experimental import multihost_utils
 
 from launch.build import Run, build, init_distributed
 from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
@@ -34,26 +35,36 @@ from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.validate import prepare_workdir, validate
 from rl.checkpoint import Checkpointer, fingerprint
-from rl.data import load_records, make_prompt_iterator
+from rl.data import load_records, make_prompt_iterator, tokenize_prompts
 
 FLAGS = {"workdir": "", "dry_run": False}
 TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens")
 
 
-def train(config, workdir: str, resume: bool) -> int:
-    main_process = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
-    if main_process:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_json(config), f, indent=2)
-        print(config)
+def prepare(config) -> tuple[Run, object, list]:
+    """The run's parts, its data iterator and held-out records. Every prompt is tokenised once
+    here, so a prompt over sampling.max_prompt_len fails now, not hours into the run."""
     run = build(config)
-    learner, state = run.learner, run.state
     data = make_prompt_iterator(
         config.data.train, batch_size=config.data.prompts_per_step, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
     )  # fmt: skip
     eval_records = load_records(config.data.eval)
+    for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
+        tokenize_prompts(records, run.tokenizer, config, config.data[split].prompt_field)
+    return run, data, eval_records
+
+
+def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> int:
+    main_process = jax.process_index() == 0
+    # Every process has checked the workdir (main) before the first one writes to it.
+    multihost_utils.sync_global_devices("workdir checked")
+    os.makedirs(workdir, exist_ok=True)
+    if main_process:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_json(config), f, indent=2)
+        print(config)
+    learner, state = run.learner, run.state
     ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
     key_data = jax.random.key_data(jax.random.key(config.seed)).tolist()
     start, summary = 0, {}
@@ -150,7 +161,11 @@ def main(argv=None) -> int:
         return fail(str(e))
     if opts["dry_run"]:
         return dry_run(config)
-    return train(config, workdir, resume)
+    try:  # data and checkpoint problems: one line, and the workdir is not touched
+        parts = prepare(config)
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    return train(config, *parts, workdir, resume)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,17 @@ import os
 import ml_collections
 
 from launch.cli import UsageError, config_json
+from models.hf_config import CheckpointError, config_from_hf
 from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
+from rl.rewards import REWARDS
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
 from sampling.page_allocator import group_pages
 
 BUILTIN_SOURCES = ("arithmetic",)
+DTYPES = ("float32", "bfloat16", "float16")
 
 # Fields that cannot change the trajectory of a run: a resumed run may change them.
 RESUMABLE_CHANGES = (
@@ -45,9 +48,11 @@ def from_config(cls, c: ml_collections.ConfigDict, sections: tuple[str, ...], **
     """
     kwargs, origin = dict(given), {}
     for f in dataclasses.fields(cls):
-        if f.name in kwargs:
-            continue
         where = next((s for s in sections if f.name in c[s]), None)
+        if f.name in kwargs:
+            if where is not None:  # derived from that field (e.g. stop_ids, cache_dtype)
+                origin[f.name] = f"config.{where}.{f.name}"
+            continue
         if where is None:
             raise UsageError(f"config.{'/'.join(sections)} has no field {f.name} ({cls.__name__})")
         value = c[where][f.name]
@@ -111,15 +116,34 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         (b * g) % batch_shards == 0, "data.prompts_per_step", b,
         f"the global batch B*G = {b * g} is not divisible by the batch shards data*fsdp = {batch_shards}",
     )  # fmt: skip
+    _need((b * g) % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
+          f"B*G = {b * g} is not divisible by the minibatches")  # fmt: skip
     mb = c.rl.minibatches * c.rl.micro_batches
     _need((b * g) % mb == 0, "rl.micro_batches", c.rl.micro_batches,
           f"B*G = {b * g} is not divisible by minibatches*micro_batches = {mb}")  # fmt: skip
+    _need(c.rl.is_correction == "none" or c.rl.old_logp == "recompute", "rl.is_correction",
+          c.rl.is_correction, "corrects pi_old against the sampler, which old_logp='sampler' "
+          "makes the same distribution: use old_logp='recompute'")  # fmt: skip
+    _need(c.rl.advantage_eps >= 0, "rl.advantage_eps", c.rl.advantage_eps, "must be >= 0")
+    _need(c.rl.dynamic_sampling_max_tries >= 1, "rl.dynamic_sampling_max_tries",
+          c.rl.dynamic_sampling_max_tries, "must be >= 1")  # fmt: skip
+    _need(0 <= c.rl.overlong_buffer <= c.sampling.max_new_tokens, "rl.overlong_buffer",
+          c.rl.overlong_buffer, f"must be in [0, sampling.max_new_tokens = "
+          f"{c.sampling.max_new_tokens}] (0 = off)")  # fmt: skip
+    for name in list(c.rl.rewards) + [c.eval.reward]:
+        _need(name in REWARDS, "rl.rewards" if name != c.eval.reward else "eval.reward", name,
+              f"no such reward; registered: {sorted(REWARDS)}")  # fmt: skip
+    _need(0 <= c.seed < 2**31, "seed", c.seed, "must be in [0, 2**31)")
+    _need(c.keep_checkpoints >= 1, "keep_checkpoints", c.keep_checkpoints, "must be >= 1")
+    for field in ("dtype", "param_dtype"):
+        _need(c.model[field] in DTYPES, f"model.{field}", c.model[field], f"one of {DTYPES}")
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")
     _need(s.temperature > 0, "sampling.temperature", s.temperature,
           "a rollout needs temperature > 0 (0 is greedy: G identical completions, no signal)")  # fmt: skip
     _need(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
           f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
+    engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
     need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, g)
     _need(
         s.num_pages - 1 >= need, "sampling.num_pages", s.num_pages,
@@ -128,8 +152,16 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
     _need(c.rl.advantage in ADVANTAGE_MODES, "rl.advantage", c.rl.advantage,
           f"expected one of {ADVANTAGE_MODES}")  # fmt: skip
-    _need(c.eval.pass_k <= c.eval.pass_n, "eval.pass_k", c.eval.pass_k,
-          f"pass@k needs k <= eval.pass_n = {c.eval.pass_n}")  # fmt: skip
+    e = c.eval
+    _need(0 <= e.pass_k <= e.pass_n, "eval.pass_k", e.pass_k,
+          f"pass@k needs 0 <= k <= eval.pass_n = {e.pass_n} (0 = off)")  # fmt: skip
+    _need(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0")
+    if e.pass_k:
+        _need(e.pass_n <= s.num_slots, "eval.pass_n", e.pass_n,
+              f"more samples per prompt than sampling.num_slots = {s.num_slots}")  # fmt: skip
+        need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, e.pass_n)
+        _need(s.num_pages - 1 >= need, "eval.pass_n", e.pass_n,
+              f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages")  # fmt: skip
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
     path = c.model.hf_checkpoint
@@ -146,6 +178,13 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         else:
             _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
                   f"expected jsonl, parquet or one of {BUILTIN_SOURCES}")  # fmt: skip
+    try:
+        vocab = config_from_hf(path).vocab_size
+    except CheckpointError as e:
+        raise UsageError(f"config.model.hf_checkpoint={path!r}: {e}") from None
+    stops = c.sampling.stop_ids
+    _need(all(isinstance(i, int) and 0 <= i < vocab for i in stops), "sampling.stop_ids", stops,
+          f"must be token ids in [0, {vocab}) (the checkpoint's vocabulary)")  # fmt: skip
     learner_config(c, ())
     engine_config(c, ())
 
@@ -186,6 +225,13 @@ def prepare_workdir(config, workdir: str) -> bool:
         raise UsageError(f"--workdir {workdir} already holds a run and config.resume=False")
     if config.resume is True and not has_ckpt:
         raise UsageError(f"config.resume=True but {workdir} has no checkpoint")
+    if has_ckpt:
+        latest = max(int(d) for d in os.listdir(ckpts) if d.isdigit())
+        if config.num_steps < latest:
+            raise UsageError(
+                f"config.num_steps={config.num_steps} is below step {latest} of the checkpoint "
+                f"in {workdir}: nothing to resume; use a new --workdir or a larger num_steps"
+            )
     if os.path.exists(saved):
         with open(saved) as f:
             check_resumable(json.load(f), config_json(config))

@@ -20,6 +20,12 @@ float mean is not exactly 0.1, and dividing that rounding error by `eps` would g
 meaningless advantage. The stats count such groups because a high fraction means the prompts are
 too easy or too hard (what DAPO's dynamic sampling filters, see `rl.shaping.select_groups`).
 
+A KL penalty in the reward (kl_in="reward", `penalty` = beta * sum_t k1 per sample) enters as
+-(penalty - group mean of penalty), after the normalisation. With "group_mean" that is exactly the
+advantage of the shaped reward r - penalty. The std modes do not divide it by the reward std: a
+group whose task rewards tie (std 0) would otherwise turn its tiny KL differences into
+unit-size advantages whatever beta, and the ties keep their exact zero task advantage.
+
 Everything is jnp with static `group_size`/`mode`, so it can run inside a jitted step.
 """
 
@@ -35,7 +41,9 @@ def _std_ddof1(x, axis=None):
     return jnp.sqrt(jnp.sum(centred * centred, axis=axis) / max(n - 1, 1))
 
 
-def compute_advantages(rewards, group_size: int, mode: str = "group_std", eps: float = 1e-6):
+def compute_advantages(
+    rewards, group_size: int, mode: str = "group_std", eps: float = 1e-6, penalty=None
+):
     """Advantages for flat, group-contiguous rewards.
 
     Args:
@@ -43,6 +51,8 @@ def compute_advantages(rewards, group_size: int, mode: str = "group_std", eps: f
       group_size: G (static).
       mode: one of MODES (static).
       eps: added to the std in the std modes.
+      penalty: optional f32[B*G] per-sample penalty (KL in the reward), centred per group and
+        subtracted after the normalisation (module docstring).
 
     Returns:
       adv: f32[B*G].
@@ -71,7 +81,11 @@ def compute_advantages(rewards, group_size: int, mode: str = "group_std", eps: f
         scale = jnp.ones((), jnp.float32)
     # The safe denominator keeps the untaken branch finite even with eps=0.
     scale = jnp.where(zero_var[:, None], 1.0, scale)  # [B, 1]
-    adv = jnp.where(zero_var[:, None], 0.0, centred / scale).reshape(-1)  # [B*G]
+    adv = jnp.where(zero_var[:, None], 0.0, centred / scale)  # [B, G]
+    if penalty is not None:
+        p = jnp.asarray(penalty, jnp.float32).reshape(-1, group_size)  # [B, G]
+        adv = adv - (p - jnp.mean(p, axis=1, keepdims=True))
+    adv = adv.reshape(-1)  # [B*G]
 
     n_zero = jnp.sum(zero_var.astype(jnp.int32))
     stats = {

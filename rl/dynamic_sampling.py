@@ -1,10 +1,11 @@
 """DAPO dynamic sampling: keep only prompt groups whose rewards differ, sample more to refill.
 
-A group whose G rewards are all equal has zero advantage everywhere and contributes no gradient
-(only KL and entropy terms), so DAPO drops it and samples further prompts until the batch holds
+A group whose G task rewards are all equal has zero task advantage everywhere and contributes no
+task gradient (only the KL and entropy terms; with kl_in="reward" its centred KL penalty, see
+`rl.advantages`), so DAPO drops it and samples further prompts until the batch holds
 `num_groups` informative groups. The number of extra sampling rounds is bounded by `max_tries`;
 when they run out, the batch is topped up with the zero-variance groups already drawn (they stay
-harmless: exactly zero advantage) and the shortfall is reported, so a step never stalls.
+harmless: zero task advantage) and the shortfall is reported, so a step never stalls.
 
 `sample_groups(n)` is the caller's rollout: it samples n prompts x G completions and returns a list
 of n group records plus their rewards f32[n*G]. This module knows nothing about what a record is.

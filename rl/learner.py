@@ -25,6 +25,7 @@ ratio is exactly 1; otherwise π_old is computed once, before the first update o
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -178,6 +179,10 @@ class Learner:
         state = with_shardings(shapes, self.state_shardings)
         return self._step.trace(state, abstract_batch).lower(lowering_platforms=platforms)
 
+    def lower_logprobs(self, abstract_params, abstract_batch: Batch, which: str = "full"):
+        """The reference / π_old log-prob pass over a whole rollout, lowered: for --dry_run."""
+        return self._logprobs.trace(abstract_params, abstract_batch, which).lower()
+
     # --- jitted pieces ----------------------------------------------------------------------
 
     def _token_logprobs(self, params, batch: Batch) -> TokenLogprobs:
@@ -188,7 +193,13 @@ class Learner:
         )  # fmt: skip
 
     def _logprobs_impl(self, params, batch: Batch, which: str):
-        return getattr(self._token_logprobs(params, batch), which)
+        """One forward over the rollout, a train step's micro-batch of rows at a time (a strided
+        split, as in the step), so this pass needs no more memory than a step's forward."""
+        rows = batch.tokens.shape[0]
+        m = math.gcd(rows, self.cfg.minibatches * self.cfg.micro_batches)
+        micro = jax.tree.map(lambda x: _strided_split(x, m), batch)
+        out = jax.lax.map(lambda mb: getattr(self._token_logprobs(params, mb), which), micro)
+        return out.swapaxes(0, 1).reshape(rows, -1)  # [M, B/M, T-1] -> [B, T-1], rows in order
 
     def _loss(self, params, mb: Batch, global_tokens, global_seqs):
         return self._objective(self._token_logprobs(params, mb), mb, global_tokens, global_seqs)

@@ -34,7 +34,7 @@ from rl.data import global_batch, reward_inputs, tokenize_prompts
 from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.rewards import combined_rewards
-from rl.shaping import kl_reward, overlong_penalty
+from rl.shaping import kl_reward_penalty, overlong_penalty
 from sampling.engine import host_values
 
 
@@ -73,12 +73,12 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
     return Group(record, prompt, completions, texts, np.asarray(total, np.float32), parts)
 
 
-def build_batch(groups: list[Group], seq_len: int, pad_id: int, mask_truncated: bool,
-                min_new_tokens: int = 0) -> Batch:  # fmt: skip
+def build_batch(groups: list[Group], seq_len: int, pad_id: int, min_new_tokens: int = 0) -> Batch:
     """Right-padded learner Batch (numpy) with rows group-major: row i*G+k is completion k of i.
 
-    Advantages are left at 0 (`Rollout` fills them in); `stop_masked` marks the first
-    min_new_tokens completion positions, where the sampler banned the stop ids (None if 0).
+    `loss_mask` covers every completion token (`Rollouts` applies rl.mask_truncated), advantages
+    are left at 0 (`Rollouts` fills them in), and `stop_masked` marks the first min_new_tokens
+    completion positions, where the sampler banned the stop ids (None if 0).
     """
     rows = [(grp.prompt, c) for grp in groups for c in grp.completions]
     n_rows = len(rows)
@@ -96,8 +96,7 @@ def build_batch(groups: list[Group], seq_len: int, pad_id: int, mask_truncated: 
         tokens[r, :n] = p + c.tokens
         valid[r, :n] = True
         first = len(p) - 1  # position t scores token t + 1: the first completion token
-        if not (mask_truncated and c.finish_reason == "length"):
-            loss_mask[r, first : n - 1] = 1.0
+        loss_mask[r, first : n - 1] = 1.0
         sampler_logp[r, first : n - 1] = c.logprobs
         stop_masked[r, first : first + min(min_new_tokens, c.length)] = True
     return Batch(
@@ -142,23 +141,30 @@ class Rollouts:
         groups, stats = self._sample(step, params, data)
         s = c.sampling
         batch = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
-                            c.rl.mask_truncated, s.min_new_tokens)  # fmt: skip
+                            s.min_new_tokens)  # fmt: skip
+        completions = batch.loss_mask
+        if c.rl.mask_truncated:  # DAPO: completions cut by the length limit get no loss
+            stopped = [cp.finish_reason == "stop" for grp in groups for cp in grp.completions]
+            batch = batch.replace(loss_mask=completions * np.array(stopped, np.float32)[:, None])
         batch = jax.device_put(batch, self.batch_sharding)
         rewards = np.concatenate([grp.rewards for grp in groups])
+        penalty = None
         if c.rl.kl_in == "reward" and c.rl.kl_coef > 0:
             # The KL is data here: beta * sum_t k1 of the rollout policy against the reference,
-            # both on the tempered full softmax (rl.logprobs), subtracted from each reward.
+            # both on the tempered full softmax (rl.logprobs), over every completion token.
             ref = self.learner.logprobs(self.ref_params, batch, "full")
             pi = self.learner.logprobs(params, batch, "full")
-            shaped = kl_reward(rewards, pi, ref, batch.loss_mask, c.rl.kl_coef, c.rl.kl_clamp)
-            rewards = np.asarray(host_values(shaped))  # every process gets all rows
-            stats["reward/kl_penalty_mean"] = float(
-                np.mean(np.concatenate([grp.rewards for grp in groups]) - rewards)
-            )
+            penalty = kl_reward_penalty(pi, ref, jax.device_put(completions, self.batch_sharding),
+                                        c.rl.kl_coef, c.rl.kl_clamp)  # fmt: skip
+            penalty = np.asarray(host_values(penalty))  # every process gets all rows
+            stats["reward/kl_penalty_mean"] = float(penalty.mean())
             batch = batch.replace(ref_logp=ref)  # the learner logs the KL, the loss ignores it
         adv, adv_stats = compute_advantages(
-            jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps
-        )
+            jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps,
+            penalty,
+        )  # fmt: skip
+        if penalty is not None:
+            rewards = rewards - penalty  # the shaped rewards, for the logs
         batch = batch.replace(advantages=jax.device_put(np.asarray(adv), self.batch_sharding))
         stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
         for name in groups[0].parts:

@@ -2,11 +2,12 @@
 
 - `overlong_penalty`: DAPO's soft length penalty, a linear ramp over the last `buffer` tokens of the
   budget, added to the task reward.
-- `kl_reward`: for kl_in="reward", folds beta * KL(pi || ref) into the scalar reward before the
-  advantages (the k1 estimator, as in InstructGPT-style PPO; `rl.losses.kl_penalty` is the in-loss
-  alternative). The rollout (`rl.rollout.Rollouts`) calls it with both log-probs on the tempered
-  full softmax. DAPO's overlong filtering (truncated completions get no loss) is
-  `rl.mask_truncated`, applied where the batch is built.
+- `kl_reward_penalty`: for kl_in="reward", beta * KL(pi || ref) of each sample (the k1 estimator,
+  as in InstructGPT-style PPO; `rl.losses.kl_penalty` is the in-loss alternative), which
+  `rl.advantages.compute_advantages` subtracts from the reward. The rollout
+  (`rl.rollout.Rollouts`) calls it with both log-probs on the tempered full softmax, over every
+  completion token. DAPO's overlong filtering (truncated completions get no loss) is
+  `rl.mask_truncated`, applied by the rollout to the loss mask.
 - `select_groups`: DAPO's dynamic sampling keeps only prompts whose G rewards differ; the refill loop
   with bounded retries lives with the rollout code.
 
@@ -34,14 +35,14 @@ def overlong_penalty(lengths, max_new_tokens: int, buffer: int, penalty: float =
     return -penalty * jnp.clip(excess / buffer, 0.0, 1.0)
 
 
-def kl_reward(rewards, logp, ref_logp, mask, beta: float, clamp: float = 10.0):
-    """rewards f32[N] - beta * sum_t k1 over valid tokens of [N, T], k1 = logp - ref_logp.
+def kl_reward_penalty(logp, ref_logp, mask, beta: float, clamp: float = 10.0):
+    """f32[N]: beta * sum_t k1 over the valid tokens of [N, T], k1 = logp - ref_logp, the KL
+    penalty of each sample when the KL goes into the reward (`rl.advantages` subtracts it).
 
-    k1 is `rl.losses.kl_penalty`'s (clamped to `clamp` per token). No gradient flows: the result is
-    a reward, i.e. data.
+    k1 is `rl.losses.kl_penalty`'s (clamped to `clamp` per token). No gradient flows: it is data.
     """
     k1 = jnp.where(mask > 0, kl_penalty(logp, ref_logp, "k1", clamp), 0.0)  # [N, T]
-    return jnp.asarray(rewards, jnp.float32) - beta * jax.lax.stop_gradient(jnp.sum(k1, axis=1))
+    return beta * jax.lax.stop_gradient(jnp.sum(k1, axis=1))
 
 
 def select_groups(rewards, group_size: int):

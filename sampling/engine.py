@@ -40,10 +40,10 @@ Randomness: the token of sample g of request r at step n is drawn with
 fold_in(fold_in(fold_in(root, r), g), n). It does not depend on the slot or on the other requests
 in the batch, so a request gives the same tokens alone or continuously batched.
 
-min_new_tokens masks the stop ids (logits -inf) while fewer than min_new_tokens tokens exist.
-The recorded log-prob is the one under that masked distribution, the one the token was actually
-drawn from; a learner that does not apply the same mask sees a (small) difference on those
-first tokens, which is what importance ratios should see.
+min_new_tokens bans the stop ids (probability 0) while fewer than min_new_tokens tokens exist.
+The recorded log-prob is the one under that banned distribution, the one the token was actually
+drawn from; the learner applies the same ban at the same completion positions
+(`rl.learner.Batch.stop_masked`), so the two agree there too.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from sampling.page_allocator import (
     PageTable,
     group_pages,
 )
-from sampling.paged_attention import resolve_backend
+from sampling.paged_attention import BACKENDS, resolve_backend
 from sampling.state import DecodeState, state_shardings
 
 
@@ -87,6 +87,27 @@ class EngineConfig:
     @property
     def pages_per_seq(self) -> int:
         return -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
+
+    def validate(self):
+        """Raises ValueError naming the first bad field and why."""
+        for name in ("num_slots", "page_size", "max_prompt_len", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.steps_per_call < 1:
+            raise ValueError(f"steps_per_call={self.steps_per_call}: must be >= 1")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (page 0 is reserved)")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens}: must be in [0, {self.max_new_tokens}]"
+            )
+        if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
+            raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
+        if self.cache_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
+        return self
 
 
 @dataclasses.dataclass
@@ -138,6 +159,7 @@ class Engine:
         self, cfg: ModelConfig, graphdef, ecfg: EngineConfig, sampling: SamplingParams,
         mesh: jax.sharding.Mesh | None = None, rules=DEFAULT_RULES,
     ):  # fmt: skip
+        ecfg.validate()
         self.cfg, self.graphdef, self.ecfg, self.sampling = cfg, graphdef, ecfg, sampling
         # Hashable (a static jit argument), also for rules written as lists in a config.
         rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+from launch.build import load_run
 from launch.cli import config_json, parse_args
 from launch.train import FLAGS, main
+from rl.checkpoint import fingerprint
 from tests.conftest import ROOT, train_metrics
 
 EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
@@ -23,6 +25,16 @@ EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devic
         (EIGHT + ["--config.rl.num_generations=1"], "config.rl.num_generations=1: GRPO needs G >= 2"),
         (EIGHT + ["--config.model.hf_checkpoint=/nope"], "config.model.hf_checkpoint='/nope': not a directory"),
         (["--config=/nope.py"], "--config: /nope.py does not exist"),
+        (EIGHT + ["--config.sampling.steps_per_call=0"], "config.sampling.steps_per_call=0: must be >= 1"),
+        (EIGHT + ["--config.keep_checkpoints=0"], "config.keep_checkpoints=0: must be >= 1"),
+        (EIGHT + ["--config.rl.advantage_eps=-1.0"], "config.rl.advantage_eps=-1.0: must be >= 0"),
+        (EIGHT + ["--config.rl.rewards={'nope': 1.0}"], "config.rl.rewards='nope': no such reward"),
+        (EIGHT + ["--config.sampling.stop_ids=(99,)"], "config.sampling.stop_ids=(99,): must be token ids in [0, 17)"),
+        (EIGHT + ["--config.rl.is_correction=tis", "--config.rl.old_logp=sampler"], "config.rl.is_correction='tis': corrects pi_old against the sampler"),
+        (EIGHT + ["--config.rl.minibatches=3"], "config.rl.minibatches=3: B*G = 128 is not divisible"),
+        (EIGHT + ["--config.sampling.backend=nope"], "config.sampling.backend='nope': must be one of"),
+        (EIGHT + ["--config.eval.pass_n=200"], "config.eval.pass_n=200: more samples per prompt than sampling.num_slots"),
+        (EIGHT + ["--config.seed=-1"], "config.seed=-1: must be in [0, 2**31)"),
     ],
 )  # fmt: skip
 def test_bad_inputs_fail_with_one_line_and_leave_the_workdir_alone(args, message, tmp_path, capsys):
@@ -33,6 +45,31 @@ def test_bad_inputs_fail_with_one_line_and_leave_the_workdir_alone(args, message
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
     assert os.listdir(workdir) == ["config.json"] and (workdir / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.data.train.ops=/"], "ops='/' must be a non-empty string of '+-*'"),
+        (["--config.sampling.max_prompt_len=3"], "a prompt has 6 tokens > config.sampling.max_prompt_len=3"),
+    ],
+)  # fmt: skip
+def test_data_problems_fail_with_one_line_before_the_workdir_exists(
+    args, message, tmp_path, capsys
+):
+    workdir = tmp_path / "run"
+    assert main(EIGHT + args + ["--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert not workdir.exists()
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    assert main(EIGHT + ["--config.num_steps=2", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert "config.num_steps=2 is below step 4 of the checkpoint" in err
 
 
 TINY = [
@@ -85,6 +122,10 @@ def test_resume_is_exact(tmp_path):
     keys = {"accuracy_before", "accuracy_after", "steps", "wall_seconds", "rollout_tokens_per_s",
             "learn_tokens_per_s", "rollout_seconds", "learn_seconds", "params_fingerprint"}  # fmt: skip
     assert keys <= set(a)
+    # launch.eval / launch.export read the 1-device run on this process's 8 devices (resharded).
+    run, step = load_run(str(straight))
+    assert step == 6 and run.mesh.size == 8 and run.ref_params is None
+    assert fingerprint(run.state.params) == a["params_fingerprint"]
 
 
 def test_resume_refuses_a_changed_config(tmp_path, capsys):

@@ -94,14 +94,27 @@ def test_overlong_penalty():
         shaping.overlong_penalty(np.array([1]), 10, 0)
 
 
-def test_kl_reward():
+def test_kl_reward_penalty():
     logp = np.array([[-1.0, -2.0, 7.0], [-0.5, -0.5, -0.5]], np.float32)
     ref_logp = np.array([[-1.5, -1.0, 0.0], [-0.5, -1.5, -0.5]], np.float32)
     mask = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
-    # Row 0: k1 = 0.5 + (-1.0) = -0.5 (padding ignored) -> 1 - 0.1 * -0.5 = 1.05.
-    # Row 1: k1 = 0 + 1.0 + 0 = 1.0 -> 0 - 0.1 * 1.0 = -0.1.
-    got = shaping.kl_reward(np.array([1.0, 0.0]), logp, ref_logp, mask, beta=0.1)
-    np.testing.assert_allclose(got, [1.05, -0.1], **TOL)
+    # Row 0: k1 = 0.5 + (-1.0) = -0.5 (padding ignored) -> 0.1 * -0.5 = -0.05.
+    # Row 1: k1 = 0 + 1.0 + 0 = 1.0 -> 0.1.
+    got = shaping.kl_reward_penalty(logp, ref_logp, mask, beta=0.1)
+    np.testing.assert_allclose(got, [-0.05, 0.1], **TOL)
+
+
+def test_penalty_is_centred_per_group_and_not_rescaled():
+    # Group 0 = [1, 0] (std sqrt(1/2)), group 1 ties at 0: its task advantage stays exactly 0 and
+    # only its centred penalty remains, at beta's scale.
+    rewards = jnp.array([1.0, 0.0, 0.0, 0.0])
+    penalty = jnp.array([0.02, 0.04, 0.011, 0.009])
+    adv, _ = compute_advantages(rewards, 2, "group_std", eps=0.0, penalty=penalty)
+    np.testing.assert_allclose(adv, [0.7071068 + 0.01, -0.7071068 - 0.01, -0.001, 0.001], **TOL)
+    # group_mean: exactly the advantage of the shaped reward r - penalty.
+    adv, _ = compute_advantages(rewards, 2, "group_mean", penalty=penalty)
+    want, _ = compute_advantages(rewards - penalty, 2, "group_mean")
+    np.testing.assert_allclose(adv, want, **TOL)
 
 
 def test_select_groups():

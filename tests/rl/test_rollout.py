@@ -26,7 +26,7 @@ GROUPS = [
 
 
 def test_build_batch_by_hand():
-    b = build_batch(GROUPS, 6, PAD, mask_truncated=False)
+    b = build_batch(GROUPS, 6, PAD)
     np.testing.assert_array_equal(
         b.tokens,
         [[10, 11, 12, 20, 21, 2], [10, 11, 12, 22, PAD, PAD],
@@ -47,16 +47,14 @@ def test_build_batch_by_hand():
     assert b.stop_masked is None and b.advantages.shape == (4,)
 
 
-def test_build_batch_masks_truncated_and_marks_min_new_tokens():
-    b = build_batch(GROUPS, 6, PAD, mask_truncated=True, min_new_tokens=2)
-    # Rows 1 and 2 ended by length: no loss at all; the stop-ended rows keep theirs.
-    np.testing.assert_array_equal(b.loss_mask.sum(1), [3, 0, 0, 1])
+def test_build_batch_marks_min_new_tokens():
+    b = build_batch(GROUPS, 6, PAD, min_new_tokens=2)
     np.testing.assert_array_equal(
         b.stop_masked,
         [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]],
     )  # fmt: skip
     with pytest.raises(ValueError, match="sequence of 6 tokens > max_prompt_len"):
-        build_batch(GROUPS, 5, PAD, mask_truncated=False)
+        build_batch(GROUPS, 5, PAD)
 
 
 def _group_std(r, g, eps):
@@ -66,12 +64,16 @@ def _group_std(r, g, eps):
     return np.where(same, 0.0, (r - r.mean(1, keepdims=True)) / (std + eps)).reshape(-1)
 
 
-def test_kl_in_reward_changes_the_advantages_as_defined():
+def test_kl_in_reward_and_mask_truncated():
+    """kl_in="reward": the advantages are the task rewards' minus beta * sum_t k1 centred per group
+    (rl.advantages), k1 over every completion token on the tempered full softmaxes; with
+    mask_truncated, completions cut by the length limit get no loss but still their KL."""
     beta = 0.5
     args = [
         "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
         "--config.sampling.num_slots=8", "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1",
-        f"--config.rl.kl_coef={beta}", "--config.data.eval.num=1",
+        f"--config.rl.kl_coef={beta}", "--config.data.eval.num=1", "--config.rl.mask_truncated=True",
+        "--config.sampling.max_new_tokens=3",
     ]  # fmt: skip
     config = parse_args(args, {})[0]
     run = build(config)
@@ -80,12 +82,17 @@ def test_kl_in_reward_changes_the_advantages_as_defined():
     rollout = run.rollouts()(0, run.state.params, data)
     raw = np.concatenate([grp.rewards for grp in rollout.groups])
     b = jax.device_get(rollout.batch)
+    completions = [c for grp in rollout.groups for c in grp.completions]
+    truncated = np.array([c.finish_reason == "length" for c in completions])
+    assert truncated.any() and not truncated.all()
+    want_mask = build_batch(rollout.groups, 3 + 8, 0).loss_mask  # every completion token
+    np.testing.assert_array_equal(b.loss_mask, want_mask * ~truncated[:, None])
     pi = np.asarray(run.learner.logprobs(run.state.params, rollout.batch, "full"))
     ref = np.asarray(run.learner.logprobs(run.ref_params, rollout.batch, "full"))
-    k1 = np.where(b.loss_mask > 0, np.clip(pi - ref, -10, 10), 0).sum(1)
-    assert np.abs(k1).max() > 0.1
-    shaped = raw - beta * k1
-    np.testing.assert_allclose(rollout.rewards, shaped, atol=1e-5)
-    np.testing.assert_allclose(b.advantages, _group_std(shaped, 4, 1e-6), atol=1e-4)
-    assert np.abs(b.advantages - _group_std(raw, 4, 1e-6)).max() > 1e-2  # the KL changed them
+    penalty = beta * np.where(want_mask > 0, np.clip(pi - ref, -10, 10), 0).sum(1)
+    assert np.abs(penalty[truncated]).max() > 0.01  # truncated completions keep their KL
+    centred = (penalty.reshape(2, 4) - penalty.reshape(2, 4).mean(1, keepdims=True)).reshape(-1)
+    np.testing.assert_allclose(b.advantages, _group_std(raw, 4, 1e-6) - centred, atol=1e-4)
+    assert np.abs(centred).max() > 1e-3  # the KL changed the advantages
+    np.testing.assert_allclose(rollout.rewards, raw - penalty, atol=1e-5)
     np.testing.assert_allclose(b.ref_logp, ref, atol=1e-6)  # kept for the learner's KL metric

@@ -51,7 +51,7 @@ def _rollout(model, vocab, sampling, n_prompts, g, min_new=0, seed=0):
     prompts = [rng.integers(9, vocab, rng.integers(2, 12)).tolist() for _ in range(n_prompts)]
     _, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=seed)
     groups = [Group({}, p, cs, [], np.zeros(g, np.float32), {}) for p, cs in zip(prompts, results)]
-    batch = build_batch(groups, SEQ, 0, mask_truncated=False, min_new_tokens=min_new)
+    batch = build_batch(groups, SEQ, 0, min_new_tokens=min_new)
     return batch.replace(advantages=rng.normal(size=n_prompts * g).astype(np.float32))
 
 
