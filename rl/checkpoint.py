@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.sharding import flatten, with_shardings
-from sampling.engine import host_values
+from sampling.state import host_values
 
 
 class Checkpointer:

@@ -35,7 +35,7 @@ from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
-from sampling.engine import host_values
+from sampling.state import host_values
 
 
 @dataclasses.dataclass

@@ -17,24 +17,20 @@ Device work is jitted functions (`sampling.steps`) over the donated `sampling.st
   any free slots, the free slots of partly used blocks first.
 - `generate`: `num_steps` decode steps in one `lax.fori_loop`.
 
-Sharding: the engine runs on whatever mesh the parameters live on and takes them as they are.
-The jitted functions declare no `in_shardings`, so a committed parameter array is used in its own
-sharding: no resharded or gathered copy is made per call (tests/sampling/test_engine_scale.py
-checks the compiled input shardings and the buffers). Given the mesh, the `DecodeState` is
-sharded by `sampling.state.state_shardings` (KV pages over the kv-head axis) and every jitted
-function constrains its output state to that layout, so donation keeps reusing the same buffers.
+Sharding: the jitted functions declare no `in_shardings`, so parameters are used in their own
+shardings, never resharded or gathered per call (tests/sampling/test_engine_scale.py checks it).
+Given the mesh, the `DecodeState` is laid out by `sampling.state.state_shardings` and every
+jitted function pins its output state to that layout, so donation reuses the same buffers.
 
-Page allocation is host-side (`sampling.page_allocator` explains why): between `generate` calls the
-host gives each active slot the pages for its next `num_steps` tokens and uploads the page table.
-Admission reserves a group's worst-case pages (`sampling.page_allocator.group_pages`) up front, so
-a running request never runs out of pages and no preemption is needed.
+Page allocation is host-side (`sampling.page_allocator` says why): before each `generate` the
+host gives every active slot the pages of its next `num_steps` tokens. Admission reserves a
+group's worst-case pages (`group_pages`) up front, so a running request never runs out.
 
-Misuse raises ValueError before anything changes: `bulk_insert` rejects a consumed or stale
-Prefix and busy, repeated or out-of-range slots; `prefill_many` allocates all or nothing. `init_state()`
-resets the host bookkeeping along with the device state (every slot idle, every page free).
-Every call donates the state it is given. If `generate_all` raises (on_finish included), it frees
-the host side of every slot it admitted before re-raising; the caller then starts again from
-`init_state()`.
+Misuse raises ValueError before anything changes (`sampling.requests` checks the arguments;
+`bulk_insert` rejects a consumed or stale Prefix and busy, repeated or out-of-range slots;
+`prefill_many` allocates all or nothing). Every call donates the state it is given;
+`init_state()` resets the host bookkeeping with it. If `generate_all` raises (on_finish
+included), it frees the host side of every slot it admitted, then re-raises.
 
 Randomness: the token of sample g of request r at step n is drawn with
 fold_in(fold_in(fold_in(root, r), g), n). It does not depend on the slot or on the other requests
@@ -48,13 +44,11 @@ drawn from; the learner applies the same ban at the same completion positions
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, with_shardings
@@ -67,81 +61,9 @@ from sampling.page_allocator import (
     PageTable,
     group_pages,
 )
-from sampling.paged_attention import BACKENDS, resolve_backend
-from sampling.state import DecodeState, state_shardings
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    num_slots: int = 8  # B, sequences decoded together
-    page_size: int = 16
-    num_pages: int = 256  # P, pages in the pool including the null page 0
-    max_prompt_len: int = 256
-    max_new_tokens: int = 64  # M, size of the output buffers
-    min_new_tokens: int = 0  # stop ids are masked before this many tokens
-    steps_per_call: int = 16  # decode steps per `generate` call (host sync period)
-    stop_ids: tuple[int, ...] = ()
-    backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
-    cache_dtype: str = "float32"
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
-
-    def validate(self):
-        """Raises ValueError naming the first bad field and why."""
-        for name in ("num_slots", "page_size", "max_prompt_len", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.steps_per_call < 1:
-            raise ValueError(f"steps_per_call={self.steps_per_call}: must be >= 1")
-        if self.num_pages < 2:
-            raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (page 0 is reserved)")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens={self.min_new_tokens}: must be in [0, {self.max_new_tokens}]"
-            )
-        if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
-            raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
-        if self.cache_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
-        return self
-
-
-@dataclasses.dataclass
-class Prefix:
-    """A prefilled prompt: its pages hold the KV of tokens[:-1]; tokens[-1] is fed at decode.
-
-    Single use: `bulk_insert` hands its page references to the slots and sets `consumed`. It is
-    valid only in the engine that made it, until that engine's next `init_state`."""
-
-    pages: list[int]
-    cached_len: int
-    last_token: int
-    consumed: bool = False
-    epoch: object = dataclasses.field(default=None, repr=False, compare=False)
-
-
-@dataclasses.dataclass
-class Completion:
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    length: int
-
-
-def host_values(tree):
-    """Numpy copies of (possibly sharded) arrays, the same on every process.
-
-    In a multi-process run the slot buffers are spread over devices of several hosts; gathering
-    them makes every process see all finish flags and so take the same scheduling decisions.
-    """
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    return multihost_utils.process_allgather(tree, tiled=True)
-
+from sampling.paged_attention import resolve_backend
+from sampling.requests import Completion, EngineConfig, Prefix, check_prompt, check_requests
+from sampling.state import DecodeState, host_values, state_shardings
 
 MAX_PREFILL_BATCH = 16  # prompts per prefill call
 
@@ -164,7 +86,7 @@ class Engine:
         # Hashable (a static jit argument), also for rules written as lists in a config.
         rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
         self.layout = None if mesh is None else (mesh, rules)
-        # Resolved once: "auto" avoids the CPU kernel when the state spans several devices.
+        # Resolved once for this platform, shape and mesh: no kernel on a sharded state.
         sharded = mesh is not None and mesh.size > 1
         self.backend = resolve_backend(
             ecfg.backend, sharded, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size,
@@ -220,16 +142,12 @@ class Engine:
         state, (prefix,) = self.prefill_many(params, state, [prompt])
         return state, prefix
 
-    def _check_prompt(self, prompt) -> None:
-        if not 1 <= len(prompt) <= self.ecfg.max_prompt_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{self.ecfg.max_prompt_len}")
-
     def prefill_many(self, params, state, prompts) -> tuple[DecodeState, list[Prefix]]:
         """`prefill` for several prompts, up to MAX_PREFILL_BATCH per jitted call (the row count
         is padded to a power of two, the length to a bucket, to keep compiles few). All or
         nothing on the host: on an error no page stays allocated."""
         for prompt in prompts:
-            self._check_prompt(prompt)
+            check_prompt(self.ecfg, prompt)
         # The last prompt token is not cached: the first decode step feeds it.
         sizes = [self._pages_for(len(prompt) - 1) for prompt in prompts]
         if sum(sizes) > self.allocator.num_free:
@@ -416,37 +334,10 @@ class Engine:
         `EngineConfig.max_new_tokens`). `on_finish(i, g, completion)`, if given, is called as each
         sequence finishes (progress bars; scoring finished groups while decoding goes on).
 
-        `state` is consumed (donated): use the returned one. Arguments are checked before any
-        work. If anything raises later (on_finish included), the pages and slots this call took
-        are freed on the host before the exception propagates, but the device state is lost:
-        start again from `init_state()`.
-        """
+        `state` is donated: use the returned one. After an exception (arguments are checked
+        first) the host side is cleaned up; start again from `init_state()`."""
         e, g = self.ecfg, num_samples
-        if np.ndim(max_new_tokens) == 0:
-            max_new = [int(max_new_tokens or e.max_new_tokens)] * len(prompts)
-        else:
-            max_new = [int(m) for m in max_new_tokens]
-            if len(max_new) != len(prompts):
-                raise ValueError(
-                    f"max_new_tokens has {len(max_new)} entries for {len(prompts)} prompts"
-                )
-        if not 1 <= g <= e.num_slots:
-            raise ValueError(f"num_samples={g}: need 1..num_slots={e.num_slots}")
-        bad = [m for m in max_new if not 1 <= m <= e.max_new_tokens]
-        if bad:
-            raise ValueError(f"max_new_tokens={bad[0]}: need 1..{e.max_new_tokens}")
-        ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
-        if len(ids) != len(prompts):
-            raise ValueError(f"request_ids has {len(ids)} entries for {len(prompts)} prompts")
-        for prompt in prompts:
-            self._check_prompt(prompt)
-        need = [group_pages(len(p), m, e.page_size, g) for p, m in zip(prompts, max_new)]
-        for i, n in enumerate(need):
-            if n > e.num_pages - 1:
-                raise ValueError(
-                    f"request {i} needs {n} KV pages, more than the pool ({e.num_pages - 1}); "
-                    "raise num_pages"
-                )
+        max_new, ids, need = check_requests(e, prompts, g, max_new_tokens, request_ids)
         if not self._len:  # no busy slot: the block size can change
             self.group = g if g > 1 and e.num_slots % g == 0 else 1
         root = jax.random.key(seed)

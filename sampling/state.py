@@ -1,4 +1,5 @@
-"""Sampler device state (paged KV cache + decode buffers) and the two paged attention hooks.
+"""Sampler device state (paged KV cache + decode buffers), the two paged attention hooks, and
+`host_values`, which reads device arrays back to the host identically on every process.
 
 `DecodeState` is one `flax.struct.dataclass` of fixed-shape arrays, so the jitted engine calls can
 donate it and update it in place. The KV pages of all layers are stacked into one array
@@ -27,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from models.attention import causal_mask, dense_attention
@@ -77,6 +79,17 @@ class DecodeState:
             tokens=i32(b, max_new),
             logprobs=jnp.zeros((b, max_new), jnp.float32),
         )
+
+
+def host_values(tree):
+    """Numpy copies of (possibly sharded) arrays, the same on every process.
+
+    In a multi-process run the slot buffers are spread over devices of several hosts; gathering
+    them makes every process see all finish flags and so take the same scheduling decisions.
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 # Logical axes of each DecodeState field, named as in the parameters' rules table.

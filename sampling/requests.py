@@ -1,0 +1,111 @@
+"""What the sampler engine takes and gives: its config (`EngineConfig`), a prefilled prompt
+(`Prefix`), a finished sample (`Completion`), and the checks a batch of requests passes before
+the engine changes anything (`check_requests`), so a bad argument never leaves pages or slots
+half taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from sampling.page_allocator import group_pages
+from sampling.paged_attention import BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 8  # B, sequences decoded together
+    page_size: int = 16
+    num_pages: int = 256  # P, pages in the pool including the null page 0
+    max_prompt_len: int = 256
+    max_new_tokens: int = 64  # M, size of the output buffers
+    min_new_tokens: int = 0  # stop ids are masked before this many tokens
+    steps_per_call: int = 16  # decode steps per `generate` call (host sync period)
+    stop_ids: tuple[int, ...] = ()
+    backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
+    cache_dtype: str = "float32"
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
+
+    def validate(self):
+        """Raises ValueError naming the first bad field and why."""
+        for name in ("num_slots", "page_size", "max_prompt_len", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.steps_per_call < 1:
+            raise ValueError(f"steps_per_call={self.steps_per_call}: must be >= 1")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (page 0 is reserved)")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens}: must be in [0, {self.max_new_tokens}]"
+            )
+        if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
+            raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
+        if self.cache_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
+        return self
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt: its pages hold the KV of tokens[:-1]; tokens[-1] is fed at decode.
+
+    Single use: `bulk_insert` hands its page references to the slots and sets `consumed`. It is
+    valid only in the engine that made it, until that engine's next `init_state`."""
+
+    pages: list[int]
+    cached_len: int
+    last_token: int
+    consumed: bool = False
+    epoch: object = dataclasses.field(default=None, repr=False, compare=False)
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    length: int
+
+
+def check_prompt(ecfg: EngineConfig, prompt) -> None:
+    if not 1 <= len(prompt) <= ecfg.max_prompt_len:
+        raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{ecfg.max_prompt_len}")
+
+
+def check_requests(ecfg: EngineConfig, prompts, g: int, max_new_tokens, request_ids):
+    """(max_new per request, request ids, worst-case KV pages per request) of a `generate_all`
+    call, or ValueError naming the bad argument. max_new_tokens: None (the config's), one int,
+    or one per prompt; request_ids: None (0..n-1) or one per prompt."""
+    n = len(prompts)
+    if np.ndim(max_new_tokens) == 0:
+        max_new = [int(max_new_tokens or ecfg.max_new_tokens)] * n
+    else:
+        max_new = [int(m) for m in max_new_tokens]
+        if len(max_new) != n:
+            raise ValueError(f"max_new_tokens has {len(max_new)} entries for {n} prompts")
+    if not 1 <= g <= ecfg.num_slots:
+        raise ValueError(f"num_samples={g}: need 1..num_slots={ecfg.num_slots}")
+    bad = [m for m in max_new if not 1 <= m <= ecfg.max_new_tokens]
+    if bad:
+        raise ValueError(f"max_new_tokens={bad[0]}: need 1..{ecfg.max_new_tokens}")
+    ids = list(range(n)) if request_ids is None else list(request_ids)
+    if len(ids) != n:
+        raise ValueError(f"request_ids has {len(ids)} entries for {n} prompts")
+    for prompt in prompts:
+        check_prompt(ecfg, prompt)
+    need = [group_pages(len(p), m, ecfg.page_size, g) for p, m in zip(prompts, max_new)]
+    for i, pages in enumerate(need):
+        if pages > ecfg.num_pages - 1:
+            raise ValueError(
+                f"request {i} needs {pages} KV pages, more than the pool ({ecfg.num_pages - 1}); "
+                "raise num_pages"
+            )
+    return max_new, ids, need
