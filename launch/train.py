@@ -99,6 +99,13 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                        rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
         if config.log_every and (step + 1) % config.log_every == 0:
             _log(log, step + 1, metrics, rollout, config)
+        bad = [k for k in ("loss", "grad_norm") if not np.isfinite(metrics[k])]
+        if bad:  # the update is applied already: stop before a checkpoint keeps it
+            bar.close()
+            ckpt.close()
+            fail(f"step {step + 1}: {', '.join(bad)} not finite; stopped without saving it (last "
+                 f"checkpoint: step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
+            return 3
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
         last = step + 1 == config.num_steps
         if config.eval_every and (step + 1) % config.eval_every == 0 and not last:

@@ -87,6 +87,9 @@ def combined_rewards(
         values = np.asarray(fn(list(prompts), list(completions), **fields), np.float32)
         if values.shape != (n,):
             raise ValueError(f"reward {name!r} returned shape {values.shape}, expected ({n},)")
+        if not np.isfinite(values).all():
+            i = int(np.flatnonzero(~np.isfinite(values))[0])
+            raise ValueError(f"reward {name!r} returned {values[i]} for completion {i}")
         per_reward[name] = values
         total += np.float32(weight) * values
     return total, per_reward

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from launch.build import load_run
+from launch.build import build, load_run
 from launch.cli import config_json, parse_args
 from launch.train import FLAGS, main
 from rl.checkpoint import fingerprint
@@ -70,6 +72,26 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path, capsys
     assert main(EIGHT + ["--config.num_steps=2", "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
     assert "config.num_steps=2 is below step 4 of the checkpoint" in err
+
+
+def test_a_non_finite_step_stops_the_run_without_saving_it(tmp_path, capsys, monkeypatch):
+    """A reference with NaN weights makes the KL, the loss and the gradient NaN at step 1: the
+    run stops with one line and exit code 3, and no checkpoint holds the NaN parameters."""
+    import launch.train as train_module
+
+    def nan_reference(config):
+        run = build(config)
+        run.ref_params = jax.tree.map(lambda x: x * jnp.nan, run.ref_params)
+        return run
+
+    monkeypatch.setattr(train_module, "build", nan_reference)
+    workdir = tmp_path / "run"
+    args = EIGHT + ["--config.rl.kl_coef=0.04", "--config.data.prompts_per_step=2",
+                    "--config.data.eval.num=8", "--config.eval.pass_k=0", f"--workdir={workdir}"]  # fmt: skip
+    assert main(args) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: step 1: loss, grad_norm not finite; stopped without saving")
+    assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")
 
 
 TINY = [

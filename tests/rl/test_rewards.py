@@ -147,3 +147,6 @@ def test_combined_weights(monkeypatch):
     with pytest.raises(ValueError, match="returned shape"):
         monkeypatch.setitem(rewards.REWARDS, "bad", lambda prompts, completions, **_: [1.0])
         combined_rewards({"bad": 1.0}, prompts, completions, {})
+    monkeypatch.setitem(rewards.REWARDS, "nan", lambda prompts, completions, **_: [1.0, np.nan])
+    with pytest.raises(ValueError, match="reward 'nan' returned nan for completion 1"):
+        combined_rewards({"nan": 1.0}, prompts, completions, {})
