@@ -15,12 +15,18 @@ sums them.
 Rewards see text, not token ids: the tokenizer's decode is the one place ids become text, and a
 reward written against text works for every tokenizer. Completions are expected cut at their
 length (EOS and padding removed) before they get here.
+
+A reward that raises, or (with `timeout_s`) runs past its time budget, scores 0 for the completions
+of that call and is counted in `{name}_failed`; training goes on. Mistakes in the config or the
+reward's own output (unknown name, missing data field, wrong shape, NaN/inf) still raise.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
@@ -56,18 +62,84 @@ def _required_fields(fn: RewardFn) -> list[str]:
     ]
 
 
+class RewardTimeout(Exception):
+    """A reward call that had not returned within `combined_rewards`' `timeout_s`."""
+
+
+_WARNED: set[str] = set()  # reward names whose failure has been reported already
+_WARNED_LOCK = threading.Lock()  # rewards are scored on several rollout worker threads at once
+
+
+def _warn_failure_once(name: str, error: Exception) -> None:
+    with _WARNED_LOCK:
+        if name in _WARNED:
+            return
+        _WARNED.add(name)
+    warnings.warn(
+        f"reward {name!r} failed ({type(error).__name__}: {error}); its completions score 0 and "
+        f"are counted in reward/{name}_failed. Further failures of {name!r} are not reported.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _call_with_timeout(fn: RewardFn, name: str, timeout_s: float, args, kwargs):
+    """fn(*args, **kwargs) on a daemon thread; RewardTimeout if it has not returned in timeout_s.
+
+    Python cannot kill a thread: a call that times out is abandoned and runs on in the background
+    until it returns by itself (its result is dropped), holding whatever it holds; being a daemon
+    thread it does not keep the process alive at exit. Rewards that may hang for good or eat memory
+    must bound themselves: the sandboxed `python_tests` reward runs the code in a child process
+    with its own time and memory limits.
+    """
+    out: dict = {}
+    done = threading.Event()
+
+    def target():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller, which decides
+            out["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"reward-{name}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RewardTimeout(f"no result within timeout_s={timeout_s:g} s (the call is abandoned)")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def combined_rewards(
     names_and_weights: Mapping[str, float],
     prompts: Sequence[str],
     completions: Sequence[str],
     fields: Mapping[str, Sequence] | None = None,
+    *,
+    timeout_s: float | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(total f32[N], {name: unweighted f32[N]}): the weighted sum of the named rewards.
 
-    The per-reward values are returned unweighted so they can be logged on their own scale.
+    The per-reward values are returned unweighted so they can be logged on their own scale. Next
+    to each reward `name` the dict holds `f"{name}_failed"`, f32[N] with 1.0 for the completions of
+    a call that raised (or timed out): those score 0 in `name` and in the total, a warning names the
+    reward and the error once per process, and training goes on. The `_failed` entries are always
+    present (0.0 when all went well), so every group has the same keys and the logged mean
+    `reward/{name}_failed` is the failure rate.
+
+    `timeout_s`: None calls each reward directly in this thread. A number runs each reward call on
+    a daemon worker thread and treats a call that has not returned after `timeout_s` seconds as
+    failed; the thread cannot be killed and is abandoned (see `_call_with_timeout`).
+
+    Config and programming errors still raise: no rewards, an unknown name (KeyError), a data
+    field the reward needs but the records lack, a result of the wrong shape or a non-finite value
+    (ValueError naming the reward).
     """
     if not names_and_weights:
         raise ValueError(f"no rewards configured; known rewards: {sorted(REWARDS)}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"reward timeout_s must be > 0 seconds or None, got {timeout_s!r}")
     fields = dict(fields or {})
     n = len(completions)
     if len(prompts) != n:
@@ -75,22 +147,40 @@ def combined_rewards(
     for k, v in fields.items():
         if len(v) != n:
             raise ValueError(f"field {k!r} has {len(v)} values for {n} completions")
-    total = np.zeros(n, np.float32)
-    per_reward = {}
-    for name, weight in names_and_weights.items():
-        fn = get_reward(name)
+    fns = {name: get_reward(name) for name in names_and_weights}  # every name checked first
+    for name, fn in fns.items():
         missing = [f for f in _required_fields(fn) if f not in fields]
         if missing:
             raise ValueError(
                 f"reward {name!r} needs data fields {missing}; the records have {sorted(fields)}"
             )
-        values = np.asarray(fn(list(prompts), list(completions), **fields), np.float32)
-        if values.shape != (n,):
-            raise ValueError(f"reward {name!r} returned shape {values.shape}, expected ({n},)")
-        if not np.isfinite(values).all():
-            i = int(np.flatnonzero(~np.isfinite(values))[0])
-            raise ValueError(f"reward {name!r} returned {values[i]} for completion {i}")
+        if f"{name}_failed" in fns:
+            raise ValueError(f"reward names {name!r} and '{name}_failed' collide in the metrics")
+    total = np.zeros(n, np.float32)
+    per_reward = {}
+    for name, weight in names_and_weights.items():
+        args, kwargs = (list(prompts), list(completions)), fields
+        try:
+            if timeout_s is None:
+                raw = fns[name](*args, **kwargs)
+            else:
+                raw = _call_with_timeout(fns[name], name, timeout_s, args, kwargs)
+        except Exception as e:  # a failing reward must not stop training
+            _warn_failure_once(name, e)
+            values, failed = np.zeros(n, np.float32), np.ones(n, np.float32)
+        else:
+            try:
+                values = np.asarray(raw, np.float32)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"reward {name!r} returned {type(raw).__name__}: {e}") from e
+            if values.shape != (n,):
+                raise ValueError(f"reward {name!r} returned shape {values.shape}, expected ({n},)")
+            if not np.isfinite(values).all():
+                i = int(np.flatnonzero(~np.isfinite(values))[0])
+                raise ValueError(f"reward {name!r} returned {values[i]} for completion {i}")
+            failed = np.zeros(n, np.float32)
         per_reward[name] = values
+        per_reward[f"{name}_failed"] = failed
         total += np.float32(weight) * values
     return total, per_reward
 
@@ -195,3 +285,64 @@ def gsm8k_answer(prompts, completions, *, answer, **_):
             )
         out.append(float(extract_gsm8k_number(completion) == gold))
     return out
+
+
+# MATH-style answers: the library `math-verify` parses LaTeX / plain expressions into sympy and
+# compares them by value ("\\frac{1}{2}" = "0.5" = "1/2", "x^2+1" = "1+x^2", "10\\%" = "0.1").
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced, or None.
+
+    None when there is none, or when the last one is never closed (a completion cut at its length):
+    an earlier box is not the final answer.
+    """
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth = 1
+    for i in range(starts[-1], len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[starts[-1] : i]
+    return None
+
+
+@register_reward("math_verify")
+def math_verify_reward(prompts, completions, *, answer, **_):
+    """1 if the completion's last `\\boxed{}` answer equals the gold answer by math-verify, else 0.
+
+    Gold may be a bare number ("0.5"), a LaTeX expression ("\\frac{1}{2}") or a solution text with
+    a `\\boxed{}` answer (its last one is used). A completion whose last `\\boxed{}` is missing,
+    unclosed or empty scores 0. math-verify's own timeouts use SIGALRM, which only works in the main thread, and rewards run
+    on worker threads, so they are off (`parsing_timeout=None`, `timeout_seconds=None`); bound a
+    reward's time with `combined_rewards(timeout_s=...)` (config `rl.reward_timeout_s`). An empty
+    gold answer raises ValueError naming the item (counted as a failure by `combined_rewards`).
+    """
+    from math_verify import parse, verify  # lazy: sympy and the LaTeX parser are slow to import
+
+    def parsed(content: str):
+        return parse(f"\\boxed{{{content}}}", parsing_timeout=None)
+
+    out = []
+    for i, (completion, gold_text) in enumerate(zip(completions, answer)):
+        gold_text = str(gold_text)
+        gold_content = last_boxed(gold_text)
+        gold = parsed(gold_text.strip() if gold_content is None else gold_content)
+        if not gold:
+            raise ValueError(
+                f"math_verify: no answer in the answer field of item {i}: {gold_text!r}"
+            )
+        content = last_boxed(completion)
+        if content is None or not content.strip():
+            out.append(0.0)
+            continue
+        pred = parsed(content)
+        out.append(float(bool(pred) and verify(gold, pred, timeout_seconds=None)))
+    return out
+
+
+# TODO(lead): uncomment once rl/code_rewards.py exists. It registers `python_tests` and imports
+# register_reward from this module; with this import last, either module may be imported first.
+# from rl import code_rewards  # noqa: E402,F401  (registers python_tests)

@@ -62,7 +62,10 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
     g = len(completions)
     texts = [tokenizer.decode(c.tokens) for c in completions]
     prompts, fields = reward_inputs([record], g, prompt_field)
-    total, parts = combined_rewards(dict(rl_cfg.rewards), prompts, texts, fields)
+    total, parts = combined_rewards(
+        dict(rl_cfg.rewards), prompts, texts, fields,
+        timeout_s=getattr(rl_cfg, "reward_timeout_s", None),
+    )  # fmt: skip
     if rl_cfg.overlong_buffer:
         lengths = np.array([c.length for c in completions])
         penalty = overlong_penalty(

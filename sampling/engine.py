@@ -62,7 +62,7 @@ from sampling.page_allocator import (
     group_pages,
 )
 from sampling.paged_attention import resolve_backend
-from sampling.requests import Completion, EngineConfig, Prefix, check_prompt, check_requests
+from sampling.requests import EngineConfig, Parked, Prefix, check_prompt
 from sampling.state import DecodeState, host_values, state_shardings
 
 MAX_PREFILL_BATCH = 16  # prompts per prefill call
@@ -113,6 +113,8 @@ class Engine:
         self._cap: dict[int, int] = {}
         self._len: dict[int, int] = {}
         self._epoch = object()  # Prefixes made before the last reset are stale
+        self._parked: list[Parked] = []  # sequences between turns: pages kept, no slot
+        self.prefill_tokens = 0  # tokens computed by prefill (prompts and resumed turns)
 
     def _zeros(self) -> DecodeState:
         e = self.ecfg
@@ -167,22 +169,29 @@ class Engine:
             raise
         return state, prefixes
 
-    def _prefill_pages(self, params, state, prompts, prefixes) -> DecodeState:
+    def _prefill_pages(self, params, state, prompts, prefixes, extend=None) -> DecodeState:
+        """Caches prompt[:-1] of each prompt into its prefix's pages; with `extend` (resume),
+        caches extend[j][:-1] after the cached_len tokens parked sequence j already holds."""
         e = self.ecfg
-        todo = [(p, x) for p, x in zip(prompts, prefixes) if x.cached_len]
+        rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
+        todo = [(t, x) for t, x in zip(rows_in, prefixes) if t]
         for c in range(0, len(todo), MAX_PREFILL_BATCH):
             chunk = todo[c : c + MAX_PREFILL_BATCH]
             rows = 1 << (len(chunk) - 1).bit_length()
-            tokens = np.zeros((rows, _bucket(max(x.cached_len for _, x in chunk))), np.int32)
+            tokens = np.zeros((rows, _bucket(max(len(t) for t, _ in chunk))), np.int32)
             lengths = np.zeros((rows,), np.int32)
+            starts = np.zeros((rows,), np.int32)
             page_rows = np.zeros((rows, e.pages_per_seq), np.int32)
-            for r, (prompt, x) in enumerate(chunk):
-                tokens[r, : x.cached_len] = prompt[:-1]
-                lengths[r] = x.cached_len
+            for r, (toks, x) in enumerate(chunk):
+                tokens[r, : len(toks)] = toks
+                lengths[r] = len(toks)
+                starts[r] = 0 if extend is None else x.cached_len
                 page_rows[r, : len(x.pages)] = x.pages
+            self.prefill_tokens += int(lengths.sum())
             state = steps.prefill(
-                self.graphdef, params, state, tokens, lengths, page_rows, self.layout
-            )
+                self.graphdef, params, state, tokens, lengths, page_rows, self.layout,
+                None if extend is None else starts,
+            )  # fmt: skip
         return state
 
     def _check_slots(self, slots, unique: bool = True) -> list[int]:
@@ -195,11 +204,14 @@ class Engine:
             raise ValueError(f"slot(s) {dup} given more than once")
         return slots
 
-    def bulk_insert(self, state, prefix: Prefix, slots, request_id: int, max_new: int):
+    def bulk_insert(
+        self, state, prefix: Prefix, slots, request_id: int, max_new: int, reserve: int = 0
+    ):
         """Puts one prefix into len(slots) = G idle slots sharing its full pages, and consumes
-        the prefix (its page references pass to the slots). A consumed or stale prefix, slots
-        out of range, repeated or busy, or a bad max_new raise ValueError before anything
-        changes."""
+        the prefix (its page references pass to the slots). Each slot may cache up to
+        max(max_new, reserve) tokens after the prompt (a multi-turn episode reserves its whole
+        budget). A consumed or stale prefix, slots out of range, repeated or busy, or a bad
+        max_new raise ValueError before anything changes."""
         e = self.ecfg
         slots = self._check_slots(slots)
         g = len(slots)
@@ -227,7 +239,7 @@ class Engine:
             self._len[s] = prefix.cached_len
             # Decode step j caches the token it is fed at position cached_len + j, j < max_new
             # (the last sampled token is never cached, but the last prompt token is).
-            self._cap[s] = prefix.cached_len + max_new
+            self._cap[s] = prefix.cached_len + max(max_new, reserve)
         slots_arr = np.asarray(slots, np.int32)
         aligned = (
             g == self.group > 1
@@ -236,8 +248,9 @@ class Engine:
         )
         shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
         return steps.insert(
-            state, slots_arr, np.int32(prefix.cached_len), np.int32(prefix.last_token),
-            np.int32(request_id), np.int32(max_new), np.int32(shared), src, dst, self.layout,
+            state, slots_arr, np.arange(g, dtype=np.int32), np.int32(prefix.cached_len),
+            np.int32(prefix.last_token), np.int32(request_id), np.int32(max_new),
+            np.int32(shared), src, dst, self.layout,
         )  # fmt: skip
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -322,7 +335,71 @@ class Engine:
         return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
     def _reserved(self) -> int:
-        return sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
+        """Pages promised to busy slots and parked episodes but not yet allocated."""
+        busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
+        return busy + sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked)
+
+    def park(self, state, slots, last_tokens) -> tuple[DecodeState, list[Parked]]:
+        """Frees the slots of sequences whose turn ended but keep their pages, KV and page
+        reservation (a multi-turn episode waiting for its tool). `last_tokens[j]`: the last
+        token slot j sampled (not cached; `resume` feeds it). Returns a `Parked` per slot."""
+        slots = self._check_slots(slots)
+        rid, sid = host_values((state.request_id, state.sample_id))
+        parked = []
+        for s, last in zip(slots, last_tokens):
+            if s not in self._cap:
+                raise ValueError(f"slot {s} is idle: nothing to park")
+            p = Parked(self.table.clear_row(s), self._len.pop(s), int(last), self._cap.pop(s),
+                       int(rid[s]), int(sid[s]), self._epoch)  # fmt: skip
+            self.free_slots.append(s)
+            self._parked.append(p)
+            parked.append(p)
+        return steps.release(state, np.asarray(slots, np.int32), self.layout), parked
+
+    def drop(self, parked: Parked) -> None:
+        """Returns a parked sequence's pages to the pool (its episode ended)."""
+        if parked in self._parked:
+            self._parked.remove(parked)
+            self.allocator.free(parked.pages)
+
+    def resume(self, params, state, items) -> DecodeState:
+        """Continues parked sequences: items are (parked, new_tokens, slot, max_new). The
+        parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after
+        its cached history (one batched call), and new_tokens[-1] is fed by the next decode
+        step; only these tokens are computed, never the history. The slots must be idle."""
+        slots = self._check_slots([it[2] for it in items])
+        busy = [s for s in slots if s in self._cap]
+        if busy:
+            raise ValueError(f"slot(s) {busy} busy: free_resource them first")
+        for p, new, _, max_new in items:
+            if p not in self._parked or p.epoch is not self._epoch:
+                raise ValueError("not a parked sequence of this engine (resumed or dropped?)")
+            if p.cached_len + len(new) + max_new > p.cap or max_new < 1:
+                raise ValueError(
+                    f"{len(new)} new tokens + max_new={max_new} exceed the sequence's reserved "
+                    f"{p.cap - p.cached_len} tokens after {p.cached_len} cached"
+                )
+        seqs = [[p.last_token, *new] for p, new, _, _ in items]
+        for (p, *_), seq in zip(items, seqs):  # within the reservation: cannot run out
+            p.pages = p.pages + self.allocator.alloc(
+                self._pages_for(p.cached_len + len(seq) - 1) - len(p.pages)
+            )
+        state = self._prefill_pages(
+            params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
+        )
+        for (p, _, s, max_new), seq in zip(items, seqs):
+            self._parked.remove(p)
+            self.free_slots.remove(s)
+            self.table.set_row(s, p.pages)
+            self._len[s] = p.cached_len + len(seq) - 1
+            self._cap[s] = p.cap
+            state = steps.insert(
+                state, np.array([s], np.int32), np.array([p.sample_id], np.int32),
+                np.int32(self._len[s]), np.int32(seq[-1]), np.int32(p.request_id),
+                np.int32(max_new), np.int32(0), np.zeros(0, np.int32), np.zeros(0, np.int32),
+                self.layout,
+            )  # fmt: skip
+        return state
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
@@ -335,66 +412,11 @@ class Engine:
         sequence finishes (progress bars; scoring finished groups while decoding goes on).
 
         `state` is donated: use the returned one. After an exception (arguments are checked
-        first) the host side is cleaned up; start again from `init_state()`."""
-        e, g = self.ecfg, num_samples
-        max_new, ids, need = check_requests(e, prompts, g, max_new_tokens, request_ids)
-        if not self._len:  # no busy slot: the block size can change
-            self.group = g if g > 1 and e.num_slots % g == 0 else 1
-        root = jax.random.key(seed)
-        results: list[list[Completion | None]] = [[None] * g for _ in prompts]
-        owner: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
-        mine: set[int] = set()  # every slot this call inserted into
-        prefixes: list[Prefix] = []  # of the last prefill
-        pending = list(range(len(prompts)))
-        try:
-            while pending or owner:
-                # Admit what fits (slots, and worst-case pages counted together), prefill it in
-                # batches, then put each prompt into its G slots.
-                admit, need_total = [], 0
-                free_pages = self.allocator.num_free - self._reserved()
-                while pending and len(self.free_slots) - g * len(admit) >= g:
-                    if need_total + need[pending[0]] > free_pages:
-                        break
-                    need_total += need[pending[0]]
-                    admit.append(pending.pop(0))
-                if pending and not admit and not owner:  # nothing of ours will free anything
-                    raise ValueError(
-                        f"request {pending[0]} needs {g} slots and {need[pending[0]]} KV pages; "
-                        f"{len(self.free_slots)} slots and {free_pages} pages are free, the rest "
-                        "is held by slots or prefixes from outside this call"
-                    )
-                if admit:
-                    state, prefixes = self.prefill_many(params, state, [prompts[i] for i in admit])
-                    for i, prefix in zip(admit, prefixes):
-                        slots = self._take_slots(g)
-                        state = self.bulk_insert(state, prefix, slots, ids[i], max_new[i])
-                        mine.update(slots)
-                        owner.update({s: (i, k) for k, s in enumerate(slots)})
-                state = self.generate(params, state, root)
-                active, n, stopped, toks, lps = host_values(
-                    (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
-                )
-                done = [s for s in owner if not active[s]]
-                finished = [owner.pop(s) for s in done]
-                for s, (i, k) in zip(done, finished):
-                    m = int(n[s])
-                    results[i][k] = Completion(
-                        tokens=toks[s, :m].tolist(),
-                        logprobs=lps[s, :m].tolist(),
-                        finish_reason="stop" if stopped[s] else "length",
-                        length=m,
-                    )
-                if done:
-                    state = self.free_slots_of(state, done)
-                if on_finish is not None:
-                    for i, k in finished:
-                        on_finish(i, k, results[i][k])
-        except BaseException:
-            for s in mine & self._cap.keys():
-                self._free_host(s)
-            for x in prefixes:
-                if not x.consumed and x.epoch is self._epoch:
-                    self.allocator.free(x.pages)
-                    x.consumed = True
-            raise
-        return state, results
+        first) the host side is cleaned up; start again from `init_state()`. This is
+        `sampling.episodes.generate_episodes` with single-turn episodes."""
+        from sampling.episodes import generate_episodes
+
+        return generate_episodes(
+            self, params, state, prompts, num_samples, max_new_tokens, seed=seed,
+            request_ids=request_ids, on_finish=on_finish,
+        )  # fmt: skip

@@ -67,12 +67,32 @@ class Prefix:
     epoch: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
+@dataclasses.dataclass(eq=False)
+class Parked:
+    """A sequence between two turns of an episode (`Engine.park`): no slot, its pages (KV of
+    cached_len tokens) and its reservation up to `cap` cached tokens kept."""
+
+    pages: list[int]
+    cached_len: int
+    last_token: int  # sampled last, not cached yet
+    cap: int
+    request_id: int
+    sample_id: int
+    epoch: object = dataclasses.field(default=None, repr=False)
+
+
 @dataclasses.dataclass
 class Completion:
+    """A finished sample: every token after the prompt. For a multi-turn episode that is the
+    model's turns and the observations between them (`observation[t]` True), in order;
+    observation tokens have log-prob 0."""
+
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     length: int
+    turns: int = 1
+    observation: list[bool] | None = None  # None: every token is the model's
 
 
 def check_prompt(ecfg: EngineConfig, prompt) -> None:

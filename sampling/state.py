@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, logical_to_spec
-from sampling.paged_attention import paged_attention, write_kv
+from sampling.paged_attention import gather_kv, paged_attention, write_kv
 
 
 @struct.dataclass
@@ -115,18 +115,31 @@ def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
 @struct.dataclass
 class PagedPrefill:
     """Prefill hook for tokens [B,T]: B prompts (the engine batches up to MAX_PREFILL_BATCH),
-    right-padded by `valid`."""
+    right-padded by `valid`. With `starts`, row b's tokens go to positions starts[b] + t after
+    its cached history, and attend to that history too (a multi-turn episode's observation)."""
 
     k_pages: jax.Array  # [L,K,P,page_size,H]
     v_pages: jax.Array
     page_indices: jax.Array  # int32 [B,pages_per_seq]
     valid: jax.Array  # bool [B,T]
+    starts: jax.Array | None = None  # int32 [B] cached tokens before row b's first token
 
     def attend(self, layer, q, k, v):
         t = self.valid.shape[1]
-        positions = jnp.where(self.valid, jnp.arange(t)[None], -1)  # padding -> null page
+        positions = jnp.arange(t)[None] + (0 if self.starts is None else self.starts[:, None])
+        positions = jnp.where(self.valid, positions, -1)  # padding -> null page
         kp, vp = write_kv(self.k_pages, self.v_pages, k, v, self.page_indices, positions, layer)
-        out = dense_attention(q, k, v, causal_mask(self.valid))
+        if self.starts is None:  # a fresh prompt attends to itself only
+            return dense_attention(q, k, v, causal_mask(self.valid)), self.replace(
+                k_pages=kp, v_pages=vp
+            )
+        # History + new tokens, read back from the pages just written: query t (at position
+        # starts + t) sees cache positions <= starts + t.
+        keys = gather_kv(kp[layer], self.page_indices)  # [B,S,K,H]
+        values = gather_kv(vp[layer], self.page_indices)
+        s = keys.shape[1]
+        mask = (jnp.arange(s)[None, None] <= positions[:, :, None]) & self.valid[:, :, None]
+        out = dense_attention(q, keys, values, mask)  # [B,T,N,H]
         return out, self.replace(k_pages=kp, v_pages=vp)
 
 

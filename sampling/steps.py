@@ -27,27 +27,31 @@ def _constrain(state: DecodeState, layout) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def prefill(graphdef, params, state, tokens, lengths, page_rows, layout):
+def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=None):
     """tokens int32[n,T] (n and T buckets), lengths int32[n] real tokens per row (0: padding),
-    page_rows int32[n,pages_per_seq]."""
+    page_rows int32[n,pages_per_seq]. starts int32[n]: the cache position of each row's first
+    token, whose earlier positions are already cached and attended to (a multi-turn episode's
+    next observation); None: fresh prompts from position 0."""
     model = nnx.merge(graphdef, params)
     n, t = tokens.shape
     valid = jnp.arange(t)[None] < lengths[:, None]  # [n,T]
-    hook = PagedPrefill(state.k_pages, state.v_pages, page_rows, valid)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    hook = PagedPrefill(state.k_pages, state.v_pages, page_rows, valid, starts)
+    positions = jnp.arange(t, dtype=jnp.int32)[None] + (0 if starts is None else starts[:, None])
+    positions = jnp.broadcast_to(positions, (n, t))
     _, hook = model.hidden(tokens, positions, valid, hook)
     return _constrain(state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages), layout)
 
 
-@functools.partial(jax.jit, static_argnums=9, donate_argnums=0)
+@functools.partial(jax.jit, static_argnums=10, donate_argnums=0)
 def insert(
-    state, slots, cached_len, last_token, request_id, max_new, shared, copy_src, copy_dst, layout
-):
-    """Resets slots int32[G] for one request; copies pages copy_src -> copy_dst int32[G-1]."""
+    state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
+    copy_dst, layout,
+):  # fmt: skip
+    """Resets slots int32[G] for one request (samples sample_ids int32[G]); copies pages
+    copy_src -> copy_dst int32[G-1]."""
     # Unused copy entries are (0, 0): the null page copied onto itself.
     k = state.k_pages.at[:, :, copy_dst].set(state.k_pages[:, :, copy_src])
     v = state.v_pages.at[:, :, copy_dst].set(state.v_pages[:, :, copy_src])
-    g = slots.shape[0]
     state = state.replace(
         k_pages=k,
         v_pages=v,
@@ -57,7 +61,7 @@ def insert(
         num_generated=state.num_generated.at[slots].set(0),
         max_new=state.max_new.at[slots].set(max_new),
         request_id=state.request_id.at[slots].set(request_id),
-        sample_id=state.sample_id.at[slots].set(jnp.arange(g, dtype=jnp.int32)),
+        sample_id=state.sample_id.at[slots].set(sample_ids),
         shared_len=state.shared_len.at[slots].set(shared),
         stopped=state.stopped.at[slots].set(False),
         tokens=state.tokens.at[slots].set(0),
@@ -84,8 +88,8 @@ def generate(
     rows = jnp.arange(state.lengths.shape[0])
     m = state.tokens.shape[1]
 
-    def key_of(req, g, n):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), n)
+    def key_of(req, g, pos):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), pos)
 
     def step(_, s: DecodeState):
         hook = PagedDecode(
@@ -98,7 +102,8 @@ def generate(
         if sampling.temperature == 0:
             tok = jnp.argmax(lp, axis=-1).astype(jnp.int32)
         else:
-            keys = jax.vmap(key_of)(s.request_id, s.sample_id, s.num_generated)
+            # Keyed by the cache position of the fed token: unique over an episode's turns.
+            keys = jax.vmap(key_of)(s.request_id, s.sample_id, s.lengths)
             tok = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
         tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
         a = s.active

@@ -1,4 +1,7 @@
-"""Reward registry and the built-in arithmetic / GSM8K rewards on hand-written completions."""
+"""Reward registry, failure / timeout handling, and the built-in rewards on hand-written completions."""
+
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -150,3 +153,118 @@ def test_combined_weights(monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "nan", lambda prompts, completions, **_: [1.0, np.nan])
     with pytest.raises(ValueError, match="reward 'nan' returned nan for completion 1"):
         combined_rewards({"nan": 1.0}, prompts, completions, {})
+
+
+def _raising(prompts, completions, **_):
+    raise RuntimeError("grader crashed")
+
+
+def test_raising_reward_scores_zero_and_is_counted(monkeypatch):
+    monkeypatch.setitem(rewards.REWARDS, "raising_test", _raising)
+    monkeypatch.setattr(rewards, "_WARNED", set())
+    prompts, completions, fields = ["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "5"]}
+    with pytest.warns(
+        RuntimeWarning, match="'raising_test' failed \\(RuntimeError: grader crashed"
+    ):
+        total, per = combined_rewards(
+            {"arithmetic_exact": 1.0, "raising_test": 2.0}, prompts, completions, fields
+        )
+    np.testing.assert_array_equal(total, [1.0, 0.0])  # the other reward is unaffected
+    np.testing.assert_array_equal(per["arithmetic_exact"], [1.0, 0.0])
+    np.testing.assert_array_equal(per["arithmetic_exact_failed"], [0.0, 0.0])
+    np.testing.assert_array_equal(per["raising_test"], [0.0, 0.0])
+    np.testing.assert_array_equal(per["raising_test_failed"], [1.0, 1.0])
+    assert all(v.dtype == np.float32 for v in per.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second failure is counted, not reported again
+        _, per = combined_rewards({"raising_test": 1.0}, prompts, completions, fields)
+    np.testing.assert_array_equal(per["raising_test_failed"], [1.0, 1.0])
+
+
+def test_config_mistakes_still_raise(monkeypatch):
+    monkeypatch.setitem(rewards.REWARDS, "raising_test", _raising)
+    with pytest.raises(KeyError, match="unknown reward 'nope'"):  # before any reward is called
+        combined_rewards({"raising_test": 1.0, "nope": 1.0}, ["p"], ["c"], {})
+    with pytest.raises(ValueError, match="needs data fields"):
+        combined_rewards({"raising_test": 1.0, "arithmetic_exact": 1.0}, ["p"], ["c"], {})
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        combined_rewards({"arithmetic_exact": 1.0}, ["p"], ["c"], {"answer": ["1"]}, timeout_s=0)
+    monkeypatch.setitem(rewards.REWARDS, "none_test", lambda prompts, completions, **_: None)
+    with pytest.raises(ValueError, match="reward 'none_test' returned shape"):
+        combined_rewards({"none_test": 1.0}, ["p"], ["c"], {})
+
+
+def test_reward_timeout(monkeypatch):
+    def slow(prompts, completions, **_):
+        time.sleep(1.0)
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(rewards.REWARDS, "slow_test", slow)
+    monkeypatch.setattr(rewards, "_WARNED", set())
+    fields = {"answer": ["2", "4"]}
+    start = time.monotonic()
+    with pytest.warns(
+        RuntimeWarning, match="'slow_test' failed \\(RewardTimeout: no result within"
+    ):
+        total, per = combined_rewards(
+            {"arithmetic_exact": 1.0, "slow_test": 1.0}, ["", ""], ["2", "4"], fields, timeout_s=0.2
+        )
+    assert time.monotonic() - start < 0.9  # the slow call was abandoned, not waited for
+    np.testing.assert_array_equal(total, [1.0, 1.0])
+    np.testing.assert_array_equal(per["slow_test"], [0.0, 0.0])
+    np.testing.assert_array_equal(per["slow_test_failed"], [1.0, 1.0])
+    np.testing.assert_array_equal(per["arithmetic_exact_failed"], [0.0, 0.0])
+    # Within the budget a reward's result, and its errors, come back from the worker thread.
+    total, per = combined_rewards(
+        {"arithmetic_exact": 1.0}, [""], ["2"], {"answer": ["2"]}, timeout_s=5
+    )
+    np.testing.assert_array_equal(total, [1.0])
+    monkeypatch.setitem(rewards.REWARDS, "nan", lambda prompts, completions, **_: [np.nan])
+    with pytest.raises(ValueError, match="reward 'nan' returned nan for completion 0"):
+        combined_rewards({"nan": 1.0}, [""], ["2"], {}, timeout_s=5)
+    monkeypatch.setitem(rewards.REWARDS, "raising_test", _raising)
+    with pytest.warns(RuntimeWarning, match="RuntimeError: grader crashed"):
+        _, per = combined_rewards({"raising_test": 1.0}, [""], ["2"], {}, timeout_s=5)
+    np.testing.assert_array_equal(per["raising_test_failed"], [1.0])
+
+
+@pytest.mark.parametrize(
+    "completion, gold, reward",
+    [
+        (r"so the answer is \boxed{1/2}", "0.5", 1.0),
+        (r"\boxed{\frac{1}{2}}", "1/2", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),  # gold as a LaTeX expression
+        (r"\boxed{3}", r"so $x = 3$, hence \boxed{3}.", 1.0),  # gold's last \boxed{}
+        (r"\boxed{3}", r"\boxed{3}", 1.0),
+        (r"\boxed{1 + x^2}", "x^2+1", 1.0),
+        (r"\boxed{\frac{1}{3}}", "1/2", 0.0),  # wrong
+        (r"first \boxed{2}, no: \boxed{3}", "2", 0.0),  # the last box is the answer
+        ("the answer is 1/2", "1/2", 0.0),  # no \boxed{}
+        (r"so \boxed{\frac{1}{2", "1/2", 0.0),  # cut before the box closed
+        (r"\boxed{}", "1/2", 0.0),
+    ],
+)
+def test_math_verify(completion, gold, reward):
+    assert _score("math_verify", [completion], [gold]) == [reward]
+
+
+def test_math_verify_on_a_worker_thread():
+    # math-verify's default timeouts use SIGALRM and fail off the main thread; ours are off.
+    total, per = combined_rewards(
+        {"math_verify": 1.0}, ["", ""], [r"\boxed{1/2}", r"\boxed{2}"], {"answer": ["0.5", "3"]},
+        timeout_s=30,
+    )  # fmt: skip
+    np.testing.assert_array_equal(total, [1.0, 0.0])
+    np.testing.assert_array_equal(per["math_verify_failed"], [0.0, 0.0])
+
+
+def test_math_verify_empty_gold():
+    with pytest.raises(ValueError, match="no answer in the answer field of item 1"):
+        _score("math_verify", [r"\boxed{1}", r"\boxed{1}"], ["1", ""])
+
+
+def test_last_boxed():
+    assert rewards.last_boxed(r"a \boxed{\frac{1}{2}} b \fbox{x^{2}}") == "x^{2}"
+    assert rewards.last_boxed(r"\boxed {3}") == "3"
+    assert rewards.last_boxed("no box") is None
+    assert rewards.last_boxed(r"\boxed{1} \boxed{2") is None

@@ -9,7 +9,7 @@ from launch.build import build
 from launch.cli import parse_args
 from rl.data import make_prompt_iterator
 from rl.rollout import Group, build_batch
-from sampling.engine import Completion
+from sampling.requests import Completion
 
 PAD = 0
 
