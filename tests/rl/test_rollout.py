@@ -73,7 +73,7 @@ def test_kl_in_reward_and_mask_truncated():
         "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
         "--config.sampling.num_slots=8", "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1",
         f"--config.rl.kl_coef={beta}", "--config.data.eval.num=1", "--config.rl.mask_truncated=True",
-        "--config.sampling.max_new_tokens=3",
+        "--config.sampling.max_new_tokens=3", "--config.seed=1",
     ]  # fmt: skip
     config = parse_args(args, {})[0]
     run = build(config)
