@@ -106,6 +106,7 @@ def get_config():
     c.rl.mask_truncated = False  # DAPO: truncated completions get no loss
     c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups and sample more
     c.rl.dynamic_sampling_max_tries = 3  # sampling rounds per step at most
+    c.rl.reward_timeout_s = 60.0  # a reward call running longer scores 0 (counted); 0 = no limit
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 2e-4  # peak AdamW learning rate
@@ -133,6 +134,16 @@ def get_config():
     c.sampling.backend = "auto"  # auto: the fastest that lowers for this platform, shape and mesh
     c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
+
+    # Multi-turn episodes (rl/envs, README "Tools and multi-turn episodes"): the model's turn ends
+    # on a stop id, the environment answers with observation tokens, decoding resumes.
+    c.env = ml_collections.ConfigDict()
+    c.env.name = ""  # "" = single-turn completions scored by rl.rewards | calculator | code_tests
+    c.env.max_turns = 4  # model turns per episode at most
+    c.env.max_turn_tokens = 0  # model tokens per turn at most (0 = sampling.max_new_tokens)
+    c.env.max_tool_seconds = 30.0  # tool (env.step) wall time per episode before it is ended
+    c.env.tool_workers = 8  # tool calls running in parallel (threads; sandboxed processes)
+    # sampling.max_new_tokens is the episode's budget after the prompt: model + observation tokens.
 
     c.eval = ml_collections.ConfigDict()
     c.eval.pass_k = 4  # pass@k reported with the unbiased estimator ...

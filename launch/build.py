@@ -25,6 +25,7 @@ from models.hf_config import GenerationIds
 from models.sharding import make_mesh, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer
+from rl.envs import Environment, make_env
 from rl.evaluation import evaluate
 from rl.learner import Learner, TrainState, batch_sharding
 from rl.rollout import Rollouts
@@ -44,15 +45,17 @@ class Run:
     ref_params: object  # frozen reference parameters, or None without a KL term
     engines: dict[str, Engine]  # "rollout", "greedy" (held-out accuracy), "eval" (pass@k)
     batch_sharding: NamedSharding  # learner batch rows over the batch mesh axes
+    env: Environment | None = None  # multi-turn episodes (config.env.name), else single-turn
 
     def rollouts(self) -> Rollouts:
         return Rollouts(self.config, self.engines["rollout"], self.tokenizer, self.learner,
-                        self.ref_params, self.batch_sharding, self.ids.pad_id)  # fmt: skip
+                        self.ref_params, self.batch_sharding, self.ids.pad_id, self.env)  # fmt: skip
 
     def evaluate(self, params, records) -> dict:
         """Held-out greedy accuracy and pass@k of params (rl.evaluation)."""
         e, c = self.engines, self.config
-        return evaluate(e["greedy"], e["eval"], params, records, self.tokenizer, c, c.seed)
+        return evaluate(e["greedy"], e["eval"], params, records, self.tokenizer, c, c.seed,
+                        self.env)  # fmt: skip
 
 
 def init_distributed(config) -> None:
@@ -82,7 +85,9 @@ def build(config, with_reference: bool = True) -> Run:
     tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
-    ecfg = engine_config(config, ids.eos_ids)
+    env = make_env(config.env.name, tokenizer, config) if config.env.name else None
+    # A turn also ends on the environment's stop ids (a tool-call close).
+    ecfg = engine_config(config, ids.eos_ids + (env.stop_ids() if env else ()))
     engine = lambda sampling: Engine(model_cfg, graphdef, ecfg, sampling, mesh=mesh, rules=rules)
     engines = {
         "rollout": engine(sampling_params(config)),
@@ -90,7 +95,7 @@ def build(config, with_reference: bool = True) -> Run:
         "eval": engine(SamplingParams(temperature=config.eval.temperature)),
     }
     return Run(config, mesh, model_cfg, ids, tokenizer, learner, learner.init_state(params),
-               ref_params, engines, batch_sharding(mesh, rules))  # fmt: skip
+               ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
 
 
 def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:

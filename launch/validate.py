@@ -130,7 +130,26 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(0 <= c.rl.overlong_buffer <= c.sampling.max_new_tokens, "rl.overlong_buffer",
           c.rl.overlong_buffer, f"must be in [0, sampling.max_new_tokens = "
           f"{c.sampling.max_new_tokens}] (0 = off)")  # fmt: skip
-    for name in list(c.rl.rewards) + [c.eval.reward]:
+    env = c.get("env", {}).get("name", "")
+    if env:
+        from rl.envs import ENVIRONMENTS
+
+        v = c.env
+        _need(env in ENVIRONMENTS, "env.name", env, f"no such environment; registered: "
+              f"{sorted(ENVIRONMENTS)} (\"\" = single-turn)")  # fmt: skip
+        _need(v.max_turns >= 1, "env.max_turns", v.max_turns, "must be >= 1")
+        _need(0 <= v.max_turn_tokens <= c.sampling.max_new_tokens, "env.max_turn_tokens",
+              v.max_turn_tokens, f"must be in [0, sampling.max_new_tokens = "
+              f"{c.sampling.max_new_tokens}] (0 = the whole budget)")  # fmt: skip
+        _need(v.max_tool_seconds > 0, "env.max_tool_seconds", v.max_tool_seconds, "must be > 0")
+        _need(v.tool_workers >= 1, "env.tool_workers", v.tool_workers, "must be >= 1")
+        _need(c.sampling.min_new_tokens == 0, "sampling.min_new_tokens", c.sampling.min_new_tokens,
+              "must be 0 with an environment (a turn may be one token)")  # fmt: skip
+        _need(c.rl.overlong_buffer == 0, "rl.overlong_buffer", c.rl.overlong_buffer,
+              "must be 0 with an environment (the episode's reward is the environment's)")  # fmt: skip
+    _need(c.rl.get("reward_timeout_s", 0) >= 0, "rl.reward_timeout_s",
+          c.rl.get("reward_timeout_s", 0), "must be >= 0 (0 = no limit)")  # fmt: skip
+    for name in ([] if env else list(c.rl.rewards)) + [c.eval.reward] * (not env):
         _need(name in REWARDS, "rl.rewards" if name != c.eval.reward else "eval.reward", name,
               f"no such reward; registered: {sorted(REWARDS)}")  # fmt: skip
     _need(0 <= c.seed < 2**31, "seed", c.seed, "must be in [0, 2**31)")

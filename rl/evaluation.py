@@ -2,7 +2,9 @@
 
 pass@k (Chen et al., 2021) from n >= k samples per prompt of which c are correct:
     pass@k = 1 - C(n - c, k) / C(n, k)
-averaged over prompts. Correctness is a 0/1 reward from `rl.rewards` (>= 0.5 counts as correct).
+averaged over prompts. Correctness is a 0/1 reward from `rl.rewards` (>= 0.5 counts as correct),
+or with an environment (multi-turn episodes) the episode's reward; then the greedy episodes'
+tool-call rate is reported too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from math import comb
 import numpy as np
 
 from rl.data import reward_inputs, tokenize_prompts
+from rl.multiturn import EpisodeSampler
 from rl.rewards import get_reward
+from rl.rollout import env_prompts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,9 +33,35 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
     return (scores >= 0.5).reshape(len(records), group_size)
 
 
-def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed: int):
+def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
+    """(correct bool [R,G], tool-call rate, texts) of G episodes per record."""
+    sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
+    try:
+        prompts = env_prompts(env, records, cfg.sampling.max_prompt_len)
+        ids = range(len(records))
+        _, out = sampler.run(params, engine.init_state(), records, prompts, g, seed, ids)
+        correct = np.stack([fut.result() >= 0.5 for _, _, fut in out])
+    finally:
+        sampler.close()
+    calls = np.mean([ep.tool_calls > 0 for eps, _, _ in out for ep in eps])
+    texts = [tokenizer.decode(c.tokens) for _, cs, _ in out for c in cs]
+    return correct, float(calls), texts
+
+
+def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed: int, env=None):
     """{"accuracy": greedy accuracy, f"pass@{k}": ..., "example": a completion} on the held-out
-    records (config.data.eval), with a greedy engine and a sampling engine."""
+    records (config.data.eval), with a greedy engine and a sampling engine; with `env`, of
+    multi-turn episodes, plus "tool_call_rate" of the greedy ones."""
+    if env is not None:
+        correct, rate, texts = _episodes(env, greedy_engine, params, records, tokenizer, cfg, 1,
+                                         seed)  # fmt: skip
+        out = {"accuracy": float(correct.mean()), "tool_call_rate": rate, "example": texts[0]}
+        n, k = cfg.eval.pass_n, cfg.eval.pass_k
+        if k:
+            correct = _episodes(env, sample_engine, params, records, tokenizer, cfg, n,
+                                seed + 1)[0].sum(axis=1)  # fmt: skip
+            out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+        return out
     prompts = tokenize_prompts(records, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]
     ids = list(range(len(prompts)))

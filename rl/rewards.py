@@ -343,6 +343,6 @@ def math_verify_reward(prompts, completions, *, answer, **_):
     return out
 
 
-# TODO(lead): uncomment once rl/code_rewards.py exists. It registers `python_tests` and imports
-# register_reward from this module; with this import last, either module may be imported first.
-# from rl import code_rewards  # noqa: E402,F401  (registers python_tests)
+# rl/code_rewards.py registers `python_tests` and imports register_reward from this module; with
+# this import last, either module may be imported first.
+from rl import code_rewards  # noqa: E402,F401  (registers python_tests)

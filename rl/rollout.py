@@ -33,6 +33,7 @@ from rl.advantages import compute_advantages
 from rl.data import global_batch, reward_inputs, tokenize_prompts
 from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
+from rl.multiturn import EpisodeSampler, episode_stats
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
 from sampling.state import host_values
@@ -48,6 +49,7 @@ class Group:
     texts: list[str]
     rewards: np.ndarray  # f32 [G] total reward (weighted sum, after shaping; before KL)
     parts: dict[str, np.ndarray]  # reward name -> unweighted f32 [G]
+    episodes: list | None = None  # multi-turn: the G rl.envs.Episode (turns, tool counters)
 
 
 @dataclasses.dataclass
@@ -64,7 +66,7 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
     prompts, fields = reward_inputs([record], g, prompt_field)
     total, parts = combined_rewards(
         dict(rl_cfg.rewards), prompts, texts, fields,
-        timeout_s=getattr(rl_cfg, "reward_timeout_s", None),
+        timeout_s=getattr(rl_cfg, "reward_timeout_s", 0) or None,
     )  # fmt: skip
     if rl_cfg.overlong_buffer:
         lengths = np.array([c.length for c in completions])
@@ -79,7 +81,8 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
 def build_batch(groups: list[Group], seq_len: int, pad_id: int, min_new_tokens: int = 0) -> Batch:
     """Right-padded learner Batch (numpy) with rows group-major: row i*G+k is completion k of i.
 
-    `loss_mask` covers every completion token (`Rollouts` applies rl.mask_truncated), advantages
+    `loss_mask` covers every completion token the model sampled, never an observation of a
+    multi-turn episode (`Rollouts` applies rl.mask_truncated), advantages
     are left at 0 (`Rollouts` fills them in), and `stop_masked` marks the first min_new_tokens
     completion positions, where the sampler banned the stop ids (None if 0).
     """
@@ -99,7 +102,8 @@ def build_batch(groups: list[Group], seq_len: int, pad_id: int, min_new_tokens: 
         tokens[r, :n] = p + c.tokens
         valid[r, :n] = True
         first = len(p) - 1  # position t scores token t + 1: the first completion token
-        loss_mask[r, first : n - 1] = 1.0
+        model = 1.0 if c.observation is None else ~np.asarray(c.observation, bool)
+        loss_mask[r, first : n - 1] = model
         sampler_logp[r, first : n - 1] = c.logprobs
         stop_masked[r, first : first + min(min_new_tokens, c.length)] = True
     return Batch(
@@ -132,12 +136,16 @@ class Rollouts:
     `sampling.release_kv_between_phases=False`) the decode state kept between steps.
     """
 
-    def __init__(self, config, engine, tokenizer, learner, ref_params, batch_sharding, pad_id):
+    def __init__(
+        self, config, engine, tokenizer, learner, ref_params, batch_sharding, pad_id, env=None
+    ):
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
         self.learner, self.ref_params = learner, ref_params
         self.batch_sharding, self.pad_id = batch_sharding, pad_id
         self.pool = ThreadPoolExecutor(max_workers=1)  # reward functions overlap decoding
         self.decode_state = None
+        # Multi-turn episodes through an environment (rl.envs), else single-turn completions.
+        self.episodes = None if env is None else EpisodeSampler(env, engine, tokenizer, config.env)
 
     def __call__(self, step: int, params, data) -> Rollout:
         c = self.config
@@ -172,6 +180,8 @@ class Rollouts:
         stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
         for name in groups[0].parts:
             stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
+        if self.episodes is not None:
+            stats.update(episode_stats(groups, stats.pop("prefill_tokens")))
         return Rollout(batch, groups, rewards, stats)
 
     def _sample(self, step: int, params, data) -> tuple[list[Group], dict[str, float]]:
@@ -183,10 +193,14 @@ class Rollouts:
         )
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         rounds = []
+        prefill_before = self.engine.prefill_tokens
 
         def sample_round(n):
             records = global_batch(next(data))[:n]
-            prompts = tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
+            if self.episodes is None:
+                prompts = tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
+            else:
+                prompts = env_prompts(self.episodes.env, records, c.sampling.max_prompt_len)
             seed = int(jax.random.randint(jax.random.fold_in(root, len(rounds)), (), 0, 2**31 - 1))
             # Request ids unique over steps and refill rounds: at most b prompts a round.
             base = (step * max_tries + len(rounds)) * b
@@ -195,8 +209,10 @@ class Rollouts:
             return groups, np.concatenate([grp.rewards for grp in groups])
 
         if not c.rl.dynamic_sampling:
-            return sample_round(b)[0], {}
-        groups, _, stats = fill_groups(sample_round, b, g, max_tries)
+            groups, stats = sample_round(b)[0], {}
+        else:
+            groups, _, stats = fill_groups(sample_round, b, g, max_tries)
+        stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
         return groups, stats
 
     def sample_groups(self, params, records, prompts, seed, request_ids) -> list[Group]:
@@ -218,13 +234,42 @@ class Rollouts:
 
         state = self.engine.init_state() if self.decode_state is None else self.decode_state
         self.decode_state = None  # donated below; kept again only once the call has returned
-        state, _ = self.engine.generate_all(
-            params, state, prompts, g, seed=seed, request_ids=list(request_ids),
-            on_finish=on_finish,
-        )  # fmt: skip
+        if self.episodes is not None:
+            state, out = self.episodes.run(params, state, records, prompts, g, seed, request_ids)
+        else:
+            state, _ = self.engine.generate_all(
+                params, state, prompts, g, seed=seed, request_ids=list(request_ids),
+                on_finish=on_finish,
+            )  # fmt: skip
         if not c.sampling.release_kv_between_phases:
             self.decode_state = state  # keep the pages allocated for the next rollout
+        if self.episodes is not None:
+            return [
+                episode_group(record, prompt, eps, completions, fut.result(), self.tokenizer)
+                for record, prompt, (eps, completions, fut) in zip(records, prompts, out)
+            ]
         return [futures[i].result() for i in range(len(prompts))]
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.episodes is not None:
+            self.episodes.close()
+
+
+def env_prompts(env, records, max_prompt_len: int) -> list[list[int]]:
+    """The environment's prompt ids of records; one longer than max_prompt_len is an error."""
+    prompts = [env.prompt(r) for r in records]
+    longest = max((len(p) for p in prompts), default=0)
+    if longest > max_prompt_len:
+        raise ValueError(
+            f"a prompt has {longest} tokens > config.sampling.max_prompt_len={max_prompt_len}"
+        )
+    return prompts
+
+
+def episode_group(record, prompt, episodes, completions, rewards, tokenizer) -> Group:
+    """A scored multi-turn group: the environment's rewards, whole episodes as texts."""
+    texts = [tokenizer.decode(c.tokens) for c in completions]
+    parts = {"env": rewards, "env_failed": np.array([ep.env_errors > 0 for ep in episodes],
+                                                    np.float32)}  # fmt: skip
+    return Group(record, prompt, completions, texts, rewards, parts, episodes)

@@ -1,8 +1,16 @@
-"""Built-in synthetic task for the CPU demo: integer arithmetic with an exact answer.
+"""Built-in synthetic tasks for the CPU demos: integer arithmetic with an exact answer, alone or
+with a calculator tool.
 
 Records look like {"prompt": "23+58=", "answer": "81"}: the prompt is the whole question, so a tiny
 model with a `CharTokenizer(ARITHMETIC_ALPHABET)` can learn it from the `arithmetic_exact` reward
 alone, without a chat template or downloaded files.
+
+The calculator task (`CharTokenizer(CALC_ALPHABET)`) uses the same records (3-digit "*") in
+multi-turn episodes. A model turn either answers directly ("56088" + eos) or calls the tool,
+"<123*456>", ending on the stop id of ">"; the environment then appends the observation
+`calc_observation("123*456")` = "56088;" (the result and ";", or "?;" for a malformed call) and the
+model answers in its next turn. The whole tool-path episode reads "123*456=<123*456>56088;56088"
++ eos; the observation characters are not trained on.
 
 Choices a reader may question:
 - Train and held-out eval prompts are split by a stable hash of the prompt text (crc32), not by
@@ -16,6 +24,7 @@ Choices a reader may question:
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import numpy as np
@@ -24,6 +33,12 @@ import numpy as np
 # the warm start's char_tokenizer.json). Appending keeps the ids of the earlier characters.
 ARITHMETIC_ALPHABET = "0123456789+=-*"
 ARITHMETIC_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+# The calculator task's characters: a tool call is "<" expression ">", an observation ends on ";",
+# and "?" is the calculator's answer to a malformed call.
+CALL_OPEN, CALL_CLOSE, RESULT_END, CALC_ERROR = "<", ">", ";", "?"
+CALC_ALPHABET = ARITHMETIC_ALPHABET + CALL_OPEN + CALL_CLOSE + RESULT_END + CALC_ERROR
+CALC_MAX_DIGITS = 12  # longest operand the calculator accepts
+_CALC_EXPR = re.compile(rf"([0-9]{{1,{CALC_MAX_DIGITS}}})([+*-])([0-9]{{1,{CALC_MAX_DIGITS}}})")
 SPLITS = ("train", "eval")
 
 
@@ -74,3 +89,20 @@ def arithmetic_records(
             continue
         records.append({"prompt": prompt, "answer": str(ARITHMETIC_OPS[op](a, b))})
     return records
+
+
+def calculator(expr: str) -> str | None:
+    """The result of a strict "a<op>b" (non-negative integers of at most CALC_MAX_DIGITS ASCII
+    digits, op in "+-*", nothing else: no spaces, signs or brackets) as a string, e.g.
+    "123*456" -> "56088", "3-5" -> "-2"; None for anything else."""
+    m = _CALC_EXPR.fullmatch(expr)
+    if m is None:
+        return None
+    a, op, b = m.groups()
+    return str(ARITHMETIC_OPS[op](int(a), int(b)))
+
+
+def calc_observation(expr: str) -> str:
+    """What the environment appends after the tool call "<expr>": "56088;" or "?;"."""
+    result = calculator(expr)
+    return (CALC_ERROR if result is None else result) + RESULT_END

@@ -1,0 +1,133 @@
+"""The environment interface of multi-turn, tool-using episodes.
+
+An environment turns a data record into the prompt ids of an episode, and each finished model
+turn into the next observation ids (tool output, test failures) or the end of the episode; at the
+end it gives the episode's reward. Everything is token ids: the model's turns are the ids the
+sampler produced, observations are appended as ids (`observation_ids`: for a chat model the
+template's rendering of the tool message alone, `models.chat`), and nothing is re-rendered.
+
+    class Echo(Environment):
+        def step(self, episode, turn):            # turn.text, turn.ids, turn.finish_reason
+            if episode.num_turns == 1:
+                episode.tool_calls += 1
+                return self.observation_ids("ok", turn)
+            return None                           # the episode ends
+        def reward(self, episode):
+            return float(episode.turns[-1].text.strip() == "done")
+
+`step` runs on a worker thread (`rl.multiturn`), so a slow tool blocks only its own episode. A
+malformed tool call should get an error observation the model can read (count it in
+`episode.tool_errors`); an exception raised by `step` or `reward` ends that episode with reward 0
+and is counted, it never stops the run. Limits per episode (turns, tokens, tool seconds) are
+enforced by the caller (`rl.multiturn`), from the config's `env` section.
+
+G episodes of the same record form one GRPO group.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from models.chat import end_of_turn_id, message_delta_ids
+from rl.data import format_prompt
+
+
+@dataclasses.dataclass
+class Turn:
+    """One finished model turn."""
+
+    ids: list[int]  # exactly the sampled ids, the stop id included
+    text: str  # their decoding (special tokens skipped)
+    finish_reason: str  # "stop" (a stop id) | "length" (the turn's token cap)
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode's environment-side state; an environment may subclass it (`start`)."""
+
+    record: dict
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    observations: list[str] = dataclasses.field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls and tools that failed (error observations)
+    tool_seconds: float = 0.0  # wall time of `step` calls (set by the caller)
+    env_errors: int = 0  # exceptions raised by the environment itself (set by the caller)
+    workspace: Any = None  # e.g. a sandbox workspace, released by `close`
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+
+class Environment(abc.ABC):
+    """Base class; `config` is the training config (data settings, the `env` section)."""
+
+    def __init__(self, tokenizer, config):
+        self.tokenizer, self.config = tokenizer, config
+        self._end = end_of_turn_id(tokenizer, **self._template_kwargs())
+
+    def _template_kwargs(self) -> dict:
+        kwargs = self.config.data.get("chat_template_kwargs", {})
+        return kwargs.to_dict() if hasattr(kwargs, "to_dict") else dict(kwargs)
+
+    def prompt(self, record: dict) -> list[int]:
+        """The episode's prompt ids; by default the record's prompt field under the config's
+        data settings (chat template, system prompt), as for single-turn training."""
+        d = self.config.data
+        return format_prompt(record, self.tokenizer, d.use_chat_template, d.system_prompt or None,
+                             d.train.prompt_field, self._template_kwargs())  # fmt: skip
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end a model turn besides the tokenizer's end ids (a tool-call close);
+        added to the sampler's stop ids."""
+        return ()
+
+    def start(self, record: dict) -> Episode:
+        """A fresh episode for `record` (called on the rollout thread)."""
+        return Episode(record)
+
+    @abc.abstractmethod
+    def step(self, episode: Episode, turn: Turn) -> list[int] | None:
+        """The observation ids after `turn` (already in episode.turns), or None to end."""
+
+    @abc.abstractmethod
+    def reward(self, episode: Episode) -> float:
+        """The episode's reward, once it has ended (by `step` or by a limit)."""
+
+    def close(self, episode: Episode) -> None:
+        """Releases what the episode holds (a workspace); called once it is scored."""
+        return None
+
+    def observation_ids(self, text: str, turn: Turn, role: str = "tool") -> list[int]:
+        """Ids of an observation message after `turn`: the chat template's rendering of that
+        message alone when the data use a chat template (closing the assistant turn first if
+        it stopped on a tool-call close rather than its end-of-turn token), else the text."""
+        if not self.config.data.use_chat_template:
+            return self.tokenizer.encode(text)
+        closed = bool(turn.ids) and self._end is not None and turn.ids[-1] == self._end
+        return message_delta_ids(self.tokenizer, {"role": role, "content": text},
+                                 turn_closed=closed, **self._template_kwargs())  # fmt: skip
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_env(name: str):
+    """Class decorator adding an environment to the registry under `name` (config `env.name`)."""
+
+    def wrap(cls):
+        if name in ENVIRONMENTS:
+            raise ValueError(f"environment {name!r} is already registered")
+        ENVIRONMENTS[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_env(name: str, tokenizer, config) -> Environment:
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"env.name={name!r}: unknown; known environments: {sorted(ENVIRONMENTS)}")
+    return ENVIRONMENTS[name](tokenizer, config)

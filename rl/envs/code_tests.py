@@ -1,0 +1,105 @@
+"""Code with test feedback: the model writes a solution, the environment runs the record's tests
+in the sandbox and returns the failures, and the model may revise for up to `env.max_turns` turns.
+
+Records are HumanEval/MBPP-style jsonl rows: `prompt` (the task), `tests` (Python code with
+asserts), optional `entry_point` (the function the tests call; `check(entry_point)` is appended
+when the tests define `check` and never call it, HumanEval's convention).
+
+A turn is one of:
+- a `python` tool call, `<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>`
+  (the Qwen tool-call format; `</tool_call>` is a stop id when it is one token): the code runs in the
+  episode's sandbox workspace (kept across its turns) and stdout/stderr, truncated, come back as a
+  tool message. A malformed call gets an error message and counts as a tool error;
+- anything else: a solution attempt. Its last ```python block (`rl.code_rewards.extract_code`) runs
+  with the tests; when they pass the episode ends, otherwise the failure (reason and stderr tail)
+  comes back as a user message.
+The reward is 1.0 when the tests pass on the last attempt (run at the end if the turn limit cut the
+episode before its test run), else 0.0.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rl.code_rewards import extract_code, failure_message, run_tests, shared_sandbox
+from rl.envs.base import Environment, Episode, Turn, register_env
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_OUTPUT_CHARS = 2000  # of a python tool call's stdout + stderr, returned to the model
+
+
+def full_tests(record: dict) -> str:
+    tests = record["tests"]
+    entry = record.get("entry_point")
+    if entry and "def check(" in tests and "check(" not in tests.split("def check(", 1)[1][1:]:
+        tests += f"\n\ncheck({entry})\n"
+    return tests
+
+
+def _truncate(text: str) -> str:
+    return text if len(text) <= MAX_OUTPUT_CHARS else text[:MAX_OUTPUT_CHARS] + "\n...(truncated)"
+
+
+@register_env("code_tests")
+class CodeTestsEnv(Environment):
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        self.sandbox = shared_sandbox()
+
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = self.tokenizer.encode(CALL_CLOSE)
+        return tuple(ids) if len(ids) == 1 else ()
+
+    def start(self, record: dict) -> Episode:
+        ep = Episode(record)
+        ep.workspace = self.sandbox.workspace()
+        ep.passed = None  # the last attempt's test result; None: not run yet
+        ep.tested_turn = 0
+        return ep
+
+    def _python(self, episode: Episode, turn: Turn) -> str:
+        episode.tool_calls += 1
+        body = turn.text.rpartition(CALL_OPEN)[2].removesuffix(CALL_CLOSE).strip()
+        try:
+            call = json.loads(body)
+            if call.get("name") != "python":
+                raise ValueError(f"unknown tool {call.get('name')!r}; the only tool is 'python'")
+            code = call["arguments"]["code"]
+            if not isinstance(code, str):
+                raise ValueError("arguments.code must be a string")
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            episode.tool_errors += 1
+            return f"error: malformed tool call ({err})"
+        r = self.sandbox.run(code, episode.workspace)
+        if not r.ok:
+            episode.tool_errors += 1
+        out = r.stdout + (("\n" if r.stdout else "") + r.stderr if r.stderr else "")
+        return _truncate(out if r.ok else f"{failure_message(r)}\n{out}".strip())
+
+    def _test(self, episode: Episode) -> str:
+        code = extract_code(episode.turns[-1].text)
+        r = run_tests(code, full_tests(episode.record), self.sandbox, episode.workspace)
+        episode.passed, episode.tested_turn = r.ok, episode.num_turns
+        return "" if r.ok else "The tests failed:\n" + failure_message(r)
+
+    def step(self, episode: Episode, turn: Turn) -> list[int] | None:
+        if CALL_OPEN in turn.text and turn.finish_reason == "stop" and not turn.text.rstrip(
+        ).endswith("```"):  # fmt: skip
+            return self.observation_ids(self._python(episode, turn), turn, role="tool")
+        failure = self._test(episode)
+        if not failure:
+            return None
+        episode.observations.append(failure)
+        return self.observation_ids(failure + "\nFix the code.", turn, role="user")
+
+    def reward(self, episode: Episode) -> float:
+        if not episode.turns:
+            return 0.0
+        if episode.tested_turn != episode.num_turns:  # a limit ended it before its test run
+            self._test(episode)
+        return float(bool(episode.passed))
+
+    def close(self, episode: Episode) -> None:
+        if episode.workspace is not None:
+            episode.workspace.close()
+            episode.workspace = None

@@ -1,0 +1,137 @@
+"""Multi-turn rollouts: G episodes per record through an environment (`rl.envs`), on the engine's
+episode loop (`sampling.episodes`).
+
+    record --env.prompt--> prompt ids --engine: model turn (ends on a stop id)-->
+           --env.step on a tool worker--> observation ids --engine: prefilled onto the
+           episode's own pages, decoding resumes--> ... --env.reward--> episode reward
+
+While an episode's `step` runs (a tool, a sandboxed program), its slot decodes other episodes.
+Limits per episode, from the config's `env` section: `max_turns` model turns, the token budget
+`sampling.max_new_tokens` after the prompt (model and observation tokens), and `max_tool_seconds`
+of `step` wall time; the episode ends when one is reached, and its reward is scored as it stands.
+An exception in `step` or `reward` ends that episode with reward 0; it is counted in
+`episode/env_errors` and warned about once, and the run goes on.
+
+Each finished group is scored on the tool workers as soon as its G episodes end, like single-turn
+groups (`rl.rollout`), and `env.close` releases what its episodes held (workspaces).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from rl.envs.base import Environment, Episode, Turn
+from sampling.episodes import generate_episodes
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeSampler:
+    """Runs an environment's episodes on an engine; holds the tool worker pool."""
+
+    def __init__(self, env: Environment, engine, tokenizer, env_cfg):
+        self.env, self.engine, self.tokenizer = env, engine, tokenizer
+        self.max_turns = env_cfg.max_turns
+        self.max_turn_tokens = env_cfg.max_turn_tokens or None
+        self.max_tool_seconds = env_cfg.max_tool_seconds
+        self.pool = ThreadPoolExecutor(env_cfg.tool_workers, thread_name_prefix="tool")
+        self._warned: set[str] = set()
+
+    def _warn_once(self, what: str, err: BaseException) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("environment %s raised %s: %s (the episode ends with reward 0; "
+                        "counted in episode/env_errors)", what, type(err).__name__, err)  # fmt: skip
+
+    def _step(self, ep: Episode, turn: Turn):
+        start = time.perf_counter()
+        try:
+            obs = self.env.step(ep, turn)
+        except Exception as err:  # noqa: BLE001 - an environment bug ends the episode only
+            self._warn_once("step", err)
+            ep.env_errors += 1
+            obs = None
+        ep.tool_seconds += time.perf_counter() - start
+        if ep.tool_seconds > self.max_tool_seconds:
+            return None
+        return obs
+
+    def _score(self, episodes: list[Episode]) -> np.ndarray:
+        rewards = []
+        for ep in episodes:
+            try:
+                r = float(0.0 if ep.env_errors else self.env.reward(ep))
+                if not np.isfinite(r):
+                    raise ValueError(f"reward {r}")
+            except Exception as err:  # noqa: BLE001
+                self._warn_once("reward", err)
+                ep.env_errors += 1
+                r = 0.0
+            finally:
+                self.env.close(ep)
+            rewards.append(r)
+        return np.asarray(rewards, np.float32)
+
+    def run(self, params, state, records, prompts, g, seed, request_ids):
+        """(state, [(episodes, completions, rewards future)] per record): G episodes each."""
+        episodes = [[self.env.start(r) for _ in range(g)] for r in records]
+        done = [[None] * g for _ in records]
+        left = [g] * len(records)
+        futures = {}
+
+        def respond(i, k, completion, budget_left):
+            ep = episodes[i][k]
+            text = self.tokenizer.decode(completion.tokens)
+            turn = Turn(completion.tokens, text, completion.finish_reason)
+            ep.turns.append(turn)
+            if ep.num_turns >= self.max_turns or budget_left < 2:
+                return None  # a limit: the episode ends with this turn
+            return self.pool.submit(self._step, ep, turn)
+
+        def on_finish(i, k, completion):
+            done[i][k] = completion
+            left[i] -= 1
+            if not left[i]:
+                futures[i] = self.pool.submit(self._score, episodes[i])
+
+        state, _ = generate_episodes(
+            self.engine, params, state, prompts, g, seed=seed, request_ids=list(request_ids),
+            on_finish=on_finish, respond=respond, max_turn_tokens=self.max_turn_tokens,
+        )  # fmt: skip
+        return state, [(episodes[i], done[i], futures[i]) for i in range(len(records))]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def episode_stats(groups, prefill_tokens: int) -> dict[str, float]:
+    """Per-rollout metrics of multi-turn episodes (means are per episode) of `rl.rollout.Group`s.
+
+    `episode/prefill_tokens` is what the engine prefilled (each prompt once per group, then only
+    observations); `episode/reprefill_tokens` is what a design that re-prefills the whole history
+    every turn would compute for the same episodes."""
+    episodes = [ep for grp in groups for ep in grp.episodes]
+    completions = [c for grp in groups for c in grp.completions]
+    reprefill = sum(len(grp.prompt) - 1 for grp in groups)  # turn 1: the prompt, once per group
+    for grp in groups:
+        for c in grp.completions:
+            obs = np.asarray(c.observation or [False] * c.length, bool)
+            starts = np.flatnonzero(obs[:-1] & ~obs[1:]) + 1  # a turn starts after observations
+            reprefill += int(np.sum(len(grp.prompt) - 1 + starts))
+    n_obs = sum(sum(c.observation or []) for c in completions)
+    mean = lambda f: float(np.mean([f(ep) for ep in episodes]))
+    return {
+        "episode/turns": mean(lambda ep: ep.num_turns),
+        "episode/tool_calls": mean(lambda ep: ep.tool_calls),
+        "episode/tool_call_rate": mean(lambda ep: ep.tool_calls > 0),
+        "episode/tool_errors": mean(lambda ep: ep.tool_errors),
+        "episode/tool_seconds": mean(lambda ep: ep.tool_seconds),
+        "episode/env_errors": mean(lambda ep: ep.env_errors),
+        "episode/observation_frac": n_obs / max(1, sum(c.length for c in completions)),
+        "episode/prefill_tokens": float(prefill_tokens),
+        "episode/reprefill_tokens": float(reprefill),
+    }

@@ -1,0 +1,78 @@
+"""Multi-turn episodes end to end (rl.multiturn + rl.rollout): the learner batch holds exactly the
+sampled ids and the environment's observation ids, observations get no loss, and teacher forcing
+reproduces the sampler's log-probs on the model's tokens."""
+
+import jax
+import numpy as np
+
+from launch.build import build
+from launch.cli import parse_args
+from rl.data import make_prompt_iterator
+from rl.envs import Environment, Episode, register_env
+
+OBS = {1: [5, 6, 7], 2: [8, 3]}  # observation ids after turns 1 and 2; turn 3 ends the episode
+
+
+@register_env("test_scripted")
+class Scripted(Environment):
+    """Answers turn 1 and 2 with fixed ids (turn 2's observation has an error, counted), ends
+    after turn 3; reward: how many model tokens the episode had, so groups are not all equal."""
+
+    def step(self, episode: Episode, turn):
+        episode.tool_calls += 1
+        episode.tool_errors += episode.num_turns == 2
+        return OBS.get(episode.num_turns)
+
+    def reward(self, episode):
+        return float(sum(len(t.ids) for t in episode.turns))
+
+
+def test_episode_batch_is_the_sampled_and_observation_ids():
+    args = [
+        "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+        "--config.sampling.num_slots=8", "--config.env.name=test_scripted",
+        "--config.env.max_turns=3", "--config.env.max_turn_tokens=3",
+        "--config.sampling.max_new_tokens=16", "--config.sampling.temperature=1.3",
+    ]  # fmt: skip
+    config = parse_args(args, {})[0]
+    run = build(config)
+    seen = []  # every turn the environment saw, in order per episode
+    step = run.env.step
+    run.env.step = lambda ep, turn: (seen.append((id(ep), turn.ids)), step(ep, turn))[1]
+    data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
+    rollouts = run.rollouts()
+    rollout = rollouts(0, run.state.params, data)
+    rollouts.close()
+    b = jax.device_get(rollout.batch)
+    row = 0
+    for grp in rollout.groups:
+        for ep, c in zip(grp.episodes, grp.completions):
+            turns = [t.ids for t in ep.turns]
+            assert len(turns) == 3 and [ids for e, ids in seen if e == id(ep)] == turns[:2]
+            want = turns[0] + OBS[1] + turns[1] + OBS[2] + turns[2]
+            is_obs = [False] * len(turns[0]) + [True] * 3 + [False] * len(turns[1]) + [True] * 2
+            is_obs += [False] * len(turns[2])
+            n, p = len(want), len(grp.prompt)
+            np.testing.assert_array_equal(b.tokens[row, : p + n], grp.prompt + want)
+            assert c.tokens == want and c.observation == is_obs
+            mask = np.zeros(b.loss_mask.shape[1], np.float32)
+            mask[p - 1 : p - 1 + n] = ~np.array(is_obs)
+            np.testing.assert_array_equal(b.loss_mask[row], mask)
+            np.testing.assert_array_equal(b.sampler_logp[row, p - 1 : p - 1 + n],
+                                          np.float32(c.logprobs))  # fmt: skip
+            assert all(lp == 0 for lp, o in zip(c.logprobs, is_obs) if o)
+            row += 1
+    # Teacher forcing over the whole episode: the learner's log-probs of the model's tokens.
+    learner = np.asarray(run.learner.logprobs(run.state.params, rollout.batch))
+    m = b.loss_mask > 0
+    np.testing.assert_allclose(learner[m], b.sampler_logp[m], atol=1e-5)
+    s = rollout.stats
+    assert s["episode/turns"] == 3 and s["episode/tool_calls"] == 2
+    assert s["episode/tool_errors"] == 1 and s["episode/env_errors"] == 0
+    obs_tokens = 8 * 5
+    assert s["episode/observation_frac"] == obs_tokens / b.loss_mask.sum(1).__add__(5).sum()
+    # The prompt once per group, then exactly the observation tokens.
+    assert (
+        s["episode/prefill_tokens"] == sum(len(g.prompt) - 1 for g in rollout.groups) + obs_tokens
+    )
+    assert s["episode/reprefill_tokens"] > 2 * s["episode/prefill_tokens"]
