@@ -143,6 +143,7 @@ def get_config():
     c.env.max_turn_tokens = 0  # model tokens per turn at most (0 = sampling.max_new_tokens)
     c.env.max_tool_seconds = 30.0  # tool (env.step) wall time per episode before it is ended
     c.env.tool_workers = 8  # tool calls running in parallel (threads; sandboxed processes)
+    c.env.max_observation_chars = 1000  # tool output / test failures shown to the model, at most
     # sampling.max_new_tokens is the episode's budget after the prompt: model + observation tokens.
 
     c.eval = ml_collections.ConfigDict()

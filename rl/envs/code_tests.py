@@ -9,7 +9,7 @@ A turn is one of:
 - a `python` tool call, `<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>`
   (the Qwen tool-call format; `</tool_call>` is a stop id when it is one token): the code runs in the
   episode's sandbox workspace (kept across its turns) and stdout/stderr, truncated, come back as a
-  tool message. A malformed call gets an error message and counts as a tool error;
+  tool message (at most `env.max_observation_chars`). A malformed call gets an error message and counts as a tool error;
 - anything else: a solution attempt. Its last ```python block (`rl.code_rewards.extract_code`) runs
   with the tests; when they pass the episode ends, otherwise the failure (reason and stderr tail)
   comes back as a user message.
@@ -25,7 +25,6 @@ from rl.code_rewards import extract_code, failure_message, run_tests, shared_san
 from rl.envs.base import Environment, Episode, Turn, register_env
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-MAX_OUTPUT_CHARS = 2000  # of a python tool call's stdout + stderr, returned to the model
 
 
 def full_tests(record: dict) -> str:
@@ -36,15 +35,12 @@ def full_tests(record: dict) -> str:
     return tests
 
 
-def _truncate(text: str) -> str:
-    return text if len(text) <= MAX_OUTPUT_CHARS else text[:MAX_OUTPUT_CHARS] + "\n...(truncated)"
-
-
 @register_env("code_tests")
 class CodeTestsEnv(Environment):
     def __init__(self, tokenizer, config):
         super().__init__(tokenizer, config)
         self.sandbox = shared_sandbox()
+        self.max_chars = config.env.max_observation_chars
 
     def stop_ids(self) -> tuple[int, ...]:
         ids = self.tokenizer.encode(CALL_CLOSE)
@@ -74,13 +70,14 @@ class CodeTestsEnv(Environment):
         if not r.ok:
             episode.tool_errors += 1
         out = r.stdout + (("\n" if r.stdout else "") + r.stderr if r.stderr else "")
-        return _truncate(out if r.ok else f"{failure_message(r)}\n{out}".strip())
+        out = out if r.ok else f"{failure_message(r, self.max_chars)}\n{out}".strip()
+        return out if len(out) <= self.max_chars else out[: self.max_chars] + "\n...(truncated)"
 
     def _test(self, episode: Episode) -> str:
         code = extract_code(episode.turns[-1].text)
         r = run_tests(code, full_tests(episode.record), self.sandbox, episode.workspace)
         episode.passed, episode.tested_turn = r.ok, episode.num_turns
-        return "" if r.ok else "The tests failed:\n" + failure_message(r)
+        return "" if r.ok else "The tests failed:\n" + failure_message(r, self.max_chars)
 
     def step(self, episode: Episode, turn: Turn) -> list[int] | None:
         if CALL_OPEN in turn.text and turn.finish_reason == "stop" and not turn.text.rstrip(

@@ -75,6 +75,43 @@ def test_real_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
     assert summary["steps"] == 1 and 0.0 <= summary["accuracy_after"] <= 1.0
 
 
+CODE = [
+    {"prompt": "Write add(a, b) returning a + b.", "tests": "assert add(1, 2) == 3",
+     "entry_point": "add"},
+    {"prompt": "Write neg(x) returning -x.", "tests": "def check(f):\n    assert f(2) == -2\n",
+     "entry_point": "neg"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, fixture", [("qwen2_5_0_5b_code", "qwen2"), ("qwen3_0_6b_code", "qwen3")]
+)
+def test_code_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
+    """The multi-turn code configs: episodes whose attempts run in the sandbox, failures fed back."""
+    ckpt, _ = _stand_in(fixture, tmp_path)
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CODE))
+    args = [
+        f"--config={ROOT}/configs/{config}.py", f"--config.model.hf_checkpoint={ckpt}",
+        f"--config.data.train.path={data}", f"--config.data.eval.path={data}",
+        "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+        "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
+        "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64", "--config.data.system_prompt=Code.",
+        "--config.sampling.max_new_tokens=96", "--config.env.max_turn_tokens=6", "--config.env.max_observation_chars=40",
+        "--config.sampling.num_slots=8", "--config.sampling.page_size=8",
+        "--config.sampling.num_pages=128", "--config.sampling.steps_per_call=4",
+        "--config.eval.pass_k=1", "--config.eval.pass_n=1",
+    ]  # fmt: skip
+    assert main(args + ["--dry_run"]) == 0
+    assert "estimated peak per device" in capsys.readouterr().out
+    workdir = tmp_path / "run"
+    assert main(args + ["--config.num_steps=1", f"--workdir={workdir}"]) == 0
+    rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
+    step = next(r for r in rows if "loss" in r)
+    assert step["episode/turns"] > 1  # failing attempts got test feedback and another turn
+    assert step["episode/prefill_tokens"] < step["episode/reprefill_tokens"]
+
+
 def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
     """launch.export of a trained run: our importer reads it back bitwise, and transformers (where
     installed) loads it and gives our logits."""
