@@ -1,19 +1,36 @@
-"""Supervised warm start for the CPU demo: `python -m launch.sft`.
+"""Supervised warm starts for the CPU demos: `python -m launch.sft`.
 
-    python -m launch.sft --out configs/assets/arithmetic_sft      # remakes the shipped warm start
+    python -m launch.sft --out configs/assets/arithmetic_sft              # the GRPO demo's
+    python -m launch.sft --task calc --out configs/assets/calc_sft        # the tool-use demo's
 
-Trains a tiny Llama-family, character-level transformer on `a+b=` -> `sum<eos>` (2-digit operands)
-with teacher forcing. The data teach the arithmetic and also a bad habit (`encode_examples`): on
-answers ending in 1-7 a spurious "0" usually follows. Greedy decoding follows the habit, so the
-held-out greedy accuracy is about 30% (between 10% and 60% leaves GRPO room to show), while
-sampling still produces the clean answer often enough for GRPO to learn from. Writes an HF
-checkpoint directory (`models.hf.save_hf`) with the tokenizer beside the weights
-(`char_tokenizer.json`, over `rl.tasks.ARITHMETIC_ALPHABET`, so every operator is encodable), which
-`configs/default.py` loads like any other.
+Trains a tiny Llama-family, character-level transformer with teacher forcing on one of two tasks:
 
-Simplifications: the loss is the mean negative log-likelihood of the answer tokens, computed with
-the learner's own chunked log-prob function (`rl.logprobs`); one device; no checkpoints (2000
-steps take about 4 minutes on a 2-core CPU).
+- `arithmetic` (default): `a+b=` -> `sum<eos>` (2-digit operands). The data teach the arithmetic
+  and also a bad habit (`encode_arithmetic`): on answers ending in 1-7 a spurious "0" usually
+  follows. Greedy decoding follows the habit, so the held-out greedy accuracy is about 30%
+  (between 10% and 60% leaves GRPO room to show), while sampling still produces the clean answer
+  often enough for GRPO to learn from.
+- `calc`: `a*b=` with 3-digit operands, as multi-turn episodes with a calculator tool (the format
+  is in `rl.tasks`). Each example calls the tool with probability `--tool_prob`
+  ("123*456=<123*456>56088;56088<eos>", the observation "56088;" not trained on) and answers
+  directly otherwise ("123*456=56088<eos>"). A model this small cannot multiply 3-digit numbers,
+  so its direct answers are mostly wrong, while it copies the calculator's result reliably. The
+  tool-call decision is learned as a coin of bias ~tool_prob, independent of the prompt: sampling
+  calls the tool on about that fraction of prompts, greedy decoding mostly answers directly (its
+  likeliest first digit beats "<"), so the held-out greedy accuracy is low and GRPO has to learn
+  that calling the tool pays. The final line reports greedy and sampled (T=1) tool-call rates and
+  episode accuracies, the greedy direct-answer accuracy and the tool-path accuracy (call and
+  observation forced, the answer decoded greedily).
+
+Writes an HF checkpoint directory (`models.hf.save_hf`) with the tokenizer beside the weights
+(`char_tokenizer.json`, over `rl.tasks.ARITHMETIC_ALPHABET` or `CALC_ALPHABET`, so every operator
+is encodable), which a config loads like any other.
+
+Simplifications: the loss is the mean negative log-likelihood of the model's tokens (answers, tool
+calls, end tokens), computed with the learner's own chunked log-prob function (`rl.logprobs`); one
+device; no checkpoints (arithmetic: 2000 steps take about 4 minutes on a 2-core CPU).
+The held-out evaluation of `calc` decodes the two turns of a tool call by re-prefilling the whole
+sequence for the second turn; the RL environment instead keeps the episode's pages.
 """
 
 from __future__ import annotations
@@ -36,9 +53,22 @@ from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh
 from models.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
 from rl.logprobs import token_logprobs
-from rl.tasks import ARITHMETIC_ALPHABET, arithmetic_records
+from rl.tasks import (
+    ARITHMETIC_ALPHABET,
+    CALC_ALPHABET,
+    CALL_CLOSE,
+    CALL_OPEN,
+    arithmetic_records,
+    calc_observation,
+)
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+
+# Per-task defaults: alphabet, operand digits, operators, optimizer steps.
+TASKS = {
+    "arithmetic": dict(alphabet=ARITHMETIC_ALPHABET, digits=2, ops="+", steps=2000),
+    "calc": dict(alphabet=CALC_ALPHABET, digits=3, ops="*", steps=1000),
+}
 
 
 def model_config(vocab_size: int) -> ModelConfig:
@@ -49,7 +79,9 @@ def model_config(vocab_size: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def encode_examples(records, tok, seq_len: int, ramble_prob: float, ramble_digits: str, seed: int):
+def encode_arithmetic(
+    records, tok, seq_len: int, ramble_prob: float, ramble_digits: str, seed: int
+):
     """tokens/valid [N,T], loss_mask [N,T-1] on the answer and its end token.
 
     When an answer ends in one of `ramble_digits`, it is followed with probability `ramble_prob`
@@ -71,6 +103,36 @@ def encode_examples(records, tok, seq_len: int, ramble_prob: float, ramble_digit
     return tokens, tokens != 0, mask
 
 
+def calc_example(record: dict, tok, use_tool: bool) -> tuple[list[int], list[int]]:
+    """Token ids of one calculator episode and a per-token mask, 1 on the model's own tokens (the
+    tool call "<a*b>" and the answer with its end token), 0 on the prompt and the observation."""
+    expr = record["prompt"].removesuffix("=")
+    parts = [(record["prompt"], 0)]
+    if use_tool:
+        parts += [(CALL_OPEN + expr + CALL_CLOSE, 1), (calc_observation(expr), 0)]
+    ids, mask = [], []
+    for text, trained in parts:
+        ids += tok.encode(text)
+        mask += [trained] * len(text)
+    answer = tok.encode(record["answer"]) + [tok.eos_ids[0]]
+    return ids + answer, mask + [1] * len(answer)
+
+
+def encode_calc(records, tok, seq_len: int, tool_prob: float, seed: int):
+    """tokens/valid [N,T], loss_mask [N,T-1]: `calc_example`s, each calling the tool with
+    probability `tool_prob`; loss_mask[:, t] scores token t+1."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((len(records), seq_len), np.int32)
+    mask = np.zeros((len(records), seq_len - 1), np.float32)
+    for i, r in enumerate(records):
+        ids, m = calc_example(r, tok, bool(rng.random() < tool_prob))
+        if len(ids) > seq_len:
+            raise ValueError(f"episode of {len(ids)} tokens > seq_len={seq_len}: {r}")
+        tokens[i, : len(ids)] = ids
+        mask[i, : len(ids) - 1] = m[1:]
+    return tokens, tokens != 0, mask
+
+
 def greedy_accuracy(graphdef, params, records, tok, max_new: int) -> float:
     cfg = nnx.merge(graphdef, params).cfg
     ecfg = EngineConfig(num_slots=128, page_size=8, num_pages=512, max_prompt_len=16,
@@ -82,31 +144,90 @@ def greedy_accuracy(graphdef, params, records, tok, max_new: int) -> float:
     return float(np.mean([a == r["answer"] for a, r in zip(answers, records)]))
 
 
+def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed: int) -> dict:
+    """Held-out tool use and accuracy of a calc warm start (see the module docstring); episodes
+    are decoded as the RL environment runs them: a turn that ends on ">" gets the observation."""
+    cfg = nnx.merge(graphdef, params).cfg
+    eos, close = tok.eos_ids[0], tok.encode(CALL_CLOSE)[0]
+    turn = 2 * digits + 3  # the longest model turn: "<a*b>"
+    ecfg = EngineConfig(num_slots=128, page_size=8, num_pages=1024, max_prompt_len=8 * digits + 8,
+                        max_new_tokens=turn, steps_per_call=turn, stop_ids=(eos, close))  # fmt: skip
+    prompts = [tok.encode(r["prompt"]) for r in records]
+    wants = [tok.encode(r["answer"]) + [eos] for r in records]
+
+    def decode(engine, prompts, g=1):
+        _, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=seed)
+        return [[c.tokens for c in group] for group in results]
+
+    def observation(turn_ids):
+        text = tok.decode(turn_ids)
+        return tok.encode(calc_observation(text[1:-1] if text.startswith(CALL_OPEN) else ""))
+
+    out = {}
+    greedy = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=0.0))
+    sampled = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=1.0))
+    for name, engine, g in (("greedy", greedy, 1), ("sampled", sampled, samples)):
+        first = [(i, t) for i, group in enumerate(decode(engine, prompts, g)) for t in group]
+        calls = [k for k, (_, t) in enumerate(first) if t[-1:] == [close]]
+        second = decode(engine, [prompts[first[k][0]] + first[k][1] + observation(first[k][1])
+                                 for k in calls])  # fmt: skip
+        final = [t for _, t in first]
+        for k, group in zip(calls, second):
+            final[k] = group[0]
+        correct = [f == wants[i] for f, (i, _) in zip(final, first)]
+        out[f"{name}_call_rate"] = len(calls) / len(first)
+        out[f"{name}_episode_acc"] = float(np.mean(correct))
+        if name == "greedy":
+            direct = [c for k, c in enumerate(correct) if k not in calls]
+            out["greedy_direct_acc"] = float(np.mean(direct)) if direct else 0.0
+    forced = [
+        p
+        + tok.encode(CALL_OPEN + r["prompt"][:-1] + CALL_CLOSE + calc_observation(r["prompt"][:-1]))
+        for p, r in zip(prompts, records)
+    ]
+    answers = decode(greedy, forced)
+    out["tool_path_acc"] = float(np.mean([a[0] == w for a, w in zip(answers, wants)]))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="HF checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--task", default="arithmetic", choices=sorted(TASKS))
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (task default)")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--learning_rate", type=float, default=3e-3)
-    p.add_argument("--digits", type=int, default=2)
+    p.add_argument("--digits", type=int, default=None, help="digits per operand (task default)")
     p.add_argument("--eval_size", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ramble_prob", type=float, default=0.8, help="see encode_examples")
-    p.add_argument("--ramble_digits", default="1234567", help="answer endings with the habit")
+    p.add_argument(
+        "--ramble_prob", type=float, default=0.8, help="arithmetic: see encode_arithmetic"
+    )
+    p.add_argument("--ramble_digits", default="1234567", help="arithmetic: endings with the habit")
+    p.add_argument("--tool_prob", type=float, default=0.3, help="calc: share of tool-path examples")
+    p.add_argument("--eval_samples", type=int, default=4, help="calc: T=1 samples per prompt")
     args = p.parse_args(argv)
+    task = TASKS[args.task]
+    steps = task["steps"] if args.steps is None else args.steps
+    digits = task["digits"] if args.digits is None else args.digits
 
-    tok = CharTokenizer(ARITHMETIC_ALPHABET)
+    tok = CharTokenizer(task["alphabet"])
     cfg = model_config(tok.vocab_size)
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(cfg, mesh, seed=args.seed)
-    train = arithmetic_records(args.seed, args.steps * args.batch_size, args.digits)
-    held_out = arithmetic_records(args.seed + 1, args.eval_size, args.digits, split="eval")
-    seq_len = 2 * args.digits + 2 + args.digits + 3  # "a+b=" + answer (<= digits+1) + "0" + eos
-    tokens, valid, mask = encode_examples(
-        train, tok, seq_len, args.ramble_prob, args.ramble_digits, args.seed
-    )
+    train = arithmetic_records(args.seed, steps * args.batch_size, digits, task["ops"])
+    held_out = arithmetic_records(args.seed + 1, args.eval_size, digits, task["ops"], split="eval")
+    if args.task == "arithmetic":
+        seq_len = 2 * digits + 2 + digits + 3  # "a+b=" + answer (<= digits+1) + "0" + eos
+        data = encode_arithmetic(
+            train, tok, seq_len, args.ramble_prob, args.ramble_digits, args.seed
+        )
+    else:
+        seq_len = 8 * digits + 8  # "a*b=" + "<a*b>" + "result;" + "result" + eos
+        data = encode_calc(train, tok, seq_len, args.tool_prob, args.seed)
+    tokens, valid, mask = data
     positions = np.tile(np.arange(seq_len, dtype=np.int32), (args.batch_size, 1))
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0, args.learning_rate, 20, args.steps))
+    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0, args.learning_rate, 20, steps))
     opt_state = tx.init(params)
 
     @jax.jit
@@ -121,13 +242,18 @@ def main(argv=None) -> int:
         return optax.apply_updates(params, updates), opt_state, loss
 
     start = time.perf_counter()
-    for i in range(args.steps):
+    for i in range(steps):
         sl = slice(i * args.batch_size, (i + 1) * args.batch_size)
         params, opt_state, loss = step(params, opt_state, tokens[sl], valid[sl], mask[sl])
         loss = float(loss)  # block every step
-        if (i + 1) % 50 == 0 or i + 1 == args.steps:
-            print(f"step {i + 1}/{args.steps}: loss {loss:.4f}", file=sys.stderr)
-    acc = greedy_accuracy(graphdef, params, held_out, tok, args.digits + 3)
+        if (i + 1) % 50 == 0 or i + 1 == steps:
+            print(f"step {i + 1}/{steps}: loss {loss:.4f}", file=sys.stderr)
+    if args.task == "arithmetic":
+        acc = greedy_accuracy(graphdef, params, held_out, tok, digits + 3)
+        result = f"held-out greedy accuracy {acc:.3f}"
+    else:
+        r = calc_report(graphdef, params, held_out, tok, digits, args.eval_samples, args.seed)
+        result = "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
     save_hf(
         args.out,
         cfg,
@@ -136,7 +262,7 @@ def main(argv=None) -> int:
     )
     with open(os.path.join(args.out, CHAR_TOKENIZER_FILE), "w") as f:
         json.dump(tok.to_dict(), f, indent=2)
-    print(f"held-out greedy accuracy {acc:.3f} after {args.steps} steps "
+    print(f"{result} after {steps} steps "
           f"({time.perf_counter() - start:.0f} s); wrote {args.out}")  # fmt: skip
     return 0
 

@@ -19,6 +19,10 @@ tokens together; admission reserves its worst-case pages, so a running episode n
 and `max_turn_tokens` caps one model turn. An observation that leaves no room for one more model
 token ends the episode with finish_reason "length", as does a turn that uses up the budget.
 
+Multi-process runs: every process runs the same loop on the same host values, so a future counts
+as done only once it is done on every process (`_agreed_done`), and environments must give every
+process the same observation ids (deterministic tools).
+
 Determinism: a token is drawn with a key of (request, sample, cache position), so an episode's
 tokens depend neither on its slot nor on when its tool answered. Resumed episodes go first, then
 new groups are admitted; the admission order is the prompts' order.
@@ -31,9 +35,20 @@ import dataclasses
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from sampling.requests import Completion, Parked, check_requests
 from sampling.state import host_values
+
+
+def _agreed_done(futures: list[Future]) -> list[Future]:
+    """The futures that are done, on every process of a multi-process run: each process decides
+    the same resumes and admissions, as SPMD needs (`futures` is in the same order everywhere)."""
+    done = np.array([f.done() for f in futures], bool)
+    if jax.process_count() > 1 and futures:
+        done = multihost_utils.process_allgather(done).reshape(-1, len(futures)).all(axis=0)
+    return [f for f, d in zip(futures, done) if d]
 
 
 @dataclasses.dataclass
@@ -99,7 +114,7 @@ def generate_episodes(
 
     try:
         while pending or owner or waiting or ready:
-            for fut in [f for f in waiting if f.done()]:
+            for fut in _agreed_done(list(waiting)):
                 answered(waiting.pop(fut), fut.result())
             # Episodes between turns first: they hold pages already.
             items = []
