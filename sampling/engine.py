@@ -1,21 +1,22 @@
 """Sampler engine in the shape of JetStream's: prefill, insert / bulk_insert, generate, free_resource,
-plus the batch loop `generate_all` with continuous batching over a fixed number of slots.
+plus the batch loop `generate_all` (continuous batching over a fixed number of slots; it is
+`sampling.episodes.generate_episodes`, which also runs multi-turn episodes with `park` / `resume`).
 
 Device work is jitted functions (`sampling.steps`) over the donated `sampling.state.DecodeState`:
 - `prefill` / `prefill_many`: prompts right-padded to a power-of-two length bucket, up to
-  MAX_PREFILL_BATCH rows per call (`generate_all` prefills everything it admits at once), written
-  into freshly allocated pages. It caches all prompt tokens but the last; the last prompt token is the
-  `last_token` of the slot and is fed by the first decode step. So every token, the first one
-  included, is sampled in one place (`steps.generate`) with one key schedule, and the G samples of a
-  group draw their first tokens independently without a second sampling path. (JetStream's
-  prefill returns the first token instead; this costs one batched decode step per request.)
+  MAX_PREFILL_BATCH rows per call, written into freshly allocated pages. It caches all prompt
+  tokens but the last, which is the slot's `last_token`, fed by the first decode step: every
+  token, the first one included, is sampled in one place (`steps.generate`) with one key
+  schedule. (JetStream's prefill returns the first token instead; this costs one batched decode
+  step per request.)
 - `bulk_insert`: one prefilled prompt (a single-use `Prefix`) into G idle slots. Full prompt
   pages are shared (refcount G); the partial last page is copied on device for samples 1..G-1
-  (`PageAllocator.fork_for_group`).
-  `generate_all` puts a group on an aligned block of G slots when one is free, which lets the
-  blockwise attention backend read the shared pages once per block (`shared_len`); otherwise on
-  any free slots, the free slots of partly used blocks first.
+  (`PageAllocator.fork_for_group`). A group goes on an aligned block of G slots when one is free,
+  which lets the blockwise backend read the shared pages once per block (`shared_len`).
 - `generate`: `num_steps` decode steps in one `lax.fori_loop`.
+- `park` / `resume`: a sequence between two turns of an episode frees its slot but keeps its pages
+  and their reservation; `resume` prefills only its new tokens (batched) after its cached history
+  and puts it in any free slot.
 
 Sharding: the jitted functions declare no `in_shardings`, so parameters are used in their own
 shardings, never resharded or gathered per call (tests/sampling/test_engine_scale.py checks it).
@@ -29,22 +30,17 @@ group's worst-case pages (`group_pages`) up front, so a running request never ru
 Misuse raises ValueError before anything changes (`sampling.requests` checks the arguments;
 `bulk_insert` rejects a consumed or stale Prefix and busy, repeated or out-of-range slots;
 `prefill_many` allocates all or nothing). Every call donates the state it is given;
-`init_state()` resets the host bookkeeping with it. If `generate_all` raises (on_finish
-included), it frees the host side of every slot it admitted, then re-raises.
+`init_state()` resets the host bookkeeping with it.
 
-Randomness: the token of sample g of request r at step n is drawn with
-fold_in(fold_in(fold_in(root, r), g), n). It does not depend on the slot or on the other requests
-in the batch, so a request gives the same tokens alone or continuously batched.
-
-min_new_tokens bans the stop ids (probability 0) while fewer than min_new_tokens tokens exist.
-The recorded log-prob is the one under that banned distribution, the one the token was actually
-drawn from; the learner applies the same ban at the same completion positions
-(`rl.learner.Batch.stop_masked`), so the two agree there too.
+Randomness: the token of sample g of request r fed at cache position p is drawn with
+fold_in(fold_in(fold_in(root, r), g), p). It does not depend on the slot or on the other requests
+in the batch, so a request gives the same tokens alone or continuously batched, and a multi-turn
+episode the same tokens whenever its tool answers.
+min_new_tokens bans the stop ids while fewer tokens exist; the recorded log-prob is under that
+banned distribution, and the learner applies the same ban (`rl.learner.Batch.stop_masked`).
 """
 
 from __future__ import annotations
-
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +58,7 @@ from sampling.page_allocator import (
     group_pages,
 )
 from sampling.paged_attention import resolve_backend
-from sampling.requests import EngineConfig, Parked, Prefix, check_prompt
+from sampling.requests import EngineConfig, Parked, Prefix, check_prompt, check_resume, check_slots
 from sampling.state import DecodeState, host_values, state_shardings
 
 MAX_PREFILL_BATCH = 16  # prompts per prefill call
@@ -195,14 +191,7 @@ class Engine:
         return state
 
     def _check_slots(self, slots, unique: bool = True) -> list[int]:
-        slots = [operator.index(s) for s in slots]
-        bad = [s for s in slots if not 0 <= s < self.ecfg.num_slots]
-        if bad:
-            raise ValueError(f"slot(s) {bad} out of range: need 0..{self.ecfg.num_slots - 1}")
-        dup = sorted({s for s in slots if slots.count(s) > 1})
-        if unique and dup:
-            raise ValueError(f"slot(s) {dup} given more than once")
-        return slots
+        return check_slots(self.ecfg.num_slots, slots, unique)
 
     def bulk_insert(
         self, state, prefix: Prefix, slots, request_id: int, max_new: int, reserve: int = 0
@@ -344,11 +333,12 @@ class Engine:
         reservation (a multi-turn episode waiting for its tool). `last_tokens[j]`: the last
         token slot j sampled (not cached; `resume` feeds it). Returns a `Parked` per slot."""
         slots = self._check_slots(slots)
+        idle = [s for s in slots if s not in self._cap]
+        if idle:
+            raise ValueError(f"slot(s) {idle} idle: nothing to park")
         rid, sid = host_values((state.request_id, state.sample_id))
         parked = []
         for s, last in zip(slots, last_tokens):
-            if s not in self._cap:
-                raise ValueError(f"slot {s} is idle: nothing to park")
             p = Parked(self.table.clear_row(s), self._len.pop(s), int(last), self._cap.pop(s),
                        int(rid[s]), int(sid[s]), self._epoch)  # fmt: skip
             self.free_slots.append(s)
@@ -374,11 +364,7 @@ class Engine:
         for p, new, _, max_new in items:
             if p not in self._parked or p.epoch is not self._epoch:
                 raise ValueError("not a parked sequence of this engine (resumed or dropped?)")
-            if p.cached_len + len(new) + max_new > p.cap or max_new < 1:
-                raise ValueError(
-                    f"{len(new)} new tokens + max_new={max_new} exceed the sequence's reserved "
-                    f"{p.cap - p.cached_len} tokens after {p.cached_len} cached"
-                )
+            check_resume(p, new, max_new)
         seqs = [[p.last_token, *new] for p, new, _, _ in items]
         for (p, *_), seq in zip(items, seqs):  # within the reservation: cannot run out
             p.pages = p.pages + self.allocator.alloc(
@@ -405,15 +391,11 @@ class Engine:
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
         request_ids=None, on_finish=None,
     ):  # fmt: skip
-        """Completions for every prompt, num_samples (G) each: returns (state, results) with
-        results[i][g] a `Completion`. Request i uses PRNG stream request_ids[i] (default i).
-        max_new_tokens is one int for all requests or a list with one per request (default
-        `EngineConfig.max_new_tokens`). `on_finish(i, g, completion)`, if given, is called as each
-        sequence finishes (progress bars; scoring finished groups while decoding goes on).
-
-        `state` is donated: use the returned one. After an exception (arguments are checked
-        first) the host side is cleaned up; start again from `init_state()`. This is
-        `sampling.episodes.generate_episodes` with single-turn episodes."""
+        """(state, results): results[i][g] the `Completion` of sample g (of num_samples) of
+        prompt i, with PRNG stream request_ids[i] (default i) and max_new_tokens (one int or one
+        per request; default the config's). `on_finish(i, g, completion)` is called as each
+        sequence finishes. `state` is donated; after an exception the host side is cleaned up
+        (start again from `init_state()`). `sampling.episodes.generate_episodes`, one turn."""
         from sampling.episodes import generate_episodes
 
         return generate_episodes(

@@ -7,6 +7,7 @@ half taken.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import numpy as np
 
@@ -93,6 +94,27 @@ class Completion:
     length: int
     turns: int = 1
     observation: list[bool] | None = None  # None: every token is the model's
+
+
+def check_slots(num_slots: int, slots, unique: bool = True) -> list[int]:
+    """slots as ints, or ValueError when one is out of range (or repeated, with `unique`)."""
+    slots = [operator.index(s) for s in slots]
+    bad = [s for s in slots if not 0 <= s < num_slots]
+    if bad:
+        raise ValueError(f"slot(s) {bad} out of range: need 0..{num_slots - 1}")
+    dup = sorted({s for s in slots if slots.count(s) > 1})
+    if unique and dup:
+        raise ValueError(f"slot(s) {dup} given more than once")
+    return slots
+
+
+def check_resume(parked: Parked, new_tokens, max_new: int) -> None:
+    """ValueError when a parked sequence's new tokens and next turn exceed its reservation."""
+    if max_new < 1 or parked.cached_len + len(new_tokens) + max_new > parked.cap:
+        raise ValueError(
+            f"{len(new_tokens)} new tokens + max_new={max_new} exceed the sequence's reserved "
+            f"{parked.cap - parked.cached_len} tokens after {parked.cached_len} cached"
+        )
 
 
 def check_prompt(ecfg: EngineConfig, prompt) -> None:
