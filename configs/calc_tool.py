@@ -7,8 +7,8 @@ answers directly ("56088" <eos>) or calls the calculator, "<123*456>", a turn th
 stop id of ">"; the environment appends the observation "56088;" as token ids, prefilled onto the
 episode's own KV pages, and decoding resumes for the answer. Observation tokens are masked out of
 the loss. The warm start (configs/assets/calc_sft, made by
-`python -m launch.sft --task calc --out configs/assets/calc_sft`) calls the tool on about a third of
-the problems when sampling and guesses on the others; a tiny model cannot multiply 3-digit numbers,
+`python -m launch.sft --task calc --out configs/assets/calc_sft`) calls the tool on some of
+the problems when sampling (about a quarter) and guesses on the others; a tiny model cannot multiply 3-digit numbers,
 so its guesses are nearly always wrong and its greedy answers (mostly guesses) score low. The exact
 answer reward makes GRPO raise the tool-call rate, and with it held-out greedy accuracy: the run
 prints both before GRPO and at the end (eval/tool_call_rate, eval/accuracy in metrics.jsonl).

@@ -20,7 +20,10 @@ Trains a tiny Llama-family, character-level transformer with teacher forcing on 
   likeliest first digit beats "<"), so the held-out greedy accuracy is low and GRPO has to learn
   that calling the tool pays. The final line reports greedy and sampled (T=1) tool-call rates and
   episode accuracies, the greedy direct-answer accuracy and the tool-path accuracy (call and
-  observation forced, the answer decoded greedily).
+  observation forced, the answer decoded greedily). The shipped warm start (tool_prob 0.3, 1200
+  steps): greedy calls 5.5% and scores 5.5% (direct answers 0%), sampling calls 26% and scores
+  24%, the tool path 96.5%. The greedy call rate is the fragile number: it falls as training
+  sharpens the first digit and rises steeply with tool_prob (0.35 at 1000 steps: greedy 29%).
 
 Writes an HF checkpoint directory (`models.hf.save_hf`) with the tokenizer beside the weights
 (`char_tokenizer.json`, over `rl.tasks.ARITHMETIC_ALPHABET` or `CALC_ALPHABET`, so every operator
@@ -28,7 +31,8 @@ is encodable), which a config loads like any other.
 
 Simplifications: the loss is the mean negative log-likelihood of the model's tokens (answers, tool
 calls, end tokens), computed with the learner's own chunked log-prob function (`rl.logprobs`); one
-device; no checkpoints (arithmetic: 2000 steps take about 4 minutes on a 2-core CPU).
+device; no checkpoints (on a 2-core CPU, arithmetic's 2000 steps take about 4 minutes, calc's
+1200 steps of 31-token episodes about 5).
 The held-out evaluation of `calc` decodes the two turns of a tool call by re-prefilling the whole
 sequence for the second turn; the RL environment instead keeps the episode's pages.
 """
@@ -67,7 +71,7 @@ from sampling.engine import Engine, EngineConfig
 # Per-task defaults: alphabet, operand digits, operators, optimizer steps.
 TASKS = {
     "arithmetic": dict(alphabet=ARITHMETIC_ALPHABET, digits=2, ops="+", steps=2000),
-    "calc": dict(alphabet=CALC_ALPHABET, digits=3, ops="*", steps=1000),
+    "calc": dict(alphabet=CALC_ALPHABET, digits=3, ops="*", steps=1200),
 }
 
 
@@ -159,9 +163,9 @@ def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed:
         _, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=seed)
         return [[c.tokens for c in group] for group in results]
 
-    def observation(turn_ids):
-        text = tok.decode(turn_ids)
-        return tok.encode(calc_observation(text[1:-1] if text.startswith(CALL_OPEN) else ""))
+    def observation(turn_ids):  # as rl/envs/calculator.py: the text after the last "<"
+        _, opened, expr = tok.decode(turn_ids)[:-1].rpartition(CALL_OPEN)
+        return tok.encode(calc_observation(expr if opened else ""))
 
     out = {}
     greedy = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=0.0))
