@@ -93,6 +93,7 @@ class Engine:
             self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
         self.allocator = PageAllocator(ecfg.num_pages)
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
+        self.prefill_tokens = 0  # tokens computed by prefill (prompts, resumed turns), ever
         self._reset_host()
 
     def _reset_host(self) -> None:
@@ -110,7 +111,6 @@ class Engine:
         self._len: dict[int, int] = {}
         self._epoch = object()  # Prefixes made before the last reset are stale
         self._parked: list[Parked] = []  # sequences between turns: pages kept, no slot
-        self.prefill_tokens = 0  # tokens computed by prefill (prompts and resumed turns)
 
     def _zeros(self) -> DecodeState:
         e = self.ecfg

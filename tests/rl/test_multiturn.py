@@ -38,17 +38,18 @@ def test_episode_batch_is_the_sampled_and_observation_ids():
     run = build(config)
     seen = []  # every turn the environment saw, in order per episode
     step = run.env.step
-    run.env.step = lambda ep, turn: (seen.append((id(ep), turn.ids)), step(ep, turn))[1]
+    run.env.step = lambda ep, turn: (seen.append((ep, turn.ids)), step(ep, turn))[1]
     data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
     rollouts = run.rollouts()
-    rollout = rollouts(0, run.state.params, data)
+    rollouts(0, run.state.params, data)
+    rollout = rollouts(1, run.state.params, data)  # the second: counters are per rollout
     rollouts.close()
     b = jax.device_get(rollout.batch)
     row = 0
     for grp in rollout.groups:
         for ep, c in zip(grp.episodes, grp.completions):
             turns = [t.ids for t in ep.turns]
-            assert len(turns) == 3 and [ids for e, ids in seen if e == id(ep)] == turns[:2]
+            assert len(turns) == 3 and [ids for e, ids in seen if e is ep] == turns[:2]
             want = turns[0] + OBS[1] + turns[1] + OBS[2] + turns[2]
             is_obs = [False] * len(turns[0]) + [True] * 3 + [False] * len(turns[1]) + [True] * 2
             is_obs += [False] * len(turns[2])
