@@ -144,7 +144,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         _need(v.max_tool_seconds > 0, "env.max_tool_seconds", v.max_tool_seconds, "must be > 0")
         _need(v.tool_workers >= 1, "env.tool_workers", v.tool_workers, "must be >= 1")
         _need(c.sampling.min_new_tokens == 0, "sampling.min_new_tokens", c.sampling.min_new_tokens,
-              "must be 0 with an environment (a turn may be one token)")  # fmt: skip
+              "must be 0 with an environment (the sampler would ban stop ids at the start of "
+              "every turn, the learner only at the start of the episode)")  # fmt: skip
+        _need(v.max_observation_chars >= 1, "env.max_observation_chars",
+              v.max_observation_chars, "must be >= 1")  # fmt: skip
         _need(c.rl.overlong_buffer == 0, "rl.overlong_buffer", c.rl.overlong_buffer,
               "must be 0 with an environment (the episode's reward is the environment's)")  # fmt: skip
     _need(c.rl.get("reward_timeout_s", 0) >= 0, "rl.reward_timeout_s",

@@ -37,7 +37,7 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
     """(correct bool [R,G], tool-call rate, texts) of G episodes per record."""
     sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
     try:
-        prompts = env_prompts(env, records, cfg.sampling.max_prompt_len)
+        prompts = env_prompts(env, records, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
         ids = range(len(records))
         _, out = sampler.run(params, engine.init_state(), records, prompts, g, seed, ids)
         correct = np.stack([fut.result() >= 0.5 for _, _, fut in out])

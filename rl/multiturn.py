@@ -8,8 +8,10 @@ episode loop (`sampling.episodes`).
 While an episode's `step` runs (a tool, a sandboxed program), its slot decodes other episodes.
 Limits per episode, from the config's `env` section: `max_turns` model turns, the token budget
 `sampling.max_new_tokens` after the prompt (model and observation tokens), and `max_tool_seconds`
-of `step` wall time; the episode ends when one is reached, and its reward is scored as it stands.
-An exception in `step` or `reward` ends that episode with reward 0; it is counted in
+of `step` wall time, checked after each call (a thread cannot be stopped: a single call is
+bounded by the tool itself, e.g. the sandbox's wall-clock limit); the episode ends when one is
+reached, and its reward is scored as it stands. An exception in `step`, `reward` or `close`, or
+observation ids outside the vocabulary, end that episode with reward 0; it is counted in
 `episode/env_errors` and warned about once, and the run goes on.
 
 Each finished group is scored on the tool workers as soon as its G episodes end, like single-turn
@@ -19,6 +21,7 @@ groups (`rl.rollout`), and `env.close` releases what its episodes held (workspac
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +38,7 @@ class EpisodeSampler:
 
     def __init__(self, env: Environment, engine, tokenizer, env_cfg):
         self.env, self.engine, self.tokenizer = env, engine, tokenizer
+        self.vocab_size = engine.cfg.vocab_size
         self.max_turns = env_cfg.max_turns
         self.max_turn_tokens = env_cfg.max_turn_tokens or None
         self.max_tool_seconds = env_cfg.max_tool_seconds
@@ -51,6 +55,11 @@ class EpisodeSampler:
         start = time.perf_counter()
         try:
             obs = self.env.step(ep, turn)
+            if obs is not None:
+                obs = [operator.index(t) for t in obs]
+                bad = [t for t in obs if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"observation ids {bad[:5]} outside [0, {self.vocab_size})")
         except Exception as err:  # noqa: BLE001 - an environment bug ends the episode only
             self._warn_once("step", err)
             ep.env_errors += 1
@@ -59,6 +68,12 @@ class EpisodeSampler:
         if ep.tool_seconds > self.max_tool_seconds:
             return None
         return obs
+
+    def _close(self, ep: Episode) -> None:
+        try:
+            self.env.close(ep)
+        except Exception as err:  # noqa: BLE001
+            self._warn_once("close", err)
 
     def _score(self, episodes: list[Episode]) -> np.ndarray:
         rewards = []
@@ -72,7 +87,7 @@ class EpisodeSampler:
                 ep.env_errors += 1
                 r = 0.0
             finally:
-                self.env.close(ep)
+                self._close(ep)
             rewards.append(r)
         return np.asarray(rewards, np.float32)
 
@@ -98,30 +113,43 @@ class EpisodeSampler:
             if not left[i]:
                 futures[i] = self.pool.submit(self._score, episodes[i])
 
-        state, _ = generate_episodes(
-            self.engine, params, state, prompts, g, seed=seed, request_ids=list(request_ids),
-            on_finish=on_finish, respond=respond, max_turn_tokens=self.max_turn_tokens,
-        )  # fmt: skip
+        try:
+            state, _ = generate_episodes(
+                self.engine, params, state, prompts, g, seed=seed, request_ids=list(request_ids),
+                on_finish=on_finish, respond=respond, max_turn_tokens=self.max_turn_tokens,
+            )  # fmt: skip
+        except BaseException:
+            for i, eps in enumerate(episodes):  # release what unscored episodes hold
+                if i not in futures:
+                    for ep in eps:
+                        self._close(ep)
+            raise
         return state, [(episodes[i], done[i], futures[i]) for i in range(len(records))]
 
     def close(self) -> None:
         self.pool.shutdown()
 
 
-def episode_stats(groups, prefill_tokens: int) -> dict[str, float]:
-    """Per-rollout metrics of multi-turn episodes (means are per episode) of `rl.rollout.Group`s.
-
-    `episode/prefill_tokens` is what the engine prefilled (each prompt once per group, then only
-    observations); `episode/reprefill_tokens` is what a design that re-prefills the whole history
-    every turn would compute for the same episodes."""
-    episodes = [ep for grp in groups for ep in grp.episodes]
-    completions = [c for grp in groups for c in grp.completions]
-    reprefill = sum(len(grp.prompt) - 1 for grp in groups)  # turn 1: the prompt, once per group
+def reprefill_tokens(groups) -> int:
+    """The tokens a design that re-prefills the whole history every turn would prefill for these
+    groups (each prompt once per group, like ours, then prompt + history before every turn)."""
+    total = sum(len(grp.prompt) - 1 for grp in groups)
     for grp in groups:
         for c in grp.completions:
             obs = np.asarray(c.observation or [False] * c.length, bool)
             starts = np.flatnonzero(obs[:-1] & ~obs[1:]) + 1  # a turn starts after observations
-            reprefill += int(np.sum(len(grp.prompt) - 1 + starts))
+            total += int(np.sum(len(grp.prompt) - 1 + starts))
+    return total
+
+
+def episode_stats(groups, prefill_tokens: int, reprefill: int) -> dict[str, float]:
+    """Per-rollout metrics of multi-turn episodes (means are per episode) of `rl.rollout.Group`s.
+
+    `episode/prefill_tokens` is what the engine prefilled (each prompt once per group, then only
+    observations) and `episode/reprefill_tokens` what re-prefilling the history every turn would
+    have: both over every sampling round of the step, dynamic sampling's dropped groups too."""
+    episodes = [ep for grp in groups for ep in grp.episodes]
+    completions = [c for grp in groups for c in grp.completions]
     n_obs = sum(sum(c.observation or []) for c in completions)
     mean = lambda f: float(np.mean([f(ep) for ep in episodes]))
     return {

@@ -33,7 +33,7 @@ from rl.advantages import compute_advantages
 from rl.data import global_batch, reward_inputs, tokenize_prompts
 from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
-from rl.multiturn import EpisodeSampler, episode_stats
+from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
 from sampling.state import host_values
@@ -181,7 +181,9 @@ class Rollouts:
         for name in groups[0].parts:
             stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
         if self.episodes is not None:
-            stats.update(episode_stats(groups, stats.pop("prefill_tokens")))
+            stats.update(
+                episode_stats(groups, stats.pop("prefill_tokens"), stats.pop("reprefill_tokens"))
+            )
         return Rollout(batch, groups, rewards, stats)
 
     def _sample(self, step: int, params, data) -> tuple[list[Group], dict[str, float]]:
@@ -193,14 +195,15 @@ class Rollouts:
         )
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         rounds = []
-        prefill_before = self.engine.prefill_tokens
+        prefill_before, self.reprefill = self.engine.prefill_tokens, 0
 
         def sample_round(n):
             records = global_batch(next(data))[:n]
             if self.episodes is None:
                 prompts = tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
             else:
-                prompts = env_prompts(self.episodes.env, records, c.sampling.max_prompt_len)
+                prompts = env_prompts(self.episodes.env, records, c.sampling.max_prompt_len,
+                                      c.data.train.prompt_field)  # fmt: skip
             seed = int(jax.random.randint(jax.random.fold_in(root, len(rounds)), (), 0, 2**31 - 1))
             # Request ids unique over steps and refill rounds: at most b prompts a round.
             base = (step * max_tries + len(rounds)) * b
@@ -213,6 +216,7 @@ class Rollouts:
         else:
             groups, _, stats = fill_groups(sample_round, b, g, max_tries)
         stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
+        stats["reprefill_tokens"] = self.reprefill
         return groups, stats
 
     def sample_groups(self, params, records, prompts, seed, request_ids) -> list[Group]:
@@ -244,10 +248,12 @@ class Rollouts:
         if not c.sampling.release_kv_between_phases:
             self.decode_state = state  # keep the pages allocated for the next rollout
         if self.episodes is not None:
-            return [
+            groups = [
                 episode_group(record, prompt, eps, completions, fut.result(), self.tokenizer)
                 for record, prompt, (eps, completions, fut) in zip(records, prompts, out)
             ]
+            self.reprefill += reprefill_tokens(groups)
+            return groups
         return [futures[i].result() for i in range(len(prompts))]
 
     def close(self) -> None:
@@ -256,9 +262,9 @@ class Rollouts:
             self.episodes.close()
 
 
-def env_prompts(env, records, max_prompt_len: int) -> list[list[int]]:
+def env_prompts(env, records, max_prompt_len: int, prompt_field: str) -> list[list[int]]:
     """The environment's prompt ids of records; one longer than max_prompt_len is an error."""
-    prompts = [env.prompt(r) for r in records]
+    prompts = [env.prompt(r, prompt_field) for r in records]
     longest = max((len(p) for p in prompts), default=0)
     if longest > max_prompt_len:
         raise ValueError(

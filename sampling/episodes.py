@@ -21,7 +21,8 @@ token ends the episode with finish_reason "length", as does a turn that uses up 
 
 Multi-process runs: every process runs the same loop on the same host values, so a future counts
 as done only once it is done on every process (`_agreed_done`), and environments must give every
-process the same observation ids (deterministic tools).
+process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
+Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
 Determinism: a token is drawn with a key of (request, sample, cache position), so an episode's
 tokens depend neither on its slot nor on when its tool answered. Resumed episodes go first, then
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
+import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
@@ -46,9 +49,30 @@ def _agreed_done(futures: list[Future]) -> list[Future]:
     """The futures that are done, on every process of a multi-process run: each process decides
     the same resumes and admissions, as SPMD needs (`futures` is in the same order everywhere)."""
     done = np.array([f.done() for f in futures], bool)
-    if jax.process_count() > 1 and futures:
-        done = multihost_utils.process_allgather(done).reshape(-1, len(futures)).all(axis=0)
-    return [f for f, d in zip(futures, done) if d]
+    if jax.process_count() == 1 or not futures:
+        return [f for f, d in zip(futures, done) if d]
+    done = multihost_utils.process_allgather(done).reshape(-1, len(futures)).all(axis=0)
+    agreed = [f for f, d in zip(futures, done) if d]
+    # Every process must append the same ids: a mismatch fails here instead of hanging later.
+    digest = np.array([_digest(f) for f in agreed], np.int64)
+    if agreed:
+        all_digests = multihost_utils.process_allgather(digest).reshape(-1, len(agreed))
+        if (all_digests != digest).any():
+            raise RuntimeError(
+                "an environment gave different observations on different processes; "
+                "multi-process runs need deterministic tools"
+            )
+    return agreed
+
+
+def _digest(future: Future) -> int:
+    """A process-independent digest of a future's answer (-1: None, -2: it raised)."""
+    if future.exception() is not None:
+        return -2
+    answer = future.result()
+    if answer is None:
+        return -1
+    return zlib.crc32(np.asarray(list(answer), np.int64).tobytes())
 
 
 @dataclasses.dataclass
@@ -91,6 +115,8 @@ def generate_episodes(
     waiting: dict[Future, _Episode] = {}  # parked, the observation being computed
     ready: collections.deque = collections.deque()  # (episode, observation ids), parked
     pending = list(range(len(prompts)))
+    parked_here: list[Parked] = []  # every sequence this call parked (dropped on an exception)
+    vocab = engine.cfg.vocab_size
 
     def finish(ep: _Episode, reason: str | None = None) -> None:
         if ep.parked is not None:
@@ -106,16 +132,21 @@ def generate_episodes(
 
     def answered(ep: _Episode, obs) -> None:
         if obs is None:
-            finish(ep)
-        elif len(obs) + 1 > ep.left:  # no room for the observation and one more model token
+            return finish(ep)
+        obs = [operator.index(t) for t in obs]
+        bad = [t for t in obs if not 0 <= t < vocab]
+        if bad:  # an id outside the vocabulary would write NaN into the KV pages
+            raise ValueError(f"observation ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(obs) + 1 > ep.left:  # no room for the observation and one more model token
             finish(ep, "length")
         else:
-            ready.append((ep, [int(t) for t in obs]))
+            ready.append((ep, obs))
 
     try:
         while pending or owner or waiting or ready:
             for fut in _agreed_done(list(waiting)):
-                answered(waiting.pop(fut), fut.result())
+                answer = fut.result()
+                answered(waiting.pop(fut), answer)
             # Episodes between turns first: they hold pages already.
             items = []
             while ready and len(engine.free_slots) > len(items):
@@ -184,6 +215,7 @@ def generate_episodes(
                 state, parked = engine.park(
                     state, [s for s, *_ in to_park], [ep.tokens[-1] for _, ep, _ in to_park]
                 )
+                parked_here += parked
                 for (_, ep, answer), p in zip(to_park, parked):
                     ep.parked = p
                     if isinstance(answer, Future):
@@ -193,9 +225,8 @@ def generate_episodes(
     except BaseException:
         for s in mine & engine._cap.keys():
             engine._free_host(s)
-        for ep in [*waiting.values(), *(ep for ep, _ in ready)]:
-            if ep.parked is not None:
-                engine.drop(ep.parked)
+        for p in parked_here:  # a no-op for those already resumed or dropped
+            engine.drop(p)
         for x in prefixes:
             if not x.consumed and x.epoch is engine._epoch:
                 engine.allocator.free(x.pages)

@@ -8,7 +8,9 @@ donate it and update it in place. The KV pages of all layers are stacked into on
 
 The hooks implement `models.attention.Attend`, so the one transformer runs unchanged:
 - `PagedPrefill` (B prompts of T tokens): dense causal attention over the prompt itself, as in
-  training, and a scatter of the prompt's k, v into its pages. Nothing is read from the cache.
+  training, and a scatter of the prompt's k, v into its pages; nothing is read from the cache.
+  With `starts` (a multi-turn episode's new tokens after its cached history) the rows' pages are
+  gathered after the write and the new tokens attend to the history too.
 - `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
   attention over lengths[b] + 1 tokens. Idle slots write to the null page (position -1).
 

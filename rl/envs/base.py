@@ -73,12 +73,12 @@ class Environment(abc.ABC):
         kwargs = self.config.data.get("chat_template_kwargs", {})
         return kwargs.to_dict() if hasattr(kwargs, "to_dict") else dict(kwargs)
 
-    def prompt(self, record: dict) -> list[int]:
-        """The episode's prompt ids; by default the record's prompt field under the config's
-        data settings (chat template, system prompt), as for single-turn training."""
+    def prompt(self, record: dict, prompt_field: str = "prompt") -> list[int]:
+        """The episode's prompt ids; by default the record's `prompt_field` (the data split's)
+        under the config's data settings (chat template, system prompt), as for single-turn."""
         d = self.config.data
         return format_prompt(record, self.tokenizer, d.use_chat_template, d.system_prompt or None,
-                             d.train.prompt_field, self._template_kwargs())  # fmt: skip
+                             prompt_field, self._template_kwargs())  # fmt: skip
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end a model turn besides the tokenizer's end ids (a tool-call close);

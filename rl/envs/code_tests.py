@@ -55,7 +55,7 @@ class CodeTestsEnv(Environment):
 
     def _python(self, episode: Episode, turn: Turn) -> str:
         episode.tool_calls += 1
-        body = turn.text.rpartition(CALL_OPEN)[2].removesuffix(CALL_CLOSE).strip()
+        body = turn.text.rpartition(CALL_OPEN)[2].strip().removesuffix(CALL_CLOSE).strip()
         try:
             call = json.loads(body)
             if call.get("name") != "python":

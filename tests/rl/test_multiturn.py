@@ -77,3 +77,63 @@ def test_episode_batch_is_the_sampled_and_observation_ids():
         s["episode/prefill_tokens"] == sum(len(g.prompt) - 1 for g in rollout.groups) + obs_tokens
     )
     assert s["episode/reprefill_tokens"] > 2 * s["episode/prefill_tokens"]
+
+
+class Hostile(Scripted):
+    """A broken environment: `mode` picks what goes wrong on turn 2."""
+
+    mode = ""
+
+    def step(self, episode, turn):
+        if episode.num_turns == 2:
+            if self.mode == "step_raises":
+                raise RuntimeError("tool crashed")
+            if self.mode == "text":
+                return "not ids"
+            if self.mode == "out_of_vocab":
+                return [10**6]  # outside any vocabulary
+        return super().step(episode, turn)
+
+    def reward(self, episode):
+        if self.mode == "nan_reward":
+            return float("nan")
+        if self.mode == "reward_raises":
+            raise KeyError("answer")
+        return super().reward(episode)
+
+    def close(self, episode):
+        if self.mode == "close_raises":
+            raise OSError("workspace already gone")
+
+
+MODES = ["step_raises", "text", "out_of_vocab", "nan_reward", "reward_raises", "close_raises"]
+
+
+def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
+    """Every way an environment can fail ends the episode with reward 0, counted in
+    episode/env_errors; nothing raises and no KV page stays allocated."""
+    args = [
+        "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+        "--config.sampling.num_slots=8", "--config.env.name=test_scripted",
+        "--config.env.max_turns=3", "--config.env.max_turn_tokens=3",
+        "--config.sampling.max_new_tokens=16", "--config.sampling.temperature=1.3",
+    ]  # fmt: skip
+    config = parse_args(args, {})[0]
+    run = build(config)
+    data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
+    for mode in MODES:
+        env = Hostile(run.tokenizer, config)
+        env.mode = mode
+        run.env = env
+        rollouts = run.rollouts()
+        rollout = rollouts(0, run.state.params, data)
+        rollouts.close()
+        s = rollout.stats
+        errors = {"close_raises": 0.0}.get(mode, 1.0)
+        assert s["episode/env_errors"] == errors, mode
+        if errors:
+            assert (rollout.rewards == 0).all(), mode
+            assert s["reward/env_failed"] == 1.0, mode
+        assert run.engines["rollout"].allocator.num_used == 0 or not (
+            config.sampling.release_kv_between_phases
+        )

@@ -157,3 +157,32 @@ def test_resume_refuses_what_exceeds_the_reservation(tiny):
     assert engine._len[1] == 5 + 2 + 2 and not engine._parked
     engine.free_resource(state, 1)
     assert engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("failure", ["tool_raises", "on_finish_raises", "out_of_vocab"])
+def test_an_exception_leaves_no_page_or_parked_sequence(tiny, failure):
+    graphdef, params = tiny
+    engine = Engine(CFG, graphdef, MCFG, SamplingParams(0.0))
+    pool = ThreadPoolExecutor(2)
+
+    def tool(i, k):
+        if failure == "tool_raises" and i == 2:
+            raise RuntimeError("tool crashed")
+        return [CFG.vocab_size + 5] if failure == "out_of_vocab" and i == 1 else [4, 5]
+
+    def respond(i, k, turn, left):
+        return pool.submit(tool, i, k) if turn.length == TURN and left > 8 else None
+
+    def on_finish(i, k, completion):
+        if failure == "on_finish_raises" and i == 3:
+            raise KeyError("scoring failed")
+
+    error = {"tool_raises": RuntimeError, "on_finish_raises": KeyError,
+             "out_of_vocab": ValueError}[failure]  # fmt: skip
+    with pytest.raises(error):
+        generate_episodes(
+            engine, params, engine.init_state(), random_prompts([5, 7, 9, 4, 6]), 2,
+            respond=respond, on_finish=on_finish, max_turn_tokens=TURN,
+        )  # fmt: skip
+    pool.shutdown()
+    assert engine.allocator.num_used == 0 and not engine._parked and not engine._cap
