@@ -37,6 +37,9 @@ EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devic
         (EIGHT + ["--config.sampling.backend=nope"], "config.sampling.backend='nope': must be one of"),
         (EIGHT + ["--config.eval.pass_n=200"], "config.eval.pass_n=200: more samples per prompt than sampling.num_slots"),
         (EIGHT + ["--config.seed=-1"], "config.seed=-1: must be in [0, 2**31)"),
+        (EIGHT + ["--config.env.name=nope"], "config.env.name='nope': no such environment"),
+        (EIGHT + ["--config.env.name=calculator", "--config.env.max_turns=0"], "config.env.max_turns=0: must be >= 1"),
+        (EIGHT + ["--config.env.name=calculator", "--config.env.max_turn_tokens=6"], "config.env.max_turn_tokens=6: must be in [0, sampling.max_new_tokens = 5]"),
     ],
 )  # fmt: skip
 def test_bad_inputs_fail_with_one_line_and_leave_the_workdir_alone(args, message, tmp_path, capsys):
