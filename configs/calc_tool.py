@@ -23,7 +23,9 @@ def get_config():
     c = default.get_config()
     c.num_steps = 40  # GRPO steps
     c.checkpoint_every = 20
-    c.eval_every = 20  # held-out greedy accuracy and tool-call rate (also before step 0 and at the end)
+    c.eval_every = (
+        20  # held-out greedy accuracy and tool-call rate (also before step 0 and at the end)
+    )
 
     c.model.hf_checkpoint = os.path.join(default.ASSETS, "calc_sft")  # the tool-calling warm start
 

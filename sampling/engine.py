@@ -91,6 +91,8 @@ class Engine:
         self._shardings = None
         if mesh is not None:
             self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
+        # Jitted once: a new jit of it per init_state compiled again at every rollout.
+        self._fresh = jax.jit(self._zeros, out_shardings=self._shardings)
         self.allocator = PageAllocator(ecfg.num_pages)
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
         self.prefill_tokens = 0  # tokens computed by prefill (prompts, resumed turns), ever
@@ -124,10 +126,7 @@ class Engine:
         to match (pages, slots, Prefixes not yet inserted are forgotten), so this is also how to
         start over after an exception, which leaves the donated state unusable."""
         self._reset_host()
-        if self.layout is None:
-            return self._zeros()
-        # Created sharded in place: no device ever holds the whole KV pool.
-        return jax.jit(self._zeros, out_shardings=self.state_shardings())()
+        return self._fresh()  # on a mesh created sharded in place: no device holds the whole pool
 
     def state_shardings(self) -> DecodeState | None:
         """The NamedSharding of every DecodeState field, or None without a mesh."""
