@@ -29,6 +29,9 @@ def get_config():
     c.log_every = 1  # steps between metric lines / TensorBoard points
     c.eval_every = 20  # steps between held-out evaluations (also run before step 0 and at the end)
     c.num_samples_logged = 4  # completions written as text summaries per logged step
+    c.max_nonfinite_steps = (
+        3  # stop after this many steps in a row with a skipped non-finite update
+    )
     c.distributed = False  # jax.distributed.initialize() (multi-host); or JAX_COORDINATOR_ADDRESS
 
     c.mesh = ml_collections.ConfigDict()

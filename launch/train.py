@@ -38,7 +38,7 @@ from rl.checkpoint import Checkpointer, fingerprint
 from rl.data import load_records, make_prompt_iterator, tokenize_prompts
 
 FLAGS = {"workdir": "", "dry_run": False}
-TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens")
+TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens", "nonfinite_steps")
 
 
 def prepare(config) -> tuple[Run, object, list]:
@@ -81,6 +81,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         print(f"held-out greedy accuracy before GRPO: {summary['accuracy_before']:.3f}",
               file=sys.stderr)  # fmt: skip
     totals = {k: summary.get(k, 0.0) for k in TOTALS}
+    nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
     wall0 = time.perf_counter() - summary.get("wall_seconds", 0.0)
     rollouts = run.rollouts()
     bar = tqdm.tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
@@ -99,12 +100,20 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                        rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
         if config.log_every and (step + 1) % config.log_every == 0:
             _log(log, step + 1, metrics, rollout, config)
-        bad = [k for k in ("loss", "grad_norm") if not np.isfinite(metrics[k])]
-        if bad:  # the update is applied already: stop before a checkpoint keeps it
+        # Non-finite optimizer steps were skipped (the learner left the state as it was); after
+        # max_nonfinite_steps GRPO steps with one in a row, stop before anything else is saved.
+        skipped = int(sum(h["skipped"] for h in history))
+        totals["nonfinite_steps"] += skipped
+        nonfinite = nonfinite + 1 if skipped else 0
+        if skipped:
+            bar.write(f"step {step + 1}: {skipped} optimizer step(s) with a non-finite loss or "
+                      f"gradient skipped ({nonfinite} GRPO step(s) in a row)")  # fmt: skip
+        if nonfinite >= config.max_nonfinite_steps:
             bar.close()
             ckpt.close()
-            fail(f"step {step + 1}: {', '.join(bad)} not finite; stopped without saving it (last "
-                 f"checkpoint: step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
+            fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
+                 f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
+                 f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
             return 3
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
         last = step + 1 == config.num_steps

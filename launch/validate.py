@@ -184,6 +184,7 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, e.pass_n)
         _need(s.num_pages - 1 >= need, "eval.pass_n", e.pass_n,
               f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages")  # fmt: skip
+    _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
     path = c.model.hf_checkpoint

@@ -254,7 +254,13 @@ class Learner:
         grads, metrics = self._grads_impl(state.params, batch)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1), metrics
+        # A non-finite loss or gradient skips the update: parameters, optimizer state and step
+        # stay as they were (selected in place, no copy), and the step is counted as skipped.
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        new = TrainState(params, opt_state, state.step + 1)
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        return new, metrics
 
     # --- public API -------------------------------------------------------------------------
 
@@ -268,7 +274,9 @@ class Learner:
         return self._grads(params, batch)
 
     def step(self, state: TrainState, batch: Batch):
-        """One optimizer update; `state` is donated. Returns (new state, metrics of arrays)."""
+        """One optimizer update; `state` is donated. Returns (new state, metrics of arrays). A
+        step whose loss or gradient norm is not finite leaves the state unchanged
+        (metrics["skipped"] = 1)."""
         if self._step is None:
             raise RuntimeError("call Learner.init_state(params) first")
         return self._step(state, batch)

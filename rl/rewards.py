@@ -18,7 +18,9 @@ length (EOS and padding removed) before they get here.
 
 A reward that raises, or (with `timeout_s`) runs past its time budget, scores 0 for the completions
 of that call and is counted in `{name}_failed`; training goes on. Mistakes in the config or the
-reward's own output (unknown name, missing data field, wrong shape, NaN/inf) still raise.
+reward's own output (unknown name, missing data field, wrong shape) still raise. A NaN or inf
+value is passed on with a warning: the step's loss is then not finite, and the learner skips the
+update (`rl.learner.Learner.step`; the run stops after `max_nonfinite_steps` such steps).
 """
 
 from __future__ import annotations
@@ -133,8 +135,8 @@ def combined_rewards(
     failed; the thread cannot be killed and is abandoned (see `_call_with_timeout`).
 
     Config and programming errors still raise: no rewards, an unknown name (KeyError), a data
-    field the reward needs but the records lack, a result of the wrong shape or a non-finite value
-    (ValueError naming the reward).
+    field the reward needs but the records lack, a result of the wrong shape (ValueError naming
+    the reward). Non-finite values are returned, with a warning.
     """
     if not names_and_weights:
         raise ValueError(f"no rewards configured; known rewards: {sorted(REWARDS)}")
@@ -175,9 +177,11 @@ def combined_rewards(
                 raise ValueError(f"reward {name!r} returned {type(raw).__name__}: {e}") from e
             if values.shape != (n,):
                 raise ValueError(f"reward {name!r} returned shape {values.shape}, expected ({n},)")
-            if not np.isfinite(values).all():
+            if not np.isfinite(values).all():  # passed on: the learner skips the step
                 i = int(np.flatnonzero(~np.isfinite(values))[0])
-                raise ValueError(f"reward {name!r} returned {values[i]} for completion {i}")
+                warnings.warn(f"reward {name!r} returned {values[i]} for completion {i}: the "
+                              "step's loss is not finite and its update is skipped",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
             failed = np.zeros(n, np.float32)
         per_reward[name] = values
         per_reward[f"{name}_failed"] = failed

@@ -5,11 +5,9 @@ import os
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from launch.build import build, load_run
+from launch.build import load_run
 from launch.cli import config_json, parse_args
 from launch.train import FLAGS, main
 from rl.checkpoint import fingerprint
@@ -77,24 +75,37 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path, capsys
     assert "config.num_steps=2 is below step 4 of the checkpoint" in err
 
 
-def test_a_non_finite_step_stops_the_run_without_saving_it(tmp_path, capsys, monkeypatch):
-    """A reference with NaN weights makes the KL, the loss and the gradient NaN at step 1: the
-    run stops with one line and exit code 3, and no checkpoint holds the NaN parameters."""
-    import launch.train as train_module
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, capsys, monkeypatch):
+    """A reward that turns NaN at step 3: steps 3 and 4 are skipped (counted and logged, the
+    parameters unchanged), then with max_nonfinite_steps=2 the run stops with one line and exit
+    code 3 before saving step 4. The latest checkpoint (step 3, the skipped step) holds exactly
+    the parameters of step 2, the last good update."""
+    from rl import rewards
 
-    def nan_reference(config):
-        run = build(config)
-        run.ref_params = jax.tree.map(lambda x: x * jnp.nan, run.ref_params)
-        return run
+    exact, calls = rewards.REWARDS["arithmetic_exact"], []
 
-    monkeypatch.setattr(train_module, "build", nan_reference)
+    def turns_nan(prompts, completions, **fields):
+        calls.append(1)  # 2 groups per step; the evaluation before step 1 calls it once
+        out = exact(prompts, completions, **fields)
+        return [float("nan")] * len(out) if len(calls) > 5 else out
+
+    monkeypatch.setitem(rewards.REWARDS, "arithmetic_exact", turns_nan)
     workdir = tmp_path / "run"
-    args = EIGHT + ["--config.rl.kl_coef=0.04", "--config.data.prompts_per_step=2",
-                    "--config.data.eval.num=8", "--config.eval.pass_k=0", f"--workdir={workdir}"]  # fmt: skip
+    args = EIGHT + ["--config.data.prompts_per_step=2", "--config.data.eval.num=8",
+                    "--config.eval.pass_k=0", "--config.eval_every=0", "--config.checkpoint_every=1",
+                    "--config.max_nonfinite_steps=2", f"--workdir={workdir}"]  # fmt: skip
     assert main(args) == 3
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: step 1: loss, grad_norm not finite; stopped without saving")
-    assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")
+    out, err = capsys.readouterr()
+    assert "step 3: 1 optimizer step(s) with a non-finite loss or gradient skipped" in out
+    assert err.strip().splitlines()[-1] == (
+        "error: step 4: loss or gradient not finite in 2 steps in a row (max_nonfinite_steps=2); "
+        f"stopped (last checkpoint: step 3 in {workdir})"
+    )
+    rows = [json.loads(x) for x in open(workdir / "metrics.jsonl") if '"loss"' in x]
+    assert [r["skipped"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    run, step = load_run(str(workdir))
+    good = fingerprint(run.state.params)
+    assert step == 3 and good == fingerprint(load_run(str(workdir), 2)[0].state.params)
 
 
 TINY = [

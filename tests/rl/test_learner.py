@@ -150,6 +150,26 @@ def test_step_keeps_shardings_and_compiles_once(model):
     assert learner._step._cache_size() == 1
 
 
+def test_a_non_finite_step_leaves_the_state_unchanged(model):
+    """NaN advantages (a NaN reward) or NaN gradients (a NaN weight): the update is skipped, the
+    parameters, optimizer state and step stay bitwise as they were, and the step is counted."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    graphdef, shardings, params, batch = _setup(model, mesh, _batch())
+    learner = Learner(LearnerConfig(learning_rate=1e-3), graphdef, shardings)
+    state, metrics = learner.step(learner.init_state(params), batch)  # one real update first
+    assert float(metrics["skipped"]) == 0.0
+    before = jax.device_get(state)
+    nan_adv = batch.replace(advantages=batch.advantages.at[3].set(jnp.nan))
+    state, metrics = learner.step(state, nan_adv)
+    assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), before)
+    nan_params = jax.tree.map(lambda x: x * jnp.nan, state.params)  # every gradient NaN
+    state, metrics = learner.step(state.replace(params=nan_params), batch)
+    assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["grad_norm"]))
+    assert int(state.step) == int(before.step)  # not advanced
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state), before.opt_state)
+
+
 def _logprob_grad_temp_bytes(vocab, t, b=4, chunk=16):
     cfg = dataclasses.replace(CFG, vocab_size=vocab, tie_embeddings=False)
     graphdef, params = abstract_model(cfg)

@@ -151,8 +151,9 @@ def test_combined_weights(monkeypatch):
         monkeypatch.setitem(rewards.REWARDS, "bad", lambda prompts, completions, **_: [1.0])
         combined_rewards({"bad": 1.0}, prompts, completions, {})
     monkeypatch.setitem(rewards.REWARDS, "nan", lambda prompts, completions, **_: [1.0, np.nan])
-    with pytest.raises(ValueError, match="reward 'nan' returned nan for completion 1"):
-        combined_rewards({"nan": 1.0}, prompts, completions, {})
+    with pytest.warns(RuntimeWarning, match="reward 'nan' returned nan for completion 1"):
+        total, _ = combined_rewards({"nan": 1.0}, prompts, completions, {})
+    assert np.isnan(total[1]) and total[0] == 1.0  # passed on: the learner skips the step
 
 
 def _raising(prompts, completions, **_):
@@ -220,8 +221,9 @@ def test_reward_timeout(monkeypatch):
     )
     np.testing.assert_array_equal(total, [1.0])
     monkeypatch.setitem(rewards.REWARDS, "nan", lambda prompts, completions, **_: [np.nan])
-    with pytest.raises(ValueError, match="reward 'nan' returned nan for completion 0"):
-        combined_rewards({"nan": 1.0}, [""], ["2"], {}, timeout_s=5)
+    with pytest.warns(RuntimeWarning, match="reward 'nan' returned nan for completion 0"):
+        total, _ = combined_rewards({"nan": 1.0}, [""], ["2"], {}, timeout_s=5)
+    assert np.isnan(total[0])
     monkeypatch.setitem(rewards.REWARDS, "raising_test", _raising)
     with pytest.warns(RuntimeWarning, match="RuntimeError: grader crashed"):
         _, per = combined_rewards({"raising_test": 1.0}, [""], ["2"], {}, timeout_s=5)
