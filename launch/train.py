@@ -33,6 +33,7 @@ from launch.build import Run, build, init_distributed
 from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
+from launch.preemption import Preemption
 from launch.validate import prepare_workdir, validate
 from rl.checkpoint import Checkpointer, fingerprint
 from rl.data import load_records, make_prompt_iterator, tokenize_prompts
@@ -81,12 +82,13 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         print(f"held-out greedy accuracy before GRPO: {summary['accuracy_before']:.3f}",
               file=sys.stderr)  # fmt: skip
     totals = {k: summary.get(k, 0.0) for k in TOTALS}
-    nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
     wall0 = time.perf_counter() - summary.get("wall_seconds", 0.0)
     rollouts = run.rollouts()
     bar = tqdm.tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
                     desc="grpo", file=sys.stderr, disable=not main_process)  # fmt: skip
-    for step in bar:
+    nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
+    preemption = Preemption()  # SIGTERM / SIGINT: stop after the current step, saved
+    for step in preemption.catching(bar):
         t0 = time.perf_counter()
         rollout = rollouts(step, state.params, data)  # the sampler reads the learner's arrays
         t1 = time.perf_counter()
@@ -121,11 +123,24 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
             ev = _evaluate(run, state, eval_records, log, step + 1)
             if main_process:
                 bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
-        if last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
+        preempted = not last and preemption.requested()
+        if (
+            last
+            or preempted
+            or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+        ):
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)
             meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
                     "key": key_data}  # fmt: skip
             ckpt.save(step + 1, state, meta)
+        if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
+            bar.close()
+            rollouts.close()
+            ckpt.close()  # waits for the save
+            log.close()
+            print(f"{preemption.signal_name or 'signal'} received: stopped after step {step + 1} "
+                  f"and saved it in {workdir}; run the same command to resume", file=sys.stderr)  # fmt: skip
+            return 0
     bar.close()
     rollouts.close()
     ckpt.close()

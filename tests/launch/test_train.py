@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -131,14 +133,36 @@ def _train(workdir, steps):
     return out
 
 
+def _train_until_sigterm(workdir, steps):
+    """Starts a run of `steps` steps and sends it SIGTERM once step 2 is logged; returns the step
+    it saved and stopped at."""
+    cmd = [sys.executable, "-m", "launch.train", "--workdir", str(workdir),
+           f"--config.num_steps={steps}"]  # fmt: skip
+    proc = subprocess.Popen(cmd + TINY, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    while proc.poll() is None:
+        rows = open(metrics).read().count('"loss"') if metrics.exists() else 0
+        if rows >= 2:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)  # polling a file another process writes; nothing is timed
+    err = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 0, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("SIGTERM received: stopped after step ") and "resume" in line, line
+    return int(line.split("after step ")[1].split()[0])
+
+
 def test_resume_is_exact(tmp_path):
-    """6 steps straight == 3 steps, then a new process that resumes and runs 3 more (with DAPO
-    dynamic sampling and a decode state kept across rollouts, the paths with the most state)."""
+    """6 steps straight == a run stopped by SIGTERM (a preemption notice) after the step it was
+    in, saving it, then a new process that resumes and runs the rest (with DAPO dynamic sampling
+    and a decode state kept across rollouts, the paths with the most state)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     _train(straight, 6)
-    _train(split, 3)
+    stopped = _train_until_sigterm(split, 6)
+    assert 2 <= stopped < 6
     resumed = _train(split, 6)
-    assert "resumed from step 3" in resumed.stderr
+    assert f"resumed from step {stopped}" in resumed.stderr
     a, b = json.load(open(straight / "summary.json")), json.load(open(split / "summary.json"))
     assert a["params_fingerprint"] == b["params_fingerprint"]
     assert (
