@@ -1,0 +1,98 @@
+"""Soak: many GRPO iterations of a tiny config compile nothing after the first, and neither host
+memory nor the number of live device buffers grows.
+
+`python -m tests.launch.test_soak 200` runs the long version and prints the figures."""
+
+import json
+import os
+import sys
+
+import jax
+from jax import monitoring
+
+import launch.train as train_module
+from launch.train import main
+from rl import rollout as rollout_module
+
+LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # every trace that is lowered
+CHECKPOINT_EVERY = 5  # the first save compiles orbax's per-device copies once
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(steps: int, workdir) -> list[dict]:
+    """Runs the demo config for `steps` steps (8 fake devices, data parallel) and returns, per
+    step and once after the loop (before the final evaluation), the lowerings so far, the host
+    RSS and the live device arrays."""
+    lowerings, rows = [0], []
+
+    def count(event, duration, **_):
+        if event == LOWERING:
+            lowerings[0] += 1
+
+    original, evaluate = rollout_module.Rollouts.__call__, train_module._evaluate
+
+    def snapshot(step):
+        rows.append(dict(step=step, lowerings=lowerings[0], rss=_rss_bytes(),
+                         live=len(jax.live_arrays())))  # fmt: skip
+
+    def rollout(self, step, params, data):
+        snapshot(step + 1)
+        return original(self, step, params, data)
+
+    def final_evaluate(run, state, records, log, step):
+        if step == steps:
+            snapshot(step + 1)  # the loop is over
+        return evaluate(run, state, records, log, step)
+
+    monitoring.register_event_duration_secs_listener(count)
+    rollout_module.Rollouts.__call__ = rollout
+    train_module._evaluate = final_evaluate
+    try:
+        args = ["--config.mesh.data=8", f"--config.num_steps={steps}", "--config.eval_every=0",
+                f"--config.checkpoint_every={CHECKPOINT_EVERY}", f"--workdir={workdir}"]  # fmt: skip
+        assert main(args) == 0
+    finally:
+        rollout_module.Rollouts.__call__ = original
+        train_module._evaluate = evaluate
+        monitoring.unregister_event_duration_listener(count)
+    return rows
+
+
+def check(rows, settle: int) -> dict:
+    """The soak's figures. Asserts that nothing is lowered after the first iteration except by
+    the first checkpoint save (rows[i] is the start of step i + 1, rows[-1] the end of the loop),
+    and that RSS and live device arrays do not grow from step `settle` (after that save) to the
+    start of the last step."""
+    save = CHECKPOINT_EVERY  # rows[save] is the start of the step after the first save
+    start, end = rows[settle - 1], rows[-2]
+    figures = {
+        "lowerings_in_first_iteration": rows[1]["lowerings"] - rows[0]["lowerings"],
+        "lowerings_by_first_save": rows[save]["lowerings"] - rows[save - 1]["lowerings"],
+        "lowerings_otherwise": rows[save - 1]["lowerings"]
+        - rows[1]["lowerings"]
+        + rows[-1]["lowerings"]
+        - rows[save]["lowerings"],
+        "rss_growth": end["rss"] / start["rss"] - 1,
+        "live_arrays": (start["live"], end["live"]),
+    }
+    assert figures["lowerings_otherwise"] == 0, figures
+    assert figures["rss_growth"] < 0.05, figures
+    assert start["live"] == end["live"], figures
+    return figures
+
+
+def test_twenty_iterations_compile_once_and_do_not_grow(tmp_path):
+    print(check(soak(20, tmp_path / "run"), settle=CHECKPOINT_EVERY + 2))
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    jax.config.update("jax_num_cpu_devices", 8)
+    with tempfile.TemporaryDirectory() as d:
+        print(json.dumps(check(soak(n, os.path.join(d, "run")), settle=20), indent=2))
