@@ -36,7 +36,7 @@ from launch.logger import RunLogger
 from launch.preemption import Preemption
 from launch.validate import prepare_workdir, validate
 from rl.checkpoint import Checkpointer, fingerprint
-from rl.data import load_records, make_prompt_iterator, tokenize_prompts
+from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
 FLAGS = {"workdir": "", "dry_run": False}
 TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens", "nonfinite_steps")
@@ -46,10 +46,10 @@ def prepare(config) -> tuple[Run, object, list]:
     """The run's parts, its data iterator and held-out records. Every prompt is tokenised once
     here, so a prompt over sampling.max_prompt_len fails now, not hours into the run."""
     run = build(config)
-    data = make_prompt_iterator(
+    data = PromptStream(make_prompt_iterator(
         config.data.train, batch_size=config.data.prompts_per_step, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
-    )  # fmt: skip
+    ))  # fmt: skip
     eval_records = load_records(config.data.eval)
     for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
         tokenize_prompts(records, run.tokenizer, config, config.data[split].prompt_field)

@@ -82,8 +82,14 @@ def _check_record(record: Any, prompt_field: str, where: str) -> dict:
 def read_jsonl(path: str) -> list[tuple[str, Any]]:
     """(where, record) for every non-empty line; `where` ("path:line") is for error messages."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, so that a non-UTF-8 line is reported with its number
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -132,9 +138,11 @@ def load_records(source_cfg: Any) -> list[dict]:
             )
     elif kind in ("jsonl", "parquet"):
         read = _read_jsonl if kind == "jsonl" else _read_parquet
-        records = []
-        for path in _expand_paths(_cfg_get(source_cfg, "path", None)):
+        records, paths = [], _expand_paths(_cfg_get(source_cfg, "path", None))
+        for path in paths:
             records.extend(read(path, prompt_field))
+        if not records:
+            raise ValueError(f"{', '.join(paths)}: no records (empty {kind} data)")
     else:
         raise ValueError(f"data source type must be one of {SOURCE_TYPES}, got {kind!r}")
     if not records:
@@ -190,6 +198,34 @@ def make_prompt_iterator(source_cfg: Any, **dataset_kwargs) -> grain.DatasetIter
     ds = prompt_dataset(load_records(source_cfg), **dataset_kwargs)
     # No reader threads: elements are list lookups, threads would only add latency and memory.
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+class PromptStream:
+    """Global records in data order, drawn `take(n)` at a time across steps and refill rounds.
+
+    The iterator yields whole steps' batches; what a draw leaves of a batch is carried to the next
+    draw, so DAPO's refill rounds (which need fewer than a batch) skip no record: every record of
+    an epoch is drawn exactly once. Its state (iterator state + the carried records) goes into the
+    checkpoint, so a resumed run draws exactly what an uninterrupted one does.
+    """
+
+    def __init__(self, iterator):
+        self.iterator, self.carry = iterator, []
+
+    def take(self, n: int) -> list[dict]:
+        while len(self.carry) < n:
+            self.carry += global_batch(next(self.iterator))
+        out, self.carry = self.carry[:n], self.carry[n:]
+        return out
+
+    def get_state(self) -> dict:
+        return {"iterator": self.iterator.get_state(), "carry": list(self.carry)}
+
+    def set_state(self, state: dict) -> None:
+        if "iterator" not in state:  # a checkpoint from before streams: the iterator's own state
+            state = {"iterator": state, "carry": []}
+        self.iterator.set_state(state["iterator"])
+        self.carry = list(state["carry"])
 
 
 def global_batch(local_records: Sequence[dict]) -> list[dict]:
@@ -255,11 +291,13 @@ def tokenize_prompts(records: Sequence[Mapping], tokenizer: Tokenizer, config, p
                       d.chat_template_kwargs.to_dict())
         for r in records
     ]  # fmt: skip
-    longest = max((len(p) for p in prompts), default=0)
-    if longest > config.sampling.max_prompt_len:
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]), default=None)
+    if i is not None and len(prompts[i]) > config.sampling.max_prompt_len:
+        text = repr(records[i][prompt_field])
+        text = text if len(text) <= 60 else text[:57] + "..."
         raise ValueError(
-            f"a prompt has {longest} tokens > config.sampling.max_prompt_len="
-            f"{config.sampling.max_prompt_len}"
+            f"a prompt has {len(prompts[i])} tokens > config.sampling.max_prompt_len="
+            f"{config.sampling.max_prompt_len} (record {i}: {text})"
         )
     return prompts
 

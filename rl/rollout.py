@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.advantages import compute_advantages
-from rl.data import global_batch, reward_inputs, tokenize_prompts
+from rl.data import reward_inputs, tokenize_prompts
 from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
@@ -198,7 +198,7 @@ class Rollouts:
         prefill_before, self.reprefill = self.engine.prefill_tokens, 0
 
         def sample_round(n):
-            records = global_batch(next(data))[:n]
+            records = data.take(n)  # a rl.data.PromptStream: leftovers carry to the next draw
             if self.episodes is None:
                 prompts = tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
             else:

@@ -7,7 +7,7 @@ import numpy as np
 
 from launch.build import build
 from launch.cli import parse_args
-from rl.data import make_prompt_iterator
+from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
 
 OBS = {1: [5, 6, 7], 2: [8, 3]}  # observation ids after turns 1 and 2; turn 3 ends the episode
@@ -39,7 +39,7 @@ def test_episode_batch_is_the_sampled_and_observation_ids():
     seen = []  # every turn the environment saw, in order per episode
     step = run.env.step
     run.env.step = lambda ep, turn: (seen.append((ep, turn.ids)), step(ep, turn))[1]
-    data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
     rollouts = run.rollouts()
     rollouts(0, run.state.params, data)
     rollout = rollouts(1, run.state.params, data)  # the second: counters are per rollout
@@ -120,7 +120,7 @@ def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
     ]  # fmt: skip
     config = parse_args(args, {})[0]
     run = build(config)
-    data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
     for mode in MODES:
         env = Hostile(run.tokenizer, config)
         env.mode = mode

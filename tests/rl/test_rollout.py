@@ -7,7 +7,7 @@ import pytest
 
 from launch.build import build
 from launch.cli import parse_args
-from rl.data import make_prompt_iterator
+from rl.data import PromptStream, make_prompt_iterator
 from rl.rollout import Group, build_batch
 from sampling.requests import Completion
 
@@ -78,7 +78,7 @@ def test_kl_in_reward_and_mask_truncated():
     config = parse_args(args, {})[0]
     run = build(config)
     run.ref_params = jax.tree.map(lambda x: 0.8 * x, run.ref_params)  # a reference that differs
-    data = make_prompt_iterator(config.data.train, batch_size=2, seed=0)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
     rollout = run.rollouts()(0, run.state.params, data)
     raw = np.concatenate([grp.rewards for grp in rollout.groups])
     b = jax.device_get(rollout.batch)
