@@ -79,7 +79,10 @@ def apply_override(config: ml_collections.ConfigDict, dotted: str, text: str) ->
     try:
         node[leaf] = value
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--config.{dotted}={text}: {e}") from None
+        reason = str(e)
+        if old is not None:  # ConfigDict's own message is a paragraph about casting
+            reason = f"expected {type(old).__name__}, got {type(value).__name__} {value!r}"
+        raise UsageError(f"--config.{dotted}={text}: {reason}") from None
 
 
 def _unknown(config, dotted):

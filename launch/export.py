@@ -18,6 +18,7 @@ import sys
 
 from launch.build import load_run
 from launch.cli import UsageError, fail
+from launch.validate import DTYPES, check_writable_dir
 from models.hf import save_hf
 from models.tokenizer import CHAR_TOKENIZER_FILE
 
@@ -38,7 +39,13 @@ def main(argv=None) -> int:
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: param dtype)"
     )
     args = p.parse_args(argv)
-    try:
+    try:  # before the run is loaded, and before anything is written
+        if args.dtype not in (None, *DTYPES):
+            raise UsageError(f"--dtype {args.dtype}: expected one of {DTYPES}")
+        if os.path.realpath(args.out) == os.path.realpath(args.workdir):
+            raise UsageError(f"--out {args.out}: is the run's workdir (its config.json would be "
+                             "overwritten); export to a new directory")  # fmt: skip
+        check_writable_dir("--out", args.out)
         run, step = load_run(args.workdir, args.step)
     except UsageError as e:
         return fail(str(e))

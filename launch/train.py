@@ -35,7 +35,7 @@ from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.preemption import Preemption
 from launch.validate import prepare_workdir, validate
-from rl.checkpoint import Checkpointer, fingerprint
+from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
 FLAGS = {"workdir": "", "dry_run": False}
@@ -70,7 +70,14 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     key_data = jax.random.key_data(jax.random.key(config.seed)).tolist()
     start, summary = 0, {}
     if resume:
-        state, meta = ckpt.restore(state)
+        try:
+            state, meta, skipped = ckpt.restore_latest(state, set_aside=True)
+        except CheckpointError as e:  # nothing usable: one line, the files left to inspect
+            ckpt.close()
+            return fail(str(e))
+        for bad, why in skipped:
+            print(f"checkpoint step {bad} in {ckpt.directory} is unusable ({why}); resuming from "
+                  f"step {meta['step']}", file=sys.stderr)  # fmt: skip
         data.set_state(meta["data"])
         if meta["key"] != key_data:
             raise UsageError("checkpoint PRNG key differs from config.seed")

@@ -13,10 +13,12 @@ import math
 import os
 
 import ml_collections
+import numpy as np
 
 from launch.cli import UsageError, config_json
 from models.hf_config import CheckpointError, config_from_hf
 from rl.advantages import MODES as ADVANTAGE_MODES
+from rl.data import load_records, reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from rl.rewards import REWARDS
@@ -210,6 +212,37 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
           f"must be token ids in [0, {vocab}) (the checkpoint's vocabulary)")  # fmt: skip
     learner_config(c, ())
     engine_config(c, ())
+    check_rewards(c)
+
+
+def check_rewards(c: ml_collections.ConfigDict) -> None:
+    """Calls each reward once on the first record of its split with G empty completions: a reward
+    that does not return one number per completion fails here, before the workdir is touched,
+    not at the first rollout (nor, for eval.reward, silently in the accuracy). A reward that
+    raises is left to the run, which scores such calls 0; a data source that cannot be read is
+    left to `launch.train.prepare`, which names its file and line."""
+    if c.env.name:  # the environment scores episodes
+        return
+    g = c.rl.num_generations
+    for split, field, names in (("train", "rl.rewards", list(c.rl.rewards)),
+                                ("eval", "eval.reward", [c.eval.reward])):  # fmt: skip
+        src = c.data[split]
+        try:
+            prompts, fields = reward_inputs(load_records(src)[:1], g, src.prompt_field)
+        except (ValueError, OSError, KeyError):
+            continue
+        for name in names:
+            try:
+                raw = REWARDS[name](prompts, [""] * g, **fields)
+            except Exception:
+                continue
+            try:
+                shape = np.shape(np.asarray(raw, np.float32))
+            except (TypeError, ValueError):
+                shape = None
+            got = f"a {type(raw).__name__}" if shape is None else f"shape {shape}"
+            _need(shape == (g,), field, name, f"returned {got} for {g} completions of the "
+                  f"first data.{split} record; a reward returns one number per completion")  # fmt: skip
 
 
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -239,8 +272,22 @@ def _get(d: dict, dotted: str):
     return d
 
 
+def check_writable_dir(flag: str, path: str) -> None:
+    """`path`, or the nearest directory above it that exists, is a directory this process may
+    write to. The run writes there only once it is built (minutes for a big model): check now.
+    os.access: as root only a read-only filesystem fails (root writes past the mode bits)."""
+    up = os.path.normpath(path)
+    while not os.path.lexists(up):
+        up = os.path.dirname(up) or "."
+    if not os.path.isdir(up):
+        raise UsageError(f"{flag} {path}: {up} is not a directory")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {up} is not writable")
+
+
 def prepare_workdir(config, workdir: str) -> bool:
     """Checks the resume settings against the workdir; returns whether to resume. Writes nothing."""
+    check_writable_dir("--workdir", workdir)
     saved = os.path.join(workdir, "config.json")
     ckpts = os.path.join(workdir, "checkpoints")
     has_ckpt = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))

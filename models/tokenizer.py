@@ -139,7 +139,10 @@ def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 class HFTokenizer(Tokenizer):
@@ -151,7 +154,10 @@ class HFTokenizer(Tokenizer):
         tok_file = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise FileNotFoundError(f"no tokenizer.json at {tok_file}")
-        self._tok = tokenizers.Tokenizer.from_file(tok_file)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(tok_file)
+        except Exception as e:  # the Rust library raises a bare Exception
+            raise ValueError(f"{tok_file}: not a valid tokenizer file ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._config_file = os.path.join(self.path, "tokenizer_config.json")
         config = _read_json(self._config_file)
@@ -266,7 +272,15 @@ def load_tokenizer(spec: Any) -> Tokenizer:
     if isinstance(spec, (str, os.PathLike)):
         char_file = os.path.join(os.fspath(spec), CHAR_TOKENIZER_FILE)
         if os.path.isfile(char_file):
-            return load_tokenizer(_read_json(char_file))
+            d = _read_json(char_file)
+            try:
+                return load_tokenizer(d)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{char_file}: not a valid char tokenizer ({e!r})") from None
+        if not os.path.isfile(os.path.join(os.fspath(spec), "tokenizer.json")):
+            raise FileNotFoundError(
+                f"{os.fspath(spec)}: no tokenizer (neither {CHAR_TOKENIZER_FILE} nor tokenizer.json)"
+            )
         return HFTokenizer.from_dir(spec)
     if isinstance(spec, Mapping) or hasattr(spec, "keys"):  # dict or ml_collections.ConfigDict
         d = dict(spec)

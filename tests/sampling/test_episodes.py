@@ -88,7 +88,7 @@ def test_multi_turn_equals_reprefill_and_prefills_only_new_tokens(tiny, temperat
 def _timed_rollout(graphdef, params, tool_seconds, slow=None):
     """64 episodes (8 prompts x 8), two tool calls each through 8 tool workers; returns the
     wall time and each episode's finish time."""
-    engine = Engine(CFG, graphdef, dataclasses.replace(MCFG, num_slots=16), SamplingParams(1.0))
+    engine = Engine(CFG, graphdef, MCFG, SamplingParams(1.0))
     prompts = random_prompts([6] * 8, seed=5)
     pool = ThreadPoolExecutor(8)
     calls, finished = {}, {}
@@ -111,14 +111,16 @@ def _timed_rollout(graphdef, params, tool_seconds, slow=None):
     def on_finish(i, k, completion):
         finished[(i, k)] = time.perf_counter() - start[0]
 
-    for _ in range(2):  # the first run compiles
+    walls = []
+    for _ in range(3):  # the first run compiles; the best of the other two (a shared machine)
         calls.clear()
         start[0] = time.perf_counter()
         state, results = generate_episodes(
             engine, params, state, prompts, 8, seed=1, respond=respond, max_turn_tokens=TURN,
             on_finish=on_finish,
         )  # fmt: skip
-        wall = time.perf_counter() - start[0]
+        walls.append(time.perf_counter() - start[0])
+    wall = min(walls[1:])
     pool.shutdown()
     assert all(c.turns == 3 for grp in results for c in grp)
     return wall, finished

@@ -1,0 +1,200 @@
+"""The bad-input catalogue: each input in CATALOGUE fails with one `error: ` line on stderr that
+names the problem, a non-zero exit and no traceback, and changes no file.
+
+Every case runs in its own temporary directory (the working directory) holding `run`, a link to
+a finished one-step run (the existing workdir), and the case's bad files. The directory, the run
+included, is snapshotted (paths, bytes, mtimes) before the command and compared after, so a case
+neither changes the run nor creates its `--workdir` / `--out`. docs/bad_inputs.md shows the same
+table; `python -m tests.launch.test_bad_inputs --markdown` prints it, and
+test_the_doc_is_the_catalogue checks that the doc is up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import NamedTuple
+
+import pytest
+
+from launch import eval as eval_
+from launch import export, train
+from tests.conftest import ROOT  # (as a script too: the 8 fake devices)
+
+ASSET = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
+DOC = os.path.join(ROOT, "docs", "bad_inputs.md")
+EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
+RUN = ["--config.num_steps=1", "--config.data.prompts_per_step=2", "--config.data.eval.num=8",
+       "--config.eval.pass_k=0"]  # fmt: skip
+
+
+class Case(NamedTuple):
+    id: str
+    input: str  # markdown for the doc
+    message: str  # the beginning of the error line, after "error: "
+    argv: list[str]
+    setup: object = None  # setup(monkeypatch) makes the bad files in the working directory
+    entry: str = "train"  # launch.train | launch.eval | launch.export
+    workdir: str = "run"  # launch.train's --workdir: the finished run, or a new one ("new")
+
+
+def write(name: str, data: str | bytes):
+    def setup(_):
+        with open(name, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+
+    return setup
+
+
+def ckpt(drop: str = "", files: dict | None = None):
+    """ckpt/: configs/assets/arithmetic_sft (linked) without `drop` and with `files` written."""
+    files = files or {}
+
+    def setup(_):
+        os.mkdir("ckpt")
+        for name in sorted(set(os.listdir(ASSET)) - {drop, *files}):
+            os.symlink(os.path.join(ASSET, name), os.path.join("ckpt", name))
+        for name, data in files.items():
+            write(os.path.join("ckpt", name), data(name) if callable(data) else data)(None)
+
+    return setup
+
+
+def half(name):  # the first half of the asset's file
+    with open(os.path.join(ASSET, name), "rb") as f:
+        data = f.read()
+    return data[: len(data) // 2]
+
+
+def gpt2(name):
+    with open(os.path.join(ASSET, name)) as f:
+        config = json.load(f)
+    return json.dumps(dict(config, model_type="gpt2", architectures=["GPT2LMHeadModel"]))
+
+
+def bad_count_reward(monkeypatch):
+    from rl import rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "bad_count", lambda prompts, completions, **_: [1.0])
+
+
+JSONL = ["--config.data.train.type=jsonl", "--config.data.train.path"]
+GOOD = '{"prompt": "1+1=", "answer": "2"}\n'
+ENV = EIGHT + ["--config.env.name=calculator"]
+
+CATALOGUE = [
+    # The command line and the config: parse_args and launch.validate, before anything is built.
+    Case("unknown-field", "`--config.rl.num_generation=4` (a typo)", "--config.rl.num_generation: no such config field; did you mean 'rl.num_generations'?", ["--config.rl.num_generation=4"]),
+    Case("config-file-missing", "`--config=/nope.py`", "--config: /nope.py does not exist", ["--config=/nope.py"]),
+    Case("wrong-type", "`--config.num_steps=abc`", "--config.num_steps=abc: expected int, got str 'abc'", ["--config.num_steps=abc"]),
+    Case("float-for-int", "`--config.num_steps=1.5`", "--config.num_steps=1.5: expected int, got float 1.5", ["--config.num_steps=1.5"]),
+    Case("negative-num-steps", "`--config.num_steps=-1`", "config.num_steps=-1: must be >= 0", EIGHT + ["--config.num_steps=-1"]),
+    Case("zero-learning-rate", "`--config.optim.learning_rate=0`", "config.optim.learning_rate=0.0: must be > 0", EIGHT + ["--config.optim.learning_rate=0"]),
+    Case("zero-top-p", "`--config.sampling.top_p=0.0`", "config.sampling.top_p=0.0: must be in (0, 1]", EIGHT + ["--config.sampling.top_p=0.0"]),
+    Case("zero-page-size", "`--config.sampling.page_size=0`", "config.sampling.page_size=0: must be >= 1", EIGHT + ["--config.sampling.page_size=0"]),
+    Case("zero-steps-per-call", "`--config.sampling.steps_per_call=0`", "config.sampling.steps_per_call=0: must be >= 1", EIGHT + ["--config.sampling.steps_per_call=0"]),
+    Case("zero-keep-checkpoints", "`--config.keep_checkpoints=0`", "config.keep_checkpoints=0: must be >= 1", EIGHT + ["--config.keep_checkpoints=0"]),
+    Case("negative-advantage-eps", "`--config.rl.advantage_eps=-1.0`", "config.rl.advantage_eps=-1.0: must be >= 0", EIGHT + ["--config.rl.advantage_eps=-1.0"]),
+    Case("negative-seed", "`--config.seed=-1`", "config.seed=-1: must be in [0, 2**31)", EIGHT + ["--config.seed=-1"]),
+    Case("one-generation", "`--config.rl.num_generations=1`", "config.rl.num_generations=1: GRPO needs G >= 2", EIGHT + ["--config.rl.num_generations=1"]),
+    Case("minibatches-do-not-divide", "`--config.rl.minibatches=3`", "config.rl.minibatches=3: B*G = 128 is not divisible", EIGHT + ["--config.rl.minibatches=3"]),
+    Case("tis-with-sampler-logp", "`--config.rl.is_correction=tis --config.rl.old_logp=sampler`", "config.rl.is_correction='tis': corrects pi_old against the sampler", EIGHT + ["--config.rl.is_correction=tis", "--config.rl.old_logp=sampler"]),
+    Case("unknown-backend", "`--config.sampling.backend=nope`", "config.sampling.backend='nope': must be one of", EIGHT + ["--config.sampling.backend=nope"]),
+    Case("pass-n-over-slots", "`--config.eval.pass_n=200`", "config.eval.pass_n=200: more samples per prompt than sampling.num_slots", EIGHT + ["--config.eval.pass_n=200"]),
+    Case("stop-id-outside-vocab", "`--config.sampling.stop_ids=(99,)`", "config.sampling.stop_ids=(99,): must be token ids in [0, 17)", EIGHT + ["--config.sampling.stop_ids=(99,)"]),
+    Case("mesh-does-not-fit", "`--config.mesh.data=3` on 8 devices", "config.mesh={'data': 3, 'fsdp': 1, 'tensor': 1}: uses 3 devices but 8 are available", ["--config.mesh.data=3"]),
+    Case("mesh-does-not-divide-batch", "`--config.data.prompts_per_step=3 --config.rl.num_generations=2` on mesh data=8", "config.data.prompts_per_step=3: the global batch B*G = 6 is not divisible by the batch shards data*fsdp = 8", EIGHT + ["--config.data.prompts_per_step=3", "--config.rl.num_generations=2"]),
+    Case("unknown-reward", "`--config.rl.rewards={'nope': 1.0}`", "config.rl.rewards='nope': no such reward; registered:", EIGHT + ["--config.rl.rewards={'nope': 1.0}"]),
+    Case("unknown-eval-reward", "`--config.eval.reward=nope`", "config.eval.reward='nope': no such reward; registered:", EIGHT + ["--config.eval.reward=nope"]),
+    Case("reward-wrong-count", "`--config.rl.rewards={'bad_count': 1.0}`, a registered reward that returns one value for any number of completions", "config.rl.rewards='bad_count': returned shape (1,) for 8 completions of the first data.train record", EIGHT + ["--config.rl.rewards={'bad_count': 1.0}"], bad_count_reward),
+    Case("unknown-env", "`--config.env.name=nope`", "config.env.name='nope': no such environment", EIGHT + ["--config.env.name=nope"]),
+    Case("env-zero-turns", "`--config.env.name=calculator --config.env.max_turns=0`", "config.env.max_turns=0: must be >= 1", ENV + ["--config.env.max_turns=0"]),
+    Case("env-turn-over-budget", "`--config.env.name=calculator --config.env.max_turn_tokens=6`", "config.env.max_turn_tokens=6: must be in [0, sampling.max_new_tokens = 5]", ENV + ["--config.env.max_turn_tokens=6"]),
+    Case("data-file-missing", "`data.train.path`: a jsonl file that does not exist", "config.data.train.path='missing.jsonl': no jsonl file there", EIGHT + JSONL + ["missing.jsonl"]),
+    Case("checkpoint-missing", "`--config.model.hf_checkpoint=/nope`", "config.model.hf_checkpoint='/nope': not a directory", EIGHT + ["--config.model.hf_checkpoint=/nope"]),
+    Case("checkpoint-config-garbled", "`--config.model.hf_checkpoint=ckpt`, its config.json cut short", "config.model.hf_checkpoint='ckpt': ckpt/config.json: invalid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": '{"architectures": '})),
+    Case("checkpoint-unsupported-architecture", "`--config.model.hf_checkpoint=ckpt`, its config.json of a GPT2LMHeadModel (`model_type` gpt2)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: architectures=['GPT2LMHeadModel'] is not supported", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": gpt2})),
+    Case("workdir-under-a-file", "`--workdir afile/run`, where afile is a file (see below for read-only paths)", "--workdir afile/run: afile is not a directory", EIGHT, write("afile", "x"), workdir="afile/run"),
+    # Data and model files: launch.train.prepare, before the new workdir exists.
+    Case("data-file-empty", "`data.train.path`: an empty jsonl file", "empty.jsonl: no records (empty jsonl data)", EIGHT + JSONL + ["empty.jsonl"], write("empty.jsonl", ""), workdir="new"),
+    Case("data-not-utf8", "`data.train.path`: a jsonl file whose line 2 is Latin-1", "latin1.jsonl:2: not UTF-8 text (invalid continuation byte at byte 15)", EIGHT + JSONL + ["latin1.jsonl"], write("latin1.jsonl", GOOD.encode() + '{"prompt": "caf\xe9=", "answer": "1"}\n'.encode("latin-1")), workdir="new"),
+    Case("data-malformed-line", "`data.train.path`: a jsonl file whose line 2 is not JSON", "bad.jsonl:2: not valid JSON (Expecting ',' delimiter: line 1 column 13 (char 12))", EIGHT + JSONL + ["bad.jsonl"], write("bad.jsonl", GOOD + '{"prompt": 1+1=}\n'), workdir="new"),
+    Case("data-no-prompt-field", "`data.train.path`: a jsonl record without the prompt field", "noprompt.jsonl:1: no prompt field 'prompt' (the record has ['answer', 'question']); set the source's prompt_field", EIGHT + JSONL + ["noprompt.jsonl"], write("noprompt.jsonl", '{"question": "1+1=", "answer": "2"}\n'), workdir="new"),
+    Case("data-prompt-too-long", "`data.train.path`: a jsonl prompt of 9 tokens, over `sampling.max_prompt_len=8`", "a prompt has 9 tokens > config.sampling.max_prompt_len=8 (record 1: '11+11+11=')", EIGHT + JSONL + ["long.jsonl"], write("long.jsonl", GOOD + '{"prompt": "11+11+11=", "answer": "33"}\n'), workdir="new"),
+    Case("arithmetic-prompt-too-long", "`--config.sampling.max_prompt_len=3` (the built-in task)", "a prompt has 6 tokens > config.sampling.max_prompt_len=3", EIGHT + ["--config.sampling.max_prompt_len=3"], workdir="new"),
+    Case("arithmetic-bad-ops", "`--config.data.train.ops=/`", "ops='/' must be a non-empty string of '+-*'", EIGHT + ["--config.data.train.ops=/"], workdir="new"),
+    Case("tokenizer-missing", "`--config.model.hf_checkpoint=ckpt`, without char_tokenizer.json (and no tokenizer.json)", "ckpt: no tokenizer (neither char_tokenizer.json nor tokenizer.json)", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt("char_tokenizer.json"), workdir="new"),
+    Case("char-tokenizer-garbled", "`--config.model.hf_checkpoint=ckpt`, its char_tokenizer.json cut short", "ckpt/char_tokenizer.json: not valid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"char_tokenizer.json": '{"type": "char", "alpha'}), workdir="new"),
+    Case("char-tokenizer-no-alphabet", "`--config.model.hf_checkpoint=ckpt`, its char_tokenizer.json `{\"type\": \"char\"}`", "ckpt/char_tokenizer.json: not a valid char tokenizer (KeyError('alphabet'))", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"char_tokenizer.json": '{"type": "char"}'}), workdir="new"),
+    Case("hf-tokenizer-garbled", "`--config.model.hf_checkpoint=ckpt`, a broken tokenizer.json in place of char_tokenizer.json", "ckpt/tokenizer.json: not a valid tokenizer file", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt("char_tokenizer.json", {"tokenizer.json": '{"version": "1.0"}'}), workdir="new"),
+    Case("safetensors-truncated", "`--config.model.hf_checkpoint=ckpt`, its model.safetensors cut to half its size", "ckpt/model.safetensors: unreadable safetensors file", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"model.safetensors": half}), workdir="new"),
+    # launch.eval and launch.export on the finished run.
+    Case("eval-no-such-step", "`python -m launch.eval --workdir run --step 99`", "--workdir run: no checkpoint at step 99 (have [1])", ["--workdir", "run", "--step", "99"], entry="eval"),
+    Case("eval-not-a-run", "`python -m launch.eval --workdir nope`", "--workdir nope: no config.json (not a training run)", ["--workdir", "nope"], entry="eval"),
+    Case("export-no-such-step", "`python -m launch.export --workdir run --step 99 --out out`", "--workdir run: no checkpoint at step 99 (have [1])", ["--workdir", "run", "--step", "99", "--out", "out"], entry="export"),
+    Case("export-bad-dtype", "`python -m launch.export --workdir run --out out --dtype float8`", "--dtype float8: expected one of ('float32', 'bfloat16', 'float16')", ["--workdir", "run", "--out", "out", "--dtype", "float8"], entry="export"),
+    Case("export-into-the-workdir", "`python -m launch.export --workdir run --out run`", "--out run: is the run's workdir (its config.json would be overwritten)", ["--workdir", "run", "--out", "run"], entry="export"),
+    Case("export-out-under-a-file", "`python -m launch.export --workdir run --out afile/hf`, where afile is a file", "--out afile/hf: afile is not a directory", ["--workdir", "run", "--out", "afile/hf"], write("afile", "x"), entry="export"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished one-step run, made once per module in-process."""
+    workdir = str(tmp_path_factory.mktemp("finished") / "run")
+    assert train.main(EIGHT + RUN + ["--workdir", workdir]) == 0
+    return workdir
+
+
+def snapshot(top: str) -> dict:
+    """{path: (bytes, mtime)} of every file and directory under top, links followed."""
+    out = {}
+    for root, dirs, files in os.walk(top, followlinks=True):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            data = None if os.path.isdir(path) else open(path, "rb").read()
+            out[path] = (data, os.stat(path).st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=[c.id for c in CATALOGUE])
+def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(finished_run, "run")
+    if case.setup:
+        case.setup(monkeypatch)
+    argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
+    before = snapshot(".")
+    rc = {"train": train, "eval": eval_, "export": export}[case.entry].main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith(f"error: {case.message}"), err
+    assert len(lines) == 1, err
+    assert snapshot(".") == before
+
+
+def markdown() -> str:
+    """The catalogue as the doc's table."""
+    rows = ["| case | input | --workdir | message (its beginning) |", "| --- | --- | --- | --- |"]
+    for c in CATALOGUE:
+        workdir = c.workdir if c.entry == "train" else "(in the command)"
+        cells = [c.id, c.input, workdir, f"`error: {c.message}`"]
+        rows.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def test_the_doc_is_the_catalogue():
+    with open(DOC) as f:
+        rows = [ln for ln in f.read().splitlines() if ln.startswith("| ")]
+    assert rows == markdown().splitlines(), (
+        "docs/bad_inputs.md is out of date: python -m tests.launch.test_bad_inputs --markdown"
+    )
+    assert len(CATALOGUE) >= 25 and len({c.id for c in CATALOGUE}) == len(CATALOGUE)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m tests.launch.test_bad_inputs --markdown")
+    print(markdown(), end="")
