@@ -86,7 +86,7 @@ CODE = [
 @pytest.mark.parametrize(
     "config, fixture", [("qwen2_5_0_5b_code", "qwen2"), ("qwen3_0_6b_code", "qwen3")]
 )
-def test_code_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
+def test_code_config_one_step(config, fixture, tmp_path):
     """The multi-turn code configs: episodes whose attempts run in the sandbox, failures fed back."""
     ckpt, _ = _stand_in(fixture, tmp_path)
     data = tmp_path / "code.jsonl"
@@ -102,8 +102,8 @@ def test_code_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
         "--config.sampling.num_pages=128", "--config.sampling.steps_per_call=4",
         "--config.eval.pass_k=1", "--config.eval.pass_n=1",
     ]  # fmt: skip
-    assert main(args + ["--dry_run"]) == 0
-    assert "estimated peak per device" in capsys.readouterr().out
+    # No --dry_run here: it does not depend on the environment, and the GSM8K tests above run it
+    # for the same architectures.
     workdir = tmp_path / "run"
     assert main(args + ["--config.num_steps=1", f"--workdir={workdir}"]) == 0
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
