@@ -2,13 +2,12 @@
 plus the batch loop `generate_all` (continuous batching over a fixed number of slots; it is
 `sampling.episodes.generate_episodes`, which also runs multi-turn episodes with `park` / `resume`).
 
-Device work is jitted functions (`sampling.steps`) over the donated `sampling.state.DecodeState`:
+Device work is jitted (`sampling.steps`) over the donated `sampling.state.DecodeState`:
 - `prefill` / `prefill_many`: prompts right-padded to a power-of-two length bucket, up to
   MAX_PREFILL_BATCH rows per call, written into freshly allocated pages. It caches all prompt
-  tokens but the last, which is the slot's `last_token`, fed by the first decode step: every
-  token, the first one included, is sampled in one place (`steps.generate`) with one key
-  schedule. (JetStream's prefill returns the first token instead; this costs one batched decode
-  step per request.)
+  tokens but the last, the slot's `last_token`, fed by the first decode step: every token is
+  sampled in one place (`steps.generate`) with one key schedule (JetStream's prefill returns the
+  first token instead; this costs one batched decode step per request).
 - `bulk_insert`: one prefilled prompt (a single-use `Prefix`) into G idle slots. Full prompt
   pages are shared (refcount G); the partial last page is copied on device for samples 1..G-1
   (`PageAllocator.fork_for_group`). A group goes on an aligned block of G slots when one is free,
@@ -18,19 +17,17 @@ Device work is jitted functions (`sampling.steps`) over the donated `sampling.st
   and their reservation; `resume` prefills only its new tokens (batched) after its cached history
   and puts it in any free slot.
 
-Sharding: the jitted functions declare no `in_shardings`, so parameters are used in their own
-shardings, never resharded or gathered per call (tests/sampling/test_engine_scale.py checks it).
-Given the mesh, the `DecodeState` is laid out by `sampling.state.state_shardings` and every
-jitted function pins its output state to that layout, so donation reuses the same buffers.
+Sharding: no `in_shardings`, so parameters are used in their own shardings, never gathered per
+call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
+function pins its output to that layout, so donation reuses the same buffers.
 
 Page allocation is host-side (`sampling.page_allocator` says why): before each `generate` the
 host gives every active slot the pages of its next `num_steps` tokens. Admission reserves a
 group's worst-case pages (`group_pages`) up front, so a running request never runs out.
 
-Misuse raises ValueError before anything changes (`sampling.requests` checks the arguments;
-`bulk_insert` rejects a consumed or stale Prefix and busy, repeated or out-of-range slots;
-`prefill_many` allocates all or nothing). Every call donates the state it is given;
-`init_state()` resets the host bookkeeping with it.
+Misuse (a consumed or stale Prefix; busy, repeated or out-of-range slots) raises ValueError
+before anything changes; `prefill_many` allocates all or nothing. Every call donates the state it
+is given; `init_state()` resets the host bookkeeping with it.
 
 Randomness: the token of sample g of request r fed at cache position p is drawn with
 fold_in(fold_in(fold_in(root, r), g), p). It does not depend on the slot or on the other requests

@@ -10,7 +10,13 @@ from launch.cli import parse_args
 from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
 
-OBS = {1: [5, 6, 7], 2: [8, 3]}  # observation ids after turns 1 and 2; turn 3 ends the episode
+OBS = {1: [5, 6, 7], 2: [8, 3]}
+ARGS = [
+    "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+    "--config.sampling.num_slots=8", "--config.env.name=test_scripted",
+    "--config.env.max_turns=3", "--config.env.max_turn_tokens=3",
+    "--config.sampling.max_new_tokens=16", "--config.sampling.temperature=1.3",
+]  # fmt: skip  # observation ids after turns 1 and 2; turn 3 ends the episode
 
 
 @register_env("test_scripted")
@@ -28,13 +34,7 @@ class Scripted(Environment):
 
 
 def test_episode_batch_is_the_sampled_and_observation_ids():
-    args = [
-        "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
-        "--config.sampling.num_slots=8", "--config.env.name=test_scripted",
-        "--config.env.max_turns=3", "--config.env.max_turn_tokens=3",
-        "--config.sampling.max_new_tokens=16", "--config.sampling.temperature=1.3",
-    ]  # fmt: skip
-    config = parse_args(args, {})[0]
+    config = parse_args(ARGS, {})[0]
     run = build(config)
     seen = []  # every turn the environment saw, in order per episode
     step = run.env.step
@@ -112,13 +112,7 @@ MODES = ["step_raises", "text", "out_of_vocab", "nan_reward", "reward_raises", "
 def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
     """Every way an environment can fail ends the episode with reward 0, counted in
     episode/env_errors; nothing raises and no KV page stays allocated."""
-    args = [
-        "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
-        "--config.sampling.num_slots=8", "--config.env.name=test_scripted",
-        "--config.env.max_turns=3", "--config.env.max_turn_tokens=3",
-        "--config.sampling.max_new_tokens=16", "--config.sampling.temperature=1.3",
-    ]  # fmt: skip
-    config = parse_args(args, {})[0]
+    config = parse_args(ARGS, {})[0]
     run = build(config)
     data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
     for mode in MODES:
