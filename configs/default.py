@@ -33,6 +33,8 @@ def get_config():
         3  # stop after this many steps in a row with a skipped non-finite update
     )
     c.distributed = False  # jax.distributed.initialize() (multi-host); or JAX_COORDINATOR_ADDRESS
+    # multi-process: a process silent this long is declared dead and the others stop (not hang)
+    c.heartbeat_timeout_s = 30
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data-parallel axis size

@@ -62,14 +62,20 @@ def init_distributed(config) -> None:
     """Multi-process runs: `jax.distributed.initialize()` on TPU / GPU clusters (it finds the
     coordinator itself) when config.distributed is set, or from the environment variables
     JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (e.g. CPU processes on one
-    machine, with JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo)."""
+    machine, with JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo). A process that sends no heartbeat
+    for config.heartbeat_timeout_s is declared dead, and the coordination service then stops the
+    others, so that a dead host cannot leave the rest waiting in a collective forever."""
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not (address or config.distributed):
+        return
+    timeout = config.heartbeat_timeout_s
+    if not (isinstance(timeout, int) and timeout >= 1):
+        raise UsageError(f"config.heartbeat_timeout_s={timeout!r}: must be an integer >= 1")
     if address:
-        jax.distributed.initialize(
-            address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
-        )
-    elif config.distributed:
-        jax.distributed.initialize()
+        n, i = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
+        jax.distributed.initialize(address, n, i, heartbeat_timeout_seconds=timeout)
+    else:
+        jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
 
 
 def build(config, with_reference: bool = True) -> Run:

@@ -23,6 +23,8 @@ import json
 import os
 import sys
 import time
+import traceback
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -203,7 +205,26 @@ def main(argv=None) -> int:
         parts = prepare(config)
     except (ValueError, OSError) as e:
         return fail(str(e))
-    return train(config, *parts, workdir, resume)
+    if jax.process_count() == 1:
+        return train(config, *parts, workdir, resume)
+    try:
+        return train(config, *parts, workdir, resume)
+    except Exception as e:  # noqa: BLE001 (any failure of one process of several)
+        peer_failed(e)
+
+
+def peer_failed(error: Exception) -> NoReturn:
+    """One process of a multi-process run failed, most often in a collective because another
+    process died. Says so in one line and exits at once: a normal exit would wait for the others
+    at jax.distributed's shutdown barrier."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):  # a bug, not a lost peer: show it
+        traceback.print_exception(error)
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    print(f"error: process {jax.process_index()} of {jax.process_count()} stopped: {first}. If "
+          "another process died, restart all of them with the same command: the run resumes from "
+          "its last complete checkpoint.", file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Fields that cannot change the trajectory of a run: a resumed run may change them.
 RESUMABLE_CHANGES = (
     "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
-    "num_samples_logged", "distributed", "eval.", "data.eval.",
+    "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
 )  # fmt: skip
 
 

@@ -1,12 +1,14 @@
 """2 processes x 4 CPU devices (jax.distributed on 127.0.0.1, gloo collectives) train like 1
-process x 8 devices: same metrics and parameters within 1e-5, rollouts included. The KL is folded
-into the rewards (kl_in="reward"), so the rollout's gather of the shaped rewards from every
-process is on the path."""
+process x 8 devices: same metrics and parameters within 1e-5, rollouts included, even when one
+process is killed mid-step and both are restarted. The KL is folded into the rewards
+(kl_in="reward"), so the rollout's gather of the shaped rewards from every process is on the
+path."""
 
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -15,10 +17,10 @@ from models.sharding import flatten
 from tests.conftest import ROOT, train_metrics
 
 TINY = [
-    "--config.num_steps=2", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+    "--config.num_steps=3", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
     "--config.data.prompts_per_step=8", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
     "--config.data.eval.num=8", "--config.eval.pass_k=0", "--config.eval_every=0",
-    "--config.checkpoint_every=2", "--config.sampling.num_slots=32", "--config.sampling.num_pages=128",
+    "--config.checkpoint_every=1", "--config.sampling.num_slots=32", "--config.sampling.num_pages=128",
     "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1",
 ]  # fmt: skip
 
@@ -42,19 +44,41 @@ def _launch(workdir, devices, process_id=None, num_processes=None, port=None):
     )
 
 
-def _wait(procs):
+def _wait(procs) -> list[str]:
+    errs = []
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
+        errs.append(err)
+    return errs
 
 
-def test_two_processes_equal_one(tmp_path):
+def test_two_processes_equal_one_even_after_one_dies(tmp_path):
+    """Process 1 is killed (SIGKILL) in step 2, once step 1's checkpoint is committed: process 0
+    stops within 60 s with a message that says what to do, and restarting both resumes and ends
+    within 1e-5 of the 1-process run."""
     single, multi = tmp_path / "single", tmp_path / "multi"
     _wait([_launch(single, 8)])
     port = _free_port()
-    _wait([_launch(multi, 4, i, 2, port) for i in range(2)])
+    procs = [_launch(multi, 4, i, 2, port) for i in range(2)]
+    while not (multi / "checkpoints" / "1").exists():
+        assert procs[1].poll() is None, procs[1].communicate()[1][-3000:]
+        time.sleep(0.05)  # polling a directory the run writes; nothing is timed
+    procs[1].kill()
+    killed_at = time.monotonic()
+    err = procs[0].communicate(timeout=300)[1]
+    waited = time.monotonic() - killed_at
+    procs[1].wait()
+    assert procs[0].returncode != 0 and waited < 60, (procs[0].returncode, waited, err[-3000:])
+    # ours (a collective failed) or jax.distributed's (a heartbeat was missed), whichever came first
+    said = ("If another process died, restart all of them", "This most likely indicates that "
+            "another task died")  # fmt: skip
+    assert any(s in err for s in said), err[-3000:]
+    port = _free_port()
+    errs = _wait([_launch(multi, 4, i, 2, port) for i in range(2)])
+    assert "resumed from step" in errs[0], errs[0][-3000:]
     a, b = train_metrics(single), train_metrics(multi)
-    assert sorted(a) == sorted(b) == [1, 2]
+    assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in a:
         got, want = list(b[step].values()), list(a[step].values())
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
@@ -63,3 +87,4 @@ def test_two_processes_equal_one(tmp_path):
         np.testing.assert_allclose(
             np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5, err_msg=name
         )
+    print(f"process 0 stopped {waited:.1f} s after process 1 was killed")

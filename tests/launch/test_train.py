@@ -2,10 +2,13 @@
 catalogue is tests/launch/test_bad_inputs.py)."""
 
 import json
+import random
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from launch.build import load_run
 from launch.cli import config_json, parse_args
@@ -68,26 +71,33 @@ TINY = [
 ]  # fmt: skip
 
 
-def _train(workdir, steps):
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.train",
-        "--workdir",
-        str(workdir),
-        f"--config.num_steps={steps}",
-    ]
-    out = subprocess.run(cmd + TINY, cwd=ROOT, capture_output=True, text=True, timeout=600)
+STEPS = 30  # a step takes ~0.3 s once compiled: long enough for five kills to land mid-run
+
+
+def _cmd(workdir, *extra):
+    return [sys.executable, "-m", "launch.train", f"--workdir={workdir}",
+            f"--config.num_steps={STEPS}", *TINY, *extra]  # fmt: skip
+
+
+def _train(workdir, *extra):
+    out = subprocess.run(_cmd(workdir, *extra), cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
 
-def _train_until_sigterm(workdir, steps):
-    """Starts a run of `steps` steps and sends it SIGTERM once step 2 is logged; returns the step
-    it saved and stopped at."""
-    cmd = [sys.executable, "-m", "launch.train", "--workdir", str(workdir),
-           f"--config.num_steps={steps}"]  # fmt: skip
-    proc = subprocess.Popen(cmd + TINY, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted run of STEPS steps, the reference of the interrupted ones."""
+    workdir = tmp_path_factory.mktemp("straight")
+    _train(workdir)
+    return workdir
+
+
+def _train_until_sigterm(workdir):
+    """Starts the run and sends it SIGTERM once step 2 is logged; returns the step it saved and
+    stopped at."""
+    proc = subprocess.Popen(_cmd(workdir), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     metrics = workdir / "metrics.jsonl"
     while proc.poll() is None:
         rows = open(metrics).read().count('"loss"') if metrics.exists() else 0
@@ -102,15 +112,14 @@ def _train_until_sigterm(workdir, steps):
     return int(line.split("after step ")[1].split()[0])
 
 
-def test_resume_is_exact(tmp_path):
-    """6 steps straight == a run stopped by SIGTERM (a preemption notice) after the step it was
-    in, saving it, then a new process that resumes and runs the rest (with DAPO dynamic sampling
+def test_resume_is_exact(tmp_path, straight):
+    """A run stopped by SIGTERM (a preemption notice) after the step it was in, saving it, then
+    a new process that resumes and runs the rest == the straight run (with DAPO dynamic sampling
     and a decode state kept across rollouts, the paths with the most state)."""
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _train(straight, 6)
-    stopped = _train_until_sigterm(split, 6)
-    assert 2 <= stopped < 6
-    resumed = _train(split, 6)
+    split = tmp_path / "split"
+    stopped = _train_until_sigterm(split)
+    assert 2 <= stopped < STEPS
+    resumed = _train(split)
     assert f"resumed from step {stopped}" in resumed.stderr
     a, b = json.load(open(straight / "summary.json")), json.load(open(split / "summary.json"))
     assert a["params_fingerprint"] == b["params_fingerprint"]
@@ -118,7 +127,7 @@ def test_resume_is_exact(tmp_path):
         a["accuracy_before"] == b["accuracy_before"] and a["accuracy_after"] == b["accuracy_after"]
     )
     assert train_metrics(straight) == train_metrics(split)
-    assert sorted(train_metrics(split)) == [1, 2, 3, 4, 5, 6]
+    assert sorted(train_metrics(split)) == list(range(1, STEPS + 1))
     for name in (
         "config.json",
         "metrics.jsonl",
@@ -133,8 +142,83 @@ def test_resume_is_exact(tmp_path):
     assert keys <= set(a)
     # launch.eval / launch.export read the 1-device run on this process's 8 devices (resharded).
     run, step = load_run(str(straight))
-    assert step == 6 and run.mesh.size == 8 and run.ref_params is None
+    assert step == STEPS and run.mesh.size == 8 and run.ref_params is None
     assert fingerprint(run.state.params) == a["params_fingerprint"]
+
+
+def _checkpoints(workdir) -> list[str]:
+    try:  # the run being watched creates the directory
+        return [p.name for p in (workdir / "checkpoints").iterdir()]
+    except FileNotFoundError:
+        return []
+
+
+def _latest(workdir) -> int:
+    """The latest committed checkpoint step (0 if none)."""
+    return max((int(n) for n in _checkpoints(workdir) if n.isdigit()), default=0)
+
+
+def _saving(workdir) -> bool:
+    """Whether an asynchronous save is under way (orbax writes into a temporary directory)."""
+    return any(not n.isdigit() for n in _checkpoints(workdir))
+
+
+def _run_and_kill(workdir, kill_when, log) -> None:
+    """Starts the run and SIGKILLs it once kill_when(seconds since start, whether a step was
+    committed since start) holds; a run that committed a step resumed from the latest one."""
+    before = _latest(workdir)
+    with open(log, "w") as err:
+        proc = subprocess.Popen(_cmd(workdir, "--config.checkpoint_every=1"), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+        start = time.monotonic()
+        while proc.poll() is None and not kill_when(
+            time.monotonic() - start, _latest(workdir) > before
+        ):
+            time.sleep(0.01)  # polling files another process writes; nothing is timed
+        assert proc.poll() is None, f"the run ended before its kill: {open(log).read()[-3000:]}"
+        proc.kill()
+        proc.wait()
+    if before and _latest(workdir) > before:
+        assert f"resumed from step {before}" in open(log).read()
+    print(f"killed at {time.monotonic() - start:.2f} s: committed {before} -> {_latest(workdir)}, "
+          f"an unfinished save left: {_saving(workdir)}")  # fmt: skip
+
+
+def test_kill9_anywhere_then_resume_is_exact(tmp_path, straight):
+    """kill -9 at five moments, each followed by a restart of the same command: during an
+    asynchronous checkpoint save, right after a save committed (the next step's rollout, most of
+    a step), during start-up or restore, and twice at a seeded random moment of the step after
+    the first new commit. Each restart resumes from the latest committed checkpoint (an
+    unfinished save is ignored), and the last run ends bitwise equal to the straight one."""
+    killed, rng = tmp_path / "killed", random.Random(0)
+    start_up = rng.uniform(1.0, 4.0)
+    new_commit_at = []
+
+    def after_new_commit(delay):
+        def when(t, new):
+            if new and not new_commit_at:
+                new_commit_at.append(t)
+            return bool(new_commit_at) and t >= new_commit_at[0] + delay
+
+        new_commit_at.clear()
+        return when
+
+    moments = [
+        ("during an asynchronous save", lambda t, new: _saving(killed)),
+        ("in the rollout after a commit", after_new_commit(0.05)),
+        ("during start-up", lambda t, new: t >= start_up),
+        ("at a random moment of a step", after_new_commit(rng.uniform(0.0, 0.5))),
+        ("at a random moment of a step", after_new_commit(rng.uniform(0.0, 0.5))),
+    ]
+    for i, (_, when) in enumerate(moments):
+        new_commit_at.clear()
+        _run_and_kill(killed, when, tmp_path / f"kill{i}.log")
+    assert _latest(killed) < STEPS
+    _train(killed, "--config.checkpoint_every=1")
+    a = json.load(open(straight / "summary.json"))
+    b = json.load(open(killed / "summary.json"))
+    assert a["params_fingerprint"] == b["params_fingerprint"]
+    assert train_metrics(straight) == train_metrics(killed)
 
 
 def test_resume_refuses_a_changed_config(tmp_path, capsys):
