@@ -105,6 +105,7 @@ def get_config():
     c.rl.num_iterations = 1  # μ: passes over each rollout
     c.rl.minibatches = 1  # optimizer steps per pass
     c.rl.micro_batches = 1  # gradient accumulation chunks per optimizer step
+    c.rl.pack = True  # pack several sequences per learner row (segment ids); False: one per row
     c.rl.logprob_chunk = 128  # sequence positions per vocabulary projection in the learner
     c.rl.overlong_buffer = 0  # DAPO soft overlong penalty: ramp over this many last tokens (0 off)
     c.rl.overlong_penalty = 1.0  # penalty at the length limit

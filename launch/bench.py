@@ -1,4 +1,8 @@
-"""Sampler throughput benchmark: `python -m launch.bench sampler [--output bench_sampler.json]`.
+"""Benchmarks: `python -m launch.bench sampler|learn|loop [--output F.json]`, each printing a
+table and writing JSON. `learn` (the learner step: tokens/s, MFU, packed against padded) is
+`launch/bench_learn.py`; `loop` (GRPO iterations and their time split) is `launch/bench_loop.py`.
+
+Sampler throughput (`python -m launch.bench sampler [--output bench_sampler.json]`):
 
 Runs on whatever JAX backend is present (one device) with a random-init Qwen2-style model
 ("bench-small": V 4096, D 256, 4 layers, 8 heads, 2 KV heads, H 32, F 1024, tied embeddings)
@@ -263,8 +267,14 @@ def _table(r: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["sampler"], help="what to benchmark")
-    p.add_argument("--output", default="bench_sampler.json", help="JSON results file")
+    p.add_argument("what", choices=["sampler", "learn", "loop"], help="what to benchmark")
+    p.add_argument("--output", default=None, help="JSON results file (bench_<what>.json)")
+    p.add_argument("--quick", action="store_true", help="learn / loop: tiny model and workload")
+    p.add_argument("--lengths", choices=["fixed", "skewed"], default="fixed",
+                   help="loop: completion lengths, 128 each or long-tailed over 8..512")  # fmt: skip
+    p.add_argument("--rows", type=int, default=8, help="learn: rows of 512 tokens per step")
+    p.add_argument("--skewed_seqs", type=int, default=16, help="learn: long-tailed sequences")
+    p.add_argument("--seed", type=int, default=0, help="learn / loop: seed of the lengths")
     p.add_argument("--small_test", action="store_true", help="tiny model and workload (tests)")
     p.add_argument("--no_hf", action="store_true", help="skip HF generate even if installed")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
@@ -282,12 +292,24 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
     args = p.parse_args(argv)
     args.compare_backends = [b for b in args.compare_backends.split(",") if b]
-    if args.small_test:
-        args.num_prompts, args.num_prompts_256, args.num_samples = 2, 4, 2
-        args.prompt_len, args.new_tokens, args.steps_per_call, args.reps = 8, 8, 4, 1
-        args.page_size = 4
-    r = bench_sampler(args)
-    print(_table(r))
+    args.output = args.output or f"bench_{args.what}.json"
+    if args.what == "learn":
+        from launch.bench_learn import bench_learn, table
+
+        r = bench_learn(args)
+        print(table(r))
+    elif args.what == "loop":
+        from launch.bench_loop import bench_loop, table
+
+        r = bench_loop(args)
+        print(table(r))
+    else:
+        if args.small_test:
+            args.num_prompts, args.num_prompts_256, args.num_samples = 2, 4, 2
+            args.prompt_len, args.new_tokens, args.steps_per_call, args.reps = 8, 8, 4, 1
+            args.page_size = 4
+        r = bench_sampler(args)
+        print(_table(r))
     with open(args.output, "w") as f:
         json.dump(r, f, indent=2)
         f.write("\n")

@@ -57,7 +57,7 @@ def _batch(config, rows, sharding) -> Batch:
     per_token = lambda dtype="float32": spec((rows, t - 1), dtype)
     return Batch(
         tokens=spec((rows, t), "int32"), positions=spec((rows, t), "int32"),
-        valid=spec((rows, t), "bool"), loss_mask=per_token(), advantages=spec((rows,), "float32"),
+        segment_ids=spec((rows, t), "int32"), loss_mask=per_token(), advantages=per_token(),
         sampler_logp=per_token(),
         old_logp=None if config.rl.old_logp == "recompute" else per_token(),
         ref_logp=per_token() if config.rl.kl_coef > 0 else None,

@@ -5,9 +5,9 @@ projected q, k, v; the default hook here is dense causal attention over the give
 sampler passes its own hook (a paged KV cache) through the same call, so there is one transformer
 and the cache is just an argument.
 
-Causality is by array index, not by position id: query i sees key j iff j <= i and key j is valid.
-That makes left padding (HF's convention for batched prompts) and right padding both work, with
-positions supplied explicitly by the caller.
+Causality is by array index, not by position id: query i sees key j iff j <= i and key j is valid
+(and, in a packed row, of the same sequence). That makes left padding (HF's convention for batched
+prompts), right padding and packed rows all work, with positions supplied explicitly by the caller.
 """
 
 from __future__ import annotations
@@ -77,11 +77,15 @@ def dense_attention(q, k, v, mask):
     return out.reshape(b, t, n, h)
 
 
-def causal_mask(valid):
-    """bool [B,T,T]: query i sees key j iff j <= i and key j is valid. valid bool [B,T]."""
-    t = valid.shape[1]
+def causal_mask(segments):
+    """bool [B,T,T]: query i sees key j iff j <= i, key j is a real token and both are tokens of
+    the same sequence. segments: bool [B,T] real tokens (one sequence per row), or int [B,T]
+    segment ids of packed rows (1, 2, ... per sequence, 0 = padding), so that attention never
+    crosses a sequence boundary. A padding query sees nothing (its output is finite garbage)."""
+    s = segments.astype(jnp.int32)
+    t = s.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return causal[None] & valid[:, None, :]
+    return causal[None] & (s[:, :, None] == s[:, None, :]) & (s[:, None, :] > 0)
 
 
 @struct.dataclass

@@ -134,8 +134,9 @@ class Transformer(nnx.Module):
     def hidden(self, tokens, positions, valid=None, attend=None):
         """Final-norm hidden states h [B,T,D] in the compute dtype, and the attention hook.
 
-        valid bool [B,T] marks real tokens (default: all); it is used only by the default dense
-        hook. `attend` replaces that hook, e.g. with the sampler's paged KV cache.
+        valid bool [B,T] marks real tokens (default: all), or int [B,T] gives the segment ids of
+        packed rows (0 = padding; `models.attention.causal_mask`); it is used only by the default
+        dense hook. `attend` replaces that hook, e.g. with the sampler's paged KV cache.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.sharding import with_shardings
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import LossConfig, combine_metrics, grpo_loss
+from rl.segments import count_sequences, sequence_totals
 from sampling.distribution import SamplingParams
 
 
@@ -89,13 +90,14 @@ class TrainState:
 
 @struct.dataclass
 class Batch:
-    """One optimizer step's sequences (prompt + completion). Per-token arrays score tokens[:, 1:]."""
+    """One optimizer step's sequences (prompt + completion), one or several per row (packed by
+    `rl.packing`). Per-token arrays score tokens[:, 1:]."""
 
     tokens: jax.Array  # int32 [B,T]
-    positions: jax.Array  # int32 [B,T]
-    valid: jax.Array  # bool [B,T] real (non-pad) tokens
+    positions: jax.Array  # int32 [B,T] position within its sequence
+    segment_ids: jax.Array  # int32 [B,T] sequence of the row: 1, 2, ...; 0 = padding
     loss_mask: jax.Array  # f32 [B,T-1] 1 where tokens[:, 1:] is a completion token that counts
-    advantages: jax.Array  # f32 [B]
+    advantages: jax.Array  # f32 [B,T-1] the advantage of the sequence of tokens[:, 1:]
     sampler_logp: jax.Array | None = None  # f32 [B,T-1]
     old_logp: jax.Array | None = None  # f32 [B,T-1]; None: stop_gradient(logp) (exact ratio 1)
     ref_logp: jax.Array | None = None  # f32 [B,T-1] tempered full softmax; None: KL off
@@ -188,7 +190,7 @@ class Learner:
     def _token_logprobs(self, params, batch: Batch) -> TokenLogprobs:
         c = self.cfg
         return token_logprobs(
-            nnx.merge(self.graphdef, params), batch.tokens, batch.positions, batch.valid,
+            nnx.merge(self.graphdef, params), batch.tokens, batch.positions, batch.segment_ids,
             c.sampling, c.logprob_chunk, c.stop_ids, batch.stop_masked,
         )  # fmt: skip
 
@@ -210,7 +212,7 @@ class Learner:
         return grpo_loss(
             tl.logp, old, mb.sampler_logp, mb.ref_logp, mb.advantages, mb.loss_mask,
             self.cfg.loss, global_tokens=global_tokens, global_seqs=global_seqs, entropy=ent,
-            full_logp=tl.full,
+            full_logp=tl.full, segments=mb.segment_ids[:, 1:],
         )  # fmt: skip
 
     def _grads_impl(self, params, batch: Batch):
@@ -220,8 +222,9 @@ class Learner:
             raise ValueError(
                 f"batch of {batch.tokens.shape[0]} rows: not divisible by micro_batches={m}"
             )
+        segments = batch.segment_ids[:, 1:]  # [B,T-1] the sequence of each scored token
         global_tokens = jnp.sum(batch.loss_mask)
-        global_seqs = jnp.sum(jnp.any(batch.loss_mask > 0, axis=1)).astype(jnp.float32)
+        global_seqs = count_sequences(batch.loss_mask, segments)
         micro = jax.tree.map(lambda x: _strided_split(x, m), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
@@ -245,7 +248,7 @@ class Learner:
         metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = global_tokens
-        lengths = jnp.sum(batch.loss_mask, axis=1)  # [B] completion tokens per row
+        lengths = sequence_totals(batch.loss_mask, segments)  # [B,T] tokens per sequence
         metrics["response_length_mean"] = global_tokens / jnp.maximum(global_seqs, 1)
         metrics["response_length_max"] = jnp.max(lengths)
         return grads, metrics

@@ -46,7 +46,8 @@ def token_logprobs(
 ) -> TokenLogprobs:  # fmt: skip
     """Log-probs of tokens[:, 1:] given their prefixes (see the module docstring).
 
-    tokens, positions: int32 [B,T]; valid: bool [B,T] real tokens; stop_masked: bool [B,T-1] where
+    tokens, positions: int32 [B,T]; valid: bool [B,T] real tokens, or int32 [B,T] segment ids of
+    packed rows (0 = padding; attention stays within a sequence); stop_masked: bool [B,T-1] where
     the sampler banned `stop_ids` (min_new_tokens), or None. Values at positions whose target is
     padding are finite but meaningless; the caller masks them.
     """

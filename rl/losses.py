@@ -7,9 +7,13 @@ step by the caller, so the sum over any split of the batch rows equals the full-
 (no mean-of-means bias from uneven padding across micro-batches). Metrics follow the same rule,
 except `metrics["maxima"]`, which the caller reduces with max (`combine_metrics` does both).
 
-Shapes: B sequences (completions) in this micro-batch, T completion length; masks are f32 0/1.
-Inputs at padded positions may be garbage (e.g. -inf log-probs): `grpo_loss` zeroes them before any
-exp, so neither the value nor the gradient can become NaN.
+Shapes: B rows in this micro-batch, T positions; masks are f32 0/1. A row holds one sequence, or
+several packed ones (`rl.packing`): `segments` int [B,T] then says which sequence of its row each
+position belongs to, and everything per sequence (lengths, GSPO's ratio, sequence-level IS, the
+count of sequences) is reduced over segments (`segment_sum`), so a packed batch gives the loss and
+gradient of the same sequences laid out one per row. Inputs at padded positions may be garbage
+(e.g. -inf log-probs): `grpo_loss` zeroes them before any exp, so neither the value nor the
+gradient can become NaN.
 
 Three log-prob tensors of the same tokens take part in the policy term, all under the sampling
 distribution (temperature, top-k, top-p: the probabilities of the actions actually taken):
@@ -40,6 +44,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from rl.segments import segment_sum
 
 sg = jax.lax.stop_gradient
 
@@ -148,8 +154,14 @@ def kl_penalty(logp, ref_logp, estimator: str, clamp: float):
 
 
 # ----------------------------------------------------------------------------------------------
-# Policy surrogates: (logp, old_logp, adv[B], mask, cfg) -> (loss[B, T], aux of [B, T] arrays).
-# old_logp arrives stop-gradient'ed; aux indicators are f32 0/1.
+# Policy surrogates: (logp, old_logp, adv, mask, cfg, segments) -> (loss[B, T], aux of [B, T]
+# arrays). adv is [B] per row or [B, T] per position (packed rows); old_logp arrives
+# stop-gradient'ed; aux indicators are f32 0/1.
+
+
+def _per_token(adv):
+    """Advantages per sequence [B] (one sequence per row) or per position [B, T]: [B, 1|T]."""
+    return adv[:, None] if adv.ndim == 1 else adv
 
 
 def _ppo_objective(ratio, a, low, high):
@@ -160,17 +172,17 @@ def _ppo_objective(ratio, a, low, high):
     return obj, {"ratio": ratio, "clipped_low": clipped_low, "clipped_high": clipped_high}
 
 
-def ppo_clip_loss(logp, old_logp, adv, mask, cfg):
+def ppo_clip_loss(logp, old_logp, adv, mask, cfg, segments=None):
     ratio = jnp.exp(logp - old_logp)  # [B, T]
-    obj, aux = _ppo_objective(ratio, adv[:, None], cfg.eps_low, cfg.eps_high)
+    obj, aux = _ppo_objective(ratio, _per_token(adv), cfg.eps_low, cfg.eps_high)
     return -obj, aux
 
 
-def dual_clip_loss(logp, old_logp, adv, mask, cfg):
+def dual_clip_loss(logp, old_logp, adv, mask, cfg, segments=None):
     """PPO clip plus, for A < 0, a floor c*A on the objective: a huge ratio on a bad token cannot
     produce an unbounded step (Ye et al. 2020)."""
     ratio = jnp.exp(logp - old_logp)  # [B, T]
-    a = adv[:, None]  # [B, 1]
+    a = _per_token(adv)  # [B, 1|T]
     obj, aux = _ppo_objective(ratio, a, cfg.eps_low, cfg.eps_high)
     c = cfg.dual_clip_c
     obj = jnp.where(a < 0, jnp.maximum(obj, c * a), obj)
@@ -178,17 +190,17 @@ def dual_clip_loss(logp, old_logp, adv, mask, cfg):
     return -obj, aux
 
 
-def gspo_loss(logp, old_logp, adv, mask, cfg):
+def gspo_loss(logp, old_logp, adv, mask, cfg, segments=None):
     """GSPO (Zheng et al. 2025): clip the length-normalised sequence ratio, not token ratios."""
-    length = jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)  # [B, 1]
-    log_s = jnp.sum(mask * (logp - old_logp), axis=1, keepdims=True) / length  # [B, 1]
+    length = jnp.maximum(segment_sum(mask, segments), 1.0)  # [B, T] its sequence's length
+    log_s = segment_sum(mask * (logp - old_logp), segments) / length  # [B, T]
     # Value s for every token, gradient s * grad(logp_t): see the module docstring.
     s_t = sg(jnp.exp(log_s)) * jnp.exp(logp - sg(logp))  # [B, T]
-    obj, aux = _ppo_objective(s_t, adv[:, None], cfg.gspo_eps_low, cfg.gspo_eps_high)
+    obj, aux = _ppo_objective(s_t, _per_token(adv), cfg.gspo_eps_low, cfg.gspo_eps_high)
     return -obj, aux
 
 
-def cispo_loss(logp, old_logp, adv, mask, cfg):
+def cispo_loss(logp, old_logp, adv, mask, cfg, segments=None):
     """CISPO (MiniMax-M1): REINFORCE with a clipped, detached IS weight, so clipped tokens still
     get a gradient (PPO would zero it)."""
     ratio = jnp.exp(logp - old_logp)  # [B, T]
@@ -199,7 +211,7 @@ def cispo_loss(logp, old_logp, adv, mask, cfg):
         "clipped_low": (ratio < lo).astype(jnp.float32),
         "clipped_high": (ratio > hi).astype(jnp.float32),
     }
-    return -weight * adv[:, None] * logp, aux
+    return -weight * _per_token(adv) * logp, aux
 
 
 POLICY_LOSSES = {
@@ -214,7 +226,7 @@ POLICY_LOSSES = {
 # Sampler-vs-learner correction and its metrics.
 
 
-def behaviour_weights(old_logp, sampler_logp, mask, cfg):
+def behaviour_weights(old_logp, sampler_logp, mask, cfg, segments=None):
     """IS weight old/sampler for the policy term, and which tokens to keep. [B, T] each, f32.
 
     "sequence" level uses the product of token ratios (the sum of log-ratios) for every token of a
@@ -222,9 +234,7 @@ def behaviour_weights(old_logp, sampler_logp, mask, cfg):
     """
     log_ratio = sg(old_logp - sampler_logp)  # [B, T]
     if cfg.is_level == "sequence":
-        log_ratio = jnp.broadcast_to(
-            jnp.sum(mask * log_ratio, axis=1, keepdims=True), log_ratio.shape
-        )
+        log_ratio = segment_sum(mask * log_ratio, segments)
     ones = jnp.ones_like(log_ratio)
     if cfg.is_correction == "none":
         return ones, ones
@@ -251,22 +261,25 @@ def mismatch_metrics(learner_logp, sampler_logp, mask):
 # Aggregation: per-token values -> this micro-batch's contribution to the full-batch scalar.
 
 
-def aggregate(per_token, mask, mode, *, global_tokens, global_seqs, max_new_tokens=0):
+def aggregate(
+    per_token, mask, mode, *, global_tokens, global_seqs, max_new_tokens=0, segments=None
+):
     """Contribution of these rows to the full-batch aggregate; sums over row splits are exact.
 
     token_mean:           sum(x) / global_tokens          (DAPO: every token weighs the same)
     seq_mean_token_mean:  sum_i mean_t(x_i) / global_seqs (GRPO paper, GSPO)
     seq_mean_token_sum:   sum(x) / global_seqs
     drgrpo_constant:      sum(x) / (global_seqs * max_new_tokens)   (Dr. GRPO: no length bias)
-    Sums run over positions where mask > 0; a sequence's length is its mask sum (at least 1).
+    Sums run over positions where mask > 0; a sequence's length is its mask sum (at least 1), over
+    its segment of the row (`segments`, None: the whole row).
     """
     x = jnp.where(mask > 0, per_token, 0.0)  # [B, T]
     total = jnp.sum(x)
     if mode == "token_mean":
         return total / jnp.maximum(global_tokens, 1)
     if mode == "seq_mean_token_mean":
-        length = jnp.maximum(jnp.sum(mask, axis=1), 1.0)  # [B]
-        return jnp.sum(jnp.sum(x, axis=1) / length) / jnp.maximum(global_seqs, 1)
+        length = jnp.maximum(segment_sum(mask, segments), 1.0)  # [B, T] its sequence's length
+        return jnp.sum(x / length) / jnp.maximum(global_seqs, 1)
     if mode == "seq_mean_token_sum":
         return total / jnp.maximum(global_seqs, 1)
     if mode == "drgrpo_constant":
@@ -289,6 +302,7 @@ def grpo_loss(
     global_seqs,
     entropy=None,
     full_logp=None,
+    segments=None,
 ):
     """This micro-batch's contribution to the GRPO loss, and summable metrics.
 
@@ -297,13 +311,16 @@ def grpo_loss(
       sampler_logp: f32[B, T] sampler log-probs, or None (then is_correction must be "none").
       ref_logp: f32[B, T] reference log-probs, or None when kl_coef == 0 or kl_in == "reward".
         If given anyway, the KL is logged but only enters the loss when kl_in == "loss".
-      adv: f32[B] sequence advantages.
+      adv: f32[B] sequence advantages (one sequence per row), or f32[B, T] each position's
+        sequence advantage (packed rows).
       mask: f32[B, T] 1 on completion tokens that count.
       cfg: LossConfig (static under jit).
       global_tokens, global_seqs: valid tokens / sequences of the whole optimizer step.
       entropy: optional f32[B, T] per-token policy entropy (required if entropy_coef > 0).
       full_logp: optional f32[B, T] current policy log-probs under the tempered full softmax, the
         distribution the KL to the reference compares (`rl.logprobs`); None: logp (no top-k/p).
+      segments: optional int[B, T] sequence id of each position within its row (packed rows);
+        None: one sequence per row.
 
     Returns:
       loss = agg(w * policy, mask*keep) + kl_coef * agg(kl, mask) - entropy_coef * agg(H, mask),
@@ -321,12 +338,13 @@ def grpo_loss(
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         max_new_tokens=cfg.max_new_tokens,
+        segments=segments,
     )
     token_mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / jnp.maximum(global_tokens, 1)
 
     logp = clean(logp)
     old_logp = sg(clean(old_logp))
-    per_token, aux = POLICY_LOSSES[cfg.policy_loss](logp, old_logp, adv, mask, cfg)
+    per_token, aux = POLICY_LOSSES[cfg.policy_loss](logp, old_logp, adv, mask, cfg, segments)
 
     if sampler_logp is None:
         if cfg.is_correction != "none":
@@ -335,7 +353,7 @@ def grpo_loss(
         mismatch = None
     else:
         sampler_logp = sg(clean(sampler_logp))
-        weight, keep = behaviour_weights(old_logp, sampler_logp, mask, cfg)
+        weight, keep = behaviour_weights(old_logp, sampler_logp, mask, cfg, segments)
         # old_logp, not logp: same parameters as the sampler, so this is pure numerical mismatch.
         mismatch = mismatch_metrics(old_logp, sampler_logp, mask)
 

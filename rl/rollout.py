@@ -14,8 +14,9 @@ Randomness: the sampling seed of step s, round r is drawn from fold_in(fold_in(k
 and request ids (the sampler's PRNG streams) are unique over steps and refill rounds, so a resumed
 run samples exactly what an uninterrupted one does.
 
-Sequences are laid out right-padded to a fixed length `max_prompt_len + max_new_tokens`, so every
-learner step sees the same shapes and compiles once. A completion includes its stop token (the
+The learner batch packs the sequences into rows of `max_prompt_len + max_new_tokens` tokens with
+segment ids (`rl.packing`; `rl.pack=False`: one sequence per row, padded), with a bucketed number
+of rows, so the learner compiles for a few shapes. A completion includes its stop token (the
 policy must learn to stop); `loss_mask[b, t]` marks the completion tokens tokens[b, t+1], and
 `sampler_logp[b, t]` holds the sampler's log-prob of that same token.
 """
@@ -23,6 +24,7 @@ policy must learn to stop); `loss_mask[b, t]` marks the completion tokens tokens
 from __future__ import annotations
 
 import dataclasses
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -34,6 +36,7 @@ from rl.data import reward_inputs, tokenize_prompts
 from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
+from rl.packing import Layout, build_batch
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
 from sampling.state import host_values
@@ -54,10 +57,11 @@ class Group:
 
 @dataclasses.dataclass
 class Rollout:
-    batch: Batch  # the learner batch of B*G rows, on device
+    batch: Batch  # the learner batch of the B*G sequences (packed rows), on device
     groups: list[Group]
     rewards: np.ndarray  # f32 [B*G] the rewards the advantages were computed from
     stats: dict[str, float]  # reward / advantage / length / dynamic-sampling statistics
+    layout: Layout | None = None  # where each sequence sits in the batch rows (rl.packing)
 
 
 def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, prompt_field):
@@ -76,45 +80,6 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
         parts["overlong_penalty"] = np.asarray(penalty)
         total = total + parts["overlong_penalty"]
     return Group(record, prompt, completions, texts, np.asarray(total, np.float32), parts)
-
-
-def build_batch(groups: list[Group], seq_len: int, pad_id: int, min_new_tokens: int = 0) -> Batch:
-    """Right-padded learner Batch (numpy) with rows group-major: row i*G+k is completion k of i.
-
-    `loss_mask` covers every completion token the model sampled, never an observation of a
-    multi-turn episode (`Rollouts` applies rl.mask_truncated), advantages
-    are left at 0 (`Rollouts` fills them in), and `stop_masked` marks the first min_new_tokens
-    completion positions, where the sampler banned the stop ids (None if 0).
-    """
-    rows = [(grp.prompt, c) for grp in groups for c in grp.completions]
-    n_rows = len(rows)
-    tokens = np.full((n_rows, seq_len), pad_id, np.int32)
-    valid = np.zeros((n_rows, seq_len), bool)
-    loss_mask = np.zeros((n_rows, seq_len - 1), np.float32)
-    sampler_logp = np.zeros((n_rows, seq_len - 1), np.float32)
-    stop_masked = np.zeros((n_rows, seq_len - 1), bool)
-    for r, (p, c) in enumerate(rows):
-        n = len(p) + c.length
-        if n > seq_len:
-            raise ValueError(
-                f"sequence of {n} tokens > max_prompt_len + max_new_tokens = {seq_len}"
-            )
-        tokens[r, :n] = p + c.tokens
-        valid[r, :n] = True
-        first = len(p) - 1  # position t scores token t + 1: the first completion token
-        model = 1.0 if c.observation is None else ~np.asarray(c.observation, bool)
-        loss_mask[r, first : n - 1] = model
-        sampler_logp[r, first : n - 1] = c.logprobs
-        stop_masked[r, first : first + min(min_new_tokens, c.length)] = True
-    return Batch(
-        tokens=tokens,
-        positions=np.tile(np.arange(seq_len, dtype=np.int32), (n_rows, 1)),
-        valid=valid,
-        loss_mask=loss_mask,
-        advantages=np.zeros((n_rows,), np.float32),
-        sampler_logp=sampler_logp,
-        stop_masked=stop_masked if min_new_tokens else None,
-    )
 
 
 def length_stats(groups: list[Group]) -> dict[str, float]:
@@ -143,6 +108,14 @@ class Rollouts:
         self.learner, self.ref_params = learner, ref_params
         self.batch_sharding, self.pad_id = batch_sharding, pad_id
         self.pool = ThreadPoolExecutor(max_workers=1)  # reward functions overlap decoding
+        # Packed row counts are multiples of this, so that rows split evenly over the batch
+        # shards, the minibatches and the micro-batches.
+        mesh, spec = batch_sharding.mesh, batch_sharding.spec
+        axes = spec[0] if spec else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        shards = math.prod(mesh.shape[a] for a in axes)
+        self.row_multiple = shards * config.rl.minibatches * config.rl.micro_batches
+        self.row_shapes = set()  # packed row counts seen: each is one learner compilation
         self.decode_state = None
         # Multi-turn episodes through an environment (rl.envs), else single-turn completions.
         self.episodes = None if env is None else EpisodeSampler(env, engine, tokenizer, config.env)
@@ -151,12 +124,15 @@ class Rollouts:
         c = self.config
         groups, stats = self._sample(step, params, data)
         s = c.sampling
-        batch = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
-                            s.min_new_tokens)  # fmt: skip
+        batch, layout = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
+                                    s.min_new_tokens, c.rl.pack, self.row_multiple)  # fmt: skip
+        self.row_shapes.add(layout.rows)
+        stats.update({"learn/rows": layout.rows, "learn/row_shapes": len(self.row_shapes),
+                      "learn/padding_frac": layout.padding_frac})  # fmt: skip
         completions = batch.loss_mask
         if c.rl.mask_truncated:  # DAPO: completions cut by the length limit get no loss
             stopped = [cp.finish_reason == "stop" for grp in groups for cp in grp.completions]
-            batch = batch.replace(loss_mask=completions * np.array(stopped, np.float32)[:, None])
+            batch = batch.replace(loss_mask=completions * layout.spread(stopped))
         batch = jax.device_put(batch, self.batch_sharding)
         rewards = np.concatenate([grp.rewards for grp in groups])
         penalty = None
@@ -166,8 +142,8 @@ class Rollouts:
             ref = self.learner.logprobs(self.ref_params, batch, "full")
             pi = self.learner.logprobs(params, batch, "full")
             penalty = kl_reward_penalty(pi, ref, jax.device_put(completions, self.batch_sharding),
-                                        c.rl.kl_coef, c.rl.kl_clamp)  # fmt: skip
-            penalty = np.asarray(host_values(penalty))  # every process gets all rows
+                                        c.rl.kl_coef, c.rl.kl_clamp, batch.segment_ids[:, 1:])  # fmt: skip
+            penalty = layout.gather(host_values(penalty))  # every process gets all rows
             stats["reward/kl_penalty_mean"] = float(penalty.mean())
             batch = batch.replace(ref_logp=ref)  # the learner logs the KL, the loss ignores it
         adv, adv_stats = compute_advantages(
@@ -176,7 +152,8 @@ class Rollouts:
         )  # fmt: skip
         if penalty is not None:
             rewards = rewards - penalty  # the shaped rewards, for the logs
-        batch = batch.replace(advantages=jax.device_put(np.asarray(adv), self.batch_sharding))
+        adv = layout.spread(np.asarray(adv))  # each sequence's advantage on its positions
+        batch = batch.replace(advantages=jax.device_put(adv, self.batch_sharding))
         stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
         for name in groups[0].parts:
             stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
@@ -184,7 +161,7 @@ class Rollouts:
             stats.update(
                 episode_stats(groups, stats.pop("prefill_tokens"), stats.pop("reprefill_tokens"))
             )
-        return Rollout(batch, groups, rewards, stats)
+        return Rollout(batch, groups, rewards, stats, layout)
 
     def _sample(self, step: int, params, data) -> tuple[list[Group], dict[str, float]]:
         c = self.config

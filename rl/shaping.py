@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.losses import kl_penalty
+from rl.segments import sequence_totals
 
 
 def overlong_penalty(lengths, max_new_tokens: int, buffer: int, penalty: float = 1.0):
@@ -35,14 +36,16 @@ def overlong_penalty(lengths, max_new_tokens: int, buffer: int, penalty: float =
     return -penalty * jnp.clip(excess / buffer, 0.0, 1.0)
 
 
-def kl_reward_penalty(logp, ref_logp, mask, beta: float, clamp: float = 10.0):
-    """f32[N]: beta * sum_t k1 over the valid tokens of [N, T], k1 = logp - ref_logp, the KL
-    penalty of each sample when the KL goes into the reward (`rl.advantages` subtracts it).
+def kl_reward_penalty(logp, ref_logp, mask, beta: float, clamp: float = 10.0, segments=None):
+    """f32 [B, T+1]: beta * sum_t k1 over the valid tokens of each sequence of the rows of [B, T],
+    k1 = logp - ref_logp, the KL penalty of each sample when the KL goes into the reward
+    (`rl.advantages` subtracts it). Column s of row b is sequence s of the row
+    (`rl.segments.sequence_totals`; segments None: one sequence per row, column 1).
 
     k1 is `rl.losses.kl_penalty`'s (clamped to `clamp` per token). No gradient flows: it is data.
     """
-    k1 = jnp.where(mask > 0, kl_penalty(logp, ref_logp, "k1", clamp), 0.0)  # [N, T]
-    return beta * jax.lax.stop_gradient(jnp.sum(k1, axis=1))
+    k1 = jnp.where(mask > 0, kl_penalty(logp, ref_logp, "k1", clamp), 0.0)  # [B, T]
+    return beta * jax.lax.stop_gradient(sequence_totals(k1, segments))
 
 
 def select_groups(rewards, group_size: int):

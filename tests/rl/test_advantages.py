@@ -101,7 +101,13 @@ def test_kl_reward_penalty():
     # Row 0: k1 = 0.5 + (-1.0) = -0.5 (padding ignored) -> 0.1 * -0.5 = -0.05.
     # Row 1: k1 = 0 + 1.0 + 0 = 1.0 -> 0.1.
     got = shaping.kl_reward_penalty(logp, ref_logp, mask, beta=0.1)
-    np.testing.assert_allclose(got, [-0.05, 0.1], **TOL)
+    np.testing.assert_allclose(got[:, 1], [-0.05, 0.1], **TOL)
+    # The same two sequences packed into one row, as segments 1 and 2.
+    packed = shaping.kl_reward_penalty(
+        logp.reshape(1, 6), ref_logp.reshape(1, 6), mask.reshape(1, 6), beta=0.1,
+        segments=np.array([[1, 1, 1, 2, 2, 2]]),
+    )  # fmt: skip
+    np.testing.assert_allclose(packed[0, 1:3], [-0.05, 0.1], **TOL)
 
 
 def test_penalty_is_centred_per_group_and_not_rescaled():

@@ -44,9 +44,9 @@ def _batch(rows=32, t=24, seed=0):
     return Batch(
         tokens=tokens,
         positions=positions,
-        valid=valid,
+        segment_ids=valid.astype(np.int32),
         loss_mask=loss_mask,
-        advantages=rng.normal(size=rows).astype(np.float32),
+        advantages=np.repeat(rng.normal(size=(rows, 1)).astype(np.float32), t - 1, axis=1),
         sampler_logp=np.where(loss_mask > 0, -rng.uniform(3.5, 4.5, loss_mask.shape), 0).astype(
             np.float32
         ),
@@ -110,7 +110,7 @@ def test_bypass_ratio_and_mismatch_metrics(model):
 
     @jax.jit
     def dense_logp(params, b):
-        logits = nnx.merge(graphdef, params)(b.tokens, b.positions, b.valid)[0][:, :-1]
+        logits = nnx.merge(graphdef, params)(b.tokens, b.positions, b.segment_ids)[0][:, :-1]
         lp = jax.nn.log_softmax(logits, axis=-1)
         return jnp.take_along_axis(lp, b.tokens[:, 1:, None], axis=-1)[..., 0]
 
@@ -232,9 +232,9 @@ def test_grpo_solves_a_bandit():
         batch = Batch(
             tokens=tokens,
             positions=np.tile(np.arange(4, dtype=np.int32), (groups * g, 1)),
-            valid=np.ones_like(tokens, bool),
+            segment_ids=np.ones_like(tokens),
             loss_mask=mask,
-            advantages=adv,
+            advantages=np.repeat(np.asarray(adv)[:, None], 3, axis=1),
             sampler_logp=np.pad(np.asarray(lp)[:, None], ((0, 0), (2, 0))),
         )
         state, _ = learner.learn(state, None, batch)
@@ -285,9 +285,9 @@ def test_bypass_ratio_with_the_paged_sampler(model):
     batch = Batch(
         tokens=tokens,
         positions=np.tile(np.arange(t, dtype=np.int32), (len(rows), 1)),
-        valid=valid,
+        segment_ids=valid.astype(np.int32),
         loss_mask=mask,
-        advantages=np.linspace(-1, 1, len(rows)).astype(np.float32),
+        advantages=np.repeat(np.linspace(-1, 1, len(rows), dtype=np.float32)[:, None], t - 1, 1),
         sampler_logp=sampler,
         old_logp=sampler,
     )

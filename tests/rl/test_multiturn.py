@@ -4,6 +4,7 @@ reproduces the sampler's log-probs on the model's tokens."""
 
 import jax
 import numpy as np
+import pytest
 
 from launch.build import build
 from launch.cli import parse_args
@@ -44,8 +45,8 @@ def test_episode_batch_is_the_sampled_and_observation_ids():
     rollouts(0, run.state.params, data)
     rollout = rollouts(1, run.state.params, data)  # the second: counters are per rollout
     rollouts.close()
-    b = jax.device_get(rollout.batch)
-    row = 0
+    b, layout = jax.device_get(rollout.batch), rollout.layout
+    i = 0  # sequence i sits in row layout.row[i] from column layout.start[i] (rl.packing)
     for grp in rollout.groups:
         for ep, c in zip(grp.episodes, grp.completions):
             turns = [t.ids for t in ep.turns]
@@ -53,16 +54,16 @@ def test_episode_batch_is_the_sampled_and_observation_ids():
             want = turns[0] + OBS[1] + turns[1] + OBS[2] + turns[2]
             is_obs = [False] * len(turns[0]) + [True] * 3 + [False] * len(turns[1]) + [True] * 2
             is_obs += [False] * len(turns[2])
-            n, p = len(want), len(grp.prompt)
-            np.testing.assert_array_equal(b.tokens[row, : p + n], grp.prompt + want)
+            n, p, row, col = len(want), len(grp.prompt), layout.row[i], layout.start[i]
+            np.testing.assert_array_equal(b.tokens[row, col : col + p + n], grp.prompt + want)
             assert c.tokens == want and c.observation == is_obs
-            mask = np.zeros(b.loss_mask.shape[1], np.float32)
-            mask[p - 1 : p - 1 + n] = ~np.array(is_obs)
-            np.testing.assert_array_equal(b.loss_mask[row], mask)
-            np.testing.assert_array_equal(b.sampler_logp[row, p - 1 : p - 1 + n],
+            np.testing.assert_array_equal(b.loss_mask[row, col : col + p - 1], 0)
+            np.testing.assert_array_equal(b.loss_mask[row, col + p - 1 : col + p - 1 + n],
+                                          ~np.array(is_obs))  # fmt: skip
+            np.testing.assert_array_equal(b.sampler_logp[row, col + p - 1 : col + p - 1 + n],
                                           np.float32(c.logprobs))  # fmt: skip
             assert all(lp == 0 for lp, o in zip(c.logprobs, is_obs) if o)
-            row += 1
+            i += 1
     # Teacher forcing over the whole episode: the learner's log-probs of the model's tokens.
     learner = np.asarray(run.learner.logprobs(run.state.params, rollout.batch))
     m = b.loss_mask > 0
@@ -71,7 +72,9 @@ def test_episode_batch_is_the_sampled_and_observation_ids():
     assert s["episode/turns"] == 3 and s["episode/tool_calls"] == 2
     assert s["episode/tool_errors"] == 1 and s["episode/env_errors"] == 0
     obs_tokens = 8 * 5
-    assert s["episode/observation_frac"] == obs_tokens / b.loss_mask.sum(1).__add__(5).sum()
+    assert s["episode/observation_frac"] == pytest.approx(
+        obs_tokens / (b.loss_mask.sum() + obs_tokens)
+    )
     # The prompt once per group, then exactly the observation tokens.
     assert (
         s["episode/prefill_tokens"] == sum(len(g.prompt) - 1 for g in rollout.groups) + obs_tokens

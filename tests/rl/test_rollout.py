@@ -8,7 +8,8 @@ import pytest
 from launch.build import build
 from launch.cli import parse_args
 from rl.data import PromptStream, make_prompt_iterator
-from rl.rollout import Group, build_batch
+from rl.packing import build_batch
+from rl.rollout import Group
 from sampling.requests import Completion
 
 PAD = 0
@@ -26,13 +27,13 @@ GROUPS = [
 
 
 def test_build_batch_by_hand():
-    b = build_batch(GROUPS, 6, PAD)
+    b, layout = build_batch(GROUPS, 6, PAD, pack=False)
     np.testing.assert_array_equal(
         b.tokens,
         [[10, 11, 12, 20, 21, 2], [10, 11, 12, 22, PAD, PAD],
          [13, 23, 24, 25, 26, PAD], [13, 2, PAD, PAD, PAD, PAD]],
     )  # fmt: skip
-    np.testing.assert_array_equal(b.valid, b.tokens != PAD)
+    np.testing.assert_array_equal(b.segment_ids, b.tokens != PAD)
     # Position t scores tokens[t + 1]: the mask covers exactly the completion tokens.
     np.testing.assert_array_equal(
         b.loss_mask,
@@ -43,12 +44,56 @@ def test_build_batch_by_hand():
         [[0, 0, -0.1, -0.2, -0.3], [0, 0, -0.4, 0, 0],
          [-0.5, -0.6, -0.7, -0.8, 0], [-0.9, 0, 0, 0, 0]],
     )  # fmt: skip
-    np.testing.assert_array_equal(b.positions, np.tile(np.arange(6), (4, 1)))
-    assert b.stop_masked is None and b.advantages.shape == (4,)
+    np.testing.assert_array_equal(b.positions, np.where(b.tokens != PAD, np.arange(6), 0))
+    assert b.stop_masked is None and b.advantages.shape == (4, 5)
+    assert layout.rows == 4 and list(layout.row) == [0, 1, 2, 3]
+
+
+def test_packed_batch_by_hand():
+    """Lengths 6, 4, 5, 2 in rows of 10, first-fit decreasing: [6 | 4] and [5 | 2 | pad]."""
+    b, layout = build_batch(GROUPS, 10, PAD)
+    np.testing.assert_array_equal(
+        b.tokens,
+        [[10, 11, 12, 20, 21, 2, 10, 11, 12, 22], [13, 23, 24, 25, 26, 13, 2, PAD, PAD, PAD]],
+    )  # fmt: skip
+    np.testing.assert_array_equal(b.segment_ids, [[1] * 6 + [2] * 4, [1] * 5 + [2] * 2 + [0] * 3])
+    np.testing.assert_array_equal(
+        b.positions, [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [0, 1, 2, 3, 4, 0, 1, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(
+        b.loss_mask, [[0, 0, 1, 1, 1, 0, 0, 0, 1], [1, 1, 1, 1, 0, 1, 0, 0, 0]]
+    )
+    np.testing.assert_allclose(
+        b.sampler_logp,
+        [[0, 0, -0.1, -0.2, -0.3, 0, 0, 0, -0.4], [-0.5, -0.6, -0.7, -0.8, 0, -0.9, 0, 0, 0]],
+    )  # fmt: skip
+    # Per-sequence values go on every position that scores one of the sequence's tokens.
+    np.testing.assert_array_equal(
+        layout.spread([1, 2, 3, 4]), [[1, 1, 1, 1, 1, 0, 2, 2, 2], [3, 3, 3, 3, 0, 4, 0, 0, 0]]
+    )
+    totals = np.arange(22).reshape(2, 11)  # [rows, T+1]: row r, segment s
+    np.testing.assert_array_equal(layout.gather(totals), [1, 2, 12, 13])
+    assert layout.padding_frac == pytest.approx(3 / 20)
+
+
+def test_row_buckets():
+    """Rows: the smallest multiple * 2^k that holds the sequences, at most the padded count."""
+    from rl.packing import bucket_rows, place
+
+    assert [bucket_rows(n, 8, 64) for n in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
+    assert bucket_rows(40, 8, 44) == 48  # the padded count rounded up to a multiple
+    lengths = np.random.default_rng(0).integers(2, 300, 200)
+    layout = place(lengths, 300, multiple=4)
+    for r in range(layout.rows):  # no row overflows, and no two sequences overlap
+        cells = np.zeros(300, int)
+        for i in np.nonzero(layout.row == r)[0]:
+            cells[layout.start[i] : layout.start[i] + lengths[i]] += 1
+        assert cells.max() <= 1
+    assert layout.rows % 4 == 0 and layout.rows < 200
 
 
 def test_build_batch_marks_min_new_tokens():
-    b = build_batch(GROUPS, 6, PAD, min_new_tokens=2)
+    b, _ = build_batch(GROUPS, 6, PAD, min_new_tokens=2, pack=False)
     np.testing.assert_array_equal(
         b.stop_masked,
         [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]],
@@ -85,14 +130,21 @@ def test_kl_in_reward_and_mask_truncated():
     completions = [c for grp in rollout.groups for c in grp.completions]
     truncated = np.array([c.finish_reason == "length" for c in completions])
     assert truncated.any() and not truncated.all()
-    want_mask = build_batch(rollout.groups, 3 + 8, 0).loss_mask  # every completion token
-    np.testing.assert_array_equal(b.loss_mask, want_mask * ~truncated[:, None])
+    want, layout = build_batch(rollout.groups, 3 + 8, 0, multiple=8)  # packed, 8 shards
+    np.testing.assert_array_equal(b.tokens, want.tokens)
+    want_mask = want.loss_mask  # every completion token
+    np.testing.assert_array_equal(b.loss_mask, want_mask * layout.spread(~truncated))
     pi = np.asarray(run.learner.logprobs(run.state.params, rollout.batch, "full"))
     ref = np.asarray(run.learner.logprobs(run.ref_params, rollout.batch, "full"))
-    penalty = beta * np.where(want_mask > 0, np.clip(pi - ref, -10, 10), 0).sum(1)
+    k1 = np.where(want_mask > 0, np.clip(pi - ref, -10, 10), 0)
+    segments = want.segment_ids[:, 1:]
+    penalty = beta * np.array(
+        [k1[r][segments[r] == s].sum() for r, s in zip(layout.row, layout.segment)]
+    )
     assert np.abs(penalty[truncated]).max() > 0.01  # truncated completions keep their KL
     centred = (penalty.reshape(2, 4) - penalty.reshape(2, 4).mean(1, keepdims=True)).reshape(-1)
-    np.testing.assert_allclose(b.advantages, _group_std(raw, 4, 1e-6) - centred, atol=1e-4)
+    want_adv = layout.spread(_group_std(raw, 4, 1e-6) - centred)
+    np.testing.assert_allclose(b.advantages, want_adv, atol=1e-4)
     assert np.abs(centred).max() > 1e-3  # the KL changed the advantages
     np.testing.assert_allclose(rollout.rewards, raw - penalty, atol=1e-5)
     np.testing.assert_allclose(b.ref_logp, ref, atol=1e-6)  # kept for the learner's KL metric

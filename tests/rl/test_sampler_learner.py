@@ -13,7 +13,8 @@ from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
 from rl.learner import Learner, LearnerConfig
 from rl.losses import LossConfig
-from rl.rollout import Group, build_batch
+from rl.packing import build_batch
+from rl.rollout import Group
 from sampling.distribution import SamplingParams, tempered_log_probs
 from sampling.engine import Engine, EngineConfig
 
@@ -51,8 +52,8 @@ def _rollout(model, vocab, sampling, n_prompts, g, min_new=0, seed=0):
     prompts = [rng.integers(9, vocab, rng.integers(2, 12)).tolist() for _ in range(n_prompts)]
     _, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=seed)
     groups = [Group({}, p, cs, [], np.zeros(g, np.float32), {}) for p, cs in zip(prompts, results)]
-    batch = build_batch(groups, SEQ, 0, min_new_tokens=min_new)
-    return batch.replace(advantages=rng.normal(size=n_prompts * g).astype(np.float32))
+    batch, layout = build_batch(groups, SEQ, 0, min_new_tokens=min_new)  # packed rows
+    return batch.replace(advantages=layout.spread(rng.normal(size=n_prompts * g)))
 
 
 def _copy(params):
@@ -119,7 +120,7 @@ def test_reference_and_kl_use_the_full_softmax_and_stay_finite(models):
     # The full tempered softmax, from the logits directly.
     from flax import nnx
 
-    logits = nnx.merge(graphdef, ref)(batch.tokens, batch.positions)[0][:, :-1]
+    logits = nnx.merge(graphdef, ref)(batch.tokens, batch.positions, batch.segment_ids)[0][:, :-1]
     want = np.take_along_axis(
         np.asarray(tempered_log_probs(logits, 0.7)), batch.tokens[:, 1:, None], -1
     )[..., 0]

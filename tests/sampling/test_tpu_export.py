@@ -126,9 +126,9 @@ def _batch(c, mesh, rules):
     fields = dict(
         tokens=spec((rows, t), jnp.int32),
         positions=spec((rows, t), jnp.int32),
-        valid=spec((rows, t), jnp.bool_),
+        segment_ids=spec((rows, t), jnp.int32),
         loss_mask=spec((rows, t - 1), jnp.float32),
-        advantages=spec((rows,), jnp.float32),
+        advantages=spec((rows, t - 1), jnp.float32),
         sampler_logp=spec((rows, t - 1), jnp.float32),
     )
     if c.rl.old_logp == "sampler":

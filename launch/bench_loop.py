@@ -1,0 +1,176 @@
+"""GRPO-iteration benchmark: `python -m launch.bench loop [--lengths skewed] [--output F]`.
+
+One iteration = rollout (`Engine.generate_all` on the policy's own arrays) + reference log-probs
+(`Learner.logprobs` of the reference model, full softmax) + one AdamW step (`Learner.step`, μ 1,
+π_old from the same forward), on bench-small (`launch.bench`), one device:
+8 prompts x 8 samples, prompts of 64 tokens, temperature 1, no top-k / top-p, KL β 0.04.
+
+- `--lengths fixed`: exactly 128 new tokens per sample (no stop ids), 64 slots.
+- `--lengths skewed`: each sample's length drawn from a seeded long-tailed distribution over
+  8..512 (`launch.bench_learn.skewed_lengths`; each sample is its own request with that budget),
+  16 slots. Also timed: the same rollout as a static batch (`static_rollout_seconds`: the
+  sequences in fixed batches of 16, each decoding until its longest sequence ends, so a finished
+  row idles), and the learner step on padded rather than packed rows (`padded_learn_seconds`).
+  Continuous batching is a policy for a fixed number of slots; with every sequence in its own
+  slot from the start, both would wait for the longest sequence alone.
+
+Each key is the median of `--reps` iterations after a warm-up iteration (compilation).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from launch.bench import SMALL, TINY, _prompts
+from launch.bench_learn import skewed_lengths
+from models.config import ModelConfig
+from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
+from rl.learner import Learner, LearnerConfig, batch_sharding
+from rl.losses import LossConfig
+from rl.packing import build_batch
+from rl.rollout import Group
+from sampling.distribution import SamplingParams
+from sampling.engine import Engine, EngineConfig
+from sampling.page_allocator import group_pages
+
+
+class Loop:
+    """The engine, learner and reference of the benchmark, and one timed GRPO iteration."""
+
+    def __init__(self, args):
+        quick = args.quick
+        cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True,
+                          **(TINY if quick else SMALL))  # fmt: skip
+        mesh = make_mesh({}, devices=jax.devices()[:1])
+        graphdef, params = init_params(cfg, mesh, seed=0)
+        self.ref_params = jax.tree.map(lambda x: x.copy(), params)
+        g, n_prompts, plen = (2, 2, 8) if quick else (8, 8, 64)
+        self.prompts = _prompts(n_prompts, plen, cfg.vocab_size)
+        self.g, self.skewed = g, args.lengths == "skewed"
+        n = n_prompts * g
+        if self.skewed:
+            self.lengths = skewed_lengths(n, 2 if quick else 8, 16 if quick else 512, args.seed)
+            slots = min(n, 4 if quick else 16)
+        else:
+            self.lengths = np.full(n, 8 if quick else 128)
+            slots = n
+        self.max_new = int(self.lengths.max())
+        page = 4 if quick else 16
+        sampling = SamplingParams(temperature=1.0)
+        ecfg = EngineConfig(
+            num_slots=slots, page_size=page, max_prompt_len=plen, max_new_tokens=self.max_new,
+            num_pages=slots * group_pages(plen, self.max_new, page, 1) + 1,
+            steps_per_call=4 if quick else 32,
+        )  # fmt: skip
+        self.engine = Engine(cfg, graphdef, ecfg, sampling)
+        self.decode_state = self.engine.init_state()
+        lcfg = LearnerConfig(learning_rate=1e-6, sampling=sampling,
+                             loss=LossConfig(kl_coef=0.04))  # fmt: skip
+        self.learner = Learner(lcfg, graphdef, state_shardings(params, mesh, DEFAULT_RULES))
+        self.state = self.learner.init_state(params)
+        self.sharding = batch_sharding(mesh, DEFAULT_RULES)
+        self.width = plen + self.max_new
+        self.adv = np.random.default_rng(0).normal(size=n).astype(np.float32)
+        self.times = {k: [] for k in ("rollout", "reference", "learn", "iteration",
+                                      "static_rollout", "padded_learn")}  # fmt: skip
+
+    def _generate(self, requests, budgets):
+        """Completions of (prompt index, sample) requests, each its own PRNG stream."""
+        prompts = [self.prompts[i] for i, _ in requests]
+        ids = [i * self.g + k for i, k in requests]
+        self.decode_state, out = self.engine.generate_all(
+            self.state.params, self.decode_state, prompts, 1, [int(b) for b in budgets],
+            request_ids=ids,
+        )  # fmt: skip
+        return [r[0] for r in out]
+
+    def rollout(self) -> list[Group]:
+        if self.skewed:  # every sample its own request, with its own length
+            requests = [(i, k) for i in range(len(self.prompts)) for k in range(self.g)]
+            flat = self._generate(requests, self.lengths)
+            completions = [flat[i * self.g : (i + 1) * self.g] for i in range(len(self.prompts))]
+        else:
+            self.decode_state, completions = self.engine.generate_all(
+                self.state.params, self.decode_state, self.prompts, self.g, self.max_new
+            )
+        for c, n in zip((c for cs in completions for c in cs), self.lengths):
+            assert c.length == n, (c.length, n)  # exact lengths: no stop ids
+        return [Group({}, p, cs, [], np.zeros(self.g, np.float32), {})
+                for p, cs in zip(self.prompts, completions)]  # fmt: skip
+
+    def static_rollout(self) -> None:
+        """The same sequences in fixed batches of num_slots, each decoding to its longest."""
+        slots = self.engine.ecfg.num_slots
+        requests = [(i, k) for i in range(len(self.prompts)) for k in range(self.g)]
+        for s in range(0, len(requests), slots):
+            batch = requests[s : s + slots]
+            self._generate(batch, [max(self.lengths[s : s + slots])] * len(batch))
+
+    def batch(self, groups, pack: bool):
+        batch, layout = build_batch(groups, self.width, 0, pack=pack)
+        batch = batch.replace(advantages=layout.spread(self.adv))
+        return jax.device_put(batch, self.sharding)
+
+    def learn(self, batch):
+        self.state, metrics = self.learner.step(self.state, batch)
+        jax.device_get(metrics["loss"])
+
+    def iteration(self) -> None:
+        t0 = time.perf_counter()
+        groups = self.rollout()
+        t1 = time.perf_counter()
+        batch = self.batch(groups, pack=True)
+        batch = batch.replace(ref_logp=self.learner.logprobs(self.ref_params, batch, "full"))
+        jax.block_until_ready(batch.ref_logp)
+        t2 = time.perf_counter()
+        self.learn(batch)
+        t3 = time.perf_counter()
+        for key, dt in (("rollout", t1 - t0), ("reference", t2 - t1), ("learn", t3 - t2),
+                        ("iteration", t3 - t0)):  # fmt: skip
+            self.times[key].append(dt)
+        if self.skewed:
+            t4 = time.perf_counter()
+            self.static_rollout()
+            t5 = time.perf_counter()
+            padded = self.batch(groups, pack=False)
+            padded = padded.replace(ref_logp=self.learner.logprobs(self.ref_params, padded, "full"))
+            jax.block_until_ready(padded.ref_logp)
+            t6 = time.perf_counter()
+            self.learn(padded)
+            t7 = time.perf_counter()
+            self.times["static_rollout"].append(t5 - t4)
+            self.times["padded_learn"].append(t7 - t6)
+
+
+def bench_loop(args) -> dict:
+    loop = Loop(args)
+    loop.iteration()  # warm-up: compiles everything
+    loop.times = {k: [] for k in loop.times}
+    for _ in range(args.reps):
+        loop.iteration()
+    med = {k: statistics.median(v) for k, v in loop.times.items() if v}
+    r = {"device": jax.devices()[0].platform, "lengths": args.lengths, "reps": args.reps,
+         "num_slots": loop.engine.ecfg.num_slots, "num_sequences": len(loop.lengths),
+         "completion_tokens": int(loop.lengths.sum()),
+         "tokens_per_s": int(loop.lengths.sum()) / med["iteration"]}  # fmt: skip
+    for key in ("iteration", "rollout", "reference", "learn", "static_rollout", "padded_learn"):
+        if key in med:
+            r[f"{key}_seconds"] = med[key]
+    if loop.skewed:
+        r["continuous_speedup"] = med["static_rollout"] / med["rollout"]
+        r["packed_learn_speedup"] = med["padded_learn"] / med["learn"]
+    return r
+
+
+def table(r: dict) -> str:
+    rows = [(f"{k.replace('_', ' ')}", f"{r[k]:.3f} s") for k in r if k.endswith("_seconds")]
+    rows.append(("tokens/s (completion tokens / iteration)", f"{r['tokens_per_s']:.0f}"))
+    for k in ("continuous_speedup", "packed_learn_speedup"):
+        if k in r:
+            rows.append((k.replace("_", " "), f"{r[k]:.2f}x"))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
