@@ -229,7 +229,19 @@ def bench_sampler(args) -> dict:
     r["backends_256"] = {b: n256 * new / t[b] for b in args.compare_backends}
     if args.sweep:
         r["sweep_256"] = _sweep(cfg, graphdef, params, prompts, g, new, ekw, args.reps)
+    if args.batch_sweep:
+        r["batch_sweep"] = _batch_sweep(cfg, graphdef, params, g, new, plen, ekw, args)
     return r
+
+
+def _batch_sweep(cfg, graphdef, params, g, new, plen, ekw, args) -> list[dict]:
+    """Engine tokens/s against the number of sequences decoded together (all in their own slot)."""
+    runs = {}
+    for n in args.batch_sweep:
+        prompts = _prompts(max(1, n // g), plen, cfg.vocab_size, seed=2)
+        runs[n] = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)[0]
+    t = _interleaved(runs, args.reps)
+    return [dict(num_seqs=n, tokens_per_s=max(1, n // g) * g * new / t[n]) for n in runs]
 
 
 def _sweep(cfg, graphdef, params, prompts, g, new, ekw, reps) -> list[dict]:
@@ -290,8 +302,10 @@ def main(argv=None) -> int:
         "--compare_backends", default="", help="comma-separated backends also timed at 256 seqs"
     )
     p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
+    p.add_argument("--batch_sweep", default="", help="comma-separated sequence counts to time")
     args = p.parse_args(argv)
     args.compare_backends = [b for b in args.compare_backends.split(",") if b]
+    args.batch_sweep = [int(n) for n in args.batch_sweep.split(",") if n]
     args.output = args.output or f"bench_{args.what}.json"
     if args.what == "learn":
         from launch.bench_learn import bench_learn, table

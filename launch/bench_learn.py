@@ -70,7 +70,7 @@ def _step_runner(learner, state_box, batch):
 
 def bench_learn(args) -> dict:
     shape = TINY if args.quick else LEARN
-    seq = 32 if args.quick else 512
+    seq = 64 if args.quick else 512
     rows = 2 if args.quick else args.rows
     cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True, **shape)
     mesh = make_mesh({}, devices=jax.devices()[:1])
@@ -88,7 +88,7 @@ def bench_learn(args) -> dict:
     batch, _ = build_batch(full, seq, 0, pack=False)
     runs = {"full": _step_runner(learner, box, place(_with_advantages(batch)))}
     # Long-tailed sequences, packed and padded.
-    n_seqs = 4 if args.quick else args.skewed_seqs
+    n_seqs = 8 if args.quick else args.skewed_seqs
     lengths = skewed_lengths(n_seqs, 2 if args.quick else 8, seq - prompt, seed=args.seed)
     skewed = groups_of(prompt, lengths, cfg.vocab_size)
     real = int(sum(prompt + lengths))

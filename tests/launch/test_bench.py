@@ -1,6 +1,6 @@
 """Smoke tests of `python -m launch.bench sampler|loop|learn` on a tiny model and workload (JSON
-keys only; the numbers mean nothing at this size). HF is skipped so that it also runs without
-torch."""
+keys only; the numbers mean nothing at this size), and of the plots drawn from them. HF is
+skipped so that it also runs without torch."""
 
 import json
 
@@ -9,10 +9,26 @@ import pytest
 from launch.bench import main
 
 
-def test_bench_sampler_small(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert main(["sampler", "--small_test", "--no_hf", "--output", str(out)]) == 0
-    r = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The four benchmarks of docs/performance.md on the tiny shapes: {name: (path, JSON)}."""
+    d = tmp_path_factory.mktemp("bench")
+    runs = {
+        "sampler": ["sampler", "--small_test", "--no_hf", "--batch_sweep", "2,4"],
+        "learn": ["learn", "--quick", "--reps=1"],
+        "loop": ["loop", "--quick", "--reps=2"],
+        "loop_skewed": ["loop", "--quick", "--reps=2", "--lengths=skewed"],
+    }
+    out = {}
+    for name, args in runs.items():
+        path = d / f"{name}.json"
+        assert main([*args, "--output", str(path)]) == 0
+        out[name] = (path, json.loads(path.read_text()))
+    return out
+
+
+def test_bench_sampler_small(results):
+    r = results["sampler"][1]
     assert r["hf_generate_tokens_per_s"] is None
     for key in (
         "tokens_per_s", "compute_floor_fraction_256", "attention_free_fraction_256",
@@ -20,28 +36,33 @@ def test_bench_sampler_small(tmp_path, capsys):
     ):  # fmt: skip
         assert r[key] > 0, key
     assert r["peak_pages"] <= r["dense_pages"]
-    assert "engine / attention-free" in capsys.readouterr().out
+    assert [s["num_seqs"] for s in r["batch_sweep"]] == [2, 4]
 
 
-@pytest.mark.parametrize("lengths", ["fixed", "skewed"])
-def test_bench_loop_quick(tmp_path, capsys, lengths):
-    out = tmp_path / "loop.json"
-    assert main(["loop", "--quick", "--reps=2", f"--lengths={lengths}", "--output", str(out)]) == 0
-    r = json.loads(out.read_text())
+@pytest.mark.parametrize("name", ["loop", "loop_skewed"])
+def test_bench_loop_quick(results, name):
+    r = results[name][1]
     keys = ["iteration_seconds", "rollout_seconds", "reference_seconds", "learn_seconds",
             "tokens_per_s"]  # fmt: skip
-    if lengths == "skewed":
+    if name == "loop_skewed":
         keys += ["static_rollout_seconds", "padded_learn_seconds"]
     for key in keys:
         assert r[key] > 0, key
-    assert "rollout seconds" in capsys.readouterr().out
 
 
-def test_bench_learn_quick(tmp_path):
-    out = tmp_path / "learn.json"
-    assert main(["learn", "--quick", "--reps=1", "--output", str(out)]) == 0
-    r = json.loads(out.read_text())
+def test_bench_learn_quick(results):
+    r = results["learn"][1]
     for key in ("tokens_per_s", "flops_per_token", "mfu", "packed_tokens_per_s",
                 "padded_tokens_per_s"):  # fmt: skip
         assert r[key] > 0, key
     assert r["packed_rows"] < r["padded_rows"]
+
+
+def test_plots(results, tmp_path):
+    pytest.importorskip("matplotlib")
+    from launch.bench_plots import main as plots
+
+    files = [f"--{name}={results[name][0]}" for name in results]
+    assert plots([*files, f"--out={tmp_path}"]) == 0
+    for name in ("sampler_batch.png", "learner_packing.png", "iteration_split.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name

@@ -1,0 +1,92 @@
+"""The plots of docs/performance.md, from the benchmarks' JSON files (needs the `plots` extra):
+
+    python -m launch.bench sampler --batch_sweep 8,16,32,64,128,256 --output bench_sampler.json
+    python -m launch.bench learn --output bench_learn.json
+    python -m launch.bench loop --output bench_loop.json
+    python -m launch.bench loop --lengths skewed --output bench_loop_skewed.json
+    python -m launch.bench_plots --out docs/img
+
+writes sampler_batch.png (sampler tokens/s against the number of sequences), learner_packing.png
+(learner real tokens/s, packed against padded) and iteration_split.png (a GRPO iteration's time
+split into rollout, reference log-probs and learning, for each workload and layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot(sampler, learn, loop, skewed, out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        paths.append(os.path.join(out, name))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    sweep = sampler["batch_sweep"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([r["num_seqs"] for r in sweep], [r["tokens_per_s"] for r in sweep], "o-")
+    ax.set(xscale="log", xlabel="sequences decoded together", ylabel="tokens/s",
+           title=f"sampler, bench-small, {sampler['device']}")  # fmt: skip
+    ax.set_xticks([r["num_seqs"] for r in sweep], [str(r["num_seqs"]) for r in sweep])
+    ax.grid(alpha=0.3)
+    save(fig, "sampler_batch.png")
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    names = [f"padded\n{learn['padded_rows']} rows", f"packed\n{learn['packed_rows']} rows"]
+    values = [learn["padded_tokens_per_s"], learn["packed_tokens_per_s"]]
+    ax.bar(names, values, color=["#bbbbbb", "#4477aa"])
+    ax.set(ylabel="real tokens/s", title=f"learner step, long-tailed lengths, {learn['device']}")
+    save(fig, "learner_packing.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bars = [("fixed 128", loop["rollout_seconds"], loop["reference_seconds"],
+             loop["learn_seconds"]),
+            ("skewed:\ncontinuous, packed", skewed["rollout_seconds"],
+             skewed["reference_seconds"], skewed["learn_seconds"]),
+            ("skewed:\nstatic, padded", skewed["static_rollout_seconds"],
+             skewed["reference_seconds"], skewed["padded_learn_seconds"])]  # fmt: skip
+    bottom = [0.0] * len(bars)
+    for j, (part, color) in enumerate([("rollout", "#4477aa"), ("reference", "#ccbb44"),
+                                       ("learn", "#ee6677")], start=1):  # fmt: skip
+        heights = [b[j] for b in bars]
+        ax.bar([b[0] for b in bars], heights, bottom=bottom, label=part, color=color)
+        bottom = [x + h for x, h in zip(bottom, heights)]
+    ax.set(ylabel="seconds per iteration", title=f"GRPO iteration, bench-small, {loop['device']}")
+    ax.legend()
+    save(fig, "iteration_split.png")
+    return paths
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sampler", default="bench_sampler.json")
+    p.add_argument("--learn", default="bench_learn.json")
+    p.add_argument("--loop", default="bench_loop.json")
+    p.add_argument("--loop_skewed", default="bench_loop_skewed.json")
+    p.add_argument("--out", default="docs/img")
+    a = p.parse_args(argv)
+    files = (a.sampler, a.learn, a.loop, a.loop_skewed)
+    for path in plot(*(_load(f) for f in files), a.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
