@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="learn / loop: tiny model and workload")
     p.add_argument("--lengths", choices=["fixed", "skewed"], default="fixed",
                    help="loop: completion lengths, 128 each or long-tailed over 8..512")  # fmt: skip
-    p.add_argument("--rows", type=int, default=8, help="learn: rows of 512 tokens per step")
+    p.add_argument("--rows", type=int, default=4, help="learn: rows of 512 tokens per step")
     p.add_argument("--skewed_seqs", type=int, default=16, help="learn: long-tailed sequences")
     p.add_argument("--seed", type=int, default=0, help="learn / loop: seed of the lengths")
     p.add_argument("--small_test", action="store_true", help="tiny model and workload (tests)")

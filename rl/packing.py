@@ -12,9 +12,10 @@ padding-free training) makes the learner's cost follow the real tokens.
   position within the sequence. Attention stays within a segment (`models.attention.causal_mask`)
   and the losses reduce per sequence over segments (`rl.segments`), so a packed batch has the
   loss and gradient of the same sequences laid out one per row.
-- The number of rows is bucketed to `multiple * 2^k`, capped at the padded layout's row count, so
-  a run compiles the learner step for a handful of shapes. `multiple` (batch shards x minibatches
-  x micro-batches) divides every bucket.
+- The number of rows is bucketed to `multiple * s`, s in 1..8, 10, 12, 14, 16, 20, ... (four
+  sizes per doubling), capped at the padded layout's row count, so a run compiles the learner
+  step for a handful of shapes. `multiple` (batch shards x minibatches x micro-batches) divides
+  every bucket.
 - `pack=False` is the padded layout: row i holds sequence i.
 
 Sequences come group-major (sequence i*G+k is completion k of prompt i); `Layout` maps them to
@@ -60,11 +61,13 @@ class Layout:
 
 
 def bucket_rows(needed: int, multiple: int, cap: int) -> int:
-    """The smallest multiple * 2^k >= needed, at most cap rounded up to a multiple of multiple."""
-    rows = multiple
-    while rows < needed:
-        rows *= 2
-    return min(rows, -(-cap // multiple) * multiple)
+    """The smallest multiple * s >= needed with s in 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20,
+    ... (four sizes per doubling, so at most 25% padding rows and a few shapes per octave), at
+    most cap rounded up to a multiple of multiple."""
+    units, size = -(-needed // multiple), 1
+    while size < units:
+        size += max(1, (1 << (size.bit_length() - 1)) // 4)  # a quarter of the octave
+    return min(size * multiple, -(-cap // multiple) * multiple)
 
 
 def place(lengths, width: int, pack: bool = True, multiple: int = 1) -> Layout:

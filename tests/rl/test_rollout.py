@@ -77,11 +77,13 @@ def test_packed_batch_by_hand():
 
 
 def test_row_buckets():
-    """Rows: the smallest multiple * 2^k that holds the sequences, at most the padded count."""
+    """Rows: the smallest bucket (multiple x 1..8, 10, 12, 14, 16, 20, ...) that holds the
+    sequences, at most the padded count."""
     from rl.packing import bucket_rows, place
 
-    assert [bucket_rows(n, 8, 64) for n in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
-    assert bucket_rows(40, 8, 44) == 48  # the padded count rounded up to a multiple
+    assert [bucket_rows(n, 8, 64) for n in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 24, 40, 64]
+    assert [bucket_rows(n, 1, 99) for n in (9, 11, 15, 17, 21, 33)] == [10, 12, 16, 20, 24, 40]
+    assert bucket_rows(60, 8, 44) == 48  # the padded count rounded up to a multiple
     lengths = np.random.default_rng(0).integers(2, 300, 200)
     layout = place(lengths, 300, multiple=4)
     for r in range(layout.rows):  # no row overflows, and no two sequences overlap
