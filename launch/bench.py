@@ -70,15 +70,20 @@ def _interleaved(runs: dict, reps: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
-    """Best f32 FLOP/s of square matmuls measured on the spot (the compute floor's peak)."""
-
+def square_matmuls(sizes=(1024, 2048)) -> dict:
+    """{"matmul_n": run} timing one f32 n x n matmul each (2 n^3 FLOPs)."""
     f = jax.jit(lambda a: a @ a)
     runs = {}
     for n in sizes:
         a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-        runs[n] = functools.partial(lambda a: f(a).block_until_ready(), a)
-    return max(2 * n**3 / t for n, t in _interleaved(runs, reps).items())
+        runs[f"matmul_{n}"] = functools.partial(lambda a: f(a).block_until_ready(), a)
+    return runs
+
+
+def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
+    """Best f32 FLOP/s of square matmuls measured on the spot (the compute floor's peak)."""
+    t = _interleaved(square_matmuls(sizes), reps)
+    return max(2 * n**3 / t[f"matmul_{n}"] for n in sizes)
 
 
 def _prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0):
@@ -241,7 +246,8 @@ def _batch_sweep(cfg, graphdef, params, g, new, plen, ekw, args) -> list[dict]:
         prompts = _prompts(max(1, n // g), plen, cfg.vocab_size, seed=2)
         runs[n] = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)[0]
     t = _interleaved(runs, args.reps)
-    return [dict(num_seqs=n, tokens_per_s=max(1, n // g) * g * new / t[n]) for n in runs]
+    return [dict(num_seqs=max(1, n // g) * g, tokens_per_s=max(1, n // g) * g * new / t[n])
+            for n in runs]  # fmt: skip
 
 
 def _sweep(cfg, graphdef, params, prompts, g, new, ekw, reps) -> list[dict]:

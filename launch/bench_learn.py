@@ -7,7 +7,8 @@ random-init Qwen2-style model of ~25M parameters ("bench-learn": V 4096, D 512, 
 - `tokens_per_s`: learner tokens/s on full rows of 512 tokens (every token scored);
 - `flops_per_token`: 6 x params + attention, 12 x layers x heads x head_dim x 512 (the dense
   attention computes all 512 x 512 scores, forward and backward: PaLM's count);
-- `mfu`: tokens_per_s x flops_per_token / the f32 matmul peak measured in the same run;
+- `mfu`: tokens_per_s x flops_per_token / the f32 matmul peak (square matmuls of 1024 and 2048,
+  timed interleaved with the steps);
 - `packed_tokens_per_s` / `padded_tokens_per_s`: real (non-padding) tokens/s of a step over the
   same long-tailed sequences (prompt 64, completions 8..448 from a seeded log-normal), packed
   into rows (`rl.packing`) and one per row, padded to 512; `packed_speedup` is their ratio.
@@ -23,7 +24,7 @@ import functools
 import jax
 import numpy as np
 
-from launch.bench import _interleaved, matmul_peak_flops
+from launch.bench import _interleaved, square_matmuls
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, param_count, state_shardings
 from rl.learner import Learner, LearnerConfig, batch_sharding
@@ -96,8 +97,10 @@ def bench_learn(args) -> dict:
     for name, pack in (("packed", True), ("padded", False)):
         batch, layouts[name] = build_batch(skewed, seq, 0, pack=pack)
         runs[name] = _step_runner(learner, box, place(_with_advantages(batch)))
+    sizes = (256, 512) if args.quick else (1024, 2048)
+    runs.update(square_matmuls(sizes))  # the peak, timed alongside: load hits both alike
     t = _interleaved(runs, args.reps)
-    peak = matmul_peak_flops(reps=args.reps + 2)
+    peak = max(2 * n**3 / t[f"matmul_{n}"] for n in sizes)
     tps = rows * seq / t["full"]
     flops = 6 * n_params + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq
     return {

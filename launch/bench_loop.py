@@ -76,7 +76,7 @@ class Loop:
         self.width = plen + self.max_new
         self.adv = np.random.default_rng(0).normal(size=n).astype(np.float32)
         self.times = {k: [] for k in ("rollout", "reference", "learn", "iteration",
-                                      "static_rollout", "padded_learn")}  # fmt: skip
+                                      "static_rollout", "padded_reference", "padded_learn")}  # fmt: skip
 
     def _generate(self, requests, budgets):
         """Completions of (prompt index, sample) requests, each its own PRNG stream."""
@@ -143,6 +143,7 @@ class Loop:
             self.learn(padded)
             t7 = time.perf_counter()
             self.times["static_rollout"].append(t5 - t4)
+            self.times["padded_reference"].append(t6 - t5)
             self.times["padded_learn"].append(t7 - t6)
 
 
@@ -157,7 +158,8 @@ def bench_loop(args) -> dict:
          "num_slots": loop.engine.ecfg.num_slots, "num_sequences": len(loop.lengths),
          "completion_tokens": int(loop.lengths.sum()),
          "tokens_per_s": int(loop.lengths.sum()) / med["iteration"]}  # fmt: skip
-    for key in ("iteration", "rollout", "reference", "learn", "static_rollout", "padded_learn"):
+    for key in ("iteration", "rollout", "reference", "learn", "static_rollout",
+                "padded_reference", "padded_learn"):  # fmt: skip
         if key in med:
             r[f"{key}_seconds"] = med[key]
     if loop.skewed:

@@ -61,7 +61,7 @@ def plot(sampler, learn, loop, skewed, out: str) -> list[str]:
             ("skewed:\ncontinuous, packed", skewed["rollout_seconds"],
              skewed["reference_seconds"], skewed["learn_seconds"]),
             ("skewed:\nstatic, padded", skewed["static_rollout_seconds"],
-             skewed["reference_seconds"], skewed["padded_learn_seconds"])]  # fmt: skip
+             skewed["padded_reference_seconds"], skewed["padded_learn_seconds"])]  # fmt: skip
     bottom = [0.0] * len(bars)
     for j, (part, color) in enumerate([("rollout", "#4477aa"), ("reference", "#ccbb44"),
                                        ("learn", "#ee6677")], start=1):  # fmt: skip

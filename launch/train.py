@@ -213,16 +213,34 @@ def main(argv=None) -> int:
         peer_failed(e)
 
 
+PEER_LOST = (
+    "gloo",
+    "nccl",
+    "collective",
+    "connection",
+    "socket",
+    "unavailable",
+    "heartbeat",
+    "coordination",
+    "barrier",
+)  # words of the errors a dead peer causes
+
+
 def peer_failed(error: Exception) -> NoReturn:
-    """One process of a multi-process run failed, most often in a collective because another
-    process died. Says so in one line and exits at once: a normal exit would wait for the others
-    at jax.distributed's shutdown barrier."""
-    if not isinstance(error, jax.errors.JaxRuntimeError):  # a bug, not a lost peer: show it
+    """One process of a multi-process run failed: often in a collective, because another process
+    died. Says so in one line (with the traceback too unless the error is of that kind) and exits
+    at once: a normal exit would wait for the others at jax.distributed's shutdown barrier."""
+    text = str(error).strip()
+    lost = isinstance(error, jax.errors.JaxRuntimeError) and any(
+        w in text.lower() for w in PEER_LOST
+    )
+    if not lost:
         traceback.print_exception(error)
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    print(f"error: process {jax.process_index()} of {jax.process_count()} stopped: {first}. If "
-          "another process died, restart all of them with the same command: the run resumes from "
-          "its last complete checkpoint.", file=sys.stderr, flush=True)  # fmt: skip
+    first = (text.splitlines() or [type(error).__name__])[0][:300]
+    advice = (" If another process died, restart all of them with the same command: the run "
+              "resumes from its last complete checkpoint.") if lost else ""  # fmt: skip
+    print(f"error: process {jax.process_index()} of {jax.process_count()} stopped: {first}.{advice}",
+          file=sys.stderr, flush=True)  # fmt: skip
     sys.stdout.flush()
     os._exit(1)
 

@@ -123,6 +123,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     mb = c.rl.minibatches * c.rl.micro_batches
     _need((b * g) % mb == 0, "rl.micro_batches", c.rl.micro_batches,
           f"B*G = {b * g} is not divisible by minibatches*micro_batches = {mb}")  # fmt: skip
+    _need(not c.rl.pack or (b * g) % (batch_shards * mb) == 0, "rl.pack", c.rl.pack,
+          f"packed rows come in multiples of data*fsdp*minibatches*micro_batches = "
+          f"{batch_shards * mb}, which does not divide B*G = {b * g}: change "
+          "data.prompts_per_step or set rl.pack=False")  # fmt: skip
     _need(c.rl.is_correction == "none" or c.rl.old_logp == "recompute", "rl.is_correction",
           c.rl.is_correction, "corrects pi_old against the sampler, which old_logp='sampler' "
           "makes the same distribution: use old_logp='recompute'")  # fmt: skip

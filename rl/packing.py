@@ -15,7 +15,9 @@ padding-free training) makes the learner's cost follow the real tokens.
 - The number of rows is bucketed to `multiple * s`, s in 1..8, 10, 12, 14, 16, 20, ... (four
   sizes per doubling), capped at the padded layout's row count, so a run compiles the learner
   step for a handful of shapes. `multiple` (batch shards x minibatches x micro-batches) divides
-  every bucket.
+  every bucket, so packing saves rows only when B*G is well above it.
+- With several minibatches per rollout, each minibatch's sequences (those the padded layout
+  gives it) are packed on their own, so every optimizer step sees the same sequences either way.
 - `pack=False` is the padded layout: row i holds sequence i.
 
 Sequences come group-major (sequence i*G+k is completion k of prompt i); `Layout` maps them to
@@ -70,13 +72,9 @@ def bucket_rows(needed: int, multiple: int, cap: int) -> int:
     return min(size * multiple, -(-cap // multiple) * multiple)
 
 
-def place(lengths, width: int, pack: bool = True, multiple: int = 1) -> Layout:
-    """The rows of sequences of the given lengths (all <= width)."""
-    lengths = np.asarray(lengths, np.int64)
+def _first_fit(lengths, width: int):
+    """First-fit decreasing: (row, segment, start) of each sequence, and the rows used."""
     n = len(lengths)
-    if not pack:
-        ones = np.ones(n, np.int64)
-        return Layout(n, width, np.arange(n), ones, np.zeros(n, np.int64), lengths)
     row, segment, start = (np.zeros(n, np.int64) for _ in range(3))
     free = np.zeros(0, np.int64)  # tokens left in each row opened so far
     used = np.zeros(0, np.int64)  # sequences in each row
@@ -91,11 +89,36 @@ def place(lengths, width: int, pack: bool = True, multiple: int = 1) -> Layout:
         used[r] += 1
         segment[i] = used[r]
         free[r] -= lengths[i]
-    return Layout(bucket_rows(len(free), multiple, n), width, row, segment, start, lengths)
+    return row, segment, start, len(free)
+
+
+def place(lengths, width: int, pack: bool = True, multiple: int = 1,
+          minibatches: int = 1) -> Layout:  # fmt: skip
+    """The rows of sequences of the given lengths (all <= width).
+
+    With minibatches M > 1 the learner steps on rows m, m+M, m+2M, ... (`rl.learner`), and the
+    padded layout puts sequences m, m+M, ... there. Packing keeps that: the sequences of each
+    minibatch are packed on their own into the same number of rows, interleaved, so every
+    optimizer step sees the same sequences as with padding (and none is empty). `multiple`
+    includes the factor M."""
+    lengths = np.asarray(lengths, np.int64)
+    n = len(lengths)
+    if not pack:
+        ones = np.ones(n, np.int64)
+        return Layout(n, width, np.arange(n), ones, np.zeros(n, np.int64), lengths)
+    if multiple % minibatches or n % minibatches:
+        raise ValueError(f"{n} sequences, multiple {multiple}: not divisible by {minibatches}")
+    row, segment, start = (np.zeros(n, np.int64) for _ in range(3))
+    parts = [np.arange(m, n, minibatches) for m in range(minibatches)]
+    placed = [_first_fit(lengths[idx], width) for idx in parts]
+    per = bucket_rows(max(p[3] for p in placed), multiple // minibatches, n // minibatches)
+    for m, (idx, (r, seg, st, _)) in enumerate(zip(parts, placed)):
+        row[idx], segment[idx], start[idx] = r * minibatches + m, seg, st
+    return Layout(per * minibatches, width, row, segment, start, lengths)
 
 
 def build_batch(groups, width: int, pad_id: int, min_new_tokens: int = 0, pack: bool = True,
-                multiple: int = 1) -> tuple[Batch, Layout]:  # fmt: skip
+                multiple: int = 1, minibatches: int = 1) -> tuple[Batch, Layout]:  # fmt: skip
     """The learner Batch (numpy) of the groups' sequences (prompt + completion), and its Layout.
 
     `loss_mask` covers every completion token the model sampled, never an observation of a
@@ -109,7 +132,7 @@ def build_batch(groups, width: int, pad_id: int, min_new_tokens: int = 0, pack: 
         raise ValueError(
             f"sequence of {max(lengths)} tokens > max_prompt_len + max_new_tokens = {width}"
         )
-    layout = place(lengths, width, pack, multiple)
+    layout = place(lengths, width, pack, multiple, minibatches)
     rows = layout.rows
     tokens = np.full((rows, width), pad_id, np.int32)
     positions = np.zeros((rows, width), np.int32)

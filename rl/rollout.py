@@ -125,7 +125,8 @@ class Rollouts:
         groups, stats = self._sample(step, params, data)
         s = c.sampling
         batch, layout = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
-                                    s.min_new_tokens, c.rl.pack, self.row_multiple)  # fmt: skip
+                                    s.min_new_tokens, c.rl.pack, self.row_multiple,
+                                    c.rl.minibatches)  # fmt: skip
         self.row_shapes.add(layout.rows)
         stats.update({"learn/rows": layout.rows, "learn/row_shapes": len(self.row_shapes),
                       "learn/padding_frac": layout.padding_frac})  # fmt: skip
