@@ -115,6 +115,11 @@ class Loop:
         batch = batch.replace(advantages=layout.spread(self.adv))
         return jax.device_put(batch, self.sharding)
 
+    def with_reference(self, batch):
+        """The batch with the reference model's log-probs (waited for)."""
+        ref = self.learner.logprobs(self.ref_params, batch, "full")
+        return batch.replace(ref_logp=jax.block_until_ready(ref))
+
     def learn(self, batch):
         self.state, metrics = self.learner.step(self.state, batch)
         jax.device_get(metrics["loss"])
@@ -123,9 +128,7 @@ class Loop:
         t0 = time.perf_counter()
         groups = self.rollout()
         t1 = time.perf_counter()
-        batch = self.batch(groups, pack=True)
-        batch = batch.replace(ref_logp=self.learner.logprobs(self.ref_params, batch, "full"))
-        jax.block_until_ready(batch.ref_logp)
+        batch = self.with_reference(self.batch(groups, pack=True))
         t2 = time.perf_counter()
         self.learn(batch)
         t3 = time.perf_counter()
@@ -136,9 +139,7 @@ class Loop:
             t4 = time.perf_counter()
             self.static_rollout()
             t5 = time.perf_counter()
-            padded = self.batch(groups, pack=False)
-            padded = padded.replace(ref_logp=self.learner.logprobs(self.ref_params, padded, "full"))
-            jax.block_until_ready(padded.ref_logp)
+            padded = self.with_reference(self.batch(groups, pack=False))
             t6 = time.perf_counter()
             self.learn(padded)
             t7 = time.perf_counter()

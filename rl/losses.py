@@ -21,7 +21,7 @@ distribution (temperature, top-k, top-p: the probabilities of the actions actual
 - `old_logp`: the learner's log-probs under the parameters that sampled the batch (PPO's pi_old);
 - `sampler_logp`: what the sampler reported for the same parameters. It differs from `old_logp` only
   by numerics (kernels, bf16, batch shapes), and `behaviour_weights` corrects for that mismatch
-  (truncated / masked importance sampling); `mismatch_metrics` measures it.
+  (truncated / masked importance sampling, `rl.mismatch`); `mismatch_metrics` measures it.
 The KL term compares the current policy's tempered full softmax (`full_logp`) with the
 reference's: see `rl.logprobs` for why the KL is not taken between truncated distributions.
 
@@ -45,6 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from rl.mismatch import behaviour_weights, mismatch_metrics
 from rl.segments import segment_sum
 
 sg = jax.lax.stop_gradient
@@ -220,41 +221,6 @@ POLICY_LOSSES = {
     "gspo": gspo_loss,
     "cispo": cispo_loss,
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampler-vs-learner correction and its metrics.
-
-
-def behaviour_weights(old_logp, sampler_logp, mask, cfg, segments=None):
-    """IS weight old/sampler for the policy term, and which tokens to keep. [B, T] each, f32.
-
-    "sequence" level uses the product of token ratios (the sum of log-ratios) for every token of a
-    sequence, so MIS then keeps or drops whole sequences.
-    """
-    log_ratio = sg(old_logp - sampler_logp)  # [B, T]
-    if cfg.is_level == "sequence":
-        log_ratio = segment_sum(mask * log_ratio, segments)
-    ones = jnp.ones_like(log_ratio)
-    if cfg.is_correction == "none":
-        return ones, ones
-    ratio = jnp.exp(log_ratio)
-    if cfg.is_correction == "tis":
-        return jnp.minimum(ratio, cfg.is_cap), ones
-    if cfg.is_correction == "mis":
-        keep = (ratio >= cfg.mis_low) & (ratio <= cfg.mis_high)
-        return ones, keep.astype(jnp.float32)
-    raise ValueError(f"unknown is_correction {cfg.is_correction!r}; valid: none, tis, mis")
-
-
-def mismatch_metrics(learner_logp, sampler_logp, mask):
-    """Sums over valid tokens (summable across micro-batches): |learner - sampler| and the k3
-    estimate of KL(sampler || learner) from the sampler's own samples."""
-    d = jnp.where(mask > 0, learner_logp - sampler_logp, 0.0)  # [B, T]
-    return {
-        "abs_logp_sum": jnp.sum(jnp.abs(d)),
-        "kl_sum": jnp.sum(jnp.exp(d) - d - 1.0),  # 0 at masked positions since d = 0 there
-    }
 
 
 # ----------------------------------------------------------------------------------------------
