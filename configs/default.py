@@ -50,6 +50,11 @@ def get_config():
     c.model.dtype = "float32"  # compute dtype (bfloat16 on accelerators)
     c.model.param_dtype = "float32"  # master weights
     c.model.remat = False  # rematerialise transformer blocks in the backward pass
+    c.model.lora = ml_collections.ConfigDict()  # LoRA adapters (models/lora.py)
+    c.model.lora.rank = 0  # 0 = off (full fine-tune); > 0: only adapters train, KL needs no copy
+    c.model.lora.alpha = 16.0  # adapters' output scaled by alpha / rank
+    c.model.lora.dropout = 0.0  # only 0 is implemented
+    c.model.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # projections adapted
 
     c.data = ml_collections.ConfigDict()
     c.data.prompts_per_step = 16  # prompts per GRPO step (B); B * G sequences per rollout

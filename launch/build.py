@@ -3,7 +3,8 @@ learner, train state, sampler engines and the rollout. `launch.train` builds the
 rebuilds them for a finished run's checkpoint (`launch.eval`, `launch.export`).
 
 The reference policy, when the KL term is on, is a second frozen copy of the starting checkpoint
-loaded in the same shardings (no optimizer state).
+loaded in the same shardings (no optimizer state); with LoRA (`config.model.lora.rank` > 0) it is
+the policy's own base weights with the adapters off, and no copy is loaded.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import ml_collections
 from jax.sharding import Mesh, NamedSharding
 
 from launch.cli import UsageError
-from launch.validate import engine_config, learner_config, sampling_params
+from launch.validate import engine_config, learner_config, model_overrides, sampling_params
+from models import lora
 from models.config import ModelConfig
 from models.hf import load_hf
 from models.hf_config import GenerationIds
@@ -42,7 +44,7 @@ class Run:
     tokenizer: Tokenizer
     learner: Learner
     state: TrainState  # params + optimizer state, sharded
-    ref_params: object  # frozen reference parameters, or None without a KL term
+    ref_params: object  # frozen reference parameters; None without a KL term or with LoRA
     engines: dict[str, Engine]  # "rollout", "greedy" (held-out accuracy), "eval" (pass@k)
     batch_sharding: NamedSharding  # learner batch rows over the batch mesh axes
     env: Environment | None = None  # multi-turn episodes (config.env.name), else single-turn
@@ -83,14 +85,17 @@ def build(config, with_reference: bool = True) -> Run:
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
     m = config.model
-    overrides = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
-    model_cfg, graphdef, params, ids = load_hf(m.hf_checkpoint, mesh, rules, **overrides)
-    ref_params = None
-    if config.rl.kl_coef > 0 and with_reference:
+    overrides = model_overrides(config)
+    model_cfg, graphdef, params, ids = load_hf(
+        m.hf_checkpoint, mesh, rules, seed=config.seed, **overrides
+    )
+    ref_params = None  # with LoRA the reference is the policy's own base weights (no copy)
+    if config.rl.kl_coef > 0 and with_reference and not model_cfg.lora_rank:
         ref_params = load_hf(m.hf_checkpoint, mesh, rules, **overrides)[2]
     tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
-    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
+    base = lora.base_graphdef(model_cfg) if model_cfg.lora_rank else None
+    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base)
     env = make_env(config.env.name, tokenizer, config) if config.env.name else None
     # A turn also ends on the environment's stop ids (a tool-call close).
     ecfg = engine_config(config, ids.eos_ids + (env.stop_ids() if env else ()))
@@ -121,6 +126,7 @@ def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
     if not steps or (step is not None and step not in steps):
         raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
     run = build(config, with_reference=False)
-    run.state, meta = ckpt.restore(run.state, step)
+    saved, meta = ckpt.restore(run.learner.checkpointed(run.state), step)
+    run.state = run.learner.restored(run.state, saved)
     ckpt.close()
     return run, meta["step"]

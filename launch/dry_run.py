@@ -17,8 +17,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
 
-from launch.validate import engine_config, learner_config, sampling_params
+from launch.validate import engine_config, learner_config, model_overrides, sampling_params
+from models import lora
 from models.hf_config import config_from_hf, generation_ids
 from models.sharding import abstract_model, make_mesh, param_count, state_shardings, with_shardings
 from rl.learner import Batch, Learner, TrainState, batch_sharding
@@ -69,7 +72,7 @@ def dry_run(config) -> int:
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
     m, s = config.model, config.sampling
-    cfg = config_from_hf(m.hf_checkpoint, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    cfg = config_from_hf(m.hf_checkpoint, **model_overrides(config))
     ids = generation_ids(m.hf_checkpoint)
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, rules)
@@ -78,17 +81,23 @@ def dry_run(config) -> int:
 
     rollout_rows = config.data.prompts_per_step * config.rl.num_generations
     row_sh = batch_sharding(mesh, rules)
-    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings)
+    base = lora.base_graphdef(cfg) if cfg.lora_rank else None
+    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base)
     step = learner.lower_step(params, _batch(config, rollout_rows // config.rl.minibatches, row_sh))
     logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     generate = engine.lower_generate(params).compile()
-    state_shapes = jax.eval_shape(lambda p: TrainState(p, learner.tx.init(p), 0), params)
+    state_shapes = jax.eval_shape(
+        lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params
+    )
     state = _per_device_bytes(with_shardings(state_shapes, learner.state_shardings))
-    ref = _per_device_bytes(params) if config.rl.kl_coef > 0 else 0
+    # With LoRA the reference is the policy's own base weights: nothing more is resident.
+    ref = _per_device_bytes(params) if config.rl.kl_coef > 0 and not cfg.lora_rank else 0
     opt = state - _per_device_bytes(params)
     print(f"resident   params + optimizer {state / MIB:.1f} MiB, reference {ref / MIB:.1f} MiB")
+    if cfg.lora_rank:
+        _compare_full(learner, params, cfg, config.rl.kl_coef > 0)
     learn = _report("learn", step.compile())
     logprobs = _report("logprobs", logp.compile())  # reference and π_old, args = one params copy
     sample = _report("rollout", generate)
@@ -101,3 +110,21 @@ def dry_run(config) -> int:
     print(f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "
           f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})")  # fmt: skip
     return 0
+
+
+def _compare_full(learner: Learner, params, cfg, kl: bool) -> None:
+    """The LoRA run's trainable share, and what the full fine-tune would keep resident."""
+    trainable, base = lora.split(params)
+    replicated = jax.sharding.NamedSharding(learner.state_shardings.step.mesh, P())
+    opt = optax.tree_map_params(  # the moments in their parameters' shardings
+        learner.tx,
+        lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
+        jax.eval_shape(learner.tx.init, base),
+        base,
+        transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+    )
+    weights = _per_device_bytes(base)
+    full = weights + _per_device_bytes(opt)
+    print(f"LoRA       rank {cfg.lora_rank}: {param_count(trainable) / 1e6:.2f}M trainable of "
+          f"{param_count(params) / 1e6:.1f}M; a full fine-tune holds params + optimizer "
+          f"{full / MIB:.1f} MiB, reference {weights * kl / MIB:.1f} MiB")  # fmt: skip

@@ -1,12 +1,18 @@
 """Export a trained policy as an HF checkpoint: `python -m launch.export --workdir W --out DIR`.
 
     python -m launch.export --workdir runs/default-... [--step N] --out exported/ [--dtype bfloat16]
+    python -m launch.export --workdir runs/lora-run --out adapter/ --adapter
 
 Restores the run's checkpoint (latest unless --step) and writes config.json, safetensors and
-generation_config.json with `models.hf.save_hf`, in the param dtype unless --dtype is given. The
-tokenizer files of the run's starting checkpoint (tokenizer.json, tokenizer_config.json,
-chat_template.jinja, char_tokenizer.json), where present, are copied along so the directory is
-self-contained.
+generation_config.json with `models.hf.save_hf`, in the param dtype unless --dtype is given; a
+LoRA run's adapters are folded into the weights (`models.lora.merge`). The tokenizer files of
+the run's starting checkpoint (tokenizer.json, tokenizer_config.json, chat_template.jinja,
+char_tokenizer.json), where present, are copied along so the directory is self-contained.
+
+`--adapter` (LoRA runs) writes only the adapters, as the `peft` library saves them:
+adapter_config.json and adapter_model.safetensors, to load with
+`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<base>), DIR)`, where
+<base> is the run's starting checkpoint (config.model.hf_checkpoint).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import sys
 from launch.build import load_run
 from launch.cli import UsageError, fail
 from launch.validate import DTYPES, check_writable_dir
-from models.hf import save_hf
+from models.hf import save_adapter, save_hf
 from models.tokenizer import CHAR_TOKENIZER_FILE
 
 TOKENIZER_FILES = (
@@ -38,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: param dtype)"
     )
+    p.add_argument("--adapter", action="store_true", help="LoRA runs: a PEFT adapter directory")
     args = p.parse_args(argv)
     try:  # before the run is loaded, and before anything is written
         if args.dtype not in (None, *DTYPES):
@@ -47,9 +54,16 @@ def main(argv=None) -> int:
                              "overwritten); export to a new directory")  # fmt: skip
         check_writable_dir("--out", args.out)
         run, step = load_run(args.workdir, args.step)
+        if args.adapter and not run.model_cfg.lora_rank:
+            raise UsageError(f"--adapter: the run in {args.workdir} has no LoRA adapters "
+                             "(config.model.lora.rank = 0); export it without --adapter")  # fmt: skip
     except UsageError as e:
         return fail(str(e))
-    save_hf(args.out, run.model_cfg, run.state.params, run.ids, dtype=args.dtype)
+    if args.adapter:
+        save_adapter(args.out, run.model_cfg, run.state.params, run.config.model.hf_checkpoint,
+                     dtype=args.dtype)  # fmt: skip
+    else:
+        save_hf(args.out, run.model_cfg, run.state.params, run.ids, dtype=args.dtype)
     for name in TOKENIZER_FILES:
         src = os.path.join(run.config.model.hf_checkpoint, name)
         if os.path.exists(src):

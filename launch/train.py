@@ -73,7 +73,8 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     start, summary = 0, {}
     if resume:
         try:
-            state, meta, skipped = ckpt.restore_latest(state, set_aside=True)
+            saved, meta, skipped = ckpt.restore_latest(learner.checkpointed(state), set_aside=True)
+            state = learner.restored(state, saved)
         except CheckpointError as e:  # nothing usable: one line, the files left to inspect
             ckpt.close()
             return fail(str(e))
@@ -141,7 +142,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)
             meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
                     "key": key_data}  # fmt: skip
-            ckpt.save(step + 1, state, meta)
+            ckpt.save(step + 1, learner.checkpointed(state), meta)
         if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
             bar.close()
             rollouts.close()

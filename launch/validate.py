@@ -17,6 +17,7 @@ import numpy as np
 
 from launch.cli import UsageError, config_json
 from models.hf_config import CheckpointError, config_from_hf
+from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import load_records, reward_inputs
 from rl.learner import LearnerConfig
@@ -104,6 +105,35 @@ def learner_config(c: ml_collections.ConfigDict, eos_ids) -> LearnerConfig:
     )  # fmt: skip
 
 
+def model_overrides(c: ml_collections.ConfigDict) -> dict:
+    """The ModelConfig fields the run's config sets (config.json of the checkpoint decides the
+    rest): dtypes, remat and LoRA (config.model.lora; absent = off)."""
+    m = c.model
+    out = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    lo = m.get("lora")
+    if lo is not None and lo.rank:
+        out.update(lora_rank=lo.rank, lora_alpha=float(lo.alpha), lora_dropout=float(lo.dropout),
+                   lora_targets=tuple(lo.targets))  # fmt: skip
+    return out
+
+
+def _check_lora(c: ml_collections.ConfigDict) -> None:
+    lo = c.model.get("lora")
+    if lo is None:
+        return
+    _need(isinstance(lo.rank, int) and lo.rank >= 0, "model.lora.rank", lo.rank,
+          "must be an integer >= 0 (0 = off)")  # fmt: skip
+    if not lo.rank:
+        return
+    _need(lo.alpha > 0, "model.lora.alpha", lo.alpha, "must be > 0")
+    _need(lo.dropout == 0, "model.lora.dropout", lo.dropout,
+          "only 0 is implemented (the adapters see no dropout)")  # fmt: skip
+    targets = tuple(lo.targets)
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    _need(bool(targets) and not bad, "model.lora.targets", targets,
+          f"expected a non-empty subset of {LORA_TARGETS}")  # fmt: skip
+
+
 def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     g, b = c.rl.num_generations, c.data.prompts_per_step
     _need(g >= 2, "rl.num_generations", g, "GRPO needs G >= 2 completions per prompt")
@@ -165,6 +195,7 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(c.keep_checkpoints >= 1, "keep_checkpoints", c.keep_checkpoints, "must be >= 1")
     for field in ("dtype", "param_dtype"):
         _need(c.model[field] in DTYPES, f"model.{field}", c.model[field], f"one of {DTYPES}")
+    _check_lora(c)
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")
     _need(s.temperature > 0, "sampling.temperature", s.temperature,

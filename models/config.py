@@ -52,6 +52,11 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     dtype: str = "float32"  # compute dtype; bfloat16 on accelerators
     remat: bool = False  # rematerialise each block in the backward pass
+    # LoRA adapters (models/lora.py): rank 0 = off. alpha / rank scales the adapters' output.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0  # only 0 is implemented (validated at start-up)
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):
         if self.family not in ARCHITECTURES.values():
@@ -61,3 +66,5 @@ class ModelConfig:
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank={self.lora_rank}: must be >= 0 (0 = off)")

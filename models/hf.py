@@ -20,9 +20,11 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from models import lora
 from models.config import ModelConfig
 from models.hf_config import (
     CheckpointError,
@@ -111,15 +113,25 @@ def _tensor_files(ckpt_dir: str) -> dict[str, str]:
         raise CheckpointError(f"{single}: unreadable safetensors file ({e})") from None
 
 
-def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, **config_overrides: Any):
+def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, seed: int = 0, **config_overrides: Any):
     """Reads an HF checkpoint directory into sharded params.
 
     Returns (cfg, graphdef, params, GenerationIds). `config_overrides` sets ModelConfig fields that
-    config.json does not decide, e.g. dtype="bfloat16", param_dtype, remat.
+    config.json does not decide, e.g. dtype="bfloat16", param_dtype, remat, lora_rank. With
+    LoRA the checkpoint gives the base weights and the adapters start fresh (from `seed`).
     """
     cfg = config_from_hf(ckpt_dir, **config_overrides)
     ids = generation_ids(ckpt_dir)
-    graphdef, abstract = abstract_model(cfg)
+    params = _load_base(ckpt_dir, lora.base_config(cfg), mesh, rules)
+    graphdef = abstract_model(cfg)[0]
+    if cfg.lora_rank:
+        params = nnx.merge_state(lora.init_adapters(cfg, mesh, rules, seed), params)
+    return cfg, graphdef, params, ids
+
+
+def _load_base(ckpt_dir: str, cfg: ModelConfig, mesh, rules):
+    """The params State of a model without adapters, read from the checkpoint."""
+    abstract = abstract_model(cfg)[1]
     shardings = state_shardings(abstract, mesh, rules)
     files = _tensor_files(ckpt_dir)
     mapping = _mapping(cfg)
@@ -155,7 +167,7 @@ def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, **config_overrides: Any):
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_var)
     flat_sh = jax.tree.leaves(shardings, is_leaf=is_var)
     leaves = [read(path, var, sh) for (path, var), sh in zip(flat, flat_sh)]
-    return cfg, graphdef, jax.tree_util.tree_unflatten(treedef, leaves), ids
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def save_hf(
@@ -166,8 +178,11 @@ def save_hf(
     dtype: str | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
-    """Writes an HF checkpoint directory that transformers loads (see module docstring)."""
+    """Writes an HF checkpoint directory that transformers loads (see module docstring). LoRA
+    adapters are folded into the weights (`models.lora.merge`)."""
     dtype = dtype or cfg.param_dtype
+    if cfg.lora_rank:
+        params, cfg = lora.merge(cfg, params), lora.base_config(cfg)
     if dtype not in _DTYPES:
         raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     os.makedirs(out_dir, exist_ok=True)
@@ -199,6 +214,20 @@ def save_hf(
         _write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
     _write_json(os.path.join(out_dir, "config.json"), config_to_hf(cfg, dtype))
     _write_json(os.path.join(out_dir, "generation_config.json"), generation_config_to_hf(ids))
+
+
+def save_adapter(out_dir: str, cfg: ModelConfig, params, base_model: str, dtype=None) -> None:
+    """Writes a LoRA run's adapters as `peft` saves them: adapter_config.json and
+    adapter_model.safetensors (`models.lora.peft_tensors`)."""
+    dtype = dtype or cfg.param_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: v.astype(_DTYPES[dtype]) for k, v in lora.peft_tensors(cfg, params).items()}
+    save_file(
+        tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"}
+    )
+    _write_json(os.path.join(out_dir, "adapter_config.json"), lora.peft_config(cfg, base_model))
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import lora
 from models.attention import DenseCausal, apply_rope, rope_inv_freq
 from models.config import ModelConfig
 
@@ -57,13 +58,15 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.norm_eps, rngs, pd)
             self.k_norm = RMSNorm(h, cfg.norm_eps, rngs, pd)
+        lora.attach(self, cfg, lora.ATTENTION, rngs)
         self.cfg = cfg
 
     def __call__(self, x, positions, inv_freq, layer, attend):
         dt = x.dtype
-        q = jnp.einsum("BTD,DNH->BTNH", x, _cast(self.q, dt))
-        k = jnp.einsum("BTD,DKH->BTKH", x, _cast(self.k, dt))
-        v = jnp.einsum("BTD,DKH->BTKH", x, _cast(self.v, dt))
+        c = self.cfg
+        q = lora.add(self, c, "q", x, jnp.einsum("BTD,DNH->BTNH", x, _cast(self.q, dt)))
+        k = lora.add(self, c, "k", x, jnp.einsum("BTD,DKH->BTKH", x, _cast(self.k, dt)))
+        v = lora.add(self, c, "v", x, jnp.einsum("BTD,DKH->BTKH", x, _cast(self.v, dt)))
         if self.cfg.qkv_bias:
             q, k, v = (
                 q + _cast(self.q_bias, dt),
@@ -74,7 +77,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, attend = attend.attend(layer, q, k, v)  # [B,T,N,H]
-        return jnp.einsum("BTNH,NHD->BTD", out, _cast(self.o, dt)), attend
+        o = jnp.einsum("BTNH,NHD->BTD", out, _cast(self.o, dt))
+        return lora.add(self, c, "o", out, o, in_axes=2), attend
 
 
 class MLP(nnx.Module):
@@ -83,12 +87,15 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, (d, f), ("embed", "mlp"), dtype=pd)
         self.up = _param(rngs, (d, f), ("embed", "mlp"), dtype=pd)
         self.down = _param(rngs, (f, d), ("mlp", "embed"), dtype=pd)
+        lora.attach(self, cfg, ("gate", "up", "down"), rngs)
+        self.cfg = cfg
 
     def __call__(self, x):
-        dt = x.dtype
-        g = jnp.einsum("BTD,DF->BTF", x, _cast(self.gate, dt))
-        u = jnp.einsum("BTD,DF->BTF", x, _cast(self.up, dt))
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, _cast(self.down, dt))
+        dt, c = x.dtype, self.cfg
+        g = lora.add(self, c, "gate", x, jnp.einsum("BTD,DF->BTF", x, _cast(self.gate, dt)))
+        u = lora.add(self, c, "up", x, jnp.einsum("BTD,DF->BTF", x, _cast(self.up, dt)))
+        a = jax.nn.silu(g) * u
+        return lora.add(self, c, "down", a, jnp.einsum("BTF,FD->BTD", a, _cast(self.down, dt)))
 
 
 class Block(nnx.Module):

@@ -34,6 +34,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models import lora
 from models.sharding import with_shardings
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import LossConfig, combine_metrics, grpo_loss
@@ -134,26 +135,39 @@ def _strided_split(x, m):
 class Learner:
     """Owns the optimizer and the jitted functions of the learn phase for one model graph."""
 
-    def __init__(self, cfg: LearnerConfig, graphdef, param_shardings):
+    def __init__(self, cfg: LearnerConfig, graphdef, param_shardings, base_graphdef=None):
+        """`base_graphdef`: for a LoRA model (`models.lora`), the graph of the model without
+        adapters. Then only the adapters are trained and have optimizer state, and the
+        reference policy is the same arrays with the adapters off (`reference_logprobs`)."""
         cfg.validate()
-        self.cfg, self.graphdef = cfg, graphdef
+        self.cfg, self.graphdef, self.base_graphdef = cfg, graphdef, base_graphdef
+        self.lora = base_graphdef is not None
         self.tx = make_optimizer(cfg)
         self.param_shardings = param_shardings
         self._step = None
-        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=2)
+        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(2, 3))
         self._grads = jax.jit(self._grads_impl)
+
+    def split(self, params) -> tuple[nnx.State, nnx.State]:
+        """(trainable, frozen) parts of params: (all, empty), or with LoRA (adapters, base)."""
+        if self.lora:
+            return lora.split(params)
+        return params, nnx.State({})
+
+    def merge(self, trainable, frozen) -> nnx.State:
+        return nnx.merge_state(trainable, frozen) if self.lora else trainable
 
     # --- state ------------------------------------------------------------------------------
 
     def _build_step(self, params) -> None:
         """Shardings of the train state and the jitted step, from (abstract or real) params."""
-        abstract = jax.eval_shape(self.tx.init, params)
+        abstract = jax.eval_shape(self.tx.init, self.split(params)[0])
         replicated = NamedSharding(jax.tree.leaves(self.param_shardings)[0].mesh, PartitionSpec())
         opt_sh = optax.tree_map_params(
             self.tx,
             lambda _, s: s,
             abstract,
-            self.param_shardings,
+            self.split(self.param_shardings)[0],
             transform_non_params=lambda _: replicated,
         )
         self.state_shardings = TrainState(self.param_shardings, opt_sh, replicated)
@@ -162,9 +176,11 @@ class Learner:
         )
 
     def init_state(self, params) -> TrainState:
-        """Optimizer state created directly in the parameters' shardings (moments mirror params)."""
+        """Optimizer state created directly in the parameters' shardings (moments mirror the
+        trainable params)."""
         self._build_step(params)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        init = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)
+        opt_state = init(self.split(params)[0])
         # Commit every leaf to exactly the shardings the step returns, so that the first call and
         # all later ones share one compiled executable (parameters already there are not copied).
         return jax.device_put(
@@ -176,35 +192,40 @@ class Learner:
         for --dry_run, and with `platforms` (e.g. ("tpu",)) to check another platform lowers."""
         self._build_step(abstract_params)
         shapes = jax.eval_shape(
-            lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)), abstract_params
+            lambda p: TrainState(p, self.tx.init(self.split(p)[0]), jnp.zeros((), jnp.int32)),
+            abstract_params,
         )
         state = with_shardings(shapes, self.state_shardings)
         return self._step.trace(state, abstract_batch).lower(lowering_platforms=platforms)
 
     def lower_logprobs(self, abstract_params, abstract_batch: Batch, which: str = "full"):
         """The reference / π_old log-prob pass over a whole rollout, lowered: for --dry_run."""
-        return self._logprobs.trace(abstract_params, abstract_batch, which).lower()
+        return self._logprobs.trace(abstract_params, abstract_batch, which, True).lower()
 
     # --- jitted pieces ----------------------------------------------------------------------
 
-    def _token_logprobs(self, params, batch: Batch) -> TokenLogprobs:
+    def _token_logprobs(self, params, batch: Batch, adapters: bool = True) -> TokenLogprobs:
         c = self.cfg
+        model = (nnx.merge(self.graphdef, params) if adapters
+                 else nnx.merge(self.base_graphdef, lora.base(params)))  # fmt: skip
         return token_logprobs(
-            nnx.merge(self.graphdef, params), batch.tokens, batch.positions, batch.segment_ids,
-            c.sampling, c.logprob_chunk, c.stop_ids, batch.stop_masked,
+            model, batch.tokens, batch.positions, batch.segment_ids, c.sampling,
+            c.logprob_chunk, c.stop_ids, batch.stop_masked,
         )  # fmt: skip
 
-    def _logprobs_impl(self, params, batch: Batch, which: str):
+    def _logprobs_impl(self, params, batch: Batch, which: str, adapters: bool):
         """One forward over the rollout, a train step's micro-batch of rows at a time (a strided
         split, as in the step), so this pass needs no more memory than a step's forward."""
         rows = batch.tokens.shape[0]
         m = math.gcd(rows, self.cfg.minibatches * self.cfg.micro_batches)
         micro = jax.tree.map(lambda x: _strided_split(x, m), batch)
-        out = jax.lax.map(lambda mb: getattr(self._token_logprobs(params, mb), which), micro)
+        fn = lambda mb: getattr(self._token_logprobs(params, mb, adapters), which)
+        out = jax.lax.map(fn, micro)
         return out.swapaxes(0, 1).reshape(rows, -1)  # [M, B/M, T-1] -> [B, T-1], rows in order
 
-    def _loss(self, params, mb: Batch, global_tokens, global_seqs):
-        return self._objective(self._token_logprobs(params, mb), mb, global_tokens, global_seqs)
+    def _loss(self, trainable, frozen, mb: Batch, global_tokens, global_seqs):
+        tl = self._token_logprobs(self.merge(trainable, frozen), mb)
+        return self._objective(tl, mb, global_tokens, global_seqs)
 
     def _objective(self, tl: TokenLogprobs, mb: Batch, global_tokens, global_seqs):
         old = jax.lax.stop_gradient(tl.logp) if mb.old_logp is None else mb.old_logp
@@ -216,7 +237,8 @@ class Learner:
         )  # fmt: skip
 
     def _grads_impl(self, params, batch: Batch):
-        """Gradient and metrics of the whole batch, accumulated over micro-batches."""
+        """Gradient (of the trainable params) and metrics of the whole batch, accumulated over
+        micro-batches."""
         m = self.cfg.micro_batches
         if batch.tokens.shape[0] % m:
             raise ValueError(
@@ -227,10 +249,11 @@ class Learner:
         global_seqs = count_sequences(batch.loss_mask, segments)
         micro = jax.tree.map(lambda x: _strided_split(x, m), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        trainable, frozen = self.split(params)
 
         def body(carry, mb):
             grads, metrics = carry
-            (_, new_metrics), new_grads = grad_fn(params, mb, global_tokens, global_seqs)
+            (_, new_metrics), new_grads = grad_fn(trainable, frozen, mb, global_tokens, global_seqs)
             return (
                 jax.tree.map(jnp.add, grads, new_grads),
                 combine_metrics(metrics, new_metrics),
@@ -243,7 +266,7 @@ class Learner:
         tl = TokenLogprobs(first.loss_mask, first.loss_mask, first.loss_mask)
         shapes = jax.eval_shape(self._objective, tl, first, global_tokens, global_seqs)
         zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-        init = (jax.tree.map(jnp.zeros_like, params), zeros(shapes[1]))
+        init = (jax.tree.map(jnp.zeros_like, trainable), zeros(shapes[1]))
         (grads, metrics), _ = jax.lax.scan(body, init, micro)
         metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -255,15 +278,16 @@ class Learner:
 
     def _step_impl(self, state: TrainState, batch: Batch):
         grads, metrics = self._grads_impl(state.params, batch)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trainable, frozen = self.split(state.params)
+        updates, opt_state = self.tx.update(grads, state.opt_state, trainable)
+        new = (optax.apply_updates(trainable, updates), opt_state, state.step + 1)
         # A non-finite loss or gradient skips the update: parameters, optimizer state and step
         # stay as they were (selected in place, no copy), and the step is counted as skipped.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        new = TrainState(params, opt_state, state.step + 1)
-        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        old = (trainable, state.opt_state, state.step)
+        trainable, opt_state, step = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        return new, metrics
+        return TrainState(self.merge(trainable, frozen), opt_state, step), metrics
 
     # --- public API -------------------------------------------------------------------------
 
@@ -271,7 +295,27 @@ class Learner:
         """f32 [B,T-1] teacher-forced log-probs of the batch's tokens: which="logp" under the
         sampling distribution (π_old), "full" under the tempered full softmax (the reference
         model, and the policy side of KL-in-reward); see `rl.logprobs`."""
-        return self._logprobs(params, batch, which)
+        return self._logprobs(params, batch, which, True)
+
+    def reference_logprobs(self, params, ref_params, batch: Batch):
+        """The reference policy's "full" log-probs: of `ref_params` (a frozen copy), or with
+        LoRA and ref_params None, of the policy's `params` with the adapters off (no copy)."""
+        if ref_params is not None:
+            return self._logprobs(ref_params, batch, "full", True)
+        if not self.lora:
+            raise ValueError("no reference parameters: the KL term needs them without LoRA")
+        return self._logprobs(params, batch, "full", False)
+
+    def checkpointed(self, state: TrainState) -> TrainState:
+        """What a checkpoint holds of the state: all of it, or with LoRA the adapters, their
+        optimizer state and the step (the base weights are the starting checkpoint's)."""
+        return state.replace(params=self.split(state.params)[0]) if self.lora else state
+
+    def restored(self, state: TrainState, saved: TrainState) -> TrainState:
+        """The state with a restored `checkpointed` state put in (the inverse of it)."""
+        if not self.lora:
+            return saved
+        return saved.replace(params=self.merge(saved.params, self.split(state.params)[1]))
 
     def grads(self, params, batch: Batch):
         return self._grads(params, batch)
@@ -288,7 +332,8 @@ class Learner:
         """μ passes of `minibatches` steps over one rollout. Returns (state, list of host metrics)."""
         cfg = self.cfg
         if cfg.loss.kl_coef > 0 and cfg.loss.kl_in == "loss" and rollout.ref_logp is None:
-            rollout = rollout.replace(ref_logp=self.logprobs(ref_params, rollout, "full"))
+            ref = self.reference_logprobs(state.params, ref_params, rollout)
+            rollout = rollout.replace(ref_logp=ref)
         exact_first_pass = cfg.num_iterations == 1 and cfg.minibatches == 1
         if cfg.old_logp == "sampler":
             rollout = rollout.replace(old_logp=rollout.sampler_logp)

@@ -140,7 +140,7 @@ class Rollouts:
         if c.rl.kl_in == "reward" and c.rl.kl_coef > 0:
             # The KL is data here: beta * sum_t k1 of the rollout policy against the reference,
             # both on the tempered full softmax (rl.logprobs), over every completion token.
-            ref = self.learner.logprobs(self.ref_params, batch, "full")
+            ref = self.learner.reference_logprobs(params, self.ref_params, batch)
             pi = self.learner.logprobs(params, batch, "full")
             penalty = kl_reward_penalty(pi, ref, jax.device_put(completions, self.batch_sharding),
                                         c.rl.kl_coef, c.rl.kl_clamp, batch.segment_ids[:, 1:])  # fmt: skip

@@ -1,0 +1,180 @@
+"""LoRA adapters on the transformer's projections, with flax's own `nnx.LoRA`.
+
+A targeted projection W (e.g. attention q, [D,N,H]) gets an `nnx.LoRA` module beside it,
+`<name>_lora`, holding A [in, r] and B [r, out] as `nnx.LoRAParam` (a subclass of `nnx.Param`):
+
+    y = x W + (alpha / r) * (x_flat A) B        (x_flat: x with the projection's input axes flattened)
+
+B starts at zero, so a fresh adapter leaves the model unchanged (PEFT's initialisation and
+scaling, `use_rslora=False`). Only `nnx.LoRAParam`s are trained (`rl.learner`, trainable filter
+`ADAPTERS`) and only they have optimizer state.
+
+Adapters off: `base(params)` drops the LoRAParams. What is left has exactly the structure of the
+same model without LoRA, so `nnx.merge(base_graphdef(cfg), base(params))` is the starting model on
+the very same arrays: the KL term's reference policy costs no second copy of the weights.
+
+Why `nnx.LoRA` rather than qwix: the model calls its projections as einsums on raw `nnx.Param`s
+(so that head axes can be sharded by name), not as `nnx.Linear` modules that qwix's provider would
+intercept by module path; an explicit `nnx.LoRA` per projection is a few lines, visible in the
+model code, and its parameters carry our logical axes for sharding.
+
+`merge(cfg, params)` folds the adapters into the weights (export as a plain HF checkpoint);
+`peft_tensors` gives them in PEFT's layout (`launch.export --adapter`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # every projection of a block
+ATTENTION = ("q", "k", "v", "o")
+ADAPTERS = nnx.LoRAParam  # filter: the trainable parameters of a LoRA run
+# HF module names (PEFT's target_modules) of our projections.
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+            "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+            "down": "mlp.down_proj"}  # fmt: skip
+
+
+def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None, str | None]]:
+    """name -> (in features, out features, logical axis of in, of out) of each projection."""
+    d, f, n, k, h = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {
+        "q": (d, n * h, "embed", None),
+        "k": (d, k * h, "embed", None),
+        "v": (d, k * h, "embed", None),
+        "o": (n * h, d, None, "embed"),
+        "gate": (d, f, "embed", "mlp"),
+        "up": (d, f, "embed", "mlp"),
+        "down": (f, d, "mlp", "embed"),
+    }
+
+
+def attach(module: nnx.Module, cfg: ModelConfig, names, rngs: nnx.Rngs) -> None:
+    """Gives `module` an adapter `<name>_lora` for each of `names` that cfg.lora_targets names."""
+    if not cfg.lora_rank:
+        return
+    table, r = shapes(cfg), cfg.lora_rank
+    for name in names:
+        if name not in cfg.lora_targets:
+            continue
+        fin, fout, ax_in, ax_out = table[name]
+        adapter = nnx.LoRA(
+            fin, r, fout, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+            rngs=rngs, a_metadata={"axes": (ax_in, None)}, b_metadata={"axes": (None, ax_out)},
+        )  # fmt: skip
+        setattr(module, f"{name}_lora", adapter)
+
+
+def add(module: nnx.Module, cfg: ModelConfig, name: str, x, y, in_axes: int = 1):
+    """y + the adapter's (alpha / r) x A B, reshaped to y; y itself without an adapter. x's last
+    `in_axes` axes are the projection's input (2 for o: [B,T,N,H])."""
+    adapter = getattr(module, f"{name}_lora", None)
+    if adapter is None:
+        return y
+    x_flat = x.reshape(*x.shape[: x.ndim - in_axes], -1)
+    delta = adapter(x_flat) * jnp.asarray(cfg.lora_alpha / cfg.lora_rank, y.dtype)
+    return y + delta.reshape(y.shape).astype(y.dtype)
+
+
+def base_config(cfg: ModelConfig) -> ModelConfig:
+    """cfg without LoRA (every lora_ field at its default): the model the adapters sit on."""
+    fields = {
+        f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("lora_")
+    }
+    return dataclasses.replace(cfg, **fields)
+
+
+def base_graphdef(cfg: ModelConfig):
+    """The graph of the same model without adapters (for `base(params)`)."""
+    from models.sharding import abstract_model
+
+    return abstract_model(base_config(cfg))[0]
+
+
+def split(params) -> tuple[nnx.State, nnx.State]:
+    """(adapters, base) of a params State."""
+    return nnx.split_state(params, ADAPTERS, ...)
+
+
+def base(params) -> nnx.State:
+    """params without the adapters: the state of the model without LoRA, same arrays."""
+    return split(params)[1]
+
+
+def _delta(params, cfg: ModelConfig, layer: int, name: str):
+    """(alpha / r) A B [in, out] of one adapter as a host array, or None."""
+    block = params["blocks"][layer]
+    module = block["attn" if name in ATTENTION else "mlp"]
+    if f"{name}_lora" not in module:
+        return None
+    a = np.asarray(jax.device_get(module[f"{name}_lora"]["lora_a"].get_value()), np.float64)
+    b = np.asarray(jax.device_get(module[f"{name}_lora"]["lora_b"].get_value()), np.float64)
+    return (cfg.lora_alpha / cfg.lora_rank) * (a @ b)
+
+
+def merge(cfg: ModelConfig, params) -> nnx.State:
+    """The base params with every adapter folded in (W + (alpha / r) A B), for the model without
+    LoRA (`base_config(cfg)`): a plain checkpoint. Host arithmetic in float64, one weight at a time."""
+    merged = base(params)
+    for i in range(cfg.num_layers):
+        for name in TARGETS:
+            delta = _delta(params, cfg, i, name)
+            if delta is None:
+                continue
+            module = merged["blocks"][i]["attn" if name in ATTENTION else "mlp"]
+            w = module[name]
+            host = np.asarray(jax.device_get(w.get_value()))
+            new = (host.astype(np.float64) + delta.reshape(host.shape)).astype(host.dtype)
+            module[name] = w.replace(jax.device_put(new, w.get_value().sharding))
+    return merged
+
+
+def peft_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """{PEFT tensor name: array} of every adapter: lora_A.weight [r, in], lora_B.weight [out, r]
+    (torch's Linear layout), named as PEFT saves a LoRA of an HF causal LM."""
+    out = {}
+    for i in range(cfg.num_layers):
+        block = params["blocks"][i]
+        for name in TARGETS:
+            module = block["attn" if name in ATTENTION else "mlp"]
+            if f"{name}_lora" not in module:
+                continue
+            ab = module[f"{name}_lora"]
+            prefix = f"base_model.model.model.layers.{i}.{HF_NAMES[name]}"
+            a = np.asarray(jax.device_get(ab["lora_a"].get_value()))
+            b = np.asarray(jax.device_get(ab["lora_b"].get_value()))
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    return out
+
+
+def peft_config(cfg: ModelConfig, base_model: str) -> dict:
+    """adapter_config.json of `peft_tensors`."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+        "target_modules": [HF_NAMES[n].split(".")[1] for n in TARGETS if n in cfg.lora_targets],
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None,
+    }  # fmt: skip
+
+
+def init_adapters(cfg: ModelConfig, mesh, rules, seed: int) -> nnx.State:
+    """The adapters of a fresh LoRA model (A random, B zero), created in their shardings. The
+    whole model is traced, but only the adapters are outputs: XLA computes nothing else."""
+    from models.sharding import abstract_model, state_shardings
+    from models.transformer import Transformer
+
+    abstract = abstract_model(cfg)[1]
+    shardings = state_shardings(split(abstract)[0], mesh, rules)
+    init = jax.jit(lambda: split(nnx.state(Transformer(cfg, nnx.Rngs(seed))))[0],
+                   out_shardings=shardings)  # fmt: skip
+    with jax.set_mesh(mesh):
+        return init()
