@@ -26,7 +26,7 @@ from models.hf import load_hf
 from models.hf_config import GenerationIds
 from models.sharding import make_mesh, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import Checkpointer, checksums
 from rl.envs import Environment, make_env
 from rl.evaluation import evaluate
 from rl.learner import Learner, TrainState, batch_sharding
@@ -109,6 +109,24 @@ def build(config, with_reference: bool = True) -> Run:
                ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
 
 
+def check_base(run: Run, meta: dict) -> None:
+    """A LoRA checkpoint holds the adapters only; the base weights come from
+    config.model.hf_checkpoint again. Refuses (UsageError) when they are not the ones the run
+    started from (`base_checksums`, recorded in every checkpoint's meta)."""
+    if not run.learner.lora or meta.get("base") == base_checksums(run):
+        return
+    raise UsageError(
+        f"config.model.hf_checkpoint={run.config.model.hf_checkpoint!r}: its weights differ from "
+        "the base this LoRA run started from (the checkpoints hold only the adapters); restore "
+        "that checkpoint directory or start a new --workdir"
+    )
+
+
+def base_checksums(run: Run) -> dict | None:
+    """Checksums of a LoRA run's frozen base weights (None without LoRA)."""
+    return checksums(lora.base(run.state.params)) if run.learner.lora else None
+
+
 def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
     """(run with its state restored from the checkpoint at `step` (default: the latest), step),
     for evaluating or exporting a run: without the reference copy, and on the devices at hand
@@ -127,6 +145,7 @@ def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
         raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
     run = build(config, with_reference=False)
     saved, meta = ckpt.restore(run.learner.checkpointed(run.state), step)
+    check_base(run, meta)
     run.state = run.learner.restored(run.state, saved)
     ckpt.close()
     return run, meta["step"]

@@ -18,6 +18,7 @@ adapter_config.json and adapter_model.safetensors, to load with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -53,15 +54,15 @@ def main(argv=None) -> int:
             raise UsageError(f"--out {args.out}: is the run's workdir (its config.json would be "
                              "overwritten); export to a new directory")  # fmt: skip
         check_writable_dir("--out", args.out)
-        run, step = load_run(args.workdir, args.step)
-        if args.adapter and not run.model_cfg.lora_rank:
+        if args.adapter and not _lora_rank(args.workdir):  # before the run is restored
             raise UsageError(f"--adapter: the run in {args.workdir} has no LoRA adapters "
                              "(config.model.lora.rank = 0); export it without --adapter")  # fmt: skip
+        run, step = load_run(args.workdir, args.step)
     except UsageError as e:
         return fail(str(e))
     if args.adapter:
-        save_adapter(args.out, run.model_cfg, run.state.params, run.config.model.hf_checkpoint,
-                     dtype=args.dtype)  # fmt: skip
+        base = os.path.abspath(run.config.model.hf_checkpoint)  # peft reads it from anywhere
+        save_adapter(args.out, run.model_cfg, run.state.params, base, dtype=args.dtype)
     else:
         save_hf(args.out, run.model_cfg, run.state.params, run.ids, dtype=args.dtype)
     for name in TOKENIZER_FILES:
@@ -70,6 +71,16 @@ def main(argv=None) -> int:
             shutil.copy(src, os.path.join(args.out, name))
     print(f"exported step {step} of {args.workdir} to {args.out}")
     return 0
+
+
+def _lora_rank(workdir: str) -> int:
+    """config.model.lora.rank of a run (0 when absent or when there is no config.json: then
+    load_run says what is wrong)."""
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
+            return int(json.load(f).get("model", {}).get("lora", {}).get("rank", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from launch.build import Run, build, init_distributed
+from launch.build import Run, base_checksums, build, check_base, init_distributed
 from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
@@ -70,12 +70,14 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     learner, state = run.learner, run.state
     ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
     key_data = jax.random.key_data(jax.random.key(config.seed)).tolist()
+    base = base_checksums(run)  # LoRA: the frozen base weights the adapters belong to
     start, summary = 0, {}
     if resume:
         try:
             saved, meta, skipped = ckpt.restore_latest(learner.checkpointed(state), set_aside=True)
+            check_base(run, meta)
             state = learner.restored(state, saved)
-        except CheckpointError as e:  # nothing usable: one line, the files left to inspect
+        except (CheckpointError, UsageError) as e:  # one line, the files left to inspect
             ckpt.close()
             return fail(str(e))
         for bad, why in skipped:
@@ -141,7 +143,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         ):
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)
             meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
-                    "key": key_data}  # fmt: skip
+                    "key": key_data, "base": base}  # fmt: skip
             ckpt.save(step + 1, learner.checkpointed(state), meta)
         if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
             bar.close()

@@ -121,7 +121,8 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
     lo = c.model.get("lora")
     if lo is None:
         return
-    _need(isinstance(lo.rank, int) and lo.rank >= 0, "model.lora.rank", lo.rank,
+    rank_ok = isinstance(lo.rank, int) and not isinstance(lo.rank, bool) and lo.rank >= 0
+    _need(rank_ok, "model.lora.rank", lo.rank,
           "must be an integer >= 0 (0 = off)")  # fmt: skip
     if not lo.rank:
         return
@@ -294,7 +295,10 @@ def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def check_resumable(old: dict, new: dict) -> None:
-    """Refuses a resume whose config changes a field that can change the trajectory."""
+    """Refuses a resume whose config changes a field that can change the trajectory. A run
+    saved before config.model.lora existed had none: it resumes with LoRA off."""
+    if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
+        new = {**new, "model": {k: v for k, v in new["model"].items() if k != "lora"}}
     diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)

@@ -5,9 +5,9 @@ A targeted projection W (e.g. attention q, [D,N,H]) gets an `nnx.LoRA` module be
 
     y = x W + (alpha / r) * (x_flat A) B        (x_flat: x with the projection's input axes flattened)
 
-B starts at zero, so a fresh adapter leaves the model unchanged (PEFT's initialisation and
-scaling, `use_rslora=False`). Only `nnx.LoRAParam`s are trained (`rl.learner`, trainable filter
-`ADAPTERS`) and only they have optimizer state.
+B starts at zero, so a fresh adapter leaves the model unchanged; A is drawn as PEFT draws it,
+and the scaling is PEFT's (`use_rslora=False`). Only `nnx.LoRAParam`s are trained (`rl.learner`,
+trainable filter `ADAPTERS`) and only they have optimizer state.
 
 Adapters off: `base(params)` drops the LoRAParams. What is left has exactly the structure of the
 same model without LoRA, so `nnx.merge(base_graphdef(cfg), base(params))` is the starting model on
@@ -36,6 +36,9 @@ from models.config import ModelConfig
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # every projection of a block
 ATTENTION = ("q", "k", "v", "o")
 ADAPTERS = nnx.LoRAParam  # filter: the trainable parameters of a LoRA run
+# PEFT's A: torch's kaiming_uniform_(a=sqrt(5)), uniform in +-1/sqrt(in) (variance 1/(3 in)), so
+# learning rates tuned with PEFT carry over. nnx.LoRA's default (he_uniform) is 2.45x wider.
+PEFT_A_INIT = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
 # HF module names (PEFT's target_modules) of our projections.
 HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
@@ -45,11 +48,13 @@ HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None, str | None]]:
     """name -> (in features, out features, logical axis of in, of out) of each projection."""
     d, f, n, k, h = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # The flattened N*H (K*H) axis is named by its heads: over the tensor axis it splits into
+    # whole heads (when N divides), as the weight's own head axis does.
     return {
-        "q": (d, n * h, "embed", None),
-        "k": (d, k * h, "embed", None),
-        "v": (d, k * h, "embed", None),
-        "o": (n * h, d, None, "embed"),
+        "q": (d, n * h, "embed", "heads"),
+        "k": (d, k * h, "embed", "kv_heads"),
+        "v": (d, k * h, "embed", "kv_heads"),
+        "o": (n * h, d, "heads", "embed"),
         "gate": (d, f, "embed", "mlp"),
         "up": (d, f, "embed", "mlp"),
         "down": (f, d, "mlp", "embed"),
@@ -67,7 +72,8 @@ def attach(module: nnx.Module, cfg: ModelConfig, names, rngs: nnx.Rngs) -> None:
         fin, fout, ax_in, ax_out = table[name]
         adapter = nnx.LoRA(
             fin, r, fout, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-            rngs=rngs, a_metadata={"axes": (ax_in, None)}, b_metadata={"axes": (None, ax_out)},
+            a_initializer=PEFT_A_INIT, rngs=rngs, a_metadata={"axes": (ax_in, None)},
+            b_metadata={"axes": (None, ax_out)},
         )  # fmt: skip
         setattr(module, f"{name}_lora", adapter)
 

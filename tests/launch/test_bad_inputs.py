@@ -103,6 +103,11 @@ CATALOGUE = [
     Case("unknown-backend", "`--config.sampling.backend=nope`", "config.sampling.backend='nope': must be one of", EIGHT + ["--config.sampling.backend=nope"]),
     Case("pass-n-over-slots", "`--config.eval.pass_n=200`", "config.eval.pass_n=200: more samples per prompt than sampling.num_slots", EIGHT + ["--config.eval.pass_n=200"]),
     Case("stop-id-outside-vocab", "`--config.sampling.stop_ids=(99,)`", "config.sampling.stop_ids=(99,): must be token ids in [0, 17)", EIGHT + ["--config.sampling.stop_ids=(99,)"]),
+    Case("lora-negative-rank", "`--config.model.lora.rank=-1`", "config.model.lora.rank=-1: must be an integer >= 0 (0 = off)", EIGHT + ["--config.model.lora.rank=-1"]),
+    Case("lora-zero-alpha", "`--config.model.lora.rank=4 --config.model.lora.alpha=0`", "config.model.lora.alpha=0.0: must be > 0", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.alpha=0"]),
+    Case("lora-dropout", "`--config.model.lora.rank=4 --config.model.lora.dropout=0.1`", "config.model.lora.dropout=0.1: only 0 is implemented", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.dropout=0.1"]),
+    Case("lora-hf-target-names", "`--config.model.lora.rank=4 --config.model.lora.targets=\"('q_proj',)\"` (PEFT's module names)", "config.model.lora.targets=('q_proj',): expected a non-empty subset of ('q', 'k', 'v', 'o', 'gate', 'up', 'down')", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.targets=('q_proj',)"]),
+    Case("lora-on-resume", "`--config.model.lora.rank=4` resuming `run` (a full fine-tune) with its other settings", "cannot resume with a changed config (model.lora.rank: 0 -> 4)", EIGHT + RUN + ["--config.model.lora.rank=4"]),
     Case("mesh-does-not-fit", "`--config.mesh.data=3` on 8 devices", "config.mesh={'data': 3, 'fsdp': 1, 'tensor': 1}: uses 3 devices but 8 are available", ["--config.mesh.data=3"]),
     Case("mesh-does-not-divide-batch", "`--config.data.prompts_per_step=3 --config.rl.num_generations=2` on mesh data=8", "config.data.prompts_per_step=3: the global batch B*G = 6 is not divisible by the batch shards data*fsdp = 8", EIGHT + ["--config.data.prompts_per_step=3", "--config.rl.num_generations=2"]),
     Case("unknown-reward", "`--config.rl.rewards={'nope': 1.0}`", "config.rl.rewards='nope': no such reward; registered:", EIGHT + ["--config.rl.rewards={'nope': 1.0}"]),
@@ -135,6 +140,7 @@ CATALOGUE = [
     Case("export-no-such-step", "`python -m launch.export --workdir run --step 99 --out out`", "--workdir run: no checkpoint at step 99 (have [1])", ["--workdir", "run", "--step", "99", "--out", "out"], entry="export"),
     Case("export-bad-dtype", "`python -m launch.export --workdir run --out out --dtype float8`", "--dtype float8: expected one of ('float32', 'bfloat16', 'float16')", ["--workdir", "run", "--out", "out", "--dtype", "float8"], entry="export"),
     Case("export-into-the-workdir", "`python -m launch.export --workdir run --out run`", "--out run: is the run's workdir (its config.json would be overwritten)", ["--workdir", "run", "--out", "run"], entry="export"),
+    Case("export-adapter-of-a-full-run", "`python -m launch.export --workdir run --out out --adapter`, a full fine-tune", "--adapter: the run in run has no LoRA adapters", ["--workdir", "run", "--out", "out", "--adapter"], entry="export"),
     Case("export-out-under-a-file", "`python -m launch.export --workdir run --out afile/hf`, where afile is a file", "--out afile/hf: afile is not a directory", ["--workdir", "run", "--out", "afile/hf"], write("afile", "x"), entry="export"),
 ]  # fmt: skip
 

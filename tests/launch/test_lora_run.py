@@ -1,20 +1,25 @@
 """`launch.train` with LoRA (config.model.lora): the KL term's reference is the base with the
 adapters off (no copy loaded), checkpoints hold the adapters alone and resume bitwise, both
-exports read back, and --dry_run compares the run with a full fine-tune."""
+exports read back. (--dry_run with LoRA: tests/launch/test_real_configs.py.)"""
 
 import json
-import re
+import shutil
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from launch.build import load_run
+from launch.cli import UsageError
 from launch.export import main as export
 from launch.train import main
+from launch.validate import check_resumable
 from models import lora
 from models.hf import load_hf
 from models.sharding import flatten
-from tests.conftest import train_metrics
+from tests.conftest import ROOT, train_metrics
+
+ASSET = f"{ROOT}/configs/assets/arithmetic_sft"
 
 ARGS = [
     "--config.mesh.data=8", "--config.model.lora.rank=4", "--config.rl.kl_coef=0.04",
@@ -25,21 +30,26 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _run(workdir, steps):
-    assert main(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}"]) == 0
+def _run(workdir, steps, *extra):
+    return main(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}", *extra])
 
 
 def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    _run(straight, 3)
-    _run(split, 2)
-    _run(split, 3)
+    ckpt = tmp_path / "base"  # the split run's own copy of the starting checkpoint
+    shutil.copytree(ASSET, ckpt)
+    assert _run(straight, 3) == 0
+    assert _run(split, 2, f"--config.model.hf_checkpoint={ckpt}") == 0
+    assert _run(split, 3, f"--config.model.hf_checkpoint={ckpt}") == 0
     assert "resumed from step 2" in capsys.readouterr().err
     a, b = json.load(open(straight / "summary.json")), json.load(open(split / "summary.json"))
     assert a["params_fingerprint"] == b["params_fingerprint"]
     assert train_metrics(straight) == train_metrics(split)
     kl = [m["kl"] for _, m in sorted(train_metrics(straight).items())]
     assert kl[0] == 0 and kl[-1] > 0  # B = 0 at first: the policy is the reference, then moves
+    rows = [json.loads(x) for x in open(straight / "metrics.jsonl")]
+    mismatch = [r["mismatch_abs_logp"] for r in rows if "loss" in r]
+    assert max(mismatch) < 1e-5, mismatch  # the sampler decodes with the adapters applied
     run, step = load_run(str(straight))
     assert step == 3 and run.ref_params is None and run.learner.lora
     params = flatten(run.state.params)
@@ -63,25 +73,31 @@ def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
     for name, x in flatten(got).items():
         np.testing.assert_array_equal(x, folded[name])
     assert cfg == lora.base_config(run.model_cfg)
+    # The base weights under the same path changed: the adapters no longer belong to them.
+    params = dict(safetensors.numpy.load_file(ckpt / "model.safetensors"))
+    params["model.norm.weight"] = params["model.norm.weight"] + 1.0
+    safetensors.numpy.save_file(params, ckpt / "model.safetensors", metadata={"format": "pt"})
+    assert _run(split, 4, f"--config.model.hf_checkpoint={ckpt}") == 2
+    assert "its weights differ from the base this LoRA run started from" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="differ from the base"):
+        load_run(str(split))
 
 
-def test_dry_run_compares_lora_with_full_fine_tune(capsys):
-    assert main(ARGS[:1] + ["--config.model.lora.rank=8", "--config.rl.kl_coef=0.04",
-                            "--dry_run"]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    lora_mib = float(re.search(r"params \+ optimizer ([\d.]+) MiB, reference ([\d.]+)", out)[1])
-    full = re.search(
-        r"full fine-tune holds params \+ optimizer ([\d.]+) MiB, reference ([\d.]+)", out
-    )
-    assert full, out
-    assert lora_mib < float(full[1])  # LoRA with KL below the full fine-tune without a reference
-    assert "reference 0.0 MiB" in out
+def test_kl_in_reward_with_lora(tmp_path):
+    """The KL-in-reward path: the rollout's reference log-probs with the adapters off."""
+    extra = [
+        "--config.rl.kl_in=reward",
+        "--config.rl.kl_estimator=k1",
+        "--config.checkpoint_every=0",
+    ]
+    assert _run(tmp_path / "run", 3, *extra) == 0
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"loss"' in x]
+    penalty = [r["reward/kl_penalty_mean"] for r in rows]
+    assert penalty[0] == 0 and penalty[-1] != 0, penalty  # k1: a sample mean, either sign
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("model.lora.targets", "('q', 'qq')", "config.model.lora.targets"),
-    ("model.lora.dropout", "0.1", "config.model.lora.dropout"),
-])  # fmt: skip
-def test_bad_lora_fields_are_named(field, value, words, capsys):
-    assert main(ARGS[:2] + [f"--config.{field}={value}", "--dry_run"]) == 2
-    assert words in capsys.readouterr().err
+def test_runs_saved_before_lora_existed_resume_with_lora_off():
+    old = {"model": {"dtype": "float32"}, "num_steps": 2}
+    check_resumable(old, {"model": {"dtype": "float32", "lora": {"rank": 0}}, "num_steps": 4})
+    with pytest.raises(UsageError, match="model.lora"):
+        check_resumable(old, {"model": {"dtype": "float32", "lora": {"rank": 4}}, "num_steps": 4})

@@ -7,6 +7,7 @@ the config unchanged except for paths, the mesh (the 8 fake devices) and sizes.
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -67,8 +68,17 @@ def test_real_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
         "--config.sampling.steps_per_call=4", "--config.rl.overlong_buffer=4",
         "--config.eval.pass_k=1", "--config.eval.pass_n=1",
     ]  # fmt: skip
-    assert main(args + ["--dry_run"]) == 0
-    assert "estimated peak per device" in capsys.readouterr().out
+    # Qwen2.5 with LoRA (rank 8, KL on): --dry_run prints what a full fine-tune would hold, and
+    # the LoRA run's resident state is below the full fine-tune's without a reference model.
+    lora = ["--config.model.lora.rank=8", "--config.rl.kl_coef=0.04"] if fixture == "qwen2" else []
+    assert main(args + lora + ["--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "estimated peak per device" in out
+    if lora:
+        mine = re.search(r"params \+ optimizer ([\d.]+) MiB, reference ([\d.]+) MiB", out)
+        full = re.search(r"a full fine-tune holds params \+ optimizer ([\d.]+) MiB", out)
+        assert mine and full, out
+        assert float(mine[2]) == 0 and float(mine[1]) < float(full[1])
     workdir = tmp_path / "run"
     assert main(args + ["--config.num_steps=1", f"--workdir={workdir}"]) == 0
     summary = json.load(open(workdir / "summary.json"))
