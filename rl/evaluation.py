@@ -49,9 +49,9 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
 
 
 def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed: int, env=None):
-    """{"accuracy": greedy accuracy, f"pass@{k}": ..., "example": a completion} on the held-out
-    records (config.data.eval), with a greedy engine and a sampling engine; with `env`, of
-    multi-turn episodes, plus "tool_call_rate" of the greedy ones."""
+    """{"accuracy": greedy accuracy, f"pass@{k}": ..., "example": the first greedy completion}
+    on the held-out records (config.data.eval), with a greedy engine and a sampling engine;
+    with `env`, of multi-turn episodes, plus "tool_call_rate" of the greedy ones."""
     if env is not None:
         correct, rate, texts = _episodes(env, greedy_engine, params, records, tokenizer, cfg, 1,
                                          seed)  # fmt: skip
@@ -72,17 +72,17 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     out = {
         "accuracy": float(
             _correct(cfg.eval.reward, records, texts, 1, cfg.data.eval.prompt_field).mean()
-        )
+        ),
+        "example": texts[0] if texts else "",
     }
     n, k = cfg.eval.pass_n, cfg.eval.pass_k
     if k:
         _, sampled = sample_engine.generate_all(
             params, sample_engine.init_state(), prompts, n, seed=seed + 1, request_ids=ids
         )
-        texts = decode([c for group in sampled for c in group])
-        correct = _correct(cfg.eval.reward, records, texts, n, cfg.data.eval.prompt_field).sum(
+        samples = decode([c for group in sampled for c in group])
+        correct = _correct(cfg.eval.reward, records, samples, n, cfg.data.eval.prompt_field).sum(
             axis=1
         )
         out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
-    out["example"] = texts[0] if texts else ""
     return out
