@@ -11,8 +11,8 @@ calls, so it is off the hot path: the decode loop itself never allocates. The en
 the pages a slot may grow into before it launches k decode steps, then pushes the page table to
 the device as one int32 array.
 
-Page 0 is the null page: never handed out, so a 0 in a page table means "no page", and padding
-writes can be dumped there (see `write_kv`). It must only ever hold finite values.
+Page 0 is the null page: never handed out, so a 0 in a page table means "no page" (padding
+writes are dropped, see `write_kv`). It must only ever hold finite values: kernels read it.
 
 Reference counts exist for GRPO's G samples per prompt: the prompt is prefilled once and its full
 pages are shared by all G samples (refcount G). A partially filled last prompt page cannot be

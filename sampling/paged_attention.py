@@ -64,15 +64,19 @@ def write_kv(k_pages, v_pages, k, v, page_indices, positions, layer=None):
 
     Pages are one layer's [K,P,page_size,H], or with `layer` the stacked [L,K,P,page_size,H] of all
     layers, written in place at that layer (slicing a layer out and setting it back would copy the
-    whole layer every decode step). positions < 0 are padding and go to the null page (slot 0),
-    which no valid length covers as a real token. Positions must be < pages_per_seq * page_size.
+    whole layer every decode step). positions < 0 are padding (or an idle slot) and are not
+    written. Positions must be < pages_per_seq * page_size.
     Returns (k_pages, v_pages); callers donate the old pages so the update is in place.
+
+    One scatter per array with unique indices: a position < 0 (padding, an idle slot) is sent
+    to page P, out of bounds, and dropped, so no two rows write the same place (the valid ones
+    write their own sequence's private pages: shared prompt pages are full and never written).
     """
-    page_size = k_pages.shape[-2]
+    page_size, num_pages = k_pages.shape[-2], k_pages.shape[-3]
     valid = positions >= 0  # [B,T]
     pos = jnp.where(valid, positions, 0)
     page = jnp.take_along_axis(page_indices, pos // page_size, axis=1)  # [B,T]
-    page = jnp.where(valid, page, 0)
+    page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
     slot = jnp.where(valid, pos % page_size, 0)
     if layer is None:
         # Advanced indices page/slot [B,T] on axes 1, 2 select [K,B,T,H]; k/v must match that.
@@ -82,8 +86,9 @@ def write_kv(k_pages, v_pages, k, v, page_indices, positions, layer=None):
         # The scalar layer and page/slot are split by ':', so NumPy rules put the broadcast
         # index dims first: the update is laid out [B,T,K,H], which is k/v as given.
         index = (layer, slice(None), page, slot)
-    k_pages = k_pages.at[index].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype))
+    put = dict(mode="drop", unique_indices=True)
+    k_pages = k_pages.at[index].set(k.astype(k_pages.dtype), **put)
+    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), **put)
     return k_pages, v_pages
 
 

@@ -256,9 +256,9 @@ def test_write_kv_then_read_back():
                 assert np.array_equal(kp[:, page, slot], k[i, j])
                 assert np.array_equal(vp[:, page, slot], v[i, j])
                 expect_k[:, page, slot], expect_v[:, page, slot] = k[i, j], v[i, j]
-    # Nothing else was touched, except padding dumped into the null page.
-    assert np.array_equal(kp[:, 1:], expect_k[:, 1:])
-    assert np.array_equal(vp[:, 1:], expect_v[:, 1:])
+    # Nothing else was touched: padding is dropped, the null page included.
+    assert np.array_equal(kp, expect_k)
+    assert np.array_equal(vp, expect_v)
     # gather_kv sees the same tokens in sequence order.
     dense = np.asarray(gather_kv(jnp.asarray(kp), table))  # [B,S,K,H]
     assert np.array_equal(dense[1, 3:9], k[1])
@@ -319,6 +319,15 @@ def test_write_kv_into_stacked_layers_equals_per_layer_write():
     np.testing.assert_array_equal(
         np.delete(np.asarray(kp), 1, axis=0), np.delete(np.asarray(stacked), 1, axis=0)
     )
+    # One scatter per array, its indices unique (the padding position is dropped, not sent to
+    # the null page with the other rows).
+    hlo = (
+        jax.jit(write_kv, static_argnums=6)
+        .lower(stacked, stacked, k, 2 * k, table, positions, 1)
+        .as_text()
+    )
+    scatters = [x for x in hlo.splitlines() if "scatter" in x and "=" in x]
+    assert len(scatters) == 2 and all("unique_indices = true" in x for x in scatters), scatters
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 3])
