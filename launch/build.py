@@ -109,11 +109,11 @@ def build(config, with_reference: bool = True) -> Run:
                ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
 
 
-def check_base(run: Run, meta: dict) -> None:
+def check_base(run: Run, meta: dict, base: dict | None) -> None:
     """A LoRA checkpoint holds the adapters only; the base weights come from
-    config.model.hf_checkpoint again. Refuses (UsageError) when they are not the ones the run
-    started from (`base_checksums`, recorded in every checkpoint's meta)."""
-    if not run.learner.lora or meta.get("base") == base_checksums(run):
+    config.model.hf_checkpoint again. Refuses (UsageError) when they (`base`, this run's
+    `base_checksums`) are not the ones the run started from (every checkpoint's meta has them)."""
+    if not run.learner.lora or meta.get("base") == base:
         return
     raise UsageError(
         f"config.model.hf_checkpoint={run.config.model.hf_checkpoint!r}: its weights differ from "
@@ -145,7 +145,7 @@ def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
         raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
     run = build(config, with_reference=False)
     saved, meta = ckpt.restore(run.learner.checkpointed(run.state), step)
-    check_base(run, meta)
+    check_base(run, meta, base_checksums(run))
     run.state = run.learner.restored(run.state, saved)
     ckpt.close()
     return run, meta["step"]

@@ -75,7 +75,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     if resume:
         try:
             saved, meta, skipped = ckpt.restore_latest(learner.checkpointed(state), set_aside=True)
-            check_base(run, meta)
+            check_base(run, meta, base)
             state = learner.restored(state, saved)
         except (CheckpointError, UsageError) as e:  # one line, the files left to inspect
             ckpt.close()

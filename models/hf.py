@@ -180,11 +180,9 @@ def save_hf(
 ) -> None:
     """Writes an HF checkpoint directory that transformers loads (see module docstring). LoRA
     adapters are folded into the weights (`models.lora.merge`)."""
-    dtype = dtype or cfg.param_dtype
+    dtype = _export_dtype(dtype, cfg)
     if cfg.lora_rank:
         params, cfg = lora.merge(cfg, params), lora.base_config(cfg)
-    if dtype not in _DTYPES:
-        raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
     os.makedirs(out_dir, exist_ok=True)
     mapping = _mapping(cfg)
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]
@@ -219,15 +217,21 @@ def save_hf(
 def save_adapter(out_dir: str, cfg: ModelConfig, params, base_model: str, dtype=None) -> None:
     """Writes a LoRA run's adapters as `peft` saves them: adapter_config.json and
     adapter_model.safetensors (`models.lora.peft_tensors`)."""
-    dtype = dtype or cfg.param_dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    dtype = _export_dtype(dtype, cfg)
     os.makedirs(out_dir, exist_ok=True)
     tensors = {k: v.astype(_DTYPES[dtype]) for k, v in lora.peft_tensors(cfg, params).items()}
     save_file(
         tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"}
     )
     _write_json(os.path.join(out_dir, "adapter_config.json"), lora.peft_config(cfg, base_model))
+
+
+def _export_dtype(dtype: str | None, cfg: ModelConfig) -> str:
+    """The dtype to write (default: the param dtype), or ValueError."""
+    dtype = dtype or cfg.param_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    return dtype
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -114,15 +114,13 @@ def base(params) -> nnx.State:
     return split(params)[1]
 
 
-def _delta(params, cfg: ModelConfig, layer: int, name: str):
-    """(alpha / r) A B [in, out] of one adapter as a host array, or None."""
-    block = params["blocks"][layer]
-    module = block["attn" if name in ATTENTION else "mlp"]
+def _adapter(params, layer: int, name: str):
+    """(A [in, r], B [r, out]) of one projection's adapter as host arrays, or None."""
+    module = params["blocks"][layer]["attn" if name in ATTENTION else "mlp"]
     if f"{name}_lora" not in module:
         return None
-    a = np.asarray(jax.device_get(module[f"{name}_lora"]["lora_a"].get_value()), np.float64)
-    b = np.asarray(jax.device_get(module[f"{name}_lora"]["lora_b"].get_value()), np.float64)
-    return (cfg.lora_alpha / cfg.lora_rank) * (a @ b)
+    ab = module[f"{name}_lora"]
+    return tuple(np.asarray(jax.device_get(ab[k].get_value())) for k in ("lora_a", "lora_b"))
 
 
 def merge(cfg: ModelConfig, params) -> nnx.State:
@@ -131,12 +129,14 @@ def merge(cfg: ModelConfig, params) -> nnx.State:
     merged = base(params)
     for i in range(cfg.num_layers):
         for name in TARGETS:
-            delta = _delta(params, cfg, i, name)
-            if delta is None:
+            ab = _adapter(params, i, name)
+            if ab is None:
                 continue
+            a, b = (x.astype(np.float64) for x in ab)
             module = merged["blocks"][i]["attn" if name in ATTENTION else "mlp"]
             w = module[name]
             host = np.asarray(jax.device_get(w.get_value()))
+            delta = (cfg.lora_alpha / cfg.lora_rank) * (a @ b)
             new = (host.astype(np.float64) + delta.reshape(host.shape)).astype(host.dtype)
             module[name] = w.replace(jax.device_put(new, w.get_value().sharding))
     return merged
@@ -147,17 +147,13 @@ def peft_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
     (torch's Linear layout), named as PEFT saves a LoRA of an HF causal LM."""
     out = {}
     for i in range(cfg.num_layers):
-        block = params["blocks"][i]
         for name in TARGETS:
-            module = block["attn" if name in ATTENTION else "mlp"]
-            if f"{name}_lora" not in module:
+            ab = _adapter(params, i, name)
+            if ab is None:
                 continue
-            ab = module[f"{name}_lora"]
             prefix = f"base_model.model.model.layers.{i}.{HF_NAMES[name]}"
-            a = np.asarray(jax.device_get(ab["lora_a"].get_value()))
-            b = np.asarray(jax.device_get(ab["lora_b"].get_value()))
-            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T)
-            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T)
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(ab[0].T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(ab[1].T)
     return out
 
 
