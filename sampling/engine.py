@@ -79,7 +79,7 @@ class Engine:
         # Hashable (a static jit argument), also for rules written as lists in a config.
         rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
         self.layout = None if mesh is None else (mesh, rules)
-        # Resolved once for this platform, shape and mesh: no kernel on a sharded state.
+        # Resolved once for this platform, shape and mesh.
         sharded = mesh is not None and mesh.size > 1
         self.backend = resolve_backend(
             ecfg.backend, sharded, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size,
@@ -256,6 +256,7 @@ class Engine:
         state = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
             e.min_new_tokens, self.backend, root_key, self.layout, self._cascade_group(),
+            e.interpret,
         )  # fmt: skip
         lengths = host_values(state.lengths)  # also blocks on the loop
         for s in self._len:
@@ -272,7 +273,7 @@ class Engine:
         return steps.generate.trace(
             self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
             tuple(e.stop_ids), e.min_new_tokens, self.backend, jax.random.key(0), self.layout,
-            self._cascade_group(),
+            self._cascade_group(), e.interpret,
         ).lower(lowering_platforms=platforms)  # fmt: skip
 
     def _cascade_group(self) -> int:

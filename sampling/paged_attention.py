@@ -28,17 +28,17 @@ Backend notes (jax 0.10.2):
   cache is never materialised (the reference's [B,S,K,H] gather is a fresh buffer per layer and
   step). Three things measured on a 2-core CPU at 256 sequences decide its speed: a block is one
   1-D gather of page rows from the pool viewed as [(L*K*P), page_size*H] (about 1.4x faster than
-  indexing the 5-D pool), the stacked pool is indexed in that gather rather than sliced per layer
-  (a slice feeding a loop is copied every step), and the cascade: slots on an aligned block of
-  G samples read their shared prompt pages once, with all G*R query rows at once.
-- pallas_tpu is what "auto" picks on TPU for one device and head_dim % 128 == 0 (see
-  `resolve_backend`). Exporting for TPU from a CPU host runs the real Mosaic lowering: head_dim
+  indexing the 4-D pool), each layer's pool is its own array (`sampling.state`: a slice of a
+  stacked pool feeding a loop is copied every step), and the cascade: slots on an aligned block
+  of G samples read their shared prompt pages once, with all G*R query rows at once.
+- pallas_tpu is what "auto" picks on TPU for head_dim % 128 == 0 (see `resolve_backend`). Exporting for TPU from a CPU host runs the real Mosaic lowering: head_dim
   128 and 256 lower, 32, 64, 96 and 192 do not (tests/sampling/test_tpu_export.py). The kernel
   rounds K and V to bfloat16 (its page loader casts to bf16 whatever the cache dtype), while q
   and the softmax stay in f32. An f32 cache therefore gets bf16 attention on TPU; a bf16 cache,
   the intended use, loses nothing.
-- Neither Pallas kernel is partitioned by GSPMD: on a multi-device mesh JAX refuses to lower the
-  TPU kernel outside a shard_map, so a sharded KV state uses blockwise until they run in one.
+- Neither Pallas kernel (nor the C++ one) is partitioned by GSPMD: on a multi-device mesh JAX
+  refuses to lower the TPU kernel outside a shard_map. The decode hook runs them inside one
+  (`sampling.partitioned`), over the KV heads and the slots.
 - pallas_gpu runs `pl.dot` at default precision, which Triton lowers to TF32 for f32 operands:
   expect ~1e-3 differences on real GPUs with an f32 cache (interpret mode on CPU is exact).
   Its grid splits the pages of a sequence into `k_splits` partitions, each processed in blocks
@@ -56,21 +56,22 @@ import jax.numpy as jnp
 from models.attention import dense_attention
 from sampling import cpu_attention
 
+# Logical axes of a layer's pool [K,P,page_size,H], named as in the parameters' rules table:
+# each device caches the heads its k/v projections produce (`sampling.state.state_shardings`).
+PAGE_AXES = ("kv_heads", None, None, None)
 BACKENDS = ("auto", "reference", "blockwise", "cpu_kernel", "pallas_gpu", "pallas_tpu")
 
 
-def write_kv(k_pages, v_pages, k, v, page_indices, positions, layer=None):
-    """Scatters k, v [B,T,K,H] into the pages at sequence positions int32[B,T].
+def write_kv(k_pages, v_pages, k, v, page_indices, positions):
+    """Scatters k, v [B,T,K,H] into one layer's pages [K,P,page_size,H] at sequence positions
+    int32[B,T]. positions < 0 are padding (or an idle slot) and are not written. Positions must
+    be < pages_per_seq * page_size. Returns (k_pages, v_pages); callers donate the old pages so
+    the update is in place.
 
-    Pages are one layer's [K,P,page_size,H], or with `layer` the stacked [L,K,P,page_size,H] of all
-    layers, written in place at that layer (slicing a layer out and setting it back would copy the
-    whole layer every decode step). positions < 0 are padding (or an idle slot) and are not
-    written. Positions must be < pages_per_seq * page_size.
-    Returns (k_pages, v_pages); callers donate the old pages so the update is in place.
-
-    One scatter per array with unique indices: a position < 0 (padding, an idle slot) is sent
-    to page P, out of bounds, and dropped, so no two rows write the same place (the valid ones
-    write their own sequence's private pages: shared prompt pages are full and never written).
+    One scatter per array with unique indices: a position < 0 is sent to page P, out of bounds,
+    and dropped, so no two rows write the same place (the valid ones write their own sequence's
+    private pages: shared prompt pages are full and never written). K and V stay two scatters:
+    one would need a combined K|V pool, which JAX's Pallas kernels do not read.
     """
     page_size, num_pages = k_pages.shape[-2], k_pages.shape[-3]
     valid = positions >= 0  # [B,T]
@@ -78,14 +79,9 @@ def write_kv(k_pages, v_pages, k, v, page_indices, positions, layer=None):
     page = jnp.take_along_axis(page_indices, pos // page_size, axis=1)  # [B,T]
     page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
     slot = jnp.where(valid, pos % page_size, 0)
-    if layer is None:
-        # Advanced indices page/slot [B,T] on axes 1, 2 select [K,B,T,H]; k/v must match that.
-        k, v = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
-        index = (slice(None), page, slot)
-    else:
-        # The scalar layer and page/slot are split by ':', so NumPy rules put the broadcast
-        # index dims first: the update is laid out [B,T,K,H], which is k/v as given.
-        index = (layer, slice(None), page, slot)
+    # Advanced indices page/slot [B,T] on axes 1, 2 select [K,B,T,H]; k/v must match that.
+    k, v = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+    index = (slice(None), page, slot)
     put = dict(mode="drop", unique_indices=True)
     k_pages = k_pages.at[index].set(k.astype(k_pages.dtype), **put)
     v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), **put)
@@ -111,25 +107,27 @@ def paged_attention_reference(q, k_pages, v_pages, lengths, page_indices):
 
     Gathers each sequence's pages into a dense [B,S,K,H] and calls the model's dense_attention,
     so there is one attention formula (GQA, H**-0.5, f32 softmax) in the code base. The gather
-    materialises the whole cache per step: fine for tests, slow for real decoding.
+    materialises the whole cache per step: fine for tests, slow for real decoding. It computes in
+    f32 whatever the cache dtype, as the kernels do: on a bf16 cache it is the exact attention
+    over the bf16-rounded K and V.
     """
-    k = gather_kv(k_pages, page_indices)  # [B,S,K,H]
-    v = gather_kv(v_pages, page_indices)
+    f32 = lambda x: x.astype(jnp.float32)
+    k = f32(gather_kv(k_pages, page_indices))  # [B,S,K,H]
+    v = f32(gather_kv(v_pages, page_indices))
     s = k.shape[1]
     mask = jnp.arange(s)[None, :] < lengths[:, None]  # [B,S]
-    out = dense_attention(q[:, None], k, v, mask[:, None, :])[:, 0]  # [B,N,H]
+    out = dense_attention(f32(q)[:, None], k, v, mask[:, None, :])[:, 0]  # [B,N,H]
     return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
 
 
 def paged_attention_blockwise(
-    q, k_pages, v_pages, lengths, page_indices, pages_per_block=2, layer=None, group=1,
-    shared_len=None,
-):  # fmt: skip
+    q, k_pages, v_pages, lengths, page_indices, pages_per_block=2, group=1, shared_len=None
+):
     """Decode attention by an online softmax over blocks of pages: q [B,N,H] -> [B,N,H].
 
     Same result as `paged_attention_reference` (f32 softmax, zeros for length 0) to rounding;
-    see the module docstring for why it exists. Pages are one layer's [K,P,page_size,H], or with
-    `layer` the stacked [L,K,P,page_size,H] pool, read in place.
+    see the module docstring for why it exists. Pages are one layer's [K,P,page_size,H], read in
+    place.
 
     Cascade (group > 1, B a multiple of it): slot b's first shared_len[b] tokens int32[B] (a
     page multiple; 0 = none) are a prompt it shares with the other slots of its aligned block
@@ -139,9 +137,9 @@ def paged_attention_blockwise(
     """
     k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)  # numpy can't take tracers
     b, n, h = q.shape
-    kh, num_pages, page_size, _ = k_pages.shape[-4:]
+    kh, num_pages, page_size, _ = k_pages.shape
     r = n // kh
-    base = (0 if layer is None else layer * kh) + jnp.arange(kh)  # (layer, k) row block
+    base = jnp.arange(kh)  # first row of each kv head's block of pages
     pool = (k_pages.reshape(-1, page_size * h), v_pages.reshape(-1, page_size * h))
     pool += (base * num_pages,)
     qg = q.reshape(b, kh, r, h).astype(jnp.float32) * h**-0.5  # [B,K,R,H]
@@ -188,7 +186,7 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
     max and sum [X,K,M] and the unnormalised output [X,K,M,H].
 
     `pool` is (k rows, v rows, first row of each kv head): the pool viewed as one page per row
-    [(L*K*P), page_size*H], so a block's pages are one gather with a 1-D index, which XLA:CPU
+    [(K*P), page_size*H], so a block's pages are one gather with a 1-D index, which XLA:CPU
     copies several times faster than a multi-dimensional page gather.
     """
     k_rows, v_rows, head_base = pool
@@ -262,21 +260,30 @@ def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
     return out.astype(q.dtype)
 
 
-def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices):
+def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, interpret):
     # Imported on use, like an optional dependency: a run needs one platform's kernel at most.
+    import contextlib
+
+    from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
 
     per_block = _largest_divisor(page_indices.shape[1], (16, 8, 4, 2, 1))
     # The kernel computes q.k in f32 whatever q's dtype, so scaling in f32 loses nothing.
     qs = q.astype(jnp.float32) * q.shape[-1] ** -0.5
-    out = tpu_pa.paged_attention(
-        qs, k_pages, v_pages, lengths, page_indices, pages_per_compute_block=per_block
-    )
+    # The interpret mode applies to kernels traced under it: this call's, under any jit.
+    mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with mode:
+        out = tpu_pa.paged_attention(
+            qs, k_pages, v_pages, lengths, page_indices, pages_per_compute_block=per_block
+        )
     return out.astype(q.dtype)
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+KERNELS = ("cpu_kernel", "pallas_gpu", "pallas_tpu")  # opaque to GSPMD: run in shard_map
 
 
 def resolve_backend(
@@ -288,76 +295,66 @@ def resolve_backend(
     `platform` is where the attention runs ("cpu", "gpu", "tpu"; default jax.default_backend(),
     the engine passes its mesh's), `sharded` whether the KV state spans several devices, `dtype`
     the cache dtype, `head_dim` and `page_size` the page shape. "auto" picks
-    - tpu: "pallas_tpu" on one device when head_dim % 128 == 0. Mosaic needs a block's last dim
-      divisible by 128 or equal to the array's, and the kernel gives its softmax max/sum outputs
-      [..., 1] q's block spec, last dim H: head_dim 64 (Qwen2.5-0.5B, Llama-3.2-1B) fails;
-    - gpu: "pallas_gpu" on one device when head_dim and page_size are powers of two >= 16
-      (Triton loads only power-of-two blocks; its dot needs >= 16 per dimension);
-    - cpu: "cpu_kernel" on one device with an f32 cache, if the kernel builds;
+    - tpu: "pallas_tpu" when head_dim % 128 == 0. Mosaic needs a block's last dim divisible by
+      128 or equal to the array's, and the kernel gives its softmax max/sum outputs [..., 1]
+      q's block spec, last dim H: head_dim 64 (Qwen2.5-0.5B, Llama-3.2-1B) fails;
+    - gpu: "pallas_gpu" when head_dim and page_size are powers of two >= 16 (Triton loads only
+      power-of-two blocks; its dot needs >= 16 per dimension);
+    - cpu: "cpu_kernel" on one device with an f32 cache, if the kernel builds. On a mesh of
+      fake CPU devices (the tests) "blockwise": its GSPMD path is what the suite exercises;
     - otherwise "blockwise", which lowers for every shape and mesh. Unknown shapes (None) get it.
-    A sharded state always gets "blockwise": JAX refuses to partition a Mosaic (TPU) kernel
-    outside shard_map, and the Triton (GPU) and C++ kernels are opaque to GSPMD. Until the
-    kernels run inside a shard_map, an explicit Pallas backend with sharded=True raises.
+    On a mesh the kernels run inside a shard_map (`sampling.partitioned`), so `sharded` no
+    longer rules them out on accelerators.
     """
     if backend not in BACKENDS:
         raise ValueError(f"paged attention backend={backend!r}: must be one of {BACKENDS}")
-    if sharded and backend in ("pallas_tpu", "pallas_gpu"):
-        raise ValueError(
-            f"config.sampling.backend={backend!r} needs the KV cache on one device, but it is "
-            f"sharded over several: JAX does not partition a Pallas kernel outside shard_map "
-            f"(the TPU kernel does not lower, the GPU kernel is opaque to GSPMD). Use 'auto' "
-            f"or 'blockwise', or a mesh of one device"
-        )
     if backend != "auto":
         return backend
     platform = platform or jax.default_backend()
     platform = "gpu" if platform in ("cuda", "rocm") else platform  # jax.export's spellings
-    if sharded:
-        return "blockwise"
     if platform == "tpu":
         return "pallas_tpu" if head_dim is not None and head_dim % 128 == 0 else "blockwise"
     if platform == "gpu":
         fits = head_dim is not None and page_size is not None
         fits = fits and head_dim >= 16 and _pow2(head_dim) and page_size >= 16 and _pow2(page_size)
         return "pallas_gpu" if fits else "blockwise"
-    if platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and cpu_attention.available():
+    if (
+        platform == "cpu" and not sharded and jnp.dtype(dtype) == jnp.float32
+        and cpu_attention.available()
+    ):  # fmt: skip
         return "cpu_kernel"
     return "blockwise"
 
 
 def paged_attention(
     q, k_pages, v_pages, lengths, page_indices, backend: str = "auto", interpret: bool = False,
-    layer=None, group: int = 1, shared_len=None,
+    group: int = 1, shared_len=None,
 ):  # fmt: skip
     """Decode attention, one query per sequence: q [B,N,H] -> [B,N,H] (see module docstring).
 
-    Pages are one layer's [K,P,page_size,H], or with `layer` the stacked [L,K,P,page_size,H] of
-    all layers. `group` and `shared_len` describe prompts shared by aligned blocks of slots
-    (see `paged_attention_blockwise`); only the blockwise backend uses them to read shared pages
+    Pages are one layer's [K,P,page_size,H], read in place by every backend. `group` and
+    `shared_len` describe prompts shared by aligned blocks of slots (see
+    `paged_attention_blockwise`); only the blockwise backend uses them to read shared pages
     once, the others read every row's table as it is, which gives the same result.
-    interpret=True runs the Pallas GPU kernel in interpret mode (works on CPU, for tests). The
-    TPU kernel is interpreted on CPU by wrapping the call in `pltpu.force_tpu_interpret_mode()`.
+    interpret=True runs the Pallas kernels in interpret mode (works on CPU, for tests): the GPU
+    kernel's own flag, the TPU kernel under `pltpu.force_tpu_interpret_mode()`.
     """
     backend = resolve_backend(
         backend, dtype=k_pages.dtype, head_dim=k_pages.shape[-1], page_size=k_pages.shape[-2]
     )
-    kh = k_pages.shape[-4]
+    kh = k_pages.shape[0]
     if q.shape[1] % kh:
         raise ValueError(f"query heads N={q.shape[1]} not a multiple of kv heads K={kh}")
     if backend == "cpu_kernel":
-        return cpu_attention.paged_attention_cpu(q, k_pages, v_pages, lengths, page_indices, layer)
+        return cpu_attention.paged_attention_cpu(q, k_pages, v_pages, lengths, page_indices)
     if backend == "blockwise":
         return paged_attention_blockwise(
-            q, k_pages, v_pages, lengths, page_indices, layer=layer, group=group,
-            shared_len=shared_len,
-        )  # fmt: skip
-    if layer is not None:
-        # The kernels take one layer; on GPU/TPU this slice is a copy of the layer per call.
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
+            q, k_pages, v_pages, lengths, page_indices, group=group, shared_len=shared_len
+        )
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, lengths, page_indices)
     lengths = lengths.astype(jnp.int32)  # both kernels insist on int32
     page_indices = page_indices.astype(jnp.int32)
     if backend == "pallas_gpu":
         return _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret)
-    return _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices)
+    return _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, interpret)

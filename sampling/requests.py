@@ -27,6 +27,7 @@ class EngineConfig:
     stop_ids: tuple[int, ...] = ()
     backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
     cache_dtype: str = "float32"
+    interpret: bool = False  # Pallas kernels in interpret mode: runs them on CPU (tests)
 
     @property
     def pages_per_seq(self) -> int:

@@ -2,9 +2,12 @@
 `host_values`, which reads device arrays back to the host identically on every process.
 
 `DecodeState` is one `flax.struct.dataclass` of fixed-shape arrays, so the jitted engine calls can
-donate it and update it in place. The KV pages of all layers are stacked into one array
-[L, K, P, page_size, H] (per layer the layout of `sampling.paged_attention`): a hook updates layer
-`l` with `.at[l].set`, which XLA performs in place on a donated buffer.
+donate it and update it in place. The KV pool is one array per layer, a tuple of L arrays
+[K, P, page_size, H] (the layout of `sampling.paged_attention` and of JAX's Pallas kernels): a
+kernel is handed layer l's pool as it is. A stacked [L,K,P,page_size,H] pool would have to be
+sliced per layer for the kernels, a copy of the layer's whole pool every layer of every decode
+step (6.4 GB per step for Qwen2.5-0.5B at 8192 pages); separate arrays cost nothing, since the
+layers are a Python loop (`models.transformer`) with a static layer index.
 
 The hooks implement `models.attention.Attend`, so the one transformer runs unchanged:
 - `PagedPrefill` (B prompts of T tokens): dense causal attention over the prompt itself, as in
@@ -21,8 +24,9 @@ slots: any slot may own any page, so splitting P would need per-shard pools. The
 buffers are split over `batch` (data, fsdp) when num_slots divides, which lets GSPMD run decode
 data-parallel over slots; it adds the collectives that the update of the pool (replicated over
 those axes) needs. Dimensions the axes do not divide are replicated, as for parameters
-(`models.sharding.logical_to_spec`). Tested on CPU with the reference attention only: a Pallas
-kernel is opaque to GSPMD, so on GPU/TPU it needs a shard_map over K to stay local.
+(`models.sharding.logical_to_spec`). A Pallas kernel is opaque to GSPMD: on a mesh the decode
+hook runs it, and the KV write, inside a shard_map over K and the slots
+(`sampling.partitioned`).
 """
 
 from __future__ import annotations
@@ -36,15 +40,16 @@ from jax.sharding import NamedSharding
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, logical_to_spec
-from sampling.paged_attention import gather_kv, paged_attention, write_kv
+from sampling import partitioned
+from sampling.paged_attention import KERNELS, PAGE_AXES, gather_kv, paged_attention, write_kv
 
 
 @struct.dataclass
 class DecodeState:
     """Everything the decode loop reads and writes; B = slots, M = max_new_tokens."""
 
-    k_pages: jax.Array  # f32/bf16 [L,K,P,page_size,H]
-    v_pages: jax.Array  # f32/bf16 [L,K,P,page_size,H]
+    k_pages: tuple[jax.Array, ...]  # L x f32/bf16 [K,P,page_size,H]
+    v_pages: tuple[jax.Array, ...]  # L x f32/bf16 [K,P,page_size,H]
     page_indices: jax.Array  # int32 [B,pages_per_seq]; uploaded from the host table
     lengths: jax.Array  # int32 [B] tokens in the cache
     last_token: jax.Array  # int32 [B] token fed to the next decode step (not yet cached)
@@ -62,12 +67,13 @@ class DecodeState:
     def zeros(
         cls, cfg: ModelConfig, num_slots, num_pages, page_size, pages_per_seq, max_new, dtype
     ):
-        pages = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        pages = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        layers = lambda: tuple(jnp.zeros(pages, dtype) for _ in range(cfg.num_layers))
         b = num_slots
         i32 = lambda *s: jnp.zeros(s, jnp.int32)
         return cls(
-            k_pages=jnp.zeros(pages, dtype),
-            v_pages=jnp.zeros(pages, dtype),
+            k_pages=layers(),
+            v_pages=layers(),
             page_indices=i32(b, pages_per_seq),
             lengths=i32(b),
             last_token=i32(b),
@@ -94,10 +100,10 @@ def host_values(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-# Logical axes of each DecodeState field, named as in the parameters' rules table.
-_PAGES = (None, "kv_heads", None, None, None)
+# Logical axes of each DecodeState field, named as in the parameters' rules table; PAGE_AXES
+# apply to every layer's pool.
 _AXES = DecodeState(
-    k_pages=_PAGES, v_pages=_PAGES, page_indices=("batch", None), lengths=("batch",),
+    k_pages=PAGE_AXES, v_pages=PAGE_AXES, page_indices=("batch", None), lengths=("batch",),
     last_token=("batch",), active=("batch",), num_generated=("batch",), max_new=("batch",),
     request_id=("batch",), sample_id=("batch",), shared_len=("batch",), stopped=("batch",), tokens=("batch", None),
     logprobs=("batch", None),
@@ -106,12 +112,18 @@ _AXES = DecodeState(
 
 def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
     """A DecodeState of NamedShardings for `state` (arrays or shape structs) on mesh."""
-    return jax.tree.map(
-        lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, rules, mesh)),
-        _AXES,
-        state,
+    sharding = lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, rules, mesh))
+    pools = {
+        name: tuple(sharding(PAGE_AXES, x) for x in getattr(state, name))
+        for name in ("k_pages", "v_pages")
+    }
+    rest = jax.tree.map(
+        sharding,
+        _AXES.replace(k_pages=None, v_pages=None),
+        state.replace(k_pages=None, v_pages=None),
         is_leaf=lambda x: isinstance(x, tuple),
     )
+    return rest.replace(**pools)
 
 
 @struct.dataclass
@@ -120,8 +132,8 @@ class PagedPrefill:
     right-padded by `valid`. With `starts`, row b's tokens go to positions starts[b] + t after
     its cached history, and attend to that history too (a multi-turn episode's observation)."""
 
-    k_pages: jax.Array  # [L,K,P,page_size,H]
-    v_pages: jax.Array
+    k_pages: tuple[jax.Array, ...]  # L x [K,P,page_size,H]
+    v_pages: tuple[jax.Array, ...]
     page_indices: jax.Array  # int32 [B,pages_per_seq]
     valid: jax.Array  # bool [B,T]
     starts: jax.Array | None = None  # int32 [B] cached tokens before row b's first token
@@ -129,42 +141,62 @@ class PagedPrefill:
     def attend(self, layer, q, k, v):
         t = self.valid.shape[1]
         positions = jnp.arange(t)[None] + (0 if self.starts is None else self.starts[:, None])
-        positions = jnp.where(self.valid, positions, -1)  # padding -> null page
-        kp, vp = write_kv(self.k_pages, self.v_pages, k, v, self.page_indices, positions, layer)
+        positions = jnp.where(self.valid, positions, -1)  # padding: not written
+        kp, vp = write_kv(
+            self.k_pages[layer], self.v_pages[layer], k, v, self.page_indices, positions
+        )
+        new = self.replace(
+            k_pages=_set(self.k_pages, layer, kp), v_pages=_set(self.v_pages, layer, vp)
+        )
         if self.starts is None:  # a fresh prompt attends to itself only
-            return dense_attention(q, k, v, causal_mask(self.valid)), self.replace(
-                k_pages=kp, v_pages=vp
-            )
+            return dense_attention(q, k, v, causal_mask(self.valid)), new
         # History + new tokens, read back from the pages just written: query t (at position
         # starts + t) sees cache positions <= starts + t.
-        keys = gather_kv(kp[layer], self.page_indices)  # [B,S,K,H]
-        values = gather_kv(vp[layer], self.page_indices)
+        keys = gather_kv(kp, self.page_indices)  # [B,S,K,H]
+        values = gather_kv(vp, self.page_indices)
         s = keys.shape[1]
         mask = (jnp.arange(s)[None, None] <= positions[:, :, None]) & self.valid[:, :, None]
-        out = dense_attention(q, keys, values, mask)  # [B,T,N,H]
-        return out, self.replace(k_pages=kp, v_pages=vp)
+        return dense_attention(q, keys, values, mask), new  # [B,T,N,H]
 
 
 @struct.dataclass
 class PagedDecode:
-    """Decode hook for one new token per slot: q/k/v [B,1,*,H]."""
+    """Decode hook for one new token per slot: q/k/v [B,1,*,H]. With `layout` (mesh, rules) of
+    a multi-device mesh, a kernel backend runs with the KV write inside a shard_map."""
 
-    k_pages: jax.Array  # [L,K,P,page_size,H]
-    v_pages: jax.Array
+    k_pages: tuple[jax.Array, ...]  # L x [K,P,page_size,H]
+    v_pages: tuple[jax.Array, ...]
     page_indices: jax.Array  # int32 [B,pages_per_seq]
     lengths: jax.Array  # int32 [B] cached tokens before this step
     active: jax.Array  # bool [B]
     shared_len: jax.Array  # int32 [B] see `sampling.paged_attention.paged_attention_blockwise`
     backend: str = struct.field(pytree_node=False, default="auto")
     group: int = struct.field(pytree_node=False, default=1)
+    interpret: bool = struct.field(pytree_node=False, default=False)
+    layout: tuple | None = struct.field(pytree_node=False, default=None)
 
     def attend(self, layer, q, k, v):
         positions = jnp.where(self.active, self.lengths, -1)[:, None]  # [B,1]
-        kp, vp = write_kv(self.k_pages, self.v_pages, k, v, self.page_indices, positions, layer)
         # Idle slots attend over length 0 (zeros out); their result is discarded by the caller.
         lengths = jnp.where(self.active, self.lengths + 1, 0)
-        out = paged_attention(
-            q[:, 0], kp, vp, lengths, self.page_indices, self.backend, layer=layer,
-            group=self.group, shared_len=self.shared_len,
-        )  # fmt: skip
-        return out[:, None], self.replace(k_pages=kp, v_pages=vp)
+        kp, vp = self.k_pages[layer], self.v_pages[layer]
+        if self.backend in KERNELS and self.layout is not None and self.layout[0].size > 1:
+            out, kp, vp = partitioned.decode_layer(
+                q[:, 0], k, v, kp, vp, lengths, positions, self.page_indices, self.backend,
+                self.interpret, *self.layout,
+            )  # fmt: skip
+        else:
+            kp, vp = write_kv(kp, vp, k, v, self.page_indices, positions)
+            out = paged_attention(
+                q[:, 0], kp, vp, lengths, self.page_indices, self.backend, self.interpret,
+                group=self.group, shared_len=self.shared_len,
+            )  # fmt: skip
+        new = self.replace(
+            k_pages=_set(self.k_pages, layer, kp), v_pages=_set(self.v_pages, layer, vp)
+        )
+        return out[:, None], new
+
+
+def _set(pages: tuple, layer: int, new) -> tuple:
+    """The tuple of layer pools with layer `layer` replaced."""
+    return pages[:layer] + (new,) + pages[layer + 1 :]

@@ -50,11 +50,10 @@ def insert(
     """Resets slots int32[G] for one request (samples sample_ids int32[G]); copies pages
     copy_src -> copy_dst int32[G-1]."""
     # Unused copy entries are (0, 0): the null page copied onto itself.
-    k = state.k_pages.at[:, :, copy_dst].set(state.k_pages[:, :, copy_src])
-    v = state.v_pages.at[:, :, copy_dst].set(state.v_pages[:, :, copy_src])
+    copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
     state = state.replace(
-        k_pages=k,
-        v_pages=v,
+        k_pages=copy(state.k_pages),
+        v_pages=copy(state.v_pages),
         lengths=state.lengths.at[slots].set(cached_len),
         last_token=state.last_token.at[slots].set(last_token),
         active=state.active.at[slots].set(True),
@@ -79,10 +78,11 @@ def release(state, slots, layout):
     return _constrain(state, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10, 11), donate_argnums=2)
 def generate(
-    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group
-):
+    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group,
+    interpret=False,
+):  # fmt: skip
     model = nnx.merge(graphdef, params)
     is_stop_id = banned_stop_ids(jnp.array(True), stop_ids, model.cfg.vocab_size)  # [V]
     rows = jnp.arange(state.lengths.shape[0])
@@ -93,8 +93,9 @@ def generate(
 
     def step(_, s: DecodeState):
         hook = PagedDecode(
-            s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, s.shared_len, backend, group
-        )
+            s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, s.shared_len, backend,
+            group, interpret, layout,
+        )  # fmt: skip
         logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
         logits = logits[:, 0]  # f32 [B,V]
         banned = banned_stop_ids(s.num_generated < min_new, stop_ids, logits.shape[-1])

@@ -103,27 +103,27 @@ def test_dispatch_on_cpu():
         ("tpu", False, 128, 32, "pallas_tpu"),
         ("tpu", False, 256, 16, "pallas_tpu"),
         ("tpu", False, 64, 32, "blockwise"),  # Qwen2.5-0.5B, Llama-3.2-1B: Mosaic cannot lower it
-        ("tpu", True, 128, 32, "blockwise"),  # Mosaic kernels are not partitioned outside shard_map
+        ("tpu", True, 128, 32, "pallas_tpu"),  # on a mesh inside shard_map (sampling.partitioned)
+        ("tpu", True, 64, 32, "blockwise"),
         ("tpu", False, None, None, "blockwise"),  # unknown shape: no kernel
         ("gpu", False, 64, 32, "pallas_gpu"),
         ("cuda", False, 128, 16, "pallas_gpu"),
         ("gpu", False, 96, 32, "blockwise"),  # Triton loads power-of-two blocks only
         ("gpu", False, 8, 32, "blockwise"),  # Triton's dot needs >= 16
         ("gpu", False, 64, 8, "blockwise"),
-        ("gpu", True, 128, 32, "blockwise"),
+        ("gpu", True, 128, 32, "pallas_gpu"),
+        ("cpu", True, 128, 32, "blockwise"),  # fake CPU meshes: the GSPMD path
     ],
 )
 def test_dispatch_on_accelerators(platform, sharded, head_dim, page_size, want):
-    """ "auto" picks a Pallas kernel only where it lowers: one device and a supported page shape
-    (tests/sampling/test_tpu_export.py checks the TPU rule against the real lowering)."""
+    """ "auto" picks a Pallas kernel only where it lowers: a supported page shape, on one device
+    or a mesh (tests/sampling/test_tpu_export.py checks the TPU rule against the real
+    lowering)."""
     got = resolve_backend("auto", sharded, "bfloat16", head_dim, page_size, platform=platform)
     assert got == want
-    # Explicit backends stay as given, except a Pallas kernel on a sharded state.
+    # Explicit backends stay as given.
     assert resolve_backend("reference", sharded, platform=platform) == "reference"
-    assert resolve_backend("pallas_tpu", platform="cpu") == "pallas_tpu"
-    for backend in ("pallas_tpu", "pallas_gpu"):
-        with pytest.raises(ValueError, match="config.sampling.backend"):
-            resolve_backend(backend, sharded=True, platform=platform)
+    assert resolve_backend("pallas_tpu", sharded, platform="cpu") == "pallas_tpu"
 
 
 @pytest.mark.parametrize("n,k,h", [(2, 2, 16), (8, 2, 16), (8, 2, 32), (14, 2, 64)])
@@ -305,43 +305,38 @@ def test_tpu_kernel_interpret_matches_bf16_reference(n, k):
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-4
 
 
-def test_write_kv_into_stacked_layers_equals_per_layer_write():
+def test_write_kv_is_two_unique_scatters_and_drops_padding():
     rng = np.random.default_rng(7)
-    layers, k_heads, pages, page_size, h = 3, 2, 12, 4, 8
-    stacked = jnp.asarray(rng.normal(size=(layers, k_heads, pages, page_size, h)), jnp.float32)
+    k_heads, pages, page_size, h = 2, 12, 4, 8
+    pool = jnp.asarray(rng.normal(size=(k_heads, pages, page_size, h)), jnp.float32)
     table = jnp.asarray(rng.permutation(np.arange(1, pages))[:8].reshape(2, 4), jnp.int32)
     k = jnp.asarray(rng.normal(size=(2, 3, k_heads, h)), jnp.float32)
     positions = jnp.asarray([[5, 6, 7], [0, -1, 9]], jnp.int32)
-    kp, vp = write_kv(stacked, stacked, k, 2 * k, table, positions, layer=1)
-    k1, v1 = write_kv(stacked[1], stacked[1], k, 2 * k, table, positions)
-    np.testing.assert_array_equal(kp[1], k1)
-    np.testing.assert_array_equal(vp[1], v1)
-    np.testing.assert_array_equal(
-        np.delete(np.asarray(kp), 1, axis=0), np.delete(np.asarray(stacked), 1, axis=0)
-    )
+    kp, vp = write_kv(pool, pool, k, 2 * k, table, positions)
+    want = np.asarray(pool).copy()
+    for b, t in np.argwhere(np.asarray(positions) >= 0):
+        p = int(positions[b, t])
+        want[:, table[b, p // page_size], p % page_size] = k[b, t]
+    np.testing.assert_array_equal(kp, want)  # the padding position wrote nothing
     # One scatter per array, its indices unique (the padding position is dropped, not sent to
     # the null page with the other rows).
-    hlo = (
-        jax.jit(write_kv, static_argnums=6)
-        .lower(stacked, stacked, k, 2 * k, table, positions, 1)
-        .as_text()
-    )
+    hlo = jax.jit(write_kv).lower(pool, pool, k, 2 * k, table, positions).as_text()
     scatters = [x for x in hlo.splitlines() if "scatter" in x and "=" in x]
     assert len(scatters) == 2 and all("unique_indices = true" in x for x in scatters), scatters
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 3])
 def test_cascade_over_shared_prompts_matches_reference(pages_per_block):
-    """group=4 over a stacked [L,K,P,page_size,H] pool: block 0 shares 2 pages, block 1 shares
+    """group=4 over one layer's pool: block 0 shares 2 pages, block 1 shares
     3 but its first slot was reused by an unrelated sequence (shared_len 0, its own table row,
     so the block's shared pages must come from another row), block 2 shares nothing."""
     rng = np.random.default_rng(11)
-    layers, n, k, group = 2, 8, 2, 4
+    n, k, group = 8, 2, 4
     b = 3 * group
-    kp = rng.standard_normal((layers, k, 1 + b * PAGES_PER_SEQ, PAGE_SIZE, H)).astype(np.float32)
+    kp = rng.standard_normal((k, 1 + b * PAGES_PER_SEQ, PAGE_SIZE, H)).astype(np.float32)
     vp = rng.standard_normal(kp.shape).astype(np.float32)
     q = rng.standard_normal((b, n, H)).astype(np.float32)
-    pages = iter(rng.permutation(np.arange(1, kp.shape[2])).tolist())
+    pages = iter(rng.permutation(np.arange(1, kp.shape[1])).tolist())
     table = np.array([[next(pages) for _ in range(PAGES_PER_SEQ)] for _ in range(b)], np.int32)
     shared_len = np.zeros(b, np.int32)
     for block, shared in ((0, 2), (1, 3)):
@@ -351,11 +346,8 @@ def test_cascade_over_shared_prompts_matches_reference(pages_per_block):
     full = PAGE_SIZE * PAGES_PER_SEQ
     lengths = np.maximum(rng.integers(1, full + 1, b), shared_len).astype(np.int32)
     lengths[1], lengths[6], lengths[11] = shared_len[1], full, 0  # own part empty; full; idle
-    f = jax.jit(paged_attention_blockwise, static_argnames=("pages_per_block", "layer", "group"))
-    for layer in range(layers):
-        want = paged_attention_reference(q, kp[layer], vp[layer], lengths, table)
-        got = f(q, kp, vp, lengths, table, pages_per_block, layer, group, shared_len)
-        np.testing.assert_allclose(got, want, atol=1e-5)
-        np.testing.assert_allclose(
-            got, _numpy_attention(q, kp[layer], vp[layer], lengths, table), atol=1e-5
-        )
+    f = jax.jit(paged_attention_blockwise, static_argnames=("pages_per_block", "group"))
+    want = paged_attention_reference(q, kp, vp, lengths, table)
+    got = f(q, kp, vp, lengths, table, pages_per_block, group, shared_len)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got, _numpy_attention(q, kp, vp, lengths, table), atol=1e-5)
