@@ -27,6 +27,17 @@ just outside the set: a ratio or a CISPO weight of an "impossible" token would b
 
 `tempered_log_probs` is the full tempered softmax without truncation: the distribution the KL to
 the reference and the entropy are measured on (`rl.logprobs` explains why).
+
+`sample` is the sampler's draw from the same distribution, made of reductions over the logits
+without building the [B,V] f32 log-prob array that `log_probs` returns (156 MB at V=151936, B=256,
+written and read back every decode step). It masks the tempered logits z to the kept set (`_kept`;
+for top-k alone the k-th largest value from `lax.top_k` gives the same set, ties included, without
+a full sort), then reduces: max and log-sum-exp of z, the Gumbel-max token argmax(gumbel +
+log_softmax(z)) with the noise `jax.random.categorical` draws for the same key, and the token's
+log-prob z[tok] - lse. The log-softmax terms are formed as `jax.nn.log_softmax` forms them,
+((z - max) - lse), so the token is the one `categorical(key, log_probs(...))` draws, bit for bit
+(tested on CPU; it could differ only if a backend summed the lse in a different order in the two
+programs and a near-tie flipped).
 """
 
 from __future__ import annotations
@@ -123,3 +134,45 @@ def entropy(logp):
     """
     p = jnp.exp(logp)
     return -jnp.sum(jnp.where(p > 0, p * jnp.where(p > 0, logp, 0.0), 0.0), axis=-1)
+
+
+def _kept_top_k(z, k: int):
+    """bool [...,V]: the top-k set of `_kept` (ties at the k-th value kept) without a full sort."""
+    return z >= jax.lax.top_k(z, k)[0][..., k - 1 : k]
+
+
+def sample(logits, params: SamplingParams, banned=None, keys=None):
+    """tok int32 [B], logp f32 [B]: a token drawn from the distribution `log_probs` defines, and
+    its log-probability under it, without materialising that [B,V] distribution.
+
+    logits f32/bf16 [B,V]; banned: bool broadcastable to [B,V], or None; keys: [B] PRNG keys, one
+    per row (unused, may be None, when temperature == 0). The token is the one
+    `jax.vmap(jax.random.categorical)(keys, log_probs(logits, params, banned))` draws; greedy
+    (temperature 0) takes the first argmax of the (unbanned) logits, which is argmax(log_probs)
+    unless two distinct logits round to one log-prob, and its log-prob at temperature 1.
+    """
+    z = logits.astype(jnp.float32)  # [B,V]
+    if banned is not None:
+        z = jnp.where(banned, -jnp.inf, z)
+    if params.temperature > 0:
+        z = z / params.temperature
+        if params.truncates:
+            k, v = params.top_k, z.shape[-1]
+            if params.top_p == 1.0:
+                kept = _kept_top_k(z, k) if k < v else None
+            else:
+                kept = _kept(z, params)
+            if kept is not None:
+                z = jnp.where(kept, z, -jnp.inf)
+    # Reductions of z: the same operations as jax.nn.log_softmax, so the same bits.
+    z_max = jnp.max(z, axis=-1, keepdims=True)  # [B,1]
+    lse = jnp.log(jnp.sum(jnp.exp(z - z_max), axis=-1, keepdims=True))  # [B,1]
+    if params.temperature == 0:
+        tok = jnp.argmax(z, axis=-1)
+    else:
+        # jax.random.categorical(key, lp) is argmax(gumbel(key, lp.shape, lp.dtype) + lp).
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, z.shape[-1:], jnp.float32))(keys)
+        tok = jnp.argmax(gumbel + ((z - z_max) - lse), axis=-1)  # [B]
+    tok = tok.astype(jnp.int32)
+    z_tok = jnp.take_along_axis(z, tok[:, None], axis=-1)  # [B,1]
+    return tok, ((z_tok - z_max) - lse)[:, 0]
