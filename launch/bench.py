@@ -24,6 +24,10 @@ backend so that the library has no debugging path.
 
 Timing: one warm-up run compiles everything, then the median of `--reps` runs; tokens/s counts
 generated tokens only (prefill time is included in the engine's wall time, as a user sees it).
+
+With `--shape NAME` or `--num_seqs B` the sampler bench instead times one engine run of a
+registered model shape and sets it against the memory roofline (bytes per decode step, fraction
+of the HBM bandwidth): `launch/bench_roofline.py`.
 """
 
 from __future__ import annotations
@@ -309,6 +313,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
     p.add_argument("--batch_sweep", default="", help="comma-separated sequence counts to time")
+    p.add_argument("--shape", default=None, help="sampler: roofline bench of this model shape")
+    p.add_argument("--num_seqs", type=int, default=None, help="sampler: roofline bench, B seqs")
+    p.add_argument("--dtype", default="auto", help="roofline: weights/cache dtype (auto: f32 CPU)")
     args = p.parse_args(argv)
     args.compare_backends = [b for b in args.compare_backends.split(",") if b]
     args.batch_sweep = [int(n) for n in args.batch_sweep.split(",") if n]
@@ -322,6 +329,11 @@ def main(argv=None) -> int:
         from launch.bench_loop import bench_loop, table
 
         r = bench_loop(args)
+        print(table(r))
+    elif args.shape or args.num_seqs:
+        from launch.bench_roofline import bench_shape, table
+
+        r = bench_shape(args)
         print(table(r))
     else:
         if args.small_test:

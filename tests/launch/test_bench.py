@@ -1,6 +1,7 @@
 """Smoke tests of `python -m launch.bench sampler|loop|learn` on a tiny model and workload (JSON
 keys only; the numbers mean nothing at this size), and of the plots drawn from them. HF is
-skipped so that it also runs without torch."""
+skipped so that it also runs without torch. The roofline sampler bench (`--shape`) is checked
+against a byte count recomputed here from the shape."""
 
 import json
 
@@ -66,3 +67,52 @@ def test_plots(results, tmp_path):
     assert plots([*files, f"--out={tmp_path}"]) == 0
     for name in ("sampler_batch.png", "learner_packing.png", "iteration_split.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name
+
+
+@pytest.fixture(scope="module")
+def roofline(tmp_path_factory):
+    """JSON of the roofline sampler bench on the tiny shape, 4 sequences (2 prompts x 2)."""
+    path = tmp_path_factory.mktemp("roofline") / "sampler_shape.json"
+    args = ["sampler", "--shape=tiny", "--num_seqs=4", "--num_samples=2", "--prompt_len=8",
+            "--new_tokens=8", "--steps_per_call=4", "--page_size=4", "--reps=1"]  # fmt: skip
+    assert main([*args, "--output", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_bench_sampler_shape_tiny(roofline):
+    r = roofline
+    assert r["shape"] == "tiny" and r["dtype"] == "float32" and r["num_seqs"] == 4
+    assert r["tokens_per_s"] > 0
+    # Independently of the bench's param_count: qwen2 with qkv bias, tied, f32.
+    m = r["model"]
+    v, d, f, n, k, h = (m[x] for x in ("vocab_size", "d_model", "d_ff", "num_heads",
+                                        "num_kv_heads", "head_dim"))  # fmt: skip
+    layer = 2 * d * n * h + 2 * d * k * h + n * h + 2 * k * h + 3 * d * f + 2 * d
+    params = v * d + m["num_layers"] * layer + d
+    assert r["params"] == params
+    kv = 4 * (8 + 7 / 2) * m["num_layers"] * k * h * 2 * 4  # B x mean len x L x K x H x 2 x f32
+    total = params * 4 + kv + 4 * v * 4
+    assert r["bytes_per_step"]["total"] == pytest.approx(total, rel=1e-12)
+    achieved = total * 8 / r["seconds"]  # 8 decode steps in the run
+    assert r["hbm_fraction_measured"] == pytest.approx(achieved / r["copy_bytes_per_s"])
+    assert 0 < r["hbm_fraction_measured"] <= 1
+    assert r["table_bytes_per_s"] is None and r["hbm_fraction_table"] is None  # CPU
+
+
+def test_sampler_decode_step_bytes():
+    from launch.bench_roofline import decode_step_bytes, hbm_peak, mean_kv_len
+    from models.config import ModelConfig
+
+    kw = dict(family="qwen2", vocab_size=10, d_model=4, d_ff=8, num_layers=2, num_heads=2,
+              num_kv_heads=1, head_dim=2)  # fmt: skip
+    tied = ModelConfig(**kw, tie_embeddings=True, param_dtype="bfloat16")
+    # weights 100 x 2; KV 3 seqs x 5.5 x (2 L x 1 K x 2 H x 2 x 2 bytes = 16); logits 3 x 10 x 4.
+    b = decode_step_bytes(tied, 100, 3, 5.5, "bfloat16")
+    assert b == dict(weights=200, kv=264.0, logits=120, total=584.0)
+    # Untied: the embedding's 40 parameters are read for 3 gathered rows of 4 only: 72 x 4.
+    b = decode_step_bytes(ModelConfig(**kw), 100, 3, 5.5, "float32")
+    assert b == dict(weights=288, kv=528.0, logits=120, total=936.0)
+    assert mean_kv_len(8, 8) == 11.5  # steps attend to 8, 9, ..., 15 tokens
+    kinds = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA A100-SXM4-40GB":
+             1.555e12, "TPU v5 lite": 8.19e11, "TPU v5": 2.765e12, "cpu": None}  # fmt: skip
+    assert {kind: hbm_peak(kind) for kind in kinds} == kinds
