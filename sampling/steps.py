@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sampling.distribution import banned_stop_ids, log_probs
+from sampling.distribution import banned_stop_ids, sample
 from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
 
 
@@ -99,14 +99,11 @@ def generate(
         logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
         logits = logits[:, 0]  # f32 [B,V]
         banned = banned_stop_ids(s.num_generated < min_new, stop_ids, logits.shape[-1])
-        lp = log_probs(logits, sampling, banned)  # [B,V]
-        if sampling.temperature == 0:
-            tok = jnp.argmax(lp, axis=-1).astype(jnp.int32)
-        else:
+        keys = None
+        if sampling.temperature > 0:
             # Keyed by the cache position of the fed token: unique over an episode's turns.
             keys = jax.vmap(key_of)(s.request_id, s.sample_id, s.lengths)
-            tok = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
-        tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+        tok, tok_lp = sample(logits, sampling, banned, keys)  # int32 [B], f32 [B]
         a = s.active
         col = jnp.minimum(s.num_generated, m - 1)
         n = s.num_generated + a
