@@ -276,6 +276,24 @@ class Engine:
             self._cascade_group(), e.interpret,
         ).lower(lowering_platforms=platforms)  # fmt: skip
 
+    def lower_prefill(
+        self, abstract_params, platforms: tuple[str, ...] | None = None,
+        rows: int = MAX_PREFILL_BATCH, length: int | None = None, resume: bool = False,
+    ):  # fmt: skip
+        """One `prefill` call lowered like `lower_generate`: `rows` prompts padded to `length`
+        tokens (default the bucket of the longest prompt, whose last token is not cached);
+        `resume` adds the `starts` of a multi-turn `resume` (new tokens after cached ones)."""
+        e = self.ecfg
+        state = jax.eval_shape(self._zeros)
+        if self._shardings is not None:
+            state = with_shardings(state, self._shardings)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        length = length or _bucket(e.max_prompt_len - 1)
+        return steps.prefill.trace(
+            self.graphdef, abstract_params, state, i32(rows, length), i32(rows),
+            i32(rows, e.pages_per_seq), self.layout, i32(rows) if resume else None,
+        ).lower(lowering_platforms=platforms)  # fmt: skip
+
     def _cascade_group(self) -> int:
         """The block size the decode loop is compiled for: only the blockwise backend uses it,
         so other backends always get 1 and are not recompiled per group size."""

@@ -1,5 +1,5 @@
-"""The shipped real configs lower for TPU: the sampler's decode step and the learner's train step
-of Qwen2.5-0.5B, Qwen3-0.6B and Llama-3.2-1B, lowered for platform "tpu" from this CPU host (what
+"""The shipped real configs lower for TPU: the sampler's decode step and prefill (fresh prompts and
+a multi-turn resume) and the learner's train step of Qwen2.5-0.5B, Qwen3-0.6B and Llama-3.2-1B, lowered for platform "tpu" from this CPU host (what
 `jax.export` does), on one device and on the config's 8-device mesh.
 
 Lowering for TPU runs the real TPU lowering, Mosaic's included, without a TPU: a Pallas kernel
@@ -9,8 +9,9 @@ are the configs' own, and nothing is allocated. The decode step uses the backend
 `resolve_backend("auto", platform="tpu", ...)` picks for its shape and mesh; a test exports the
 Pallas TPU kernel with `jax.export` to pin why "auto" avoids it for head_dim 64 and on a mesh.
 
-Cost: tracing a 24-28 layer train step takes several seconds per model and mesh on a 2-core CPU;
-the layer counts are the real ones.
+Cost: tracing a 24-28 layer train step takes several seconds per model and mesh on a 2-core CPU,
+a decode step 2-3 s, a prefill about 1 s; the layer counts are the real ones.
+tests/sampling/test_cuda_export.py does the same for platform "cuda" with these helpers.
 """
 
 import dataclasses
@@ -25,7 +26,7 @@ from launch.validate import engine_config, learner_config, sampling_params
 from models.config import ModelConfig, RopeScaling
 from models.sharding import abstract_model, make_mesh, state_shardings, with_shardings
 from rl.learner import Batch, Learner, batch_sharding
-from sampling.engine import Engine
+from sampling.engine import MAX_PREFILL_BATCH, Engine, _bucket
 from sampling.paged_attention import paged_attention, resolve_backend
 
 # The HF config.json of each checkpoint, as `models.hf_config.config_from_hf` reads it, with
@@ -114,6 +115,51 @@ def test_decode_step_lowers_for_tpu(name, mesh_name):
     assert jax.ShapeDtypeStruct(pages, jnp.bfloat16) in [
         jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(lowered.in_avals)
     ]
+
+
+def _engine(name, mesh_name, platform):
+    """(engine, abstract params, mesh) of one real config, with the decode backend that
+    `resolve_backend("auto", ...)` picks on `platform` for its shape and mesh."""
+    c, cfg, eos, graphdef, mesh, rules, _, params = _setup(name, mesh_name)
+    ecfg = engine_config(c, eos)
+    assert ecfg.cache_dtype == "bfloat16" and ecfg.page_size == 32
+    backend = resolve_backend(
+        "auto", mesh.size > 1, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size, platform=platform
+    )
+    ecfg = dataclasses.replace(ecfg, backend=backend)
+    engine = Engine(cfg, graphdef, ecfg, sampling_params(c), mesh=mesh, rules=rules)
+    assert engine.backend == backend
+    # GRPO rollouts decode G samples per prompt: `generate_all` sets the cascade group to G.
+    engine.group = c.rl.num_generations
+    return engine, params, mesh
+
+
+def check_prefill_lowers(name, mesh_name, resume, platform):
+    """One full prefill call (MAX_PREFILL_BATCH prompts padded to the bucket of max_prompt_len;
+    with `resume`, new tokens after a cached history) lowers for `platform` on the mesh, takes
+    the configs' shapes, donates the pages and returns a state of the same shapes."""
+    engine, params, mesh = _engine(name, mesh_name, platform)
+    cfg, e = engine.cfg, engine.ecfg
+    lowered = engine.lower_prefill(params, platforms=(platform,), resume=resume)
+    assert f"mhlo.num_partitions = {mesh.size}" in lowered.as_text()
+    (_, state, tokens, lengths, page_rows, starts), _ = lowered.args_info
+    length = _bucket(e.max_prompt_len - 1)
+    assert (tokens.shape, lengths.shape) == ((MAX_PREFILL_BATCH, length), (MAX_PREFILL_BATCH,))
+    assert page_rows.shape == (MAX_PREFILL_BATCH, e.pages_per_seq)
+    assert (starts is not None) == resume
+    pages = (cfg.num_layers, cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim)
+    for kv in (state.k_pages, state.v_pages):
+        assert kv.shape == pages and kv.dtype == jnp.bfloat16 and kv.donated
+    # The state comes back with the shapes and dtypes it went in with (donation reuses it).
+    aval = lambda x: (x.shape, x.dtype)
+    assert jax.tree.map(aval, lowered.out_info) == jax.tree.map(aval, state)
+
+
+@pytest.mark.parametrize("resume", (False, True), ids=("prompts", "resume"))
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_lowers_for_tpu(name, mesh_name, resume):
+    check_prefill_lowers(name, mesh_name, resume, "tpu")
 
 
 def _batch(c, mesh, rules):
