@@ -93,9 +93,11 @@ def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
 
 def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
     dtype = c.sampling.cache_dtype or c.model.dtype
+    # interpret (Pallas kernels run op by op on a CPU) is for tests, not a run's config.
     return from_config(
-        EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype
-    )
+        EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype,
+        interpret=False,
+    )  # fmt: skip
 
 
 def learner_config(c: ml_collections.ConfigDict, eos_ids) -> LearnerConfig:

@@ -2,6 +2,7 @@
 devices: greedy generation through the TPU kernel (TPU interpret mode) and the GPU kernel
 (interpret mode) gives the reference backend's tokens and log-probs, and every device's copy of
 the KV pool is the same afterwards (the write all-gathers the new tokens over the slot axes).
+And the compiled decode step copies no pool.
 
 The model is tiny (2 layers, 2 KV heads over `tensor`, 8 slots over data x fsdp) because
 interpret mode runs the kernels op by op.
@@ -9,14 +10,17 @@ interpret mode runs the kernels op by op.
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 from models.config import ModelConfig
 from models.sharding import init_params, make_mesh
+from sampling import cpu_attention
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from tests.conftest import random_prompts
+from tests.sampling.test_tpu_export import pool_copies
 
 CFG = ModelConfig(
     family="llama", vocab_size=64, d_model=64, d_ff=64, num_layers=2, num_heads=4,
@@ -76,3 +80,26 @@ def test_kernels_in_shard_map_match_the_reference(backend, cache_dtype):
     # The kernel runs inside a shard_map: the lowered decode step has a manual computation.
     text = engine.lower_generate(params).as_text()
     assert "manual" in text
+
+
+@pytest.mark.parametrize(
+    "backend,mesh_shape",
+    [("blockwise", None), ("cpu_kernel", None), ("blockwise", (2, 2, 2))],
+    ids=["blockwise", "cpu_kernel", "blockwise-mesh"],
+)
+def test_compiled_decode_step_copies_no_pool(backend, mesh_shape):
+    """What XLA:CPU compiles for a decode call holds no slice, dynamic-slice or copy of a
+    layer's pool (nor of the loop's carried pools): the pages are read and written in place."""
+    if backend == "cpu_kernel" and not cpu_attention.available():
+        pytest.skip("no C++ compiler")
+    if mesh_shape:
+        mesh = make_mesh(dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
+    else:
+        mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, params = init_params(CFG, mesh, seed=4)
+    engine = Engine(
+        CFG, graphdef, dataclasses.replace(ECFG, backend=backend), SamplingParams(1.0), mesh=mesh
+    )
+    text = engine.lower_generate(params).compile().as_text()
+    pool = (ECFG.num_pages, ECFG.page_size, CFG.head_dim)
+    assert pool_copies(text, pool) == []

@@ -16,6 +16,7 @@ tests/sampling/test_cuda_export.py does the same for platform "cuda" with these 
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -92,28 +93,46 @@ def _setup(name, mesh_name):
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("name", MODELS)
 def test_decode_step_lowers_for_tpu(name, mesh_name):
-    c, cfg, eos, graphdef, mesh, rules, _, params = _setup(name, mesh_name)
-    ecfg = engine_config(c, eos)
-    assert ecfg.cache_dtype == "bfloat16" and ecfg.page_size == 32
-    sharded = mesh.size > 1
-    backend = resolve_backend(
-        "auto", sharded, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size, platform="tpu"
-    )
-    kernel = cfg.head_dim % 128 == 0 and not sharded
-    assert backend == ("pallas_tpu" if kernel else "blockwise")
-    ecfg = dataclasses.replace(ecfg, backend=backend)
-    engine = Engine(cfg, graphdef, ecfg, sampling_params(c), mesh=mesh, rules=rules)
-    assert engine.backend == backend
-    # GRPO rollouts decode G samples per prompt: `generate_all` sets the cascade group to G.
-    engine.group = c.rl.num_generations
+    engine, params, mesh = _engine(name, mesh_name, "tpu")
+    # head_dim % 128 == 0 (Qwen3): the Mosaic kernel, inside a shard_map on the mesh.
+    kernel = engine.cfg.head_dim % 128 == 0
+    assert engine.backend == ("pallas_tpu" if kernel else "blockwise")
     lowered = engine.lower_generate(params, platforms=("tpu",))
     text = lowered.as_text()
     assert f"mhlo.num_partitions = {mesh.size}" in text
     # The Mosaic kernel is in the module exactly when "auto" chose it.
     assert ("tpu_custom_call" in text) == kernel
-    pages = (cfg.num_layers, cfg.num_kv_heads, ecfg.num_pages, ecfg.page_size, cfg.head_dim)
-    assert jax.ShapeDtypeStruct(pages, jnp.bfloat16) in [
-        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(lowered.in_avals)
+    assert ("manual" in text) == (kernel and mesh.size > 1)  # the shard_map
+    check_pool_read_in_place(engine, lowered)
+
+
+def check_pool_read_in_place(engine, lowered):
+    """The decode step takes one bf16 pool [K,P,page_size,H] per layer, and no slice,
+    dynamic-slice or copy in it has an operand shaped like a pool (any leading dims: a stacked
+    pool, a layer's, a device's shard of one): the kernels read the pool where it lies."""
+    cfg, e = engine.cfg, engine.ecfg
+    pool = jax.ShapeDtypeStruct(
+        (cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim), jnp.bfloat16
+    )
+    state = lowered.args_info[0][1]  # (params, state, root key)
+    assert [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in state.k_pages] == [pool] * (
+        cfg.num_layers
+    )
+    assert pool_copies(lowered.as_text(), pool.shape[1:]) == []
+
+
+def pool_copies(text: str, trailing) -> list[str]:
+    """Lines of a StableHLO or compiled HLO module that slice, dynamic-slice or copy an array
+    of rank >= 4 whose last dims are `trailing` (P, page_size, H): a copy of a KV pool."""
+    dims = "x".join(map(str, trailing))
+    shaped = re.compile(rf"tensor<(\d+x)+{dims}x\w+>|\[(\d+,)+{','.join(map(str, trailing))}\]")
+    # The instruction's own op: `= stablehlo.slice ...` (StableHLO) or `= f32[..]{..} copy(`
+    # (compiled HLO), not a word in its metadata.
+    op = re.compile(
+        r"=\s*(\S+\s+)?\"?(stablehlo\.slice|stablehlo\.dynamic_slice|copy|slice|dynamic-slice)[\"\s(]"
+    )
+    return [
+        line.strip()[:200] for line in text.splitlines() if op.search(line) and shaped.search(line)
     ]
 
 
@@ -147,9 +166,10 @@ def check_prefill_lowers(name, mesh_name, resume, platform):
     assert (tokens.shape, lengths.shape) == ((MAX_PREFILL_BATCH, length), (MAX_PREFILL_BATCH,))
     assert page_rows.shape == (MAX_PREFILL_BATCH, e.pages_per_seq)
     assert (starts is not None) == resume
-    pages = (cfg.num_layers, cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim)
-    for kv in (state.k_pages, state.v_pages):
-        assert kv.shape == pages and kv.dtype == jnp.bfloat16 and kv.donated
+    pool = (cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim)  # one per layer
+    for kv in (*state.k_pages, *state.v_pages):
+        assert kv.shape == pool and kv.dtype == jnp.bfloat16 and kv.donated
+    assert len(state.k_pages) == cfg.num_layers
     # The state comes back with the shapes and dtypes it went in with (donation reuses it).
     aval = lambda x: (x.shape, x.dtype)
     assert jax.tree.map(aval, lowered.out_info) == jax.tree.map(aval, state)
@@ -228,9 +248,12 @@ def test_pallas_tpu_lowers_only_for_head_dim_multiple_of_128_on_one_device():
         export(*_attention_args(qwen3, sharding=replicated))
 
 
-def test_engine_refuses_pallas_on_a_sharded_cache():
-    c, cfg, eos, graphdef, mesh, rules, *_ = _setup("qwen3-0.6b", "config-mesh")
-    for backend in ("pallas_tpu", "pallas_gpu"):
-        ecfg = dataclasses.replace(engine_config(c, eos), backend=backend)
-        with pytest.raises(ValueError, match="config.sampling.backend"):
-            Engine(cfg, graphdef, ecfg, sampling_params(c), mesh=mesh, rules=rules)
+def test_pool_copy_detector_sees_a_layer_slice():
+    """`pool_copies` finds what the old stacked pool did: a layer's slice (static or dynamic)
+    of [L,K,P,page_size,H], in lowered StableHLO and in compiled HLO."""
+    stacked = jax.ShapeDtypeStruct((4, 2, 64, 32, 64), jnp.bfloat16)
+    for f in (lambda x: x[1] * 2, lambda x: jax.lax.dynamic_index_in_dim(x, 2, keepdims=False) * 2):
+        lowered = jax.jit(f).lower(stacked)
+        assert pool_copies(lowered.as_text(), (64, 32, 64))
+        assert pool_copies(lowered.compile().as_text(), (64, 32, 64))
+        assert not pool_copies(lowered.as_text(), (64, 16, 64))
