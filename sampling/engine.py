@@ -39,6 +39,8 @@ banned distribution, and the learner applies the same ban (`rl.learner.Batch.sto
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,29 @@ MAX_PREFILL_BATCH = 16  # prompts per prefill call
 
 def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Ticket:
+    """A dispatched `generate` call: its result arrays on the device, and per busy slot the
+    slot's serial number and length bound at dispatch."""
+
+    out: tuple
+    slots: dict[int, tuple[int, int]]
+
+
+@dataclasses.dataclass
+class Results:
+    """Host copies of a decode call's slot buffers (`steps.generate`), and the slots they are
+    about (`Engine.collect`)."""
+
+    active: np.ndarray  # bool [B]
+    num_generated: np.ndarray  # int32 [B]
+    stopped: np.ndarray  # bool [B]
+    lengths: np.ndarray  # int32 [B]
+    tokens: np.ndarray  # int32 [B,M]
+    logprobs: np.ndarray  # f32 [B,M]
+    slots: list[int]
 
 
 class Engine:
@@ -110,6 +135,11 @@ class Engine:
         self._len: dict[int, int] = {}
         self._epoch = object()  # Prefixes made before the last reset are stale
         self._parked: list[Parked] = []  # sequences between turns: pages kept, no slot
+        # Per slot: (request id, sample id) of its sequence, and a serial number bumped whenever
+        # the slot's sequence changes or finishes (`collect` ignores calls that predate it).
+        self._ids: dict[int, tuple[int, int]] = {}
+        self._serial = [0] * self.ecfg.num_slots
+        self._uploaded = None  # the page table as last uploaded; None: upload at next call
 
     def _zeros(self) -> DecodeState:
         e = self.ecfg
@@ -219,8 +249,10 @@ class Engine:
         copies = copies + [(0, 0)] * (g - 1 - len(copies))
         src = np.array([c[0] for c in copies], np.int32)
         dst = np.array([c[1] for c in copies], np.int32)
-        for s, r in zip(slots, rows):
+        for k, (s, r) in enumerate(zip(slots, rows)):
             self.table.set_row(s, r)
+            self._ids[s] = (request_id, k)
+            self._serial[s] += 1
             self._len[s] = prefix.cached_len
             # Decode step j caches the token it is fed at position cached_len + j, j < max_new
             # (the last sampled token is never cached, but the last prompt token is).
@@ -242,26 +274,57 @@ class Engine:
         return self.bulk_insert(state, prefix, [slot], request_id, max_new)
 
     def generate(self, params, state, root_key, num_steps: int | None = None):
-        """Allocates pages ahead for `num_steps` tokens per busy slot, then decodes on device."""
+        """Allocates pages ahead for `num_steps` tokens per busy slot, then decodes on device;
+        returns when the call is done (`dispatch` + `collect`)."""
+        state, ticket = self.dispatch(params, state, root_key, num_steps)
+        self.collect(ticket)
+        return state
+
+    def dispatch(self, params, state, root_key, num_steps: int | None = None):
+        """`generate` without waiting: (state, ticket) at once, the call queued on the device;
+        `collect(ticket)` reads its results. Another call may be dispatched first, so the host's
+        bookkeeping of call n overlaps the decoding of call n+1 (`sampling.episodes`).
+
+        The host keeps an upper bound of each busy slot's cached length (`_len`): a slot grows
+        by at most num_steps per call in flight, and `collect` puts back what it did not use.
+        The page table stays on the device and is uploaded again only after a row changed."""
         e = self.ecfg
         num_steps = num_steps or e.steps_per_call
         for s, n in self._len.items():
-            need = self._pages_for(min(n + num_steps, self._cap[s])) - len(self.table.row(s))
+            self._len[s] = bound = min(n + num_steps, self._cap[s])
+            need = self._pages_for(bound) - len(self.table.row(s))
             if need > 0:
                 self.table.append(s, self.allocator.alloc(need))
-        table = self.table.array
-        if self.layout is not None:
-            table = jax.device_put(table, self._shardings.page_indices)
-        state = state.replace(page_indices=jnp.asarray(table))
-        state = steps.generate(
+        if self._uploaded is None or not np.array_equal(self._uploaded, self.table.array):
+            self._uploaded = self.table.array.copy()
+            # Placed like the array it replaces: a call whose table was kept and one whose
+            # table was uploaded then see the same input (one compile).
+            table = jax.device_put(self._uploaded, state.page_indices.sharding)
+            state = state.replace(page_indices=table)
+        state, out = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
             e.min_new_tokens, self.backend, root_key, self.layout, self._cascade_group(),
             e.interpret,
         )  # fmt: skip
-        lengths = host_values(state.lengths)  # also blocks on the loop
-        for s in self._len:
-            self._len[s] = int(lengths[s])
-        return state
+        if jax.process_count() == 1:
+            for x in out:
+                x.copy_to_host_async()  # ready for `collect` as soon as the call ends
+        return state, Ticket(out, {s: (self._serial[s], self._len[s]) for s in self._len})
+
+    def collect(self, ticket: Ticket) -> Results:
+        """The results of a dispatched call (blocks until it is done). `Results.slots` are the
+        slots it decoded that still hold the same sequence; a slot found finished is settled
+        (its exact length kept) so that calls dispatched after it leave it alone."""
+        r = Results(*host_values(ticket.out), slots=[])
+        for s, (serial, bound) in ticket.slots.items():
+            if self._serial[s] != serial or s not in self._len:
+                continue  # freed, parked or given a new sequence since
+            r.slots.append(s)
+            self._len[s] -= bound - int(r.lengths[s])  # exact, plus the later calls' bounds
+            if not r.active[s]:
+                self._len[s] = int(r.lengths[s])
+                self._serial[s] += 1
+        return r
 
     def lower_generate(self, abstract_params, platforms: tuple[str, ...] | None = None):
         """One `generate` call lowered for abstract params and decode state (nothing allocated):
@@ -312,6 +375,7 @@ class Engine:
 
     def _free_host(self, slot: int) -> None:
         self.allocator.free(self.table.clear_row(slot))
+        self._serial[slot] += 1
         self._len.pop(slot, None)
         self._cap.pop(slot, None)
         if slot not in self.free_slots:
@@ -351,11 +415,11 @@ class Engine:
         idle = [s for s in slots if s not in self._cap]
         if idle:
             raise ValueError(f"slot(s) {idle} idle: nothing to park")
-        rid, sid = host_values((state.request_id, state.sample_id))
         parked = []
         for s, last in zip(slots, last_tokens):
             p = Parked(self.table.clear_row(s), self._len.pop(s), int(last), self._cap.pop(s),
-                       int(rid[s]), int(sid[s]), self._epoch)  # fmt: skip
+                       *self._ids[s], self._epoch)  # fmt: skip
+            self._serial[s] += 1
             self.free_slots.append(s)
             self._parked.append(p)
             parked.append(p)
@@ -382,9 +446,8 @@ class Engine:
             check_resume(p, new, max_new)
         seqs = [[p.last_token, *new] for p, new, _, _ in items]
         for (p, *_), seq in zip(items, seqs):  # within the reservation: cannot run out
-            p.pages = p.pages + self.allocator.alloc(
-                self._pages_for(p.cached_len + len(seq) - 1) - len(p.pages)
-            )
+            more = self._pages_for(p.cached_len + len(seq) - 1) - len(p.pages)
+            p.pages = p.pages + self.allocator.alloc(max(more, 0))  # may hold a page ahead
         state = self._prefill_pages(
             params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
         )
@@ -392,6 +455,8 @@ class Engine:
             self._parked.remove(p)
             self.free_slots.remove(s)
             self.table.set_row(s, p.pages)
+            self._ids[s] = (p.request_id, p.sample_id)
+            self._serial[s] += 1
             self._len[s] = p.cached_len + len(seq) - 1
             self._cap[s] = p.cap
             state = steps.insert(

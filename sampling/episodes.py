@@ -42,7 +42,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from sampling.requests import Completion, Parked, check_requests
-from sampling.state import host_values
 
 
 def _agreed_done(futures: list[Future]) -> list[Future]:
@@ -116,6 +115,7 @@ def generate_episodes(
     ready: collections.deque = collections.deque()  # (episode, observation ids), parked
     pending = list(range(len(prompts)))
     parked_here: list[Parked] = []  # every sequence this call parked (dropped on an exception)
+    inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
     vocab = engine.cfg.vocab_size
 
     def finish(ep: _Episode, reason: str | None = None) -> None:
@@ -186,26 +186,33 @@ def generate_episodes(
                     mine.update(slots)
                     owner.update({s: _Episode(i, k, budget[i]) for k, s in enumerate(slots)})
             if not owner:
+                inflight = None  # every sequence it decoded has finished: nothing to read
                 if waiting:  # every episode waits for its tool: nothing to decode meanwhile
                     wait(list(waiting), return_when=FIRST_COMPLETED)
                 continue
-            state = engine.generate(params, state, root)
-            active, n, stopped, toks, lps = host_values(
-                (state.active, state.num_generated, state.stopped, state.tokens, state.logprobs)
-            )
-            done = [s for s in owner if not active[s]]
+            # Call n+1 goes to the device before call n's results are read: the bookkeeping
+            # below overlaps decoding. A slot that finished in call n idles through call n+1.
+            state, ticket = engine.dispatch(params, state, root)
+            previous, inflight = inflight, (ticket, dict(owner))
+            if previous is None:
+                continue
+            ticket, owners = previous
+            r = engine.collect(ticket)
+            done = [s for s in r.slots if s in owners and owner.get(s) is owners[s]]
+            done = [s for s in done if not r.active[s]]
             to_free, to_park = [], []
             for s in done:
-                ep, m = owner.pop(s), int(n[s])
-                ep.tokens += toks[s, :m].tolist()
-                ep.logprobs += lps[s, :m].tolist()
+                ep, m = owner.pop(s), int(r.num_generated[s])
+                toks, lps = r.tokens[s, :m].tolist(), r.logprobs[s, :m].tolist()
+                ep.tokens += toks
+                ep.logprobs += lps
                 ep.observation += [False] * m
                 ep.turns += 1
-                ep.finish = "stop" if stopped[s] else "length"
+                ep.finish = "stop" if r.stopped[s] else "length"
                 if respond is None:
                     to_free.append((s, ep))
                     continue
-                turn = Completion(toks[s, :m].tolist(), lps[s, :m].tolist(), ep.finish, m)
+                turn = Completion(toks, lps, ep.finish, m)
                 to_park.append((s, ep, respond(ep.i, ep.k, turn, ep.left)))
             if to_free:
                 state = engine.free_slots_of(state, [s for s, _ in to_free])

@@ -1,6 +1,6 @@
 """The sampler's jitted device functions over the donated `sampling.state.DecodeState`: prefill
 (prompts into their pages), insert (a prompt into its slots), release (slots idle) and generate
-(k decode steps in one `lax.fori_loop`). `sampling.engine.Engine` is the host side that calls
+(up to k decode steps in one `lax.while_loop`, which stops early once every slot is idle). `sampling.engine.Engine` is the host side that calls
 them; see its docstring for the design (key schedule, min_new_tokens, sharding).
 
 Each takes `layout`, None on a single device or (mesh, rules), and pins its output state to
@@ -121,4 +121,14 @@ def generate(
         )
         return _constrain(s, layout)
 
-    return jax.lax.fori_loop(0, num_steps, step, _constrain(state, layout))
+    def more(carry):  # stop early once no slot is active (the tail of a rollout)
+        i, s = carry
+        return (i < num_steps) & s.active.any()
+
+    _, state = jax.lax.while_loop(
+        more, lambda c: (c[0] + 1, step(c[0], c[1])), (0, _constrain(state, layout))
+    )
+    # What the host reads, as arrays of their own: the state itself is donated to the next call,
+    # which the host may dispatch before it reads these.
+    out = (state.active, state.num_generated, state.stopped, state.lengths, state.tokens)
+    return state, tuple(jnp.copy(x) for x in (*out, state.logprobs))

@@ -151,13 +151,13 @@ def test_100_requests_in_16_slots_match_solo_runs():
     max_new = rng.integers(1, 17, n).tolist()
     engine = Engine(SMALL, graphdef, ecfg, SamplingParams(0.0))
     busy, finished = [], []
-    generate = engine.generate
+    dispatch = engine.dispatch
 
-    def counting_generate(*args, **kw):  # busy slots during each generate call
+    def counting_dispatch(*args, **kw):  # busy slots during each decode call
         busy.append(ecfg.num_slots - len(engine.free_slots))
-        return generate(*args, **kw)
+        return dispatch(*args, **kw)
 
-    engine.generate = counting_generate
+    engine.dispatch = counting_dispatch
 
     def on_finish(i, g, completion):
         finished.append(1)
