@@ -26,6 +26,7 @@ from models.hf_config import config_from_hf, generation_ids
 from models.sharding import abstract_model, make_mesh, param_count, state_shardings, with_shardings
 from rl.learner import Batch, Learner, TrainState, batch_sharding
 from sampling.engine import Engine
+from sampling.lowering import lower_generate
 
 MIB = 2**20
 
@@ -87,7 +88,7 @@ def dry_run(config) -> int:
     logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
-    generate = engine.lower_generate(params).compile()
+    generate = lower_generate(engine, params).compile()
     state_shapes = jax.eval_shape(
         lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params
     )

@@ -12,7 +12,8 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
   pages are shared (refcount G); the partial last page is copied on device for samples 1..G-1
   (`PageAllocator.fork_for_group`). A group goes on an aligned block of G slots when one is free,
   which lets the blockwise backend read the shared pages once per block (`shared_len`).
-- `generate`: `num_steps` decode steps in one `lax.fori_loop`.
+- `generate`: up to `num_steps` decode steps in one `lax.while_loop`; `dispatch` and `collect`
+  are its two halves, so that the batch loop queues call n+1 before it reads call n.
 - `park` / `resume`: a sequence between two turns of an episode frees its slot but keeps its pages
   and their reservation; `resume` prefills only its new tokens (batched) after its cached history
   and puts it in any free slot.
@@ -21,9 +22,10 @@ Sharding: no `in_shardings`, so parameters are used in their own shardings, neve
 call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
 function pins its output to that layout, so donation reuses the same buffers.
 
-Page allocation is host-side (`sampling.page_allocator` says why): before each `generate` the
-host gives every active slot the pages of its next `num_steps` tokens. Admission reserves a
-group's worst-case pages (`group_pages`) up front, so a running request never runs out.
+Page allocation is host-side (`sampling.page_allocator` says why): before each call the host
+gives every busy slot the pages of its next `num_steps` tokens, counted from an upper bound of
+its length while calls are in flight. Admission reserves a group's worst-case pages
+(`group_pages`) up front, so a running request never runs out.
 
 Misuse (a consumed or stale Prefix; busy, repeated or out-of-range slots) raises ValueError
 before anything changes; `prefill_many` allocates all or nothing. Every call donates the state it
@@ -39,14 +41,12 @@ banned distribution, and the learner applies the same ban (`rl.learner.Batch.sto
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.sharding import DEFAULT_RULES, with_shardings
+from models.sharding import DEFAULT_RULES
 from sampling import steps
 from sampling.distribution import SamplingParams
 from sampling.page_allocator import (
@@ -57,37 +57,24 @@ from sampling.page_allocator import (
     group_pages,
 )
 from sampling.paged_attention import resolve_backend
-from sampling.requests import EngineConfig, Parked, Prefix, check_prompt, check_resume, check_slots
+from sampling.requests import (
+    EngineConfig,
+    Parked,
+    Prefix,
+    Results,
+    Ticket,
+    check_prompt,
+    check_resume,
+    check_slots,
+    take_slots,
+)
 from sampling.state import DecodeState, host_values, state_shardings
 
 MAX_PREFILL_BATCH = 16  # prompts per prefill call
 
 
-def _bucket(n: int) -> int:
+def bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
-
-
-@dataclasses.dataclass
-class Ticket:
-    """A dispatched `generate` call: its result arrays on the device, and per busy slot the
-    slot's serial number and length bound at dispatch."""
-
-    out: tuple
-    slots: dict[int, tuple[int, int]]
-
-
-@dataclasses.dataclass
-class Results:
-    """Host copies of a decode call's slot buffers (`steps.generate`), and the slots they are
-    about (`Engine.collect`)."""
-
-    active: np.ndarray  # bool [B]
-    num_generated: np.ndarray  # int32 [B]
-    stopped: np.ndarray  # bool [B]
-    lengths: np.ndarray  # int32 [B]
-    tokens: np.ndarray  # int32 [B,M]
-    logprobs: np.ndarray  # f32 [B,M]
-    slots: list[int]
 
 
 class Engine:
@@ -129,8 +116,8 @@ class Engine:
         # an aligned block of slots reads its shared prompt pages once per decode step.
         # `generate_all` sets it to its num_samples; 1 = off.
         self.group = 1
-        # Per busy slot (the keys are the busy slots): cap on cached tokens and the host copy of
-        # its cached length after the last `generate`, to allocate ahead.
+        # Per busy slot (the keys are the busy slots): cap on cached tokens and an upper bound
+        # of its cached length once the calls in flight are done (exact when none is).
         self._cap: dict[int, int] = {}
         self._len: dict[int, int] = {}
         self._epoch = object()  # Prefixes made before the last reset are stale
@@ -200,7 +187,7 @@ class Engine:
         for c in range(0, len(todo), MAX_PREFILL_BATCH):
             chunk = todo[c : c + MAX_PREFILL_BATCH]
             rows = 1 << (len(chunk) - 1).bit_length()
-            tokens = np.zeros((rows, _bucket(max(len(t) for t, _ in chunk))), np.int32)
+            tokens = np.zeros((rows, bucket(max(len(t) for t, _ in chunk))), np.int32)
             lengths = np.zeros((rows,), np.int32)
             starts = np.zeros((rows,), np.int32)
             page_rows = np.zeros((rows, e.pages_per_seq), np.int32)
@@ -326,37 +313,6 @@ class Engine:
                 self._serial[s] += 1
         return r
 
-    def lower_generate(self, abstract_params, platforms: tuple[str, ...] | None = None):
-        """One `generate` call lowered for abstract params and decode state (nothing allocated):
-        for --dry_run, and with `platforms` (e.g. ("tpu",)) to check another platform lowers."""
-        e = self.ecfg
-        state = jax.eval_shape(self._zeros)
-        if self._shardings is not None:
-            state = with_shardings(state, self._shardings)
-        return steps.generate.trace(
-            self.graphdef, abstract_params, state, self.sampling, e.steps_per_call,
-            tuple(e.stop_ids), e.min_new_tokens, self.backend, jax.random.key(0), self.layout,
-            self._cascade_group(), e.interpret,
-        ).lower(lowering_platforms=platforms)  # fmt: skip
-
-    def lower_prefill(
-        self, abstract_params, platforms: tuple[str, ...] | None = None,
-        rows: int = MAX_PREFILL_BATCH, length: int | None = None, resume: bool = False,
-    ):  # fmt: skip
-        """One `prefill` call lowered like `lower_generate`: `rows` prompts padded to `length`
-        tokens (default the bucket of the longest prompt, whose last token is not cached);
-        `resume` adds the `starts` of a multi-turn `resume` (new tokens after cached ones)."""
-        e = self.ecfg
-        state = jax.eval_shape(self._zeros)
-        if self._shardings is not None:
-            state = with_shardings(state, self._shardings)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        length = length or _bucket(e.max_prompt_len - 1)
-        return steps.prefill.trace(
-            self.graphdef, abstract_params, state, i32(rows, length), i32(rows),
-            i32(rows, e.pages_per_seq), self.layout, i32(rows) if resume else None,
-        ).lower(lowering_platforms=platforms)  # fmt: skip
-
     def _cascade_group(self) -> int:
         """The block size the decode loop is compiled for: only the blockwise backend uses it,
         so other backends always get 1 and are not recompiled per group size."""
@@ -382,21 +338,8 @@ class Engine:
             self.free_slots.append(slot)
 
     def _take_slots(self, g: int) -> list[int]:
-        """g free slots (`bulk_insert` marks them busy): an aligned block when one is free
-        (cascade attention), else the free slots of partly used blocks first, keeping whole
-        blocks for later groups."""
-        free = set(self.free_slots)
-        if g == self.group > 1:
-            for b0 in range(0, self.ecfg.num_slots, g):
-                if all(s in free for s in range(b0, b0 + g)):
-                    slots = list(range(b0, b0 + g))
-                    break
-            else:
-                whole = lambda s: all(t in free for t in range(s - s % g, s - s % g + g))
-                slots = sorted(self.free_slots, key=whole)[:g]
-        else:
-            slots = self.free_slots[:g]
-        return slots
+        """g free slots for a group (`requests.take_slots`); `bulk_insert` marks them busy."""
+        return take_slots(self.free_slots, g, self.group, self.ecfg.num_slots)
 
     def worst_case_pages(self, prompt_len: int, max_new: int, g: int) -> int:
         """Pages a group of g samples may hold at its longest (`page_allocator.group_pages`)."""

@@ -1,5 +1,6 @@
-"""What the sampler engine takes and gives: its config (`EngineConfig`), a prefilled prompt
-(`Prefix`), a finished sample (`Completion`), and the checks a batch of requests passes before
+"""What the sampler engine takes and gives: its config (`EngineConfig`), a dispatched decode call
+and its results (`Ticket`, `Results`), a prefilled prompt (`Prefix`), a finished sample
+(`Completion`), and the checks a batch of requests passes before
 the engine changes anything (`check_requests`), so a bad argument never leaves pages or slots
 half taken.
 """
@@ -53,6 +54,29 @@ class EngineConfig:
         if self.cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
         return self
+
+
+@dataclasses.dataclass
+class Ticket:
+    """A dispatched `generate` call: its result arrays on the device, and per busy slot the
+    slot's serial number and length bound at dispatch."""
+
+    out: tuple
+    slots: dict[int, tuple[int, int]]
+
+
+@dataclasses.dataclass
+class Results:
+    """Host copies of a decode call's slot buffers (`steps.generate`), and the slots they are
+    about (`Engine.collect`)."""
+
+    active: np.ndarray  # bool [B]
+    num_generated: np.ndarray  # int32 [B]
+    stopped: np.ndarray  # bool [B]
+    lengths: np.ndarray  # int32 [B]
+    tokens: np.ndarray  # int32 [B,M]
+    logprobs: np.ndarray  # f32 [B,M]
+    slots: list[int]
 
 
 @dataclasses.dataclass
@@ -152,3 +176,17 @@ def check_requests(ecfg: EngineConfig, prompts, g: int, max_new_tokens, request_
                 "raise num_pages"
             )
     return max_new, ids, need
+
+
+def take_slots(free_slots: list[int], g: int, group: int, num_slots: int) -> list[int]:
+    """g of the free slots for one group: an aligned block of g when one is free and the engine
+    runs cascade attention with blocks of `group` = g, else the free slots of partly used
+    blocks first, keeping whole blocks for later groups."""
+    free = set(free_slots)
+    if not g == group > 1:
+        return free_slots[:g]
+    for b0 in range(0, num_slots, g):
+        if all(s in free for s in range(b0, b0 + g)):
+            return list(range(b0, b0 + g))
+    whole = lambda s: all(t in free for t in range(s - s % g, s - s % g + g))
+    return sorted(free_slots, key=whole)[:g]

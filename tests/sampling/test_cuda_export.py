@@ -28,6 +28,7 @@ from configs import qwen3_0_6b_gsm8k
 from launch.validate import learner_config
 from models.sharding import make_mesh
 from rl.learner import Learner
+from sampling.lowering import lower_generate
 from sampling.paged_attention import paged_attention
 from tests.sampling.test_tpu_export import (
     MESHES,
@@ -50,7 +51,7 @@ def test_decode_step_lowers_for_cuda(mesh_name):
     # Power-of-two head_dim (64) and page_size (32), >= 16: the kernel, in a shard_map on the
     # mesh.
     assert engine.backend == "pallas_gpu"
-    lowered = engine.lower_generate(params, platforms=("cuda",))
+    lowered = lower_generate(engine, params, platforms=("cuda",))
     text = lowered.as_text()
     assert f"mhlo.num_partitions = {mesh.size}" in text
     assert TRITON in text

@@ -19,6 +19,7 @@ from models.sharding import init_params, make_mesh
 from sampling import cpu_attention
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.lowering import lower_generate
 from tests.conftest import random_prompts
 from tests.sampling.test_tpu_export import pool_copies
 
@@ -78,7 +79,7 @@ def test_kernels_in_shard_map_match_the_reference(backend, cache_dtype):
             np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6
         )
     # The kernel runs inside a shard_map: the lowered decode step has a manual computation.
-    text = engine.lower_generate(params).as_text()
+    text = lower_generate(engine, params).as_text()
     assert "manual" in text
 
 
@@ -100,6 +101,6 @@ def test_compiled_decode_step_copies_no_pool(backend, mesh_shape):
     engine = Engine(
         CFG, graphdef, dataclasses.replace(ECFG, backend=backend), SamplingParams(1.0), mesh=mesh
     )
-    text = engine.lower_generate(params).compile().as_text()
+    text = lower_generate(engine, params).compile().as_text()
     pool = (ECFG.num_pages, ECFG.page_size, CFG.head_dim)
     assert pool_copies(text, pool) == []

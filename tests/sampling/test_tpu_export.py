@@ -27,7 +27,8 @@ from launch.validate import engine_config, learner_config, sampling_params
 from models.config import ModelConfig, RopeScaling
 from models.sharding import abstract_model, make_mesh, state_shardings, with_shardings
 from rl.learner import Batch, Learner, batch_sharding
-from sampling.engine import MAX_PREFILL_BATCH, Engine, _bucket
+from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
+from sampling.lowering import lower_generate, lower_prefill
 from sampling.paged_attention import paged_attention, resolve_backend
 
 # The HF config.json of each checkpoint, as `models.hf_config.config_from_hf` reads it, with
@@ -97,7 +98,7 @@ def test_decode_step_lowers_for_tpu(name, mesh_name):
     # head_dim % 128 == 0 (Qwen3): the Mosaic kernel, inside a shard_map on the mesh.
     kernel = engine.cfg.head_dim % 128 == 0
     assert engine.backend == ("pallas_tpu" if kernel else "blockwise")
-    lowered = engine.lower_generate(params, platforms=("tpu",))
+    lowered = lower_generate(engine, params, platforms=("tpu",))
     text = lowered.as_text()
     assert f"mhlo.num_partitions = {mesh.size}" in text
     # The Mosaic kernel is in the module exactly when "auto" chose it.
@@ -159,10 +160,10 @@ def check_prefill_lowers(name, mesh_name, resume, platform):
     the configs' shapes, donates the pages and returns a state of the same shapes."""
     engine, params, mesh = _engine(name, mesh_name, platform)
     cfg, e = engine.cfg, engine.ecfg
-    lowered = engine.lower_prefill(params, platforms=(platform,), resume=resume)
+    lowered = lower_prefill(engine, params, platforms=(platform,), resume=resume)
     assert f"mhlo.num_partitions = {mesh.size}" in lowered.as_text()
     (_, state, tokens, lengths, page_rows, starts), _ = lowered.args_info
-    length = _bucket(e.max_prompt_len - 1)
+    length = bucket(e.max_prompt_len - 1)
     assert (tokens.shape, lengths.shape) == ((MAX_PREFILL_BATCH, length), (MAX_PREFILL_BATCH,))
     assert page_rows.shape == (MAX_PREFILL_BATCH, e.pages_per_seq)
     assert (starts is not None) == resume

@@ -1,0 +1,46 @@
+"""The engine's jitted calls lowered for abstract parameters and decode state, with nothing
+allocated: `launch.dry_run` compiles them for memory figures, and with `platforms` (e.g.
+("tpu",) or ("cuda",)) they run another platform's lowering on this host, Mosaic's and
+Triton's included, which is how the tests check that the real configs lower for TPU and GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.sharding import with_shardings
+from sampling import steps
+from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
+
+
+def _abstract_state(engine: Engine):
+    state = jax.eval_shape(engine._zeros)
+    shardings = engine.state_shardings()
+    return state if shardings is None else with_shardings(state, shardings)
+
+
+def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] | None = None):
+    """One `generate` call of `engine` (its config's steps_per_call, its cascade group)."""
+    e = engine.ecfg
+    return steps.generate.trace(
+        engine.graphdef, abstract_params, _abstract_state(engine), engine.sampling,
+        e.steps_per_call, tuple(e.stop_ids), e.min_new_tokens, engine.backend,
+        jax.random.key(0), engine.layout, engine._cascade_group(), e.interpret,
+    ).lower(lowering_platforms=platforms)  # fmt: skip
+
+
+def lower_prefill(
+    engine: Engine, abstract_params, platforms: tuple[str, ...] | None = None,
+    rows: int = MAX_PREFILL_BATCH, length: int | None = None, resume: bool = False,
+):  # fmt: skip
+    """One `prefill` call: `rows` prompts padded to `length` tokens (default the bucket of the
+    longest prompt, whose last token is not cached); `resume` adds the `starts` of a multi-turn
+    `Engine.resume` (new tokens after cached ones)."""
+    e = engine.ecfg
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    length = length or bucket(e.max_prompt_len - 1)
+    return steps.prefill.trace(
+        engine.graphdef, abstract_params, _abstract_state(engine), i32(rows, length), i32(rows),
+        i32(rows, e.pages_per_seq), engine.layout, i32(rows) if resume else None,
+    ).lower(lowering_platforms=platforms)  # fmt: skip
