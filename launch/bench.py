@@ -316,6 +316,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="sampler: roofline bench of this model shape")
     p.add_argument("--num_seqs", type=int, default=None, help="sampler: roofline bench, B seqs")
     p.add_argument("--dtype", default="auto", help="roofline: weights/cache dtype (auto: f32 CPU)")
+    p.add_argument("--decode_copy", action="store_true",
+                   help="roofline: f32 masters, with and without a decode-dtype copy")  # fmt: skip
     args = p.parse_args(argv)
     args.compare_backends = [b for b in args.compare_backends.split(",") if b]
     args.batch_sweep = [int(n) for n in args.batch_sweep.split(",") if n]

@@ -29,6 +29,10 @@ Reported, all measured in this one process:
   CPU) and the bandwidth of a large on-device copy measured here (x = x + 1 in place over a
   256 MiB array on CPU, 1 GiB on accelerators; bytes = read + write, median of `max(5, reps)`
   calls). On CPU a small model's weights sit in the caches, so the fraction can pass 1 there.
+
+`--decode_copy` keeps f32 master weights, as the training loop does, and times decoding from
+them (cast to the decode dtype inside every step) against decoding from a copy in the decode
+dtype made once per `generate_all` (`EngineConfig.weights_dtype`), with the copy's size.
 """
 
 from __future__ import annotations
@@ -138,14 +142,22 @@ def bench_shape(args) -> dict:
     dtype = (
         args.dtype if args.dtype != "auto" else "float32" if dev.platform == "cpu" else "bfloat16"
     )
-    cfg = ModelConfig(**SHAPES[name], dtype=dtype, param_dtype=dtype)
+    # --decode_copy: f32 master weights, as in training, decoded with and without a copy in the
+    # decode dtype (EngineConfig.weights_dtype); the roofline is the copy's.
+    masters = "float32" if args.decode_copy else dtype
+    cfg = ModelConfig(**SHAPES[name], dtype=dtype, param_dtype=masters)
     graphdef, params = init_params(cfg, make_mesh({}, devices=[dev]), seed=0)
     n_params = param_count(params)
     ekw = dict(steps_per_call=args.steps_per_call, backend=args.backend, page_size=args.page_size)
     prompts = _prompts(b // g, plen, cfg.vocab_size)
-    run, engine = engine_runner(cfg, graphdef, params, prompts, g, new, cache_dtype=dtype, **ekw)
-    run()  # a second warm-up: the second generate_all compiles prefill again (new state layout)
-    seconds = _interleaved({"engine": run}, args.reps)["engine"]
+    runs = {}
+    for copy in ("", dtype) if args.decode_copy else ("",):
+        kw = dict(ekw, cache_dtype=dtype, weights_dtype=copy)
+        runs[copy or "none"], engine = engine_runner(cfg, graphdef, params, prompts, g, new, **kw)
+        runs[copy or "none"]()  # a second warm-up: the second generate_all compiles prefill again
+    times = _interleaved(runs, args.reps)
+    seconds = times[dtype if args.decode_copy else "none"]
+    cfg = dataclasses.replace(cfg, param_dtype=dtype)  # the weights decoding reads
     copy_bytes = (256 if dev.platform == "cpu" else 1024) << 20
     copy_bw = copy_bandwidth(copy_bytes, max(5, args.reps))
     kv_len = mean_kv_len(plen, new)
@@ -165,6 +177,12 @@ def bench_shape(args) -> dict:
         copy_bytes=copy_bytes, copy_bytes_per_s=copy_bw, hbm_fraction_measured=achieved / copy_bw
     )
     r.update(table_bytes_per_s=peak, hbm_fraction_table=achieved / peak if peak else None)
+    if args.decode_copy:
+        r["decode_copy"] = dict(
+            tokens_per_s_masters=b * new / times["none"], tokens_per_s_copy=b * new / seconds,
+            speedup=times["none"] / seconds,
+            extra_bytes=n_params * jnp.dtype(dtype).itemsize,  # resident during the rollout
+        )  # fmt: skip
     return r
 
 
@@ -189,5 +207,12 @@ def table(r: dict) -> str:
         ("table HBM peak", "n/a" if peak is None else f"{peak / 1e9:.0f} GB/s"),
         ("fraction of table peak", "n/a" if frac is None else f"{frac:.1%}"),
     ]  # fmt: skip
+    if "decode_copy" in r:
+        c = r["decode_copy"]
+        rows[3:3] = [
+            ("engine, f32 masters (no copy)", f"{c['tokens_per_s_masters']:.0f} tok/s"),
+            (f"engine, {r['dtype']} decode copy", f"{c['tokens_per_s_copy']:.0f} tok/s, "
+             f"{c['speedup']:.2f}x, +{c['extra_bytes'] / 2**20:.1f} MiB"),
+        ]  # fmt: skip
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

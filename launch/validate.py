@@ -206,6 +206,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
           f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
     engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
+    _need(s.weights_dtype in ("", c.model.dtype), "sampling.weights_dtype", s.weights_dtype,
+          f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)")  # fmt: skip
     need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, g)
     _need(
         s.num_pages - 1 >= need, "sampling.num_pages", s.num_pages,

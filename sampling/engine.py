@@ -41,6 +41,8 @@ banned distribution, and the learner applies the same ban (`rl.learner.Batch.sto
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,13 @@ from sampling.state import DecodeState, host_values, state_shardings
 MAX_PREFILL_BATCH = 16  # prompts per prefill call
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_floats(params, dtype: str):
+    """A copy of params with floating leaves in dtype (others as they are), sharded alike."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(cast, params)
+
+
 def bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
@@ -87,6 +96,12 @@ class Engine:
         mesh: jax.sharding.Mesh | None = None, rules=DEFAULT_RULES,
     ):  # fmt: skip
         ecfg.validate()
+        if ecfg.weights_dtype not in ("", cfg.dtype):
+            raise ValueError(
+                f"weights_dtype={ecfg.weights_dtype!r}: a decode copy of the weights must be in "
+                f"the model's compute dtype {cfg.dtype!r} (the sampler's log-probs then stay the "
+                f"learner's to the bit), or '' for none"
+            )
         self.cfg, self.graphdef, self.ecfg, self.sampling = cfg, graphdef, ecfg, sampling
         # Hashable (a static jit argument), also for rules written as lists in a config.
         rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
@@ -145,6 +160,16 @@ class Engine:
     def state_shardings(self) -> DecodeState | None:
         """The NamedSharding of every DecodeState field, or None without a mesh."""
         return self._shardings
+
+    def decode_params(self, params):
+        """The weights decoding reads: `params` themselves (zero copy), or with
+        `weights_dtype` a copy in that dtype, sharded as they are, which `generate_all` makes
+        once per call (a rollout phase). The model casts every weight to the compute dtype
+        where it is used, so decoding from the copy gives the same bits; what it saves is the
+        f32 read and the cast of every weight at every decode step, for an extra
+        bytes(weights_dtype) per parameter while the rollout runs."""
+        dt = self.ecfg.weights_dtype
+        return params if not dt else _cast_floats(params, dt)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.ecfg.page_size)

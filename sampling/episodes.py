@@ -107,6 +107,7 @@ def generate_episodes(
     if not engine._len:  # no busy slot: the block size can change
         engine.group = g if g > 1 and e.num_slots % g == 0 else 1
     root = jax.random.key(seed)
+    params = engine.decode_params(params)  # a decode copy, if the config asks for one
     results: list[list[Completion | None]] = [[None] * g for _ in prompts]
     owner: dict[int, _Episode] = {}  # busy slot -> its episode
     mine: set[int] = set()  # every slot this call inserted into

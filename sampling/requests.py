@@ -29,6 +29,7 @@ class EngineConfig:
     backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
     cache_dtype: str = "float32"
     interpret: bool = False  # Pallas kernels in interpret mode: runs them on CPU (tests)
+    weights_dtype: str = ""  # "": decode from the params as given; else a copy, one per rollout
 
     @property
     def pages_per_seq(self) -> int:
@@ -51,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
+        if self.weights_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"weights_dtype={self.weights_dtype!r}: '', float32, bfloat16 or float16"
+            )
         if self.cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
         return self

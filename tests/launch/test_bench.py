@@ -74,7 +74,8 @@ def roofline(tmp_path_factory):
     """JSON of the roofline sampler bench on the tiny shape, 4 sequences (2 prompts x 2)."""
     path = tmp_path_factory.mktemp("roofline") / "sampler_shape.json"
     args = ["sampler", "--shape=tiny", "--num_seqs=4", "--num_samples=2", "--prompt_len=8",
-            "--new_tokens=8", "--steps_per_call=4", "--page_size=4", "--reps=1"]  # fmt: skip
+            "--new_tokens=8", "--steps_per_call=4", "--page_size=4", "--reps=1",
+            "--decode_copy"]  # fmt: skip
     assert main([*args, "--output", str(path)]) == 0
     return json.loads(path.read_text())
 
@@ -97,6 +98,10 @@ def test_bench_sampler_shape_tiny(roofline):
     assert r["hbm_fraction_measured"] == pytest.approx(achieved / r["copy_bytes_per_s"])
     assert 0 < r["hbm_fraction_measured"] <= 1
     assert r["table_bytes_per_s"] is None and r["hbm_fraction_table"] is None  # CPU
+    # --decode_copy on CPU: f32 masters and an f32 copy (the decode dtype), both timed.
+    c = r["decode_copy"]
+    assert c["extra_bytes"] == params * 4 and c["tokens_per_s_masters"] > 0
+    assert c["tokens_per_s_copy"] == pytest.approx(r["tokens_per_s"])
 
 
 def test_sampler_decode_step_bytes():

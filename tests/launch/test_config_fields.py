@@ -20,6 +20,7 @@ CHOICES = {
     "policy_loss": "cispo", "kl_estimator": "k2", "kl_in": "reward",
     "aggregation": "seq_mean_token_sum", "is_correction": "tis", "is_level": "sequence",
     "old_logp": "sampler", "backend": "blockwise", "cache_dtype": "bfloat16", "stop_ids": (61, 62),
+    "weights_dtype": "float32",
 }  # fmt: skip
 
 
@@ -33,9 +34,10 @@ def _fields(cls):
     return out
 
 
+# EngineConfig.interpret runs the Pallas kernels op by op on a CPU: a test switch, not a run's.
 FIELDS = sorted(
     {name for cls in (LossConfig, LearnerConfig, EngineConfig, SamplingParams)
-     for _, name in _fields(cls)}
+     for _, name in _fields(cls)} - {"interpret"}
 )  # fmt: skip
 
 
@@ -99,6 +101,7 @@ def test_every_field_is_documented_in_the_default_config():
         ("rl.kl_in=reward", "config.rl.kl_estimator='k3': kl_in='reward' folds k1"),
         ("optim.b1=-1.0", "config.optim.b1=-1.0"),
         ("sampling.min_new_tokens=9", "config.sampling.min_new_tokens=9: must be in [0, sampling.max_new_tokens = 5]"),
+        ("sampling.weights_dtype=bfloat16", "config.sampling.weights_dtype='bfloat16': a decode copy must be in model.dtype = 'float32'"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_config_field(override, message):
