@@ -10,11 +10,10 @@ to serialize that custom call unless told to (`DisabledSafetyCheck.custom_call`)
 compatibility guarantee for it. The engine lowers with `.lower(lowering_platforms=...)`, which
 runs the same lowering without that check.
 
-Parametrizations, to keep the cost down (tracing a model takes seconds): what is lowered for
-CUDA is what test_tpu_export lowers for TPU but for the attention kernel, so the engine's steps
-run on Llama-3.2-1B (16 layers, the cheapest to trace): decode (the Triton kernel) and prefill on
-one device and on its fsdp x tensor mesh, the train step (no kernel) on the mesh only. The kernel
-itself is lowered at the head shapes of all three configs (7, 2 and 4 q heads per KV head,
+Coverage: the decode step and prefill of all three configs on one device and on the config's
+mesh, as for TPU; the train step (no kernel: the same XLA ops as for TPU) on the mesh only, where
+it is partitioned, to keep the cost down (tracing a model takes seconds). The kernel itself is
+also lowered alone at the head shapes of all three configs (7, 2 and 4 q heads per KV head,
 head_dim 64 and 128) with the configs' bf16 pages of 32 tokens.
 """
 
@@ -42,14 +41,14 @@ from tests.sampling.test_tpu_export import (
 )
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
-CHEAPEST = "llama3.2-1b"
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
-def test_decode_step_lowers_for_cuda(mesh_name):
-    engine, params, mesh = _engine(CHEAPEST, mesh_name, "gpu")
-    # Power-of-two head_dim (64) and page_size (32), >= 16: the kernel, in a shard_map on the
-    # mesh.
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_step_lowers_for_cuda(name, mesh_name):
+    engine, params, mesh = _engine(name, mesh_name, "gpu")
+    # Power-of-two head_dim (64, 128) and page_size (32), >= 16: the kernel, in a shard_map on
+    # the mesh.
     assert engine.backend == "pallas_gpu"
     lowered = lower_generate(engine, params, platforms=("cuda",))
     text = lowered.as_text()
@@ -61,12 +60,14 @@ def test_decode_step_lowers_for_cuda(mesh_name):
 
 @pytest.mark.parametrize("resume", (False, True), ids=("prompts", "resume"))
 @pytest.mark.parametrize("mesh_name", MESHES)
-def test_prefill_lowers_for_cuda(mesh_name, resume):
-    check_prefill_lowers(CHEAPEST, mesh_name, resume, "cuda")
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_lowers_for_cuda(name, mesh_name, resume):
+    check_prefill_lowers(name, mesh_name, resume, "cuda")
 
 
-def test_train_step_lowers_for_cuda():
-    c, cfg, eos, graphdef, mesh, rules, shardings, params = _setup(CHEAPEST, "config-mesh")
+@pytest.mark.parametrize("name", MODELS)
+def test_train_step_lowers_for_cuda(name):
+    c, cfg, eos, graphdef, mesh, rules, shardings, params = _setup(name, "config-mesh")
     learner = Learner(learner_config(c, eos), graphdef, shardings)
     lowered = learner.lower_step(params, _batch(c, mesh, rules), platforms=("cuda",))
     text = lowered.as_text()
@@ -84,7 +85,7 @@ def test_pallas_gpu_lowers_for_cuda_but_jax_export_refuses_its_custom_call():
     serializes it only with the custom-call check disabled. Non-power-of-two head_dim fails in
     the Triton lowering itself (why "auto" needs powers of two). Unlike the TPU kernel, JAX
     lowers it on a replicated multi-device mesh (opaque to GSPMD: each device would run it on
-    the whole cache), so the engine refuses that itself (test_tpu_export)."""
+    the whole cache), which is why the engine runs it inside a shard_map."""
     f = jax.jit(functools.partial(paged_attention, backend="pallas_gpu"))
     export = jax.export.export(f, platforms=["cuda"])
     unchecked = jax.export.export(

@@ -1,13 +1,16 @@
-"""The shipped real configs lower for TPU: the sampler's decode step and prefill (fresh prompts and
-a multi-turn resume) and the learner's train step of Qwen2.5-0.5B, Qwen3-0.6B and Llama-3.2-1B, lowered for platform "tpu" from this CPU host (what
-`jax.export` does), on one device and on the config's 8-device mesh.
+"""The shipped real configs lower for TPU: the sampler's decode step and prefill (fresh prompts
+and a multi-turn resume) and the learner's train step of Qwen2.5-0.5B, Qwen3-0.6B and
+Llama-3.2-1B, lowered for platform "tpu" from this CPU host (what `jax.export` does), on one
+device and on the config's 8-device mesh.
 
 Lowering for TPU runs the real TPU lowering, Mosaic's included, without a TPU: a Pallas kernel
 that cannot lower for a shape fails here as it would on the chip. Everything is abstract
 (ShapeDtypeStruct, `models.sharding.abstract_model`): model shapes and sampler and batch sizes
 are the configs' own, and nothing is allocated. The decode step uses the backend that
-`resolve_backend("auto", platform="tpu", ...)` picks for its shape and mesh; a test exports the
-Pallas TPU kernel with `jax.export` to pin why "auto" avoids it for head_dim 64 and on a mesh.
+`resolve_backend("auto", platform="tpu", ...)` picks for its shape and mesh (the Mosaic kernel for
+head_dim 128, inside a shard_map on the mesh), and its lowered module must copy no KV pool
+(`pool_copies`); a test exports the Pallas TPU kernel alone with `jax.export` to pin why "auto"
+avoids it for head_dim 64 and why a mesh needs the shard_map.
 
 Cost: tracing a 24-28 layer train step takes several seconds per model and mesh on a 2-core CPU,
 a decode step 2-3 s, a prefill about 1 s; the layer counts are the real ones.
@@ -231,11 +234,11 @@ def _attention_args(cfg, page_size=32, pages=64, slots=8, pages_per_seq=27, shar
     return q, kv, kv, s((slots,), jnp.int32), s((slots, pages_per_seq), jnp.int32)
 
 
-def test_pallas_tpu_lowers_only_for_head_dim_multiple_of_128_on_one_device():
-    """Why "auto" avoids the Pallas TPU kernel for two of the three configs and on a mesh:
-    Mosaic needs a block's last dim divisible by 128 or whole, and the kernel's [..., 1]
-    softmax-state outputs get blocks of head_dim; and JAX does not partition a Mosaic kernel
-    outside shard_map."""
+def test_pallas_tpu_lowers_only_for_head_dim_multiple_of_128_and_not_partitioned():
+    """Why "auto" avoids the Pallas TPU kernel for two of the three configs, and why the engine
+    runs it inside a shard_map on a mesh: Mosaic needs a block's last dim divisible by 128 or
+    whole, and the kernel's [..., 1] softmax-state outputs get blocks of head_dim; and JAX does
+    not partition a Mosaic kernel outside shard_map."""
     f = jax.jit(functools.partial(paged_attention, backend="pallas_tpu"))
     export = jax.export.export(f, platforms=["tpu"])
     qwen3, qwen25, llama = (MODELS[n][1] for n in ("qwen3-0.6b", "qwen2.5-0.5b", "llama3.2-1b"))
