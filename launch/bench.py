@@ -50,7 +50,7 @@ from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh, param_count
-from sampling.distribution import SamplingParams, log_probs
+from sampling.distribution import SamplingParams, sample
 from sampling.engine import Engine, EngineConfig
 from sampling.page_allocator import group_pages
 
@@ -137,10 +137,8 @@ def attention_free_runner(cfg, graphdef, params, num_seqs, prompt_len, new_token
         def step(_, c):
             last, length, n, toks, lps = c
             logits, _ = model(last[:, None], length[:, None], None, CurrentV())
-            lp = log_probs(logits[:, 0], sampling)
             keys = jax.vmap(key_of)(rows // 8, rows % 8, n)
-            tok = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
-            tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+            tok, tok_lp = sample(logits[:, 0], sampling, None, keys)  # as the engine draws
             col = jnp.minimum(n, toks.shape[1] - 1)
             toks, lps = toks.at[rows, col].set(tok), lps.at[rows, col].set(tok_lp)
             return tok, length + 1, n + 1, toks, lps

@@ -23,7 +23,7 @@ Reported, all measured in this one process:
              blockwise backend reads a group's shared prompt pages once, so it may move less;
     logits   B x V x 4 (f32, written).
   Ignored: activations, the KV of the new token written (1 / mean_len of the KV read), page
-  tables, sampling's [B,V] passes (the logits are re-read by the log-softmax and sampler);
+  tables, sampling's [B,V] passes (one read of the logits, `sampling.distribution.sample`);
 - achieved bytes/s = bytes_per_step x steps/s, as a fraction of the HBM bandwidth: the peak of
   the chip from `HBM_PEAK` (matched on `jax.devices()[0].device_kind`, null when unknown, as on
   CPU) and the bandwidth of a large on-device copy measured here (x = x + 1 in place over a
@@ -74,6 +74,7 @@ SHAPES = {
 # HBM bytes/s by device_kind: the first row whose substrings all occur (lower case) wins, so
 # the more specific kinds come first. Vendor datasheet figures.
 HBM_PEAK = (
+    (("gh200",), 4.0e12),  # Grace Hopper, 96 GB HBM3 (the 144 GB HBM3e one: 4.9e12)
     (("h200",), 4.8e12),
     (("h100", "pcie"), 2.0e12),
     (("h100", "nvl"), 3.9e12),

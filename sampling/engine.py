@@ -167,9 +167,10 @@ class Engine:
         once per call (a rollout phase). The model casts every weight to the compute dtype
         where it is used, so decoding from the copy gives the same bits; what it saves is the
         f32 read and the cast of every weight at every decode step, for an extra
-        bytes(weights_dtype) per parameter while the rollout runs."""
+        bytes(weights_dtype) per parameter while the rollout runs. Weights already stored in
+        that dtype (param_dtype) are used as they are."""
         dt = self.ecfg.weights_dtype
-        return params if not dt else _cast_floats(params, dt)
+        return params if dt in ("", self.cfg.param_dtype) else _cast_floats(params, dt)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.ecfg.page_size)
@@ -307,26 +308,31 @@ class Engine:
             need = self._pages_for(bound) - len(self.table.row(s))
             if need > 0:
                 self.table.append(s, self.allocator.alloc(need))
-        if self._uploaded is None or not np.array_equal(self._uploaded, self.table.array):
-            self._uploaded = self.table.array.copy()
+        uploaded = self._uploaded
+        if uploaded is None or not np.array_equal(uploaded, self.table.array):
+            uploaded = self.table.array.copy()
             # Placed like the array it replaces: a call whose table was kept and one whose
             # table was uploaded then see the same input (one compile).
-            table = jax.device_put(self._uploaded, state.page_indices.sharding)
+            table = jax.device_put(uploaded, state.page_indices.sharding)
             state = state.replace(page_indices=table)
         state, out = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
             e.min_new_tokens, self.backend, root_key, self.layout, self._cascade_group(),
             e.interpret,
         )  # fmt: skip
+        self._uploaded = uploaded  # only once the call took the table
         if jax.process_count() == 1:
             for x in out:
                 x.copy_to_host_async()  # ready for `collect` as soon as the call ends
-        return state, Ticket(out, {s: (self._serial[s], self._len[s]) for s in self._len})
+        slots = {s: (self._serial[s], self._len[s]) for s in self._len}
+        return state, Ticket(out, slots, self._epoch)
 
     def collect(self, ticket: Ticket) -> Results:
         """The results of a dispatched call (blocks until it is done). `Results.slots` are the
         slots it decoded that still hold the same sequence; a slot found finished is settled
         (its exact length kept) so that calls dispatched after it leave it alone."""
+        if ticket.epoch is not self._epoch:
+            raise ValueError("ticket was dispatched before this engine's last init_state")
         r = Results(*host_values(ticket.out), slots=[])
         for s, (serial, bound) in ticket.slots.items():
             if self._serial[s] != serial or s not in self._len:

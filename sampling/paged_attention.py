@@ -45,7 +45,8 @@ Backend notes (jax 0.10.2):
   of `pages_per_compute_block` pages, and its q heads per KV head are padded to block_h = 16.
   The Triton lowering (which also runs when exporting for CUDA from a CPU host) needs H and
   page_size to be powers of two, and Triton's dot needs blocks of >= 16 keys, so "auto" uses it
-  for H and page_size powers of two >= 16 on one device; pages_per_seq may be any number.
+  for H and page_size powers of two >= 16, on one device or a mesh; pages_per_seq may be any
+  number.
 """
 
 from __future__ import annotations

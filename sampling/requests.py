@@ -68,6 +68,7 @@ class Ticket:
 
     out: tuple
     slots: dict[int, tuple[int, int]]
+    epoch: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass

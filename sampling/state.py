@@ -15,7 +15,7 @@ The hooks implement `models.attention.Attend`, so the one transformer runs uncha
   With `starts` (a multi-turn episode's new tokens after its cached history) the rows' pages are
   gathered after the write and the new tokens attend to the history too.
 - `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
-  attention over lengths[b] + 1 tokens. Idle slots write to the null page (position -1).
+  attention over lengths[b] + 1 tokens. Idle slots write nothing (position -1 is dropped).
 
 On a mesh (`state_shardings`) the KV pages are split over the mesh axes of the parameters'
 `kv_heads` (`tensor` by default), so each device caches exactly the heads its k/v projections
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
@@ -112,7 +112,15 @@ _AXES = DecodeState(
 
 def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
     """A DecodeState of NamedShardings for `state` (arrays or shape structs) on mesh."""
-    sharding = lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, rules, mesh))
+
+    def sharding(axes, x):
+        # Trailing Nones dropped: P('tensor') is how jit spells the outputs, and a state spelled
+        # P('tensor', None, None, None) by init_state would compile every call a second time.
+        spec = tuple(logical_to_spec(axes, x.shape, rules, mesh))
+        while spec and spec[-1] is None:
+            spec = spec[:-1]
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
     pools = {
         name: tuple(sharding(PAGE_AXES, x) for x in getattr(state, name))
         for name in ("k_pages", "v_pages")

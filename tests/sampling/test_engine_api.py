@@ -7,6 +7,7 @@ compiles are shared.
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -208,3 +209,24 @@ def test_init_state_resets_host_bookkeeping(tiny):
     engine.init_state()
     _assert_empty(engine)
     assert engine.worst_case_pages(21, 12, 8) == group_pages(21, 12, ECFG.page_size, 8)
+
+
+def test_a_stale_ticket_is_refused_and_a_late_one_leaves_the_next_sequence_alone(tiny):
+    """A decode call collected after the slot was freed and given a new sequence must not touch
+    the new one (its length bound, its pages); one dispatched before init_state is refused."""
+    graphdef, params = tiny
+    engine = _engine(graphdef)
+    short, long = random_prompts([5, 24])
+    state, p = engine.prefill(params, engine.init_state(), short)
+    state = engine.insert(state, p, 0, request_id=0, max_new=2)
+    state, late = engine.dispatch(params, state, jax.random.key(0))
+    state = engine.free_resource(state, 0)
+    state, p = engine.prefill(params, state, long)
+    state = engine.insert(state, p, 0, request_id=1, max_new=12)
+    before = _host(engine)
+    assert engine.collect(late).slots == []  # slot 0 holds another sequence now
+    _assert_same(before, _host(engine))
+    state, stale = engine.dispatch(params, state, jax.random.key(0))
+    state = engine.init_state()
+    with pytest.raises(ValueError, match="before this engine's last init_state"):
+        engine.collect(stale)
