@@ -16,7 +16,7 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
   are its two halves, so that the batch loop queues call n+1 before it reads call n.
 - `park` / `resume`: a sequence between two turns of an episode frees its slot but keeps its pages
   and their reservation; `resume` prefills only its new tokens (batched) after its cached history
-  and puts it in any free slot.
+  and puts it in any free slot (`sampling.turns`).
 
 Sharding: no `in_shardings`, so parameters are used in their own shardings, never gathered per
 call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
@@ -66,11 +66,11 @@ from sampling.requests import (
     Results,
     Ticket,
     check_prompt,
-    check_resume,
     check_slots,
     take_slots,
 )
 from sampling.state import DecodeState, host_values, state_shardings
+from sampling.turns import Turns
 
 MAX_PREFILL_BATCH = 16  # prompts per prefill call
 
@@ -86,7 +86,7 @@ def bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-class Engine:
+class Engine(Turns):
     """Host side of the sampler: allocator, page table, slot bookkeeping; device state is passed
     in and returned (donated) by every call. `mesh` (with the parameters' `rules`) lays the state
     out over the devices; None keeps it on the default device."""
@@ -380,66 +380,6 @@ class Engine:
         """Pages promised to busy slots and parked episodes but not yet allocated."""
         busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
         return busy + sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked)
-
-    def park(self, state, slots, last_tokens) -> tuple[DecodeState, list[Parked]]:
-        """Frees the slots of sequences whose turn ended but keep their pages, KV and page
-        reservation (a multi-turn episode waiting for its tool). `last_tokens[j]`: the last
-        token slot j sampled (not cached; `resume` feeds it). Returns a `Parked` per slot."""
-        slots = self._check_slots(slots)
-        idle = [s for s in slots if s not in self._cap]
-        if idle:
-            raise ValueError(f"slot(s) {idle} idle: nothing to park")
-        parked = []
-        for s, last in zip(slots, last_tokens):
-            p = Parked(self.table.clear_row(s), self._len.pop(s), int(last), self._cap.pop(s),
-                       *self._ids[s], self._epoch)  # fmt: skip
-            self._serial[s] += 1
-            self.free_slots.append(s)
-            self._parked.append(p)
-            parked.append(p)
-        return steps.release(state, np.asarray(slots, np.int32), self.layout), parked
-
-    def drop(self, parked: Parked) -> None:
-        """Returns a parked sequence's pages to the pool (its episode ended)."""
-        if parked in self._parked:
-            self._parked.remove(parked)
-            self.allocator.free(parked.pages)
-
-    def resume(self, params, state, items) -> DecodeState:
-        """Continues parked sequences: items are (parked, new_tokens, slot, max_new). The
-        parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after
-        its cached history (one batched call), and new_tokens[-1] is fed by the next decode
-        step; only these tokens are computed, never the history. The slots must be idle."""
-        slots = self._check_slots([it[2] for it in items])
-        busy = [s for s in slots if s in self._cap]
-        if busy:
-            raise ValueError(f"slot(s) {busy} busy: free_resource them first")
-        for p, new, _, max_new in items:
-            if p not in self._parked or p.epoch is not self._epoch:
-                raise ValueError("not a parked sequence of this engine (resumed or dropped?)")
-            check_resume(p, new, max_new)
-        seqs = [[p.last_token, *new] for p, new, _, _ in items]
-        for (p, *_), seq in zip(items, seqs):  # within the reservation: cannot run out
-            more = self._pages_for(p.cached_len + len(seq) - 1) - len(p.pages)
-            p.pages = p.pages + self.allocator.alloc(max(more, 0))  # may hold a page ahead
-        state = self._prefill_pages(
-            params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
-        )
-        for (p, _, s, max_new), seq in zip(items, seqs):
-            self._parked.remove(p)
-            self.free_slots.remove(s)
-            self.table.set_row(s, p.pages)
-            self._ids[s] = (p.request_id, p.sample_id)
-            self._serial[s] += 1
-            self._len[s] = p.cached_len + len(seq) - 1
-            self._cap[s] = p.cap
-            state = steps.insert(
-                state, np.array([s], np.int32), np.array([p.sample_id], np.int32),
-                np.int32(self._len[s]), np.int32(seq[-1]), np.int32(p.request_id),
-                np.int32(max_new), np.int32(0), np.zeros(0, np.int32), np.zeros(0, np.int32),
-                self.layout,
-            )  # fmt: skip
-        return state
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
