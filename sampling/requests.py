@@ -54,7 +54,7 @@ class EngineConfig:
             raise ValueError(f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
         if self.weights_dtype not in ("", "float32", "bfloat16", "float16"):
             raise ValueError(
-                f"weights_dtype={self.weights_dtype!r}: '', float32, bfloat16 or float16"
+                f"weights_dtype={self.weights_dtype!r}: must be '', float32, bfloat16 or float16"
             )
         if self.cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")

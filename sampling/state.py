@@ -100,10 +100,10 @@ def host_values(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-# Logical axes of each DecodeState field, named as in the parameters' rules table; PAGE_AXES
-# apply to every layer's pool.
+# Logical axes of each DecodeState field, named as in the parameters' rules table; the pools
+# (None here) get PAGE_AXES for every layer's array.
 _AXES = DecodeState(
-    k_pages=PAGE_AXES, v_pages=PAGE_AXES, page_indices=("batch", None), lengths=("batch",),
+    k_pages=None, v_pages=None, page_indices=("batch", None), lengths=("batch",),
     last_token=("batch",), active=("batch",), num_generated=("batch",), max_new=("batch",),
     request_id=("batch",), sample_id=("batch",), shared_len=("batch",), stopped=("batch",), tokens=("batch", None),
     logprobs=("batch", None),
@@ -126,11 +126,9 @@ def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
         for name in ("k_pages", "v_pages")
     }
     rest = jax.tree.map(
-        sharding,
-        _AXES.replace(k_pages=None, v_pages=None),
-        state.replace(k_pages=None, v_pages=None),
+        sharding, _AXES, state.replace(k_pages=None, v_pages=None),
         is_leaf=lambda x: isinstance(x, tuple),
-    )
+    )  # fmt: skip
     return rest.replace(**pools)
 
 
