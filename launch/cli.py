@@ -36,7 +36,10 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
         raise UsageError(f"--config: {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:  # the file's own line, not a traceback through importlib
+        raise UsageError(f"--config: {path}:{e.lineno}: {e.msg}") from None
     if not hasattr(module, "get_config"):
         raise UsageError(f"--config: {path} defines no get_config()")
     return module.get_config()

@@ -72,6 +72,15 @@ def config_from_hf(ckpt_dir: str, **overrides: Any) -> ModelConfig:
             f"{path}: architectures={archs} is not supported; expected one of {sorted(ARCHITECTURES)}"
         )
     family = ARCHITECTURES[known[0]]
+    # transformers builds the model from model_type (AutoConfig), not from architectures: both
+    # must name the family whose weights are loaded, or the checkpoint is not what it claims.
+    model_type = hf.get("model_type", family)
+    if model_type != family:
+        supported = ", ".join(f"{a} ({f})" for a, f in ARCHITECTURES.items())
+        raise CheckpointError(
+            f"{path}: model_type={model_type!r} with architectures={archs} is not supported "
+            f"(that architecture's model_type is {family!r}); supported: {supported}"
+        )
     for flag in ("mlp_bias",) + (("attention_bias",) if family == "llama" else ()):
         if hf.get(flag):
             raise CheckpointError(f"{path}: {flag}=true is not supported for {known[0]}")

@@ -67,10 +67,14 @@ def half(name):  # the first half of the asset's file
     return data[: len(data) // 2]
 
 
-def gpt2(name):
-    with open(os.path.join(ASSET, name)) as f:
-        config = json.load(f)
-    return json.dumps(dict(config, model_type="gpt2", architectures=["GPT2LMHeadModel"]))
+def hf_config(**changes):
+    """The asset's config.json with `changes`."""
+
+    def make(name):
+        with open(os.path.join(ASSET, name)) as f:
+            return json.dumps(dict(json.load(f), **changes))
+
+    return make
 
 
 def bad_count_reward(monkeypatch):
@@ -87,6 +91,7 @@ CATALOGUE = [
     # The command line and the config: parse_args and launch.validate, before anything is built.
     Case("unknown-field", "`--config.rl.num_generation=4` (a typo)", "--config.rl.num_generation: no such config field; did you mean 'rl.num_generations'?", ["--config.rl.num_generation=4"]),
     Case("config-file-missing", "`--config=/nope.py`", "--config: /nope.py does not exist", ["--config=/nope.py"]),
+    Case("config-file-syntax-error", "`--config=bad.py`, a config file with a syntax error on line 3", "--config: bad.py:3: invalid syntax", ["--config=bad.py"], write("bad.py", "def get_config():\n    c = {}\n    return c c\n")),
     Case("wrong-type", "`--config.num_steps=abc`", "--config.num_steps=abc: expected int, got str 'abc'", ["--config.num_steps=abc"]),
     Case("float-for-int", "`--config.num_steps=1.5`", "--config.num_steps=1.5: expected int, got float 1.5", ["--config.num_steps=1.5"]),
     Case("negative-num-steps", "`--config.num_steps=-1`", "config.num_steps=-1: must be >= 0", EIGHT + ["--config.num_steps=-1"]),
@@ -119,7 +124,8 @@ CATALOGUE = [
     Case("data-file-missing", "`data.train.path`: a jsonl file that does not exist", "config.data.train.path='missing.jsonl': no jsonl file there", EIGHT + JSONL + ["missing.jsonl"]),
     Case("checkpoint-missing", "`--config.model.hf_checkpoint=/nope`", "config.model.hf_checkpoint='/nope': not a directory", EIGHT + ["--config.model.hf_checkpoint=/nope"]),
     Case("checkpoint-config-garbled", "`--config.model.hf_checkpoint=ckpt`, its config.json cut short", "config.model.hf_checkpoint='ckpt': ckpt/config.json: invalid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": '{"architectures": '})),
-    Case("checkpoint-unsupported-architecture", "`--config.model.hf_checkpoint=ckpt`, its config.json of a GPT2LMHeadModel (`model_type` gpt2)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: architectures=['GPT2LMHeadModel'] is not supported", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": gpt2})),
+    Case("checkpoint-unsupported-architecture", "`--config.model.hf_checkpoint=ckpt`, its config.json of a GPT2LMHeadModel (`model_type` gpt2)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: architectures=['GPT2LMHeadModel'] is not supported", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(model_type="gpt2", architectures=["GPT2LMHeadModel"])})),
+    Case("checkpoint-unsupported-model-type", "`--config.model.hf_checkpoint=ckpt`, its config.json with `model_type` gpt2 beside `architectures` LlamaForCausalLM", "config.model.hf_checkpoint='ckpt': ckpt/config.json: model_type='gpt2' with architectures=['LlamaForCausalLM'] is not supported (that architecture's model_type is 'llama'); supported: LlamaForCausalLM (llama), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3)", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(model_type="gpt2")})),
     Case("workdir-under-a-file", "`--workdir afile/run`, where afile is a file (see below for read-only paths)", "--workdir afile/run: afile is not a directory", EIGHT, write("afile", "x"), workdir="afile/run"),
     # Data and model files: launch.train.prepare, before the new workdir exists.
     Case("data-file-empty", "`data.train.path`: an empty jsonl file", "empty.jsonl: no records (empty jsonl data)", EIGHT + JSONL + ["empty.jsonl"], write("empty.jsonl", ""), workdir="new"),
