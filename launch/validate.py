@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from launch.cli import UsageError, config_json
+from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
@@ -109,9 +110,9 @@ def learner_config(c: ml_collections.ConfigDict, eos_ids) -> LearnerConfig:
 
 def model_overrides(c: ml_collections.ConfigDict) -> dict:
     """The ModelConfig fields the run's config sets (config.json of the checkpoint decides the
-    rest): dtypes, remat and LoRA (config.model.lora; absent = off)."""
+    rest): dtypes, remat, attention and LoRA (config.model.lora; absent = off)."""
     m = c.model
-    out = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    out = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
     lo = m.get("lora")
     if lo is not None and lo.rank:
         out.update(lora_rank=lo.rank, lora_alpha=float(lo.alpha), lora_dropout=float(lo.dropout),
@@ -198,6 +199,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(c.keep_checkpoints >= 1, "keep_checkpoints", c.keep_checkpoints, "must be >= 1")
     for field in ("dtype", "param_dtype"):
         _need(c.model[field] in DTYPES, f"model.{field}", c.model[field], f"one of {DTYPES}")
+    _need(c.model.attention in ATTENTION, "model.attention", c.model.attention,
+          f"expected one of {ATTENTION}")  # fmt: skip
     _check_lora(c)
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")

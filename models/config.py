@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# Learner attention (models/attention.causal_hook): "dense" is the reference, [B,K,R,T,T] scores;
+# "blockwise" is pure-JAX flash attention, memory linear in T (models/flash.py); "auto" picks
+# dense on CPU for rows of one block (T <= 128) and blockwise otherwise.
+ATTENTION = ("auto", "dense", "blockwise")
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -52,6 +57,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     dtype: str = "float32"  # compute dtype; bfloat16 on accelerators
     remat: bool = False  # rematerialise each block in the backward pass
+    attention: str = "auto"  # learner attention: one of ATTENTION (see there)
     # LoRA adapters (models/lora.py): rank 0 = off. alpha / rank scales the adapters' output.
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -65,6 +71,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"ModelConfig.attention={self.attention!r}: expected one of {ATTENTION}"
             )
         if self.lora_rank < 0:
             raise ValueError(f"ModelConfig.lora_rank={self.lora_rank}: must be >= 0 (0 = off)")

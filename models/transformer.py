@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import lora
-from models.attention import DenseCausal, apply_rope, rope_inv_freq
+from models.attention import apply_rope, causal_hook, rope_inv_freq
 from models.config import ModelConfig
 
 _INIT = nnx.initializers.normal(0.02)
@@ -143,14 +143,14 @@ class Transformer(nnx.Module):
 
         valid bool [B,T] marks real tokens (default: all), or int [B,T] gives the segment ids of
         packed rows (0 = padding; `models.attention.causal_mask`); it is used only by the default
-        dense hook. `attend` replaces that hook, e.g. with the sampler's paged KV cache.
+        hook (dense or blockwise, `cfg.attention`). `attend` replaces that hook, e.g. with the
+        sampler's paged KV cache.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         if attend is None:
-            attend = DenseCausal.from_valid(
-                jnp.ones(tokens.shape, bool) if valid is None else valid
-            )
+            valid = jnp.ones(tokens.shape, bool) if valid is None else valid
+            attend = causal_hook(valid, cfg.attention)
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B,T,D]
         for layer, block in enumerate(self.blocks):
