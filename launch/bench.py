@@ -36,84 +36,32 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
+from launch.bench_common import (
+    SMALL,
+    TINY,
+    engine_runner,
+    interleaved,
+    random_prompts,
+    square_matmuls,
+)
 from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh, param_count
 from sampling.distribution import SamplingParams, sample
-from sampling.engine import Engine, EngineConfig
-from sampling.page_allocator import group_pages
-
-SMALL = dict(vocab_size=4096, d_model=256, d_ff=1024, num_layers=4, num_heads=8)
-SMALL.update(num_kv_heads=2, head_dim=32)
-TINY = dict(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_heads=4)
-TINY.update(num_kv_heads=2, head_dim=8)
-
-
-def _interleaved(runs: dict, reps: int) -> dict:
-    """Median seconds of each run, the runs alternating so that load from other processes hits
-    them alike (the ratios are what the bench is for). Each run is called once first (compile)."""
-    for fn in runs.values():
-        fn()
-    times = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, fn in runs.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def square_matmuls(sizes=(1024, 2048)) -> dict:
-    """{"matmul_n": run} timing one f32 n x n matmul each (2 n^3 FLOPs)."""
-    f = jax.jit(lambda a: a @ a)
-    runs = {}
-    for n in sizes:
-        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-        runs[f"matmul_{n}"] = functools.partial(lambda a: f(a).block_until_ready(), a)
-    return runs
 
 
 def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
     """Best f32 FLOP/s of square matmuls measured on the spot (the compute floor's peak)."""
-    t = _interleaved(square_matmuls(sizes), reps)
+    t = interleaved(square_matmuls(sizes), reps)
     return max(2 * n**3 / t[f"matmul_{n}"] for n in sizes)
-
-
-def _prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0):
-
-    rng = np.random.default_rng(seed)
-    return rng.integers(1, vocab, (num_prompts, prompt_len)).tolist()
-
-
-def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None, **ecfg_kw):
-    """(run, engine): run() samples every prompt g times with `Engine.generate_all`."""
-
-    plen = len(prompts[0])
-    worst = group_pages(plen, new_tokens, ecfg_kw["page_size"], g)
-    num_slots = num_slots or len(prompts) * g
-    ecfg = EngineConfig(
-        num_slots=num_slots, num_pages=worst * (num_slots // g) + 1,
-        max_prompt_len=plen, max_new_tokens=new_tokens, **ecfg_kw,
-    )  # fmt: skip
-    engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=1.0))
-    box = {"state": engine.init_state()}
-
-    def run():
-        box["state"], results = engine.generate_all(params, box["state"], prompts, g, new_tokens)
-        assert all(c.length == new_tokens for r in results for c in r)
-
-    return run, engine
 
 
 def attention_free_runner(cfg, graphdef, params, num_seqs, prompt_len, new_tokens, steps_per_call):
@@ -198,7 +146,7 @@ def bench_sampler(args) -> dict:
     r["workload"] = dict(prompt_len=plen, new_tokens=new, num_samples=g, temperature=1.0)
 
     # 64 sequences: engine against HF generate.
-    prompts = _prompts(args.num_prompts, plen, cfg.vocab_size)
+    prompts = random_prompts(args.num_prompts, plen, cfg.vocab_size)
     n64 = len(prompts) * g
     run, engine = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)
     r["engine"] = dict(ekw, backend_resolved=engine.backend)  # what "auto" picked here
@@ -206,7 +154,7 @@ def bench_sampler(args) -> dict:
     hf = None if args.no_hf else hf_runner(cfg, params, prompts, g, new)
     if hf is not None:
         runs["hf"] = hf
-    t = _interleaved(runs, args.reps)
+    t = interleaved(runs, args.reps)
     r.update(num_seqs=n64, tokens_per_s=n64 * new / t["engine"])
     r["hf_generate_tokens_per_s"] = n64 * new / t["hf"] if hf else None
     r["ratio_vs_hf"] = t["hf"] / t["engine"] if hf else None
@@ -214,7 +162,7 @@ def bench_sampler(args) -> dict:
     r["dense_pages"] = n64 * engine.ecfg.pages_per_seq  # one unshared row per sequence
 
     # 256 sequences: engine against the attention-free loop and the compute floor.
-    prompts = _prompts(args.num_prompts_256, plen, cfg.vocab_size, seed=1)
+    prompts = random_prompts(args.num_prompts_256, plen, cfg.vocab_size, seed=1)
     n256 = len(prompts) * g
     runs = {"engine": engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)[0]}
     runs["free"] = attention_free_runner(
@@ -223,7 +171,7 @@ def bench_sampler(args) -> dict:
     for backend in args.compare_backends:
         kw = dict(ekw, backend=backend)
         runs[backend] = engine_runner(cfg, graphdef, params, prompts, g, new, **kw)[0]
-    t = _interleaved(runs, args.reps)
+    t = interleaved(runs, args.reps)
     peak = matmul_peak_flops(reps=args.reps + 2)
     floor = peak / (2 * n_params)  # tokens/s if every parameter's 2 FLOPs ran at the peak
     tps = n256 * new / t["engine"]
@@ -245,9 +193,9 @@ def _batch_sweep(cfg, graphdef, params, g, new, plen, ekw, args) -> list[dict]:
     """Engine tokens/s against the number of sequences decoded together (all in their own slot)."""
     runs = {}
     for n in args.batch_sweep:
-        prompts = _prompts(max(1, n // g), plen, cfg.vocab_size, seed=2)
+        prompts = random_prompts(max(1, n // g), plen, cfg.vocab_size, seed=2)
         runs[n] = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)[0]
-    t = _interleaved(runs, args.reps)
+    t = interleaved(runs, args.reps)
     return [dict(num_seqs=max(1, n // g) * g, tokens_per_s=max(1, n // g) * g * new / t[n])
             for n in runs]  # fmt: skip
 
@@ -262,7 +210,7 @@ def _sweep(cfg, graphdef, params, prompts, g, new, ekw, reps) -> list[dict]:
             runs[(steps, slots)] = engine_runner(
                 cfg, graphdef, params, prompts, g, new, num_slots=slots, **kw
             )[0]
-    for (steps, slots), t in _interleaved(runs, reps).items():
+    for (steps, slots), t in interleaved(runs, reps).items():
         tps = len(prompts) * g * new / t
         rows.append(dict(steps_per_call=steps, num_slots=slots, tokens_per_s=tps))
     return rows

@@ -24,7 +24,7 @@ import functools
 import jax
 import numpy as np
 
-from launch.bench import _interleaved, square_matmuls
+from launch.bench_common import TINY, interleaved, square_matmuls
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, param_count, state_shardings
 from rl.learner import Learner, LearnerConfig, batch_sharding
@@ -35,8 +35,6 @@ from sampling.requests import Completion
 
 LEARN = dict(vocab_size=4096, d_model=512, d_ff=1536, num_layers=8, num_heads=8)
 LEARN.update(num_kv_heads=2, head_dim=64)
-TINY = dict(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_heads=4)
-TINY.update(num_kv_heads=2, head_dim=8)
 
 
 def skewed_lengths(n: int, low: int, high: int, seed: int = 0) -> np.ndarray:
@@ -99,7 +97,7 @@ def bench_learn(args) -> dict:
         runs[name] = _step_runner(learner, box, place(_with_advantages(batch)))
     sizes = (256, 512) if args.quick else (1024, 2048)
     runs.update(square_matmuls(sizes))  # the peak, timed alongside: load hits both alike
-    t = _interleaved(runs, args.reps)
+    t = interleaved(runs, args.reps)
     peak = max(2 * n**3 / t[f"matmul_{n}"] for n in sizes)
     tps = rows * seq / t["full"]
     flops = 6 * n_params + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq

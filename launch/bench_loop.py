@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from launch.bench import SMALL, TINY, _prompts
+from launch.bench_common import SMALL, TINY, random_prompts
 from launch.bench_learn import skewed_lengths
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
@@ -49,7 +49,7 @@ class Loop:
         graphdef, params = init_params(cfg, mesh, seed=0)
         self.ref_params = jax.tree.map(lambda x: x.copy(), params)
         g, n_prompts, plen = (2, 2, 8) if quick else (8, 8, 64)
-        self.prompts = _prompts(n_prompts, plen, cfg.vocab_size)
+        self.prompts = random_prompts(n_prompts, plen, cfg.vocab_size)
         self.g, self.skewed = g, args.lengths == "skewed"
         n = n_prompts * g
         if self.skewed:

@@ -44,7 +44,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from launch.bench import SMALL, TINY, _interleaved, _prompts, engine_runner
+from launch.bench_common import SMALL, TINY, engine_runner, interleaved, random_prompts
 from models.config import ModelConfig, RopeScaling
 from models.sharding import init_params, make_mesh, param_count
 
@@ -150,13 +150,13 @@ def bench_shape(args) -> dict:
     graphdef, params = init_params(cfg, make_mesh({}, devices=[dev]), seed=0)
     n_params = param_count(params)
     ekw = dict(steps_per_call=args.steps_per_call, backend=args.backend, page_size=args.page_size)
-    prompts = _prompts(b // g, plen, cfg.vocab_size)
+    prompts = random_prompts(b // g, plen, cfg.vocab_size)
     runs = {}
     for copy in ("", dtype) if args.decode_copy else ("",):
         kw = dict(ekw, cache_dtype=dtype, weights_dtype=copy)
         runs[copy or "none"], engine = engine_runner(cfg, graphdef, params, prompts, g, new, **kw)
         runs[copy or "none"]()  # a second warm-up: the second generate_all compiles prefill again
-    times = _interleaved(runs, args.reps)
+    times = interleaved(runs, args.reps)
     seconds = times[dtype if args.decode_copy else "none"]
     cfg = dataclasses.replace(cfg, param_dtype=dtype)  # the weights decoding reads
     copy_bytes = (256 if dev.platform == "cpu" else 1024) << 20

@@ -24,7 +24,7 @@ from models import lora
 from models.config import ModelConfig
 from models.hf import load_hf
 from models.hf_config import GenerationIds
-from models.sharding import make_mesh, state_shardings
+from models.sharding import base_graphdef, make_mesh, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer, checksums
 from rl.envs import Environment, make_env
@@ -94,7 +94,7 @@ def build(config, with_reference: bool = True) -> Run:
         ref_params = load_hf(m.hf_checkpoint, mesh, rules, **overrides)[2]
     tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
-    base = lora.base_graphdef(model_cfg) if model_cfg.lora_rank else None
+    base = base_graphdef(model_cfg) if model_cfg.lora_rank else None
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base)
     env = make_env(config.env.name, tokenizer, config) if config.env.name else None
     # A turn also ends on the environment's stop ids (a tool-call close).

@@ -23,7 +23,14 @@ from jax.sharding import PartitionSpec as P
 from launch.validate import engine_config, learner_config, model_overrides, sampling_params
 from models import lora
 from models.hf_config import config_from_hf, generation_ids
-from models.sharding import abstract_model, make_mesh, param_count, state_shardings, with_shardings
+from models.sharding import (
+    abstract_model,
+    base_graphdef,
+    make_mesh,
+    param_count,
+    state_shardings,
+    with_shardings,
+)
 from rl.learner import Batch, Learner, TrainState, batch_sharding
 from sampling.engine import Engine
 from sampling.lowering import lower_generate
@@ -82,7 +89,7 @@ def dry_run(config) -> int:
 
     rollout_rows = config.data.prompts_per_step * config.rl.num_generations
     row_sh = batch_sharding(mesh, rules)
-    base = lora.base_graphdef(cfg) if cfg.lora_rank else None
+    base = base_graphdef(cfg) if cfg.lora_rank else None
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base)
     step = learner.lower_step(params, _batch(config, rollout_rows // config.rl.minibatches, row_sh))
     logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))

@@ -34,7 +34,14 @@ from models.hf_config import (
     generation_config_to_hf,
     generation_ids,
 )
-from models.sharding import DEFAULT_RULES, abstract_model, is_var, path_name, state_shardings
+from models.sharding import (
+    DEFAULT_RULES,
+    abstract_model,
+    init_adapters,
+    is_var,
+    path_name,
+    state_shardings,
+)
 
 _DTYPES = {
     "float32": np.float32,
@@ -125,7 +132,7 @@ def load_hf(ckpt_dir: str, mesh, rules=DEFAULT_RULES, seed: int = 0, **config_ov
     params = _load_base(ckpt_dir, lora.base_config(cfg), mesh, rules)
     graphdef = abstract_model(cfg)[0]
     if cfg.lora_rank:
-        params = nnx.merge_state(lora.init_adapters(cfg, mesh, rules, seed), params)
+        params = nnx.merge_state(init_adapters(cfg, mesh, rules, seed), params)
     return cfg, graphdef, params, ids
 
 

@@ -12,6 +12,8 @@ trainable filter `ADAPTERS`) and only they have optimizer state.
 Adapters off: `base(params)` drops the LoRAParams. What is left has exactly the structure of the
 same model without LoRA, so `nnx.merge(base_graphdef(cfg), base(params))` is the starting model on
 the very same arrays: the KL term's reference policy costs no second copy of the weights.
+(`base_graphdef` and `init_adapters`, which build the whole model, are in `models.sharding` next
+to `abstract_model` and `init_params`: the transformer imports this module, not the reverse.)
 
 Why `nnx.LoRA` rather than qwix: the model calls its projections as einsums on raw `nnx.Param`s
 (so that head axes can be sharded by name), not as `nnx.Linear` modules that qwix's provider would
@@ -97,13 +99,6 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, **fields)
 
 
-def base_graphdef(cfg: ModelConfig):
-    """The graph of the same model without adapters (for `base(params)`)."""
-    from models.sharding import abstract_model
-
-    return abstract_model(base_config(cfg))[0]
-
-
 def split(params) -> tuple[nnx.State, nnx.State]:
     """(adapters, base) of a params State."""
     return nnx.split_state(params, ADAPTERS, ...)
@@ -166,17 +161,3 @@ def peft_config(cfg: ModelConfig, base_model: str) -> dict:
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
         "init_lora_weights": True, "modules_to_save": None,
     }  # fmt: skip
-
-
-def init_adapters(cfg: ModelConfig, mesh, rules, seed: int) -> nnx.State:
-    """The adapters of a fresh LoRA model (A random, B zero), created in their shardings. The
-    whole model is traced, but only the adapters are outputs: XLA computes nothing else."""
-    from models.sharding import abstract_model, state_shardings
-    from models.transformer import Transformer
-
-    abstract = abstract_model(cfg)[1]
-    shardings = state_shardings(split(abstract)[0], mesh, rules)
-    init = jax.jit(lambda: split(nnx.state(Transformer(cfg, nnx.Rngs(seed))))[0],
-                   out_shardings=shardings)  # fmt: skip
-    with jax.set_mesh(mesh):
-        return init()

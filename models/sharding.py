@@ -12,7 +12,7 @@ Two choices a reader may question:
   name each mesh axis once).
 
 Parameters are created directly sharded: `init_params` jits the initialiser with `out_shardings`, so
-no device ever holds a full unsharded copy.
+no device ever holds a full unsharded copy (`init_adapters` likewise for a LoRA model's adapters).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from models import lora
 from models.config import ModelConfig
 from models.transformer import Transformer
 
@@ -137,6 +138,22 @@ def init_params(cfg: ModelConfig, mesh, rules=DEFAULT_RULES, seed: int = 0):
     init = jax.jit(init, out_shardings=shardings)
     with jax.set_mesh(mesh):
         return graphdef, init()
+
+
+def base_graphdef(cfg: ModelConfig):
+    """The graph of the same model without LoRA adapters (for `lora.base(params)`)."""
+    return abstract_model(lora.base_config(cfg))[0]
+
+
+def init_adapters(cfg: ModelConfig, mesh, rules, seed: int) -> nnx.State:
+    """The adapters of a fresh LoRA model (A random, B zero), created in their shardings. The
+    whole model is traced, but only the adapters are outputs: XLA computes nothing else."""
+    abstract = abstract_model(cfg)[1]
+    shardings = state_shardings(lora.split(abstract)[0], mesh, rules)
+    init = jax.jit(lambda: lora.split(nnx.state(Transformer(cfg, nnx.Rngs(seed))))[0],
+                   out_shardings=shardings)  # fmt: skip
+    with jax.set_mesh(mesh):
+        return init()
 
 
 def path_name(path) -> str:

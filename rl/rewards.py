@@ -10,7 +10,8 @@ completion. `fields` are the data record's other columns as lists aligned with `
         return [float(c.rstrip().endswith(".")) for c in completions]
 
 then give it a weight next to the others in the config's name -> weight dict; `combined_rewards`
-sums them.
+sums them. The registry itself is `rl/reward_registry.py` (re-exported here): a reward module that
+this one imports, like `rl/code_rewards.py`, registers through it, so that no import runs back.
 
 Rewards see text, not token ids: the tokenizer's decode is the one place ids become text, and a
 reward written against text works for every tokenizer. Completions are expected cut at their
@@ -29,31 +30,13 @@ import inspect
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
 import numpy as np
 
-RewardFn = Callable[..., Sequence[float]]
-REWARDS: dict[str, RewardFn] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator adding a reward function to the registry under `name`."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered (by {REWARDS[name]!r})")
-        REWARDS[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_reward(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise KeyError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
-    return REWARDS[name]
+from rl import code_rewards  # noqa: F401  (registers python_tests)
+from rl.reward_registry import REWARDS, RewardFn, get_reward, register_reward
 
 
 def _required_fields(fn: RewardFn) -> list[str]:
@@ -345,8 +328,3 @@ def math_verify_reward(prompts, completions, *, answer, **_):
         pred = parsed(content)
         out.append(float(bool(pred) and verify(gold, pred, timeout_seconds=None)))
     return out
-
-
-# rl/code_rewards.py registers `python_tests` and imports register_reward from this module; with
-# this import last, either module may be imported first.
-from rl import code_rewards  # noqa: E402,F401  (registers python_tests)

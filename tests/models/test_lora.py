@@ -13,7 +13,7 @@ from flax import nnx
 from models import lora
 from models.hf import load_hf, save_adapter, save_hf
 from models.hf_config import config_from_hf
-from models.sharding import flatten, make_mesh
+from models.sharding import base_graphdef, flatten, make_mesh
 from tests.conftest import FIXTURES
 from tests.models.test_hf import NAMES, _hf_logits, _our_logits, _reference
 
@@ -48,7 +48,7 @@ def test_adapted_forward_is_the_folded_weights_and_adapters_off_is_the_base(name
     cfg, graphdef, params, _ = _lora_model(name, mesh)
     adapted = _our_logits(graphdef, params, ref)
     # Independent: the plain model on W + (alpha / r) A B, folded on the host in float64.
-    folded = _our_logits(lora.base_graphdef(cfg), lora.merge(cfg, params), ref)
+    folded = _our_logits(base_graphdef(cfg), lora.merge(cfg, params), ref)
     np.testing.assert_allclose(adapted[valid], folded[valid], atol=1e-5, rtol=0)
     plain_cfg, plain_graphdef, plain, _ = load_hf(os.path.join(FIXTURES, name), mesh)
     assert plain_cfg == lora.base_config(cfg)
@@ -56,7 +56,7 @@ def test_adapted_forward_is_the_folded_weights_and_adapters_off_is_the_base(name
     base = lora.base(params)
     ids = {id(x) for x in jax.tree.leaves(params)}
     assert all(id(x) in ids for x in jax.tree.leaves(base))  # the policy's own arrays, no copy
-    off = _our_logits(lora.base_graphdef(cfg), base, ref)
+    off = _our_logits(base_graphdef(cfg), base, ref)
     np.testing.assert_array_equal(off, _our_logits(plain_graphdef, plain, ref))
     assert np.abs(adapted[valid] - off[valid]).max() > 1e-3  # the adapters do something
 

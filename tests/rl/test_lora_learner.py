@@ -11,7 +11,14 @@ import pytest
 from flax import nnx
 
 from models import lora
-from models.sharding import DEFAULT_RULES, flatten, init_params, make_mesh, state_shardings
+from models.sharding import (
+    DEFAULT_RULES,
+    base_graphdef,
+    flatten,
+    init_params,
+    make_mesh,
+    state_shardings,
+)
 from rl.checkpoint import Checkpointer
 from rl.learner import Learner, LearnerConfig, batch_sharding
 from rl.losses import LossConfig
@@ -30,7 +37,7 @@ def setup():
     adapters = jax.tree.map(lambda x: x + 0.05 * jnp.ones_like(x), adapters)  # B != 0
     params = nnx.merge_state(adapters, base)
     shardings = state_shardings(params, mesh, DEFAULT_RULES)
-    learner = Learner(CONFIG, graphdef, shardings, lora.base_graphdef(LCFG))
+    learner = Learner(CONFIG, graphdef, shardings, base_graphdef(LCFG))
     batch = jax.device_put(_batch(), batch_sharding(mesh, DEFAULT_RULES))
     return mesh, learner, params, batch
 
@@ -41,7 +48,7 @@ def test_adapter_gradients_follow_the_chain_rule(setup):
     mesh, learner, params, batch = setup
     grads = flatten(learner.grads(params, batch)[0])
     folded = lora.merge(LCFG, params)
-    full = Learner(CONFIG, lora.base_graphdef(LCFG), state_shardings(folded, mesh, DEFAULT_RULES))
+    full = Learner(CONFIG, base_graphdef(LCFG), state_shardings(folded, mesh, DEFAULT_RULES))
     g_full = flatten(full.grads(folded, batch)[0])
     assert set(grads) == set(flatten(lora.split(params)[0]))  # gradients of the adapters only
     p, s = flatten(params), LCFG.lora_alpha / LCFG.lora_rank
@@ -62,7 +69,7 @@ def test_only_adapters_train_and_the_reference_is_the_base(setup, tmp_path):
     mesh, learner, params, batch = setup
     base_before = {k: np.asarray(v) for k, v in flatten(lora.base(params)).items()}
     # Reference = adapters off: the plain model on the same base arrays.
-    plain = Learner(CONFIG, lora.base_graphdef(LCFG), learner.split(learner.param_shardings)[1])
+    plain = Learner(CONFIG, base_graphdef(LCFG), learner.split(learner.param_shardings)[1])
     ref = learner.reference_logprobs(params, None, batch)
     np.testing.assert_array_equal(ref, plain.logprobs(lora.base(params), batch, "full"))
     assert (
