@@ -1,6 +1,7 @@
 """The parts of a training run, built from its config: mesh, tokenizer, policy (and reference),
-learner, train state, sampler engines and the rollout. `launch.train` builds them once; `load_run`
-rebuilds them for a finished run's checkpoint (`launch.eval`, `launch.export`).
+learner, train state, sampler engines and the rollout. `launch.train` builds them once and
+resumes with `restore_latest`; `load_run` rebuilds them for a finished run's checkpoint
+(`launch.eval`, `launch.export`).
 
 The reference policy, when the KL term is on, is a second frozen copy of the starting checkpoint
 loaded in the same shardings (no optimizer state); with LoRA (`config.model.lora.rank` > 0) it is
@@ -13,12 +14,14 @@ import dataclasses
 import json
 import math
 import os
+import sys
 
 import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding
 
 from launch.cli import UsageError
+from launch.distributed import init_distributed
 from launch.validate import engine_config, learner_config, model_overrides, sampling_params
 from models import lora
 from models.config import ModelConfig
@@ -58,26 +61,6 @@ class Run:
         e, c = self.engines, self.config
         return evaluate(e["greedy"], e["eval"], params, records, self.tokenizer, c, c.seed,
                         self.env)  # fmt: skip
-
-
-def init_distributed(config) -> None:
-    """Multi-process runs: `jax.distributed.initialize()` on TPU / GPU clusters (it finds the
-    coordinator itself) when config.distributed is set, or from the environment variables
-    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (e.g. CPU processes on one
-    machine, with JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo). A process that sends no heartbeat
-    for config.heartbeat_timeout_s is declared dead, and the coordination service then stops the
-    others, so that a dead host cannot leave the rest waiting in a collective forever."""
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not (address or config.distributed):
-        return
-    timeout = config.heartbeat_timeout_s
-    if not (isinstance(timeout, int) and timeout >= 1):
-        raise UsageError(f"config.heartbeat_timeout_s={timeout!r}: must be an integer >= 1")
-    if address:
-        n, i = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
-        jax.distributed.initialize(address, n, i, heartbeat_timeout_seconds=timeout)
-    else:
-        jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
 
 
 def build(config, with_reference: bool = True) -> Run:
@@ -120,6 +103,19 @@ def check_base(run: Run, meta: dict, base: dict | None) -> None:
         "the base this LoRA run started from (the checkpoints hold only the adapters); restore "
         "that checkpoint directory or start a new --workdir"
     )
+
+
+def restore_latest(run: Run, ckpt: Checkpointer, base: dict | None) -> tuple[TrainState, dict]:
+    """(train state, meta) of the latest usable checkpoint, for a resume. Later steps that cannot
+    be read are set aside, each named in one line on stderr; raises CheckpointError when no step
+    is usable and UsageError when a LoRA run's base weights changed (`check_base`)."""
+    saved, meta, skipped = ckpt.restore_latest(run.learner.checkpointed(run.state), set_aside=True)
+    check_base(run, meta, base)
+    state = run.learner.restored(run.state, saved)
+    for bad, why in skipped:
+        print(f"checkpoint step {bad} in {ckpt.directory} is unusable ({why}); resuming from "
+              f"step {meta['step']}", file=sys.stderr)  # fmt: skip
+    return state, meta
 
 
 def base_checksums(run: Run) -> dict | None:

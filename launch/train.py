@@ -9,9 +9,10 @@ one mesh, and alternates two phases on the same parameter arrays. One iteration:
               optimizer state donated and updated in place                        (rl/learner.py)
     log, evaluate, checkpoint
 
-The parts come from `launch/build.py`; config checks from `launch/validate.py`. Checkpoints hold
-the train state, the step and the data-iterator state (orbax), so a resumed run is bitwise equal
-to an uninterrupted one: the rollout key of step s is fold_in(seed, s) and needs nothing else.
+The parts come from `launch/build.py`; config checks from `launch/validate.py`; metrics, samples
+and summary.json go through `launch/logger.py`. Checkpoints hold the train state, the step and the
+data-iterator state (orbax), so a resumed run is bitwise equal to an uninterrupted one: the
+rollout key of step s is fold_in(seed, s) and needs nothing else.
 `--dry_run` lowers both phases with abstract shapes and prints XLA's memory estimate instead.
 
 Simplification: evaluation runs on every process over the full held-out set (identically).
@@ -23,16 +24,15 @@ import json
 import os
 import sys
 import time
-import traceback
-from typing import NoReturn
 
 import jax
 import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from launch.build import Run, base_checksums, build, check_base, init_distributed
+from launch.build import Run, base_checksums, build, restore_latest
 from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
+from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.preemption import Preemption
@@ -74,15 +74,10 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     start, summary = 0, {}
     if resume:
         try:
-            saved, meta, skipped = ckpt.restore_latest(learner.checkpointed(state), set_aside=True)
-            check_base(run, meta, base)
-            state = learner.restored(state, saved)
+            state, meta = restore_latest(run, ckpt, base)
         except (CheckpointError, UsageError) as e:  # one line, the files left to inspect
             ckpt.close()
             return fail(str(e))
-        for bad, why in skipped:
-            print(f"checkpoint step {bad} in {ckpt.directory} is unusable ({why}); resuming from "
-                  f"step {meta['step']}", file=sys.stderr)  # fmt: skip
         data.set_state(meta["data"])
         if meta["key"] != key_data:
             raise UsageError("checkpoint PRNG key differs from config.seed")
@@ -113,7 +108,10 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         metrics.update(rollout.stats, rollout_seconds=t1 - t0, learn_seconds=t2 - t1,
                        rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
         if config.log_every and (step + 1) % config.log_every == 0:
-            _log(log, step + 1, metrics, rollout, config)
+            log.scalars(step + 1, metrics)
+            log.completions(
+                step + 1, rollout, config.data.train.prompt_field, config.num_samples_logged
+            )
         # Non-finite optimizer steps were skipped (the learner left the state as it was); after
         # max_nonfinite_steps GRPO steps with one in a row, stop before anything else is saved.
         skipped = int(sum(h["skipped"] for h in history))
@@ -157,7 +155,8 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     rollouts.close()
     ckpt.close()
     after = _evaluate(run, state, eval_records, log, config.num_steps)
-    _finish(config, workdir, summary, totals, after, time.perf_counter() - wall0, state)
+    wall = time.perf_counter() - wall0
+    log.finish(config, summary, totals, after, wall, fingerprint(state.params))
     log.close()
     return 0
 
@@ -166,31 +165,6 @@ def _evaluate(run: Run, state, records, log: RunLogger, step: int) -> dict:
     result = run.evaluate(state.params, records)
     log.scalars(step, {f"eval/{k}": v for k, v in result.items() if k != "example"})
     return result
-
-
-def _log(log: RunLogger, step: int, metrics: dict, rollout, config) -> None:
-    log.scalars(step, metrics)
-    field, n = config.data.train.prompt_field, config.num_samples_logged
-    rows = [(grp.record[field], t) for grp in rollout.groups for t in grp.texts][:n]
-    log.texts(step, [p for p, _ in rows], [t for _, t in rows], rollout.rewards[:n])
-
-
-def _finish(config, workdir, summary, totals, after, wall, state) -> None:
-    """summary.json and the last line: accuracy before and after, throughput, params fingerprint."""
-    k = f"pass@{config.eval.pass_k}"
-    summary.update(
-        accuracy_after=after["accuracy"], steps=config.num_steps, wall_seconds=wall,
-        rollout_seconds=totals["rollout_seconds"], learn_seconds=totals["learn_seconds"],
-        rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_seconds"], 1e-9),
-        learn_tokens_per_s=totals["learn_tokens"] / max(totals["learn_seconds"], 1e-9),
-        params_fingerprint=fingerprint(state.params), **{k: after.get(k)},
-    )  # fmt: skip
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        before = summary.get("accuracy_before", float("nan"))
-        print(f"held-out greedy accuracy: before {before:.3f}, after {after['accuracy']:.3f} "
-              f"({config.num_steps} steps, {wall:.0f} s); {workdir}")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -214,38 +188,6 @@ def main(argv=None) -> int:
         return train(config, *parts, workdir, resume)
     except Exception as e:  # noqa: BLE001 (any failure of one process of several)
         peer_failed(e)
-
-
-PEER_LOST = (
-    "gloo",
-    "nccl",
-    "collective",
-    "connection",
-    "socket",
-    "unavailable",
-    "heartbeat",
-    "coordination",
-    "barrier",
-)  # words of the errors a dead peer causes
-
-
-def peer_failed(error: Exception) -> NoReturn:
-    """One process of a multi-process run failed: often in a collective, because another process
-    died. Says so in one line (with the traceback too unless the error is of that kind) and exits
-    at once: a normal exit would wait for the others at jax.distributed's shutdown barrier."""
-    text = str(error).strip()
-    lost = isinstance(error, jax.errors.JaxRuntimeError) and any(
-        w in text.lower() for w in PEER_LOST
-    )
-    if not lost:
-        traceback.print_exception(error)
-    first = (text.splitlines() or [type(error).__name__])[0][:300]
-    advice = (" If another process died, restart all of them with the same command: the run "
-              "resumes from its last complete checkpoint.") if lost else ""  # fmt: skip
-    print(f"error: process {jax.process_index()} of {jax.process_count()} stopped: {first}.{advice}",
-          file=sys.stderr, flush=True)  # fmt: skip
-    sys.stdout.flush()
-    os._exit(1)
 
 
 if __name__ == "__main__":
