@@ -303,9 +303,13 @@ def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def check_resumable(old: dict, new: dict) -> None:
     """Refuses a resume whose config changes a field that can change the trajectory. A run
-    saved before config.model.lora existed had none: it resumes with LoRA off."""
+    saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
+    config.model.attention existed ran dense attention: it resumes with the attention asked for
+    (the same function; "auto" may round differently on rows over one block)."""
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = {**new, "model": {k: v for k, v in new["model"].items() if k != "lora"}}
+    if "attention" not in old.get("model", {}):
+        new = {**new, "model": {k: v for k, v in new.get("model", {}).items() if k != "attention"}}
     diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)

@@ -12,9 +12,10 @@ prompts), right padding and packed rows all work, with positions supplied explic
 Two default hooks compute the same function (`causal_hook` picks one from ModelConfig.attention):
 `DenseCausal`, the reference, holds a [B,T,T] mask and materialises [B,K,R,T,T] scores;
 `BlockwiseCausal` holds the segment ids [B,T] and calls `models.flash.blockwise_attention`, whose
-memory is linear in T. "auto" takes dense only on CPU and only for rows of one block
-(T <= AUTO_DENSE_MAX_T): there blockwise saves nothing, and dense compiles faster. From two blocks
-on, blockwise is also faster on CPU (fwd+bwd, B=1 N=14 K=2 H=64 f32: T=256 dense 14 ms, blockwise
+memory is linear in T. "auto" takes dense only on CPU and only for rows of at most
+AUTO_DENSE_MAX_T tokens: there its [T,T] scores are small, and it compiles 1-2 s faster per layer,
+which is what short CPU runs (the demos, the test suite) spend their time on. From there on
+blockwise is much faster on CPU too (fwd+bwd, B=1 N=14 K=2 H=64 f32: T=256 dense 14 ms, blockwise
 8 ms; T=1024: 1480 ms vs 88 ms; T=128: about equal). A padding query's output differs between
 the two (dense: finite garbage, blockwise: 0); nothing reads it.
 """
@@ -31,7 +32,7 @@ from flax import struct
 from models.config import ModelConfig
 from models.flash import BLOCK, block_mask, blockwise_attention
 
-AUTO_DENSE_MAX_T = 128  # "auto": dense on CPU up to this row length (one block of models.flash)
+AUTO_DENSE_MAX_T = 512  # "auto": dense on CPU up to this row length (see the docstring)
 
 
 class Attend(Protocol):

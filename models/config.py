@@ -17,7 +17,7 @@ import dataclasses
 
 # Learner attention (models/attention.causal_hook): "dense" is the reference, [B,K,R,T,T] scores;
 # "blockwise" is pure-JAX flash attention, memory linear in T (models/flash.py); "auto" picks
-# dense on CPU for rows of one block (T <= 128) and blockwise otherwise.
+# dense on CPU for rows of at most 512 tokens and blockwise otherwise.
 ATTENTION = ("auto", "dense", "blockwise")
 
 ARCHITECTURES = {

@@ -17,6 +17,14 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (whole training runs, the real configs' lowerings) run first. Under
+    pytest-xdist's `--dist loadfile` (README, .ci/run) a worker then takes each slow file early and
+    the many short files fill in around them, instead of one worker ending alone on a slow file."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: False first
+
+
 # Shared test helpers, imported by test modules as `from tests.conftest import ...` (below the
 # device setup above, which must run before anything touches a JAX backend).
 import json  # noqa: E402

@@ -9,6 +9,8 @@ import pytest
 
 from launch.bench import main
 
+pytestmark = pytest.mark.slow  # the benchmarks end to end
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

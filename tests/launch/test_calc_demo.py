@@ -3,8 +3,12 @@ calls, their metrics, and held-out evaluation of greedy episodes with the tool-c
 
 import json
 
+import pytest
+
 from launch.train import main
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # a training step of the tool-use demo
 
 
 def test_calc_tool_config_trains_a_step(tmp_path):

@@ -5,7 +5,11 @@ the checkpoint files left as they were."""
 import glob
 import os
 
+import pytest
+
 from launch.train import main
+
+pytestmark = pytest.mark.slow  # training runs and restores
 
 ARGS = ["--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.data.eval.num=8",
         "--config.eval.pass_k=0", "--config.eval_every=0", "--config.checkpoint_every=1"]  # fmt: skip

@@ -8,10 +8,14 @@ import collections
 import json
 import os
 
+import pytest
+
 from launch.cli import parse_args
 from launch.train import main
 from rl.data import PromptStream, load_records
 from tests.conftest import train_metrics
+
+pytestmark = pytest.mark.slow  # three training runs of 10-20 steps
 
 N = int(os.environ.get("LONG_RESUME_N", 10))
 RECORDS = 24  # one epoch: 6 steps of 4 prompts, fewer with refill rounds

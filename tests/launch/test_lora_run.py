@@ -34,6 +34,7 @@ def _run(workdir, steps, *extra):
     return main(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}", *extra])
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
     ckpt = tmp_path / "base"  # the split run's own copy of the starting checkpoint
@@ -83,6 +84,7 @@ def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
         load_run(str(split))
 
 
+@pytest.mark.slow
 def test_kl_in_reward_with_lora(tmp_path):
     """The KL-in-reward path: the rollout's reference log-probs with the adapters off."""
     extra = [
@@ -101,3 +103,11 @@ def test_runs_saved_before_lora_existed_resume_with_lora_off():
     check_resumable(old, {"model": {"dtype": "float32", "lora": {"rank": 0}}, "num_steps": 4})
     with pytest.raises(UsageError, match="model.lora"):
         check_resumable(old, {"model": {"dtype": "float32", "lora": {"rank": 4}}, "num_steps": 4})
+
+
+def test_runs_saved_before_model_attention_existed_resume():
+    old = {"model": {"dtype": "float32", "lora": {"rank": 0}}, "num_steps": 2}
+    new = {"model": {"dtype": "float32", "lora": {"rank": 0}, "attention": "auto"}, "num_steps": 4}
+    check_resumable(old, new)
+    with pytest.raises(UsageError, match="model.attention"):
+        check_resumable({**old, "model": {**old["model"], "attention": "dense"}}, new)

@@ -11,10 +11,13 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from launch.build import load_run
 from models.sharding import flatten
 from tests.conftest import ROOT, train_metrics
+
+pytestmark = pytest.mark.slow  # three multi-process training runs
 
 TINY = [
     "--config.num_steps=3", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",

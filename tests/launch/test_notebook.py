@@ -39,6 +39,7 @@ def test_notebook_is_stored_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     monkeypatch.setenv("QUICKSTART_STEPS", str(STEPS))

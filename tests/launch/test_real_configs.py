@@ -16,6 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from launch.train import main
 from tests.conftest import FIXTURES, ROOT
 
+pytestmark = pytest.mark.slow  # dry runs and one-step runs of every real config
+
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -9,11 +9,14 @@ import os
 import sys
 
 import jax
+import pytest
 from jax import monitoring
 
 import launch.train as train_module
 from launch.train import main
 from rl import rollout as rollout_module
+
+pytestmark = pytest.mark.slow  # twenty training iterations
 
 LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # every trace that is lowered
 CHECKPOINT_EVERY = 5  # the first save compiles orbax's per-device copies once

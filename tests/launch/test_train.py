@@ -16,6 +16,8 @@ from launch.train import FLAGS, main
 from rl.checkpoint import fingerprint
 from tests.conftest import ROOT, train_metrics
 
+pytestmark = pytest.mark.slow  # training runs in subprocesses, killed and resumed
+
 EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
 
 

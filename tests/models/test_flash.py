@@ -74,8 +74,8 @@ def test_blockwise_equals_dense(case):
 
 
 def test_auto_resolution_and_config_validation():
-    assert resolve_attention("auto", 128, "cpu") == "dense"
-    assert resolve_attention("auto", 129, "cpu") == "blockwise"
+    assert resolve_attention("auto", 512, "cpu") == "dense"
+    assert resolve_attention("auto", 513, "cpu") == "blockwise"
     assert resolve_attention("auto", 16, "gpu") == "blockwise"
     assert resolve_attention("dense", 10**6, "tpu") == "dense"
     seg = jnp.ones((1, 200), jnp.int32)

@@ -40,6 +40,8 @@ from tests.sampling.test_tpu_export import (
     check_prefill_lowers,
 )
 
+pytestmark = pytest.mark.slow  # lowers every real config for CUDA
+
 TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas Triton kernel
 
 

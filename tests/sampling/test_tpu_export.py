@@ -34,6 +34,8 @@ from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
 from sampling.lowering import lower_generate, lower_prefill
 from sampling.paged_attention import paged_attention, resolve_backend
 
+pytestmark = pytest.mark.slow  # lowers every real config for TPU
+
 # The HF config.json of each checkpoint, as `models.hf_config.config_from_hf` reads it, with
 # the configs' compute settings (bf16 compute, f32 master weights, remat); eos ids for stops.
 MODELS = {
