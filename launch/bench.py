@@ -1,6 +1,8 @@
-"""Benchmarks: `python -m launch.bench sampler|learn|loop [--output F.json]`, each printing a
-table and writing JSON. `learn` (the learner step: tokens/s, MFU, packed against padded) is
-`launch/bench_learn.py`; `loop` (GRPO iterations and their time split) is `launch/bench_loop.py`.
+"""Benchmarks: `python -m launch.bench sampler|learn|loop|memory [--output F.json]`, each printing
+a table and writing JSON. `learn` (the learner step: tokens/s, MFU, packed against padded) is
+`launch/bench_learn.py`; `loop` (GRPO iterations and their time split) is `launch/bench_loop.py`;
+`memory` (compiled per-device temporaries of the learner, log-prob pass and prefill against the
+sequence length, nothing run) is `launch/bench_memory.py`.
 
 Sampler throughput (`python -m launch.bench sampler [--output bench_sampler.json]`):
 
@@ -235,7 +237,7 @@ def _table(r: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["sampler", "learn", "loop"], help="what to benchmark")
+    p.add_argument("what", choices=["sampler", "learn", "loop", "memory"], help="what to benchmark")
     p.add_argument("--output", default=None, help="JSON results file (bench_<what>.json)")
     p.add_argument("--quick", action="store_true", help="learn / loop: tiny model and workload")
     p.add_argument("--lengths", choices=["fixed", "skewed"], default="fixed",
@@ -259,16 +261,26 @@ def main(argv=None) -> int:
     )
     p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
     p.add_argument("--batch_sweep", default="", help="comma-separated sequence counts to time")
-    p.add_argument("--shape", default=None, help="sampler: roofline bench of this model shape")
+    p.add_argument("--shape", default=None, help="sampler (roofline) / memory: model shape")
     p.add_argument("--num_seqs", type=int, default=None, help="sampler: roofline bench, B seqs")
     p.add_argument("--dtype", default="auto", help="roofline: weights/cache dtype (auto: f32 CPU)")
+    p.add_argument("--tokens", default="4096,8192,16384,32768", help="memory: lengths T")
+    p.add_argument("--attention", default="auto", help="memory: auto | dense | blockwise")
+    p.add_argument("--phases", default="learn,logprobs,prefill", help="memory: what to compile")
     p.add_argument("--decode_copy", action="store_true",
                    help="roofline: f32 masters, with and without a decode-dtype copy")  # fmt: skip
     args = p.parse_args(argv)
     args.compare_backends = [b for b in args.compare_backends.split(",") if b]
     args.batch_sweep = [int(n) for n in args.batch_sweep.split(",") if n]
+    args.tokens = [int(n) for n in args.tokens.split(",") if n]
+    args.phases = tuple(x for x in args.phases.split(",") if x)
     args.output = args.output or f"bench_{args.what}.json"
-    if args.what == "learn":
+    if args.what == "memory":
+        from launch.bench_memory import bench_memory, table
+
+        r = bench_memory(args)
+        print(table(r))
+    elif args.what == "learn":
         from launch.bench_learn import bench_learn, table
 
         r = bench_learn(args)
