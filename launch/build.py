@@ -78,7 +78,7 @@ def build(config, with_reference: bool = True) -> Run:
     tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
     base = base_graphdef(model_cfg) if model_cfg.lora_rank else None
-    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base)
+    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)
     env = make_env(config.env.name, tokenizer, config) if config.env.name else None
     # A turn also ends on the environment's stop ids (a tool-call close).
     ecfg = engine_config(config, ids.eos_ids + (env.stop_ids() if env else ()))

@@ -101,7 +101,7 @@ def dry_run(config) -> int:
     rollout_rows = config.data.prompts_per_step * config.rl.num_generations
     row_sh = batch_sharding(mesh, rules)
     base = base_graphdef(cfg) if cfg.lora_rank else None
-    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base)
+    learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)
     step = learner.lower_step(params, _batch(config, rollout_rows // config.rl.minibatches, row_sh))
     logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids)

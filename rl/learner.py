@@ -8,7 +8,8 @@
 - loss normalisers (valid tokens, sequences) are counted once over the whole step's batch, before
   the split, so every micro-batch and every data-parallel shard adds an exact contribution
   (`rl.losses.aggregate`); GSPMD turns the sums over the sharded batch axis into all-reduces;
-- log-probs come from `rl.logprobs.token_logprobs`, chunked over the sequence.
+- log-probs come from `rl.logprobs.token_logprobs`, chunked over the sequence, with the hidden
+  states pinned to the batch's row sharding (`batch_sharding` of the `rules`) on a mesh.
 
 Micro-batch m takes rows m, m+M, m+2M, ... (a strided split): with the batch sharded over
 (data, fsdp) every device then holds its share of every micro-batch, and no rows move between
@@ -35,7 +36,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import lora
-from models.sharding import with_shardings
+from models.sharding import DEFAULT_RULES, with_shardings
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import LossConfig, combine_metrics, grpo_loss
 from rl.segments import count_sequences, sequence_totals
@@ -135,15 +136,25 @@ def _strided_split(x, m):
 class Learner:
     """Owns the optimizer and the jitted functions of the learn phase for one model graph."""
 
-    def __init__(self, cfg: LearnerConfig, graphdef, param_shardings, base_graphdef=None):
+    def __init__(
+        self, cfg: LearnerConfig, graphdef, param_shardings, base_graphdef=None,
+        rules=DEFAULT_RULES,
+    ):  # fmt: skip
         """`base_graphdef`: for a LoRA model (`models.lora`), the graph of the model without
         adapters. Then only the adapters are trained and have optimizer state, and the
-        reference policy is the same arrays with the adapters off (`reference_logprobs`)."""
+        reference policy is the same arrays with the adapters off (`reference_logprobs`).
+        `rules`: the logical axis rules the batch is sharded by (its `batch` axis)."""
         cfg.validate()
         self.cfg, self.graphdef, self.base_graphdef = cfg, graphdef, base_graphdef
         self.lora = base_graphdef is not None
         self.tx = make_optimizer(cfg)
         self.param_shardings = param_shardings
+        mesh = getattr(jax.tree.leaves(param_shardings)[0], "mesh", None)
+        rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+        self._rows = batch_sharding(mesh, rules) if mesh is not None and mesh.size > 1 else None
+        axes = dict(rules).get("batch") or ()
+        axes = (axes,) if isinstance(axes, str) else axes
+        self._row_shards = math.prod(mesh.shape[a] for a in axes) if self._rows else 1
         self._step = None
         self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(2, 3))
         self._grads = jax.jit(self._grads_impl)
@@ -208,9 +219,11 @@ class Learner:
         c = self.cfg
         model = (nnx.merge(self.graphdef, params) if adapters
                  else nnx.merge(self.base_graphdef, lora.base(params)))  # fmt: skip
+        # A micro-batch whose rows do not split evenly is left to GSPMD.
+        rows = None if batch.tokens.shape[0] % self._row_shards else self._rows
         return token_logprobs(
             model, batch.tokens, batch.positions, batch.segment_ids, c.sampling,
-            c.logprob_chunk, c.stop_ids, batch.stop_masked,
+            c.logprob_chunk, c.stop_ids, batch.stop_masked, rows,
         )  # fmt: skip
 
     def _logprobs_impl(self, params, batch: Batch, which: str, adapters: bool):
