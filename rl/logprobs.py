@@ -13,7 +13,9 @@ whole global batch (all-reduced, then sliced), and propagated the same all-rows 
 the trunk's activations. With it every device projects its own rows with the gathered matrix, as
 FSDP means. XLA CPU, Qwen2.5-0.5B shape, bf16, remat, blockwise attention, fsdp=8, one row
 of 4096 tokens per device: temporaries per device of the train step 22.0 -> 11.2 GiB, of the
-log-prob pass 2.77 -> 2.29 GiB.
+log-prob pass 2.77 -> 2.29 GiB. (With dense attention the train step goes 63.3 -> 52.9 GiB but
+the log-prob pass 2.87 -> 4.55 GiB: one row's [T,T] scores plus every layer's gathered f32
+weights, which XLA CPU all-gathers up front, outweigh the all-rows activations it held before.)
 
 Position t of the outputs scores token t+1 given tokens[:, :t+1]. Two distributions are scored:
 - `logp`: the sampling distribution (`sampling.distribution.log_probs`: temperature, top-k,
