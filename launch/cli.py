@@ -39,7 +39,10 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:  # the file's own line, not a traceback through importlib
-        raise UsageError(f"--config: {path}:{e.lineno}: {e.msg}") from None
+        # A syntax error in a module the config imports names that module, not the config.
+        other = e.filename and os.path.exists(e.filename) and not os.path.samefile(e.filename, path)
+        bad = e.filename if other else path
+        raise UsageError(f"--config: {bad}:{e.lineno}: {e.msg}") from None
     if not hasattr(module, "get_config"):
         raise UsageError(f"--config: {path} defines no get_config()")
     return module.get_config()

@@ -112,7 +112,9 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict:
     """The ModelConfig fields the run's config sets (config.json of the checkpoint decides the
     rest): dtypes, remat, attention and LoRA (config.model.lora; absent = off)."""
     m = c.model
-    out = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+    # A run saved before config.model.attention existed has none: "auto".
+    attention = m.get("attention", "auto")
+    out = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention)
     lo = m.get("lora")
     if lo is not None and lo.rank:
         out.update(lora_rank=lo.rank, lora_alpha=float(lo.alpha), lora_dropout=float(lo.dropout),
@@ -199,8 +201,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(c.keep_checkpoints >= 1, "keep_checkpoints", c.keep_checkpoints, "must be >= 1")
     for field in ("dtype", "param_dtype"):
         _need(c.model[field] in DTYPES, f"model.{field}", c.model[field], f"one of {DTYPES}")
-    _need(c.model.attention in ATTENTION, "model.attention", c.model.attention,
-          f"expected one of {ATTENTION}")  # fmt: skip
+    attention = c.model.get("attention", "auto")  # absent in runs saved before it existed
+    _need(attention in ATTENTION, "model.attention", attention, f"expected one of {ATTENTION}")
     _check_lora(c)
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")

@@ -10,8 +10,9 @@ row, and recomputes each block's scores; D = rowsum(dO * O) stands in for the so
   case): query i sees key j iff j <= i (by index), both are of the same segment and the key is
   not padding (segment 0). A padding query sees nothing: its output is 0 and it sends no gradient.
 - Blocks entirely above the diagonal are never visited (the key loop of query block i stops at
-  the diagonal, the query loop of key block j starts there); blocks with no visible pair (other
-  segments of a packed row) are skipped by a `lax.cond`.
+  the diagonal, the query loop of key block j starts there). Blocks with no visible pair (other
+  segments of a packed row) are computed and masked: a `lax.cond` on them would need a predicate
+  over the whole batch, which on a mesh is an all-reduce in every block iteration.
 - GQA without repeating K/V: q is viewed as [B,K,R,T,H] (R = N/K query heads per KV head) and
   k, v as [B,K,T,H]; in this head-major layout every block product is a batched matmul.
 - T need not be a block multiple: q and k/v are padded (segment 0) to their block multiples
@@ -115,7 +116,7 @@ def _forward(q, k, v, seg, bq: int, bk: int):
                 pv = jnp.einsum("BKRQS,BKSH->BKRQH", p, vj)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-            return lax.cond(mask.any(), update, lambda x: x, stats)
+            return update(stats)
 
         init = (
             jnp.full((b, kh, r, bq), -jnp.inf, F32),
@@ -176,10 +177,7 @@ def _flash_bwd(bq: int, bk: int, res, dout):
                     jnp.einsum("BKRQS,BKRQH->BKSH", p, doi),  # dv
                 )
 
-            def skip(_):
-                return jnp.zeros(qi.shape, F32), jnp.zeros(kj.shape, F32), jnp.zeros(vj.shape, F32)
-
-            dqi, dk_add, dv_add = lax.cond(mask.any(), update, skip, None)
+            dqi, dk_add, dv_add = update(None)
             dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i0, bq, 3) + dqi, i0, 3)
             return dq, dkj + dk_add, dvj + dv_add
 

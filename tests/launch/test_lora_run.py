@@ -10,10 +10,10 @@ import pytest
 import safetensors.numpy
 
 from launch.build import load_run
-from launch.cli import UsageError
+from launch.cli import UsageError, parse_args
 from launch.export import main as export
 from launch.train import main
-from launch.validate import check_resumable
+from launch.validate import check_resumable, model_overrides, validate
 from models import lora
 from models.hf import load_hf
 from models.sharding import flatten
@@ -111,3 +111,8 @@ def test_runs_saved_before_model_attention_existed_resume():
     check_resumable(old, new)
     with pytest.raises(UsageError, match="model.attention"):
         check_resumable({**old, "model": {**old["model"], "attention": "dense"}}, new)
+    # launch.eval / launch.export build such a run from its saved config.json: attention "auto".
+    saved = parse_args([], {})[0]
+    del saved.model["attention"]
+    validate(saved, 1)
+    assert model_overrides(saved)["attention"] == "auto"
