@@ -149,6 +149,9 @@ def get_config():
     # bf16 copy made once per rollout: less HBM traffic per step, +2 bytes/param during rollouts
     c.sampling.weights_dtype = ""  # "" or model.dtype (see above)
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
+    # Prompts and observations are prefilled this many tokens at a time, each chunk attending
+    # over the KV pages where they lie: prefill memory then stays flat in the prompt length.
+    c.sampling.prefill_chunk = 512  # 0 = one dense pass over the whole prompt (the reference)
 
     # Multi-turn episodes (rl/envs, README "Tools and multi-turn episodes"): the model's turn ends
     # on a stop id, the environment answers with observation tokens, decoding resumes.

@@ -94,10 +94,11 @@ def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
 
 def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
     dtype = c.sampling.cache_dtype or c.model.dtype
-    # interpret (Pallas kernels run op by op on a CPU) is for tests, not a run's config.
+    # interpret (Pallas kernels run op by op on a CPU) is for tests, not a run's config. A run
+    # saved before sampling.prefill_chunk existed prefilled unchunked (0).
     return from_config(
         EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype,
-        interpret=False,
+        interpret=False, prefill_chunk=c.sampling.get("prefill_chunk", 0),
     )  # fmt: skip
 
 
@@ -307,11 +308,17 @@ def check_resumable(old: dict, new: dict) -> None:
     """Refuses a resume whose config changes a field that can change the trajectory. A run
     saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
     config.model.attention existed ran dense attention: it resumes with the attention asked for
-    (the same function; "auto" may round differently on rows over one block)."""
+    (the same function; "auto" may round differently on rows over one block). Likewise one
+    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked."""
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = {**new, "model": {k: v for k, v in new["model"].items() if k != "lora"}}
     if "attention" not in old.get("model", {}):
         new = {**new, "model": {k: v for k, v in new.get("model", {}).items() if k != "attention"}}
+    if "prefill_chunk" not in old.get("sampling", {}):
+        new = {
+            **new,
+            "sampling": {k: v for k, v in new.get("sampling", {}).items() if k != "prefill_chunk"},
+        }
     diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)

@@ -225,7 +225,7 @@ class Engine(Turns):
             self.prefill_tokens += int(lengths.sum())
             state = steps.prefill(
                 self.graphdef, params, state, tokens, lengths, page_rows, self.layout,
-                None if extend is None else starts,
+                None if extend is None else starts, e.prefill_chunk,
             )  # fmt: skip
         return state
 

@@ -43,4 +43,5 @@ def lower_prefill(
     return steps.prefill.trace(
         engine.graphdef, abstract_params, _abstract_state(engine), i32(rows, length), i32(rows),
         i32(rows, e.pages_per_seq), engine.layout, i32(rows) if resume else None,
+        e.prefill_chunk,
     ).lower(lowering_platforms=platforms)  # fmt: skip

@@ -156,6 +156,37 @@ def paged_attention_blockwise(
     return out.reshape(b, n, h).astype(q.dtype)
 
 
+def paged_prefill_attention(q, k_pages, v_pages, positions, page_indices, keys_per_block=512):
+    """Prefill attention over the pages: queries q [B,T,N,H] at cache positions int32[B,T]
+    (< 0: padding, output 0) attend causally to cache positions <= their own, read from one
+    layer's pages [K,P,page_size,H], which already hold them (the caller writes the chunk
+    first). -> [B,T,N,H].
+
+    The online softmax of `paged_attention_blockwise` with every query row carrying its own stop
+    (position + 1): blocks of about `keys_per_block` keys are gathered one at a time, so the
+    largest intermediate is [B,K,T*R,block] scores, a chunk by a block of pages, and no row's
+    history is ever gathered whole. The trip count is the chunk's last position over the block
+    size: a chunk reads the pages up to its own end.
+    """
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    b, t, n, h = q.shape
+    kh, num_pages, page_size, _ = k_pages.shape
+    r = n // kh
+    pool = (k_pages.reshape(-1, page_size * h), v_pages.reshape(-1, page_size * h))
+    pool += (jnp.arange(kh) * num_pages,)
+    qg = q.astype(jnp.float32).reshape(b, t, kh, r, h) * h**-0.5
+    qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kh, t * r, h)  # [B,K,T*R,H], row t*R+r
+    stop = jnp.repeat(jnp.maximum(positions + 1, 0), r, axis=1)  # [B,T*R]; padding: 0
+    m0 = jnp.full((b, kh, t * r), -jnp.inf, jnp.float32)
+    carry = (m0, jnp.zeros_like(m0), jnp.zeros((b, kh, t * r, h), jnp.float32))
+    start = jnp.zeros((b,), jnp.int32)
+    pages_per_block = max(1, keys_per_block // page_size)
+    _, l, acc = _online_softmax(qg, pool, page_indices, start, stop, carry, pages_per_block)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B,K,T*R,H]
+    out = jnp.transpose(out.reshape(b, kh, t, r, h), (0, 2, 1, 3, 4))
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
 def _shared_prefix(qg, pool, page_indices, shared_len, group, carry, pages_per_block):
     """The cascade's first pass: each aligned block of `group` slots attends over its shared
     pages with all its query rows together; returns the online-softmax carry per slot."""

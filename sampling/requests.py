@@ -30,6 +30,7 @@ class EngineConfig:
     cache_dtype: str = "float32"
     interpret: bool = False  # Pallas kernels in interpret mode: runs them on CPU (tests)
     weights_dtype: str = ""  # "": decode from the params as given; else a copy, one per rollout
+    prefill_chunk: int = 512  # prompt tokens per prefill pass over the pages; 0: one dense pass
 
     @property
     def pages_per_seq(self) -> int:
@@ -42,6 +43,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.steps_per_call < 1:
             raise ValueError(f"steps_per_call={self.steps_per_call}: must be >= 1")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 0 (0 = unchunked)")
         if self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: must be >= 2 (page 0 is reserved)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

@@ -10,10 +10,14 @@ step (6.4 GB per step for Qwen2.5-0.5B at 8192 pages); separate arrays cost noth
 layers are a Python loop (`models.transformer`) with a static layer index.
 
 The hooks implement `models.attention.Attend`, so the one transformer runs unchanged:
-- `PagedPrefill` (B prompts of T tokens): dense causal attention over the prompt itself, as in
-  training, and a scatter of the prompt's k, v into its pages; nothing is read from the cache.
-  With `starts` (a multi-turn episode's new tokens after its cached history) the rows' pages are
-  gathered after the write and the new tokens attend to the history too.
+- `PagedPrefill` (B prompts of T tokens): a scatter of the prompt's k, v into its pages, then
+  attention. With `paged` (the chunked prefill, `sampling.steps.prefill`) the T tokens are one
+  chunk at cache positions starts + t and attend over the pages where they lie, by the online
+  softmax of `sampling.paged_attention.paged_prefill_attention`: nothing larger than a chunk x a
+  block of pages. Without it (prefill_chunk = 0, the reference) a fresh prompt gets dense
+  causal attention over itself, as in training, and with `starts` (a multi-turn episode's new
+  tokens after its cached history) the rows' pages are gathered whole after the write and the
+  new tokens attend to the history by dense attention.
 - `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
   attention over lengths[b] + 1 tokens. Idle slots write nothing (position -1 is dropped).
 
@@ -41,7 +45,14 @@ from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, logical_to_spec
 from sampling import partitioned
-from sampling.paged_attention import KERNELS, PAGE_AXES, gather_kv, paged_attention, write_kv
+from sampling.paged_attention import (
+    KERNELS,
+    PAGE_AXES,
+    gather_kv,
+    paged_attention,
+    paged_prefill_attention,
+    write_kv,
+)
 
 
 @struct.dataclass
@@ -143,6 +154,7 @@ class PagedPrefill:
     page_indices: jax.Array  # int32 [B,pages_per_seq]
     valid: jax.Array  # bool [B,T]
     starts: jax.Array | None = None  # int32 [B] cached tokens before row b's first token
+    paged: bool = struct.field(pytree_node=False, default=False)  # attend over the pages
 
     def attend(self, layer, q, k, v):
         t = self.valid.shape[1]
@@ -154,6 +166,9 @@ class PagedPrefill:
         new = self.replace(
             k_pages=_set(self.k_pages, layer, kp), v_pages=_set(self.v_pages, layer, vp)
         )
+        if self.paged:  # online softmax over the pages where they lie (a chunk of a prompt)
+            out = paged_prefill_attention(q, kp, vp, positions, self.page_indices)
+            return out, new
         if self.starts is None:  # a fresh prompt attends to itself only
             return dense_attention(q, k, v, causal_mask(self.valid)), new
         # History + new tokens, read back from the pages just written: query t (at position

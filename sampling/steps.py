@@ -26,20 +26,45 @@ def _constrain(state: DecodeState, layout) -> DecodeState:
     return jax.lax.with_sharding_constraint(state, state_shardings(state, *layout))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=None):
+@functools.partial(jax.jit, static_argnums=(0, 6, 8), donate_argnums=2)
+def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=None, chunk=0):
     """tokens int32[n,T] (n and T buckets), lengths int32[n] real tokens per row (0: padding),
     page_rows int32[n,pages_per_seq]. starts int32[n]: the cache position of each row's first
     token, whose earlier positions are already cached and attended to (a multi-turn episode's
-    next observation); None: fresh prompts from position 0."""
+    next observation); None: fresh prompts from position 0.
+
+    chunk > 0 (`EngineConfig.prefill_chunk`): the rows go through the model `chunk` tokens at a
+    time, in a `lax.scan` over the chunks. Each chunk writes its KV into its pages and attends
+    over the pages (`PagedPrefill.paged`), so activations are [n,chunk,...] and attention
+    scores a chunk by a block of pages, whatever T is. A fresh prompt that fits one chunk keeps
+    the dense path (the same function; faster for short prompts). chunk = 0: one pass over
+    all T tokens, the reference.
+    """
     model = nnx.merge(graphdef, params)
     n, t = tokens.shape
-    valid = jnp.arange(t)[None] < lengths[:, None]  # [n,T]
-    hook = PagedPrefill(state.k_pages, state.v_pages, page_rows, valid, starts)
-    positions = jnp.arange(t, dtype=jnp.int32)[None] + (0 if starts is None else starts[:, None])
-    positions = jnp.broadcast_to(positions, (n, t))
-    _, hook = model.hidden(tokens, positions, valid, hook)
-    return _constrain(state.replace(k_pages=hook.k_pages, v_pages=hook.v_pages), layout)
+    base = jnp.zeros((n,), jnp.int32) if starts is None else starts
+    paged = chunk > 0 and (starts is not None or t > chunk)
+    c = chunk if paged else t
+    m = -(-t // c)  # chunks
+    tokens = jnp.pad(tokens, ((0, 0), (0, m * c - t)))  # [n,m*c]
+    valid = jnp.arange(m * c)[None] < lengths[:, None]
+    positions = jnp.arange(m * c, dtype=jnp.int32)[None] + base[:, None]
+    split = lambda x: jnp.moveaxis(x.reshape(n, m, c), 1, 0)  # [m,n,c]
+
+    def one(pages, xs):  # one chunk: tokens, valid, positions [n,c] and its first position
+        tok, val, pos, first = xs
+        hook = PagedPrefill(*pages, page_rows, val, first if paged else starts, paged)
+        _, hook = model.hidden(tok, pos, val, hook)
+        return (hook.k_pages, hook.v_pages), None
+
+    firsts = base[None] + c * jnp.arange(m, dtype=jnp.int32)[:, None]  # [m,n]
+    xs = (split(tokens), split(valid), split(positions), firsts)
+    pages = (state.k_pages, state.v_pages)
+    if m == 1:
+        pages, _ = one(pages, jax.tree.map(lambda x: x[0], xs))
+    else:
+        pages, _ = jax.lax.scan(one, pages, xs)
+    return _constrain(state.replace(k_pages=pages[0], v_pages=pages[1]), layout)
 
 
 @functools.partial(jax.jit, static_argnums=10, donate_argnums=0)
