@@ -50,7 +50,7 @@ def get_config():
     c.model.dtype = "float32"  # compute dtype (bfloat16 on accelerators)
     c.model.param_dtype = "float32"  # master weights
     c.model.remat = False  # rematerialise transformer blocks in the backward pass
-    c.model.attention = "auto"  # learner attention: dense | blockwise (linear memory) | auto
+    c.model.attention = "auto"  # learner attention: auto | dense | blockwise | splash | pallas_gpu
     c.model.lora = ml_collections.ConfigDict()  # LoRA adapters (models/lora.py)
     c.model.lora.rank = 0  # 0 = off (full fine-tune); > 0: only adapters train, KL needs no copy
     c.model.lora.alpha = 16.0  # adapters' output scaled by alpha / rank

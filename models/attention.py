@@ -9,19 +9,32 @@ Causality is by array index, not by position id: query i sees key j iff j <= i a
 (and, in a packed row, of the same sequence). That makes left padding (HF's convention for batched
 prompts), right padding and packed rows all work, with positions supplied explicitly by the caller.
 
-Two default hooks compute the same function (`causal_hook` picks one from ModelConfig.attention):
+The default hooks compute the same function (`causal_hook` picks one from ModelConfig.attention):
 `DenseCausal`, the reference, holds a [B,T,T] mask and materialises [B,K,R,T,T] scores;
 `BlockwiseCausal` holds the segment ids [B,T] and calls `models.flash.blockwise_attention`, whose
-memory is linear in T. "auto" takes dense only on CPU and only for rows of at most
-AUTO_DENSE_MAX_T tokens: there its [T,T] scores are small, and it compiles 1-2 s faster per layer,
-which is what short CPU runs (the demos, the test suite) spend their time on. From there on
-blockwise is much faster on CPU too (fwd+bwd, B=1 N=14 K=2 H=64 f32: T=256 dense 14 ms, blockwise
-8 ms; T=1024: 1480 ms vs 88 ms; T=128: about equal). A padding query's output differs between
-the two (dense: finite garbage, blockwise: 0); nothing reads it.
+memory is linear in T; `SegmentCausal` holds them too and runs `segment_attention`, for JAX's
+Pallas kernels, "splash" on TPU and "pallas_gpu" on GPU (`models.attention_kernels`: linear
+memory, inside a shard_map on a mesh), and for "auto".
+
+"auto" resolves per layer from q's shapes and platform (`resolve_attention`): splash on TPU
+(head_dim a multiple of 64), pallas_gpu on GPU (head_dim a power of two >= 16), else blockwise;
+on CPU dense, but only for rows of at most AUTO_DENSE_MAX_T tokens: there its [T,T] scores are
+small, and it compiles 1-2 s faster per layer, which is what short CPU runs (the demos, the test
+suite) spend their time on. From there on blockwise is much faster on CPU too (fwd+bwd, B=1 N=14
+K=2 H=64 f32: T=256 dense 14 ms, blockwise 8 ms; T=1024: 1480 ms vs 88 ms; T=128: about equal).
+The platform is that of the mesh q is traced on (jit gives every array traced from sharded inputs
+its abstract mesh). A CPU host may be lowering for TPU or GPU (jax.export, `Learner.lower_step`
+with `platforms`), which tracing cannot see, so there "auto" is a `lax.platform_dependent` over
+the three choices and lowering keeps the one of the platform it lowers for. The other branches
+are traced too (the kernels' trace, once per shape: `segment_attention` is jitted) and their
+residuals appear in the lowered module as zeros that XLA removes (checked on XLA:CPU: the same
+temp bytes as the chosen branch alone). A padding query's output differs between the
+implementations (dense and the kernels: finite garbage; blockwise: 0); nothing reads it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -29,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from models.attention_kernels import interpreting, kernel_attention
 from models.config import ModelConfig
 from models.flash import BLOCK, block_mask, blockwise_attention
 
@@ -128,16 +142,90 @@ class BlockwiseCausal:
         return blockwise_attention(q, k, v, self.segments, self.block_q, self.block_k), self
 
 
-def resolve_attention(attention: str, t: int, platform: str | None = None) -> str:
-    """The attention, dense or blockwise, for ModelConfig.attention and rows of t tokens."""
+def pallas_fits(kernel: str, head_dim: int) -> bool:
+    """Whether "auto" may pick `kernel` for this head_dim (see `resolve_attention`)."""
+    if kernel == "splash":
+        return head_dim % 64 == 0
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0  # pallas_gpu: a power of two
+
+
+def resolve_attention(
+    attention: str, t: int, platform: str | None = None, head_dim: int | None = None
+) -> str:
+    """The attention to run for ModelConfig.attention, rows of t tokens and `platform` ("cpu",
+    "tpu", "gpu", or jax.export's "cuda"/"rocm"; default jax.default_backend()). "auto" picks
+    - tpu: "splash" when head_dim % 64 == 0 (the shipped models' 64 and 128), else blockwise;
+    - gpu: "pallas_gpu" when head_dim is a power of two >= 16 (Triton's tiles), else blockwise;
+    - cpu: "dense" for t <= AUTO_DENSE_MAX_T, else "blockwise" (see the module docstring);
+    - anything else, or an unknown head_dim (None): "blockwise", which lowers everywhere."""
     if attention != "auto":
         return attention
     platform = platform or jax.default_backend()
-    return "dense" if platform == "cpu" and t <= AUTO_DENSE_MAX_T else "blockwise"
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if platform == "cpu":
+        return "dense" if t <= AUTO_DENSE_MAX_T else "blockwise"
+    kernel = {"tpu": "splash", "gpu": "pallas_gpu"}.get(platform)
+    fits = kernel is not None and head_dim is not None and pallas_fits(kernel, head_dim)
+    return kernel if fits else "blockwise"
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "interpret"))
+def segment_attention(q, k, v, segments, attention: str, interpret: bool = False):
+    """Causal attention of packed rows: q [B,T,N,H], k/v [B,T,K,H], segments int [B,T] (or
+    bool) -> [B,T,N,H], by `attention` (any of ATTENTION; "auto": `auto_attention`).
+
+    One entry point for every implementation. Jitted so that the layers after the first (same
+    shapes) reuse its trace: "auto" on a CPU host traces the Pallas kernels too (~0.2 s a layer).
+    `interpret` runs the Pallas kernels in interpret mode (`models.attention_kernels.interpret`).
+    """
+    if attention == "auto":
+        return auto_attention(q, k, v, segments, interpret)
+    if attention == "dense":
+        return dense_attention(q, k, v, causal_mask(segments))
+    if attention == "blockwise":
+        return blockwise_attention(q, k, v, segments)
+    return kernel_attention(q, k, v, segments, attention, interpret)
+
+
+def _trace_platform(q) -> str:
+    """The platform of the mesh q is traced on (its devices'), else jax.default_backend()."""
+    mesh = getattr(getattr(jax.typeof(q), "sharding", None), "mesh", None)
+    device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def auto_attention(q, k, v, segments, interpret: bool = False):
+    """ "auto" for q's shapes. On an accelerator the platform is the mesh's. A CPU host may be
+    lowering for TPU or GPU (jax.export, `Learner.lower_step(platforms=...)`), which tracing
+    cannot see: there `lax.platform_dependent` defers the choice to lowering, which keeps only
+    the branch of the platform lowered for (all branches are traced)."""
+    t, h = q.shape[1], q.shape[3]
+    platform = _trace_platform(q)
+    run = lambda a: functools.partial(segment_attention, attention=a, interpret=interpret)
+    if platform != "cpu":
+        return run(resolve_attention("auto", t, platform, h))(q, k, v, segments)
+    chosen = {p: resolve_attention("auto", t, p, h) for p in ("cpu", "tpu", "cuda")}
+    fns = {a: run(a) for a in dict.fromkeys([*chosen.values(), "blockwise"])}
+    branches = {p: fns[a] for p, a in chosen.items()}  # equal choices share one branch
+    return jax.lax.platform_dependent(q, k, v, segments, **branches, default=fns["blockwise"])
+
+
+@struct.dataclass
+class SegmentCausal:
+    """The default hook for "auto" and the kernels: `segment_attention` over segment ids."""
+
+    segments: jax.Array  # int32 [B,T] (1, 2, ... per sequence, 0 = padding)
+    attention: str = struct.field(pytree_node=False, default="auto")
+
+    def attend(self, layer, q, k, v):
+        out = segment_attention(q, k, v, self.segments, self.attention, interpreting())
+        return out, self
 
 
 def causal_hook(valid, attention: str = "auto"):
     """The default hook for valid bool [B,T] or segment ids int [B,T] (see `causal_mask`)."""
-    if resolve_attention(attention, valid.shape[1]) == "dense":
+    if attention == "dense":
         return DenseCausal.from_valid(valid)
-    return BlockwiseCausal(valid.astype(jnp.int32))
+    if attention == "blockwise":
+        return BlockwiseCausal(valid.astype(jnp.int32))
+    return SegmentCausal(valid.astype(jnp.int32), attention)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 
 # Learner attention (models/attention.causal_hook): "dense" is the reference, [B,K,R,T,T] scores;
-# "blockwise" is pure-JAX flash attention, memory linear in T (models/flash.py); "auto" picks
-# dense on CPU for rows of at most 512 tokens and blockwise otherwise.
-ATTENTION = ("auto", "dense", "blockwise")
+# "blockwise" is pure-JAX flash attention, memory linear in T (models/flash.py); "splash" (TPU)
+# and "pallas_gpu" (GPU) are JAX's Pallas kernels (models/attention_kernels.py); "auto" picks per
+# platform and shape (models.attention.resolve_attention).
+ATTENTION = ("auto", "dense", "blockwise", "splash", "pallas_gpu")
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

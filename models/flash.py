@@ -22,8 +22,8 @@ row, and recomputes each block's scores; D = rowsum(dO * O) stands in for the so
 Loops are `lax.fori_loop`s with dynamic bounds (while loops): the temporaries are a few
 [B,K,R,bq,bk] blocks and O(T) buffers (fwd+bwd, B=1 N=14 K=2 H=64 f32, XLA CPU temp bytes:
 T=4096 dense 2716 MiB, blockwise 39 MiB; T=16384: 43122 MiB vs 136 MiB). The price is compile time,
-about 1-2 s more per attention layer on CPU. This is the portable path; accelerator kernels
-(splash, Pallas GPU) would be separate backends tested against the same dense reference
+about 1-2 s more per attention layer on CPU. This is the portable path; the accelerator kernels
+(splash, Pallas GPU) are in `models.attention_kernels`, tested against the same dense reference
 (`models.attention.dense_attention`).
 """
 

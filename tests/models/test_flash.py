@@ -15,6 +15,7 @@ from flax import nnx
 from models.attention import (
     BlockwiseCausal,
     DenseCausal,
+    SegmentCausal,
     causal_hook,
     causal_mask,
     dense_attention,
@@ -76,14 +77,23 @@ def test_blockwise_equals_dense(case):
 def test_auto_resolution_and_config_validation():
     assert resolve_attention("auto", 512, "cpu") == "dense"
     assert resolve_attention("auto", 513, "cpu") == "blockwise"
-    assert resolve_attention("auto", 16, "gpu") == "blockwise"
+    assert resolve_attention("auto", 16, "gpu") == "blockwise"  # head_dim unknown
+    assert resolve_attention("auto", 16, "gpu", 64) == "pallas_gpu"
+    assert resolve_attention("auto", 16, "cuda", 80) == "blockwise"  # not a power of two
+    assert resolve_attention("auto", 16, "tpu", 64) == "splash"
+    assert resolve_attention("auto", 16, "tpu", 96) == "blockwise"
+    assert resolve_attention("auto", 16, "rocm", 8) == "blockwise"  # Triton tiles >= 16
     assert resolve_attention("dense", 10**6, "tpu") == "dense"
     seg = jnp.ones((1, 200), jnp.int32)
     assert isinstance(causal_hook(seg, "dense"), DenseCausal)
     hook = causal_hook(seg[:, :16] > 0, "blockwise")  # bool valid: one sequence per row
     assert isinstance(hook, BlockwiseCausal) and hook.segments.dtype == jnp.int32
-    with pytest.raises(ValueError, match=r"^ModelConfig.attention='splash': expected one of"):
-        dataclasses.replace(CFG, attention="splash")
+    for attention in ("auto", "splash", "pallas_gpu"):
+        hook = causal_hook(seg > 0, attention)
+        assert isinstance(hook, SegmentCausal) and hook.attention == attention
+        assert hook.segments.dtype == jnp.int32
+    with pytest.raises(ValueError, match=r"^ModelConfig.attention='flash': expected one of"):
+        dataclasses.replace(CFG, attention="flash")
 
 
 CFG = ModelConfig(

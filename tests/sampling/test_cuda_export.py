@@ -11,14 +11,16 @@ compatibility guarantee for it. The engine lowers with `.lower(lowering_platform
 runs the same lowering without that check.
 
 Coverage: the decode step and prefill of all three configs on one device and on the config's
-mesh, as for TPU; the train step (no kernel: the same XLA ops as for TPU) on the mesh only, where
-it is partitioned, to keep the cost down (tracing a model takes seconds). The kernel itself is
+mesh, as for TPU; the train step (its "auto" attention is the Pallas Triton flash attention of
+models/attention_kernels.py, in a shard_map) on the mesh only, where it is partitioned, to keep
+the cost down (tracing a model takes seconds). The kernel itself is
 also lowered alone at the head shapes of all three configs (7, 2 and 4 q heads per KV head,
 head_dim 64 and 128) with the configs' bf16 pages of 32 tokens.
 """
 
 import dataclasses
 import functools
+import re
 
 import jax
 import pytest
@@ -74,7 +76,9 @@ def test_train_step_lowers_for_cuda(name):
     lowered = learner.lower_step(params, _batch(c, mesh, rules), platforms=("cuda",))
     text = lowered.as_text()
     assert "mhlo.num_partitions = 8" in text
-    assert "custom_call" not in text  # plain XLA: nothing that only a GPU could lower
+    # "auto" attention lowered for CUDA: the Triton flash-attention kernel
+    # (models/attention_kernels.py) and no other custom call.
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {TRITON}
     state_out = jax.tree.leaves(lowered.out_info[0])
     want = jax.tree.leaves(learner.state_shardings)
     assert len(state_out) == len(want)

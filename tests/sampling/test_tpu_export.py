@@ -220,6 +220,8 @@ def test_train_step_lowers_for_tpu(name, mesh_name):
     learner = Learner(learner_config(c, eos), graphdef, shardings)
     lowered = learner.lower_step(params, _batch(c, mesh, rules), platforms=("tpu",))
     assert f"mhlo.num_partitions = {mesh.size}" in lowered.as_text()
+    # "auto" attention lowered for TPU is splash (models/attention_kernels.py), head_dim 64 too.
+    assert "tpu_custom_call" in lowered.as_text()
     # The updated state comes back in the shardings it went in with (the sampler reads it).
     state_out = jax.tree.leaves(lowered.out_info[0])
     want = jax.tree.leaves(learner.state_shardings)
