@@ -1,0 +1,367 @@
+"""Repository-level coding episodes (SWE-Gym / R2E-Gym style): the model reads a repository, edits
+it with tools and submits; the reward is whether the repository's own tests then pass.
+
+A record (jsonl row, e.g. from `python -m launch.make_repo_tasks`):
+    repo          a local directory or .tar.gz snapshot of the repository
+    problem       the issue text
+    fail_to_pass  pytest node ids that must pass after the fix
+    pass_to_pass  pytest node ids that must keep passing
+    setup         optional: a shell command run once in each fresh workspace (e.g. pip install)
+
+Each episode gets its own writable copy of the repository as its sandbox workspace
+(`rl.envs.repo_sandbox`: at /testbed in bubblewrap mode, a tmpfs of `env.workspace_bytes` when we
+may mount), made on its first tool call and deleted when it is scored. Tools, in the chat
+template's tool-call format (Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or
+a bare JSON object `{"name": ..., "parameters": {...}}` as Llama 3 writes it), several per turn:
+    bash {command}               in the workspace, `env.command_timeout_s` each; output longer than
+                                 `env.max_observation_chars` is cut to its head and tail
+    str_replace_editor {command: view|create|str_replace|insert|undo_edit, path, file_text,
+                        old_str, new_str, insert_line, view_range}   OpenHands' semantics
+    submit {}                    ends the episode
+A malformed call, or a turn without any, gets an error observation and counts in
+`episode.tool_errors`. Schemas go to the chat template's `tools` argument (`TOOLS`) when the
+tokenizer's `apply_chat_template` accepts it, else they are described in the system message.
+
+Reward, after submit or when a limit ends the episode: the original test files are put back and
+FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
+else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails on its own alarm
+(`env.per_test_timeout_s`, the model's fault); the whole run passing `env.test_timeout_s`, a
+sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
+infrastructure errors: `episode.infra_error` says which, `masked(episode)` is True and the reward
+is 0.0 only because the caller needs a number; such an episode belongs out of the loss and out of
+its group's statistics (README "Repository environment" says what the rollout still lacks).
+
+Limits per episode (config `env`, read with defaults): `max_tool_calls` (40), `command_timeout_s`
+(30), `max_tool_seconds` (all tool time; also checked by rl.multiturn), `workspace_bytes`
+(256 MiB), `test_timeout_s` (300), `per_test_timeout_s` (30), `setup_timeout_s` (300),
+`sandbox_memory_bytes` (4 GiB address space per process), `sandbox_processes` (64); tokens:
+`sampling.max_new_tokens` and `env.max_turn_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import re
+import tarfile
+import time
+
+from models.chat import message_delta_ids
+from rl.envs import repo_sandbox as rs
+from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.sandbox import Limits
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
+
+
+def _fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    params = {"type": "object", "properties": properties, "required": required}
+    return {"type": "function",
+            "function": {"name": name, "description": description, "parameters": params}}  # fmt: skip
+
+
+TOOLS = [
+    _fn("bash", "Run a bash command in the repository (cwd). Long output is cut in the middle.",
+        {"command": {"type": "string", "description": "The command to run."}}, ["command"]),
+    _fn("str_replace_editor",
+        "View, create and edit files. `view` shows a file with line numbers (or a directory "
+        "two levels deep); `create` writes a new file; `str_replace` replaces `old_str`, which "
+        "must occur exactly once, by `new_str`; `insert` puts `new_str` after line "
+        "`insert_line`; `undo_edit` reverts the last edit of `path`.",
+        {"command": {"type": "string",
+                     "enum": ["view", "create", "str_replace", "insert", "undo_edit"]},
+         "path": {"type": "string", "description": "Absolute path, or relative to the repo."},
+         "file_text": {"type": "string"}, "old_str": {"type": "string"},
+         "new_str": {"type": "string"}, "insert_line": {"type": "integer"},
+         "view_range": {"type": "array", "items": {"type": "integer"}}},
+        ["command", "path"]),
+    _fn("submit", "Submit the repository as it is now; ends the episode.", {}, []),
+]  # fmt: skip
+INSTRUCTIONS = (
+    "The Python repository at {root} has an issue. Find the cause and fix it by editing the "
+    "code, so that its tests pass. Use the tools: bash to run commands (e.g. `python -m pytest "
+    "tests`), str_replace_editor to view and edit files, and submit when you are done.\n\n"
+    "<issue>\n{problem}\n</issue>"
+)
+NO_CALL = (
+    "No tool call found. Call a tool in the format <tool_call>{\"name\": ..., \"arguments\": "
+    "{...}}</tool_call>, or submit when you are done."
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class RepoEpisode(Episode):
+    infra_error: str = ""  # why the infrastructure failed ("" = it did not): the episode is masked
+    submitted: bool = False
+    over_disk: bool = False  # the workspace passed env.workspace_bytes (measured mode)
+    mounted: bool = False  # the workspace is its own tmpfs
+    history: dict = dataclasses.field(default_factory=dict)  # path -> [(real path, old text)]
+    metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
+
+
+def parse_calls(text: str) -> list[tuple[str, dict] | str]:
+    """The tool calls of a turn in order: (name, arguments) each, or an error message for a
+    malformed one. Qwen `<tool_call>` blocks, else a turn that is one JSON object (Llama 3)."""
+    blocks = _CALL.findall(text)
+    if not blocks:
+        s = text.strip()
+        if not (s.startswith("{") and '"name"' in s):
+            return []
+        blocks = [s]
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block.strip())
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError('a call is a JSON object with a string "name"')
+            args = call.get("arguments", call.get("parameters", {}))
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(args, dict):
+                raise ValueError('"arguments" must be a JSON object')
+            calls.append((call["name"], args))
+        except ValueError as err:
+            calls.append(f"error: malformed tool call ({err})")
+    return calls
+
+
+def cut(text: str, limit: int) -> str:
+    """`text`, or its head and tail around a marker saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    half = max(1, limit // 2)
+    return f"{text[:half]}\n<... {len(text) - 2 * half} characters elided ...>\n{text[-half:]}"
+
+
+def _read_pristine(repo: str, rel: str) -> str:
+    if os.path.isdir(repo):
+        with open(os.path.join(repo, rel)) as f:
+            return f.read()
+    with tarfile.open(repo) as tar:
+        for name in (rel, "./" + rel):
+            try:
+                return tar.extractfile(name).read().decode()
+            except KeyError:
+                continue
+    raise FileNotFoundError(f"{rel} is not in {repo}")
+
+
+@register_env("repo")
+class RepoEnv(Environment):
+    def __init__(self, tokenizer, config):
+        super().__init__(tokenizer, config)
+        e = config.env
+        self.max_chars = e.get("max_observation_chars", 10000)
+        self.command_timeout = float(e.get("command_timeout_s", 30.0))
+        self.max_calls = e.get("max_tool_calls", 40)
+        self.max_seconds = float(e.get("max_tool_seconds", 600.0))
+        self.disk = int(e.get("workspace_bytes", 256 << 20))
+        self.test_timeout = float(e.get("test_timeout_s", 300.0))
+        self.per_test = int(e.get("per_test_timeout_s", 30))
+        self.setup_timeout = float(e.get("setup_timeout_s", 300.0))
+        workers, site = e.get("tool_workers", 8), rs.site_packages()
+        lim = dict(memory_bytes=int(e.get("sandbox_memory_bytes", 4 << 30)),
+                   file_bytes=self.disk, output_bytes=8 << 20,
+                   processes=int(e.get("sandbox_processes", 64)))  # fmt: skip
+        slowest = max(self.command_timeout, self.setup_timeout) + 10
+        bwrap = e.get("sandbox_bwrap", None)  # None: bubblewrap if it works
+        tool_limits = Limits(wall_s=slowest, cpu_s=int(slowest), **lim)
+        test_limits = Limits(wall_s=self.test_timeout, cpu_s=int(self.test_timeout), **lim)
+        self.tools = rs.RepoSandbox(workers, tool_limits, site, bwrap)
+        self.grader = rs.RepoSandbox(workers, test_limits, site, bwrap)
+        self.python_bin = os.path.dirname(self.tools._python)  # `python` for the model's shell
+        self.tools_in_template = None  # whether the chat template took `tools` (set by prompt)
+
+    # ----- prompt and episode lifecycle -----
+
+    def prompt(self, record: dict, prompt_field: str = "problem") -> list[int]:
+        d = self.config.data
+        problem = record["problem"] if "problem" in record else record[prompt_field]
+        user = INSTRUCTIONS.format(root=self.tools.shown_root(), problem=problem)
+        if not d.use_chat_template:
+            return self.tokenizer.encode((d.system_prompt or "") + user,
+                                         add_bos=self.tokenizer.add_bos_token)  # fmt: skip
+        system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+        msgs, kw = system + [{"role": "user", "content": user}], self._template_kwargs()
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, True, tools=TOOLS, **kw)
+            self.tools_in_template = True
+        except TypeError:  # the tokenizer passes no `tools` (models/tokenizer.py): describe them
+            self.tools_in_template = False
+            described = "\n".join(json.dumps(t) for t in TOOLS)
+            tools = (f"# Tools\n\nYou may call these functions:\n<tools>\n{described}\n</tools>"
+                     f"\n\nFor each call, write {CALL_OPEN}\n{{\"name\": <function-name>, "
+                     f"\"arguments\": <args-json-object>}}\n{CALL_CLOSE}")  # fmt: skip
+            sys_text = (d.system_prompt + "\n\n" if d.system_prompt else "") + tools
+            msgs = [{"role": "system", "content": sys_text}, {"role": "user", "content": user}]
+            text = self.tokenizer.apply_chat_template(msgs, True, **kw)
+        return self.tokenizer.encode(text)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = self.tokenizer.encode(CALL_CLOSE)
+        return tuple(ids) if len(ids) == 1 else ()
+
+    def start(self, record: dict) -> RepoEpisode:
+        return RepoEpisode(record)  # the workspace is made on the first tool call (a worker)
+
+    def masked(self, episode: Episode) -> bool:
+        """Whether the episode belongs out of the loss (an infrastructure error)."""
+        return bool(getattr(episode, "infra_error", ""))
+
+    def _ready(self, ep: RepoEpisode) -> bool:
+        """Makes the episode's workspace (copy, setup) once; False on an infrastructure error."""
+        if ep.workspace is not None or ep.infra_error:
+            return not ep.infra_error
+        try:
+            ep.workspace = ws = self.tools.workspace()
+            ep.mounted = rs.mount_tmpfs(ws, self.disk)
+            rs.copy_repo(ep.record["repo"], ws)
+        except Exception as err:  # noqa: BLE001 - no workspace: not the model's fault
+            ep.infra_error = f"workspace: {type(err).__name__}: {err}"
+            return False
+        if ep.record.get("setup"):
+            r = self._shell(ep, ep.record["setup"], self.setup_timeout)
+            if r.get("rc") != 0:
+                ep.infra_error = f"setup failed: {self._bash_text(r)[-500:]}"
+                return False
+        return True
+
+    def close(self, episode: Episode) -> None:
+        ws, episode.workspace = episode.workspace, None
+        if ws is not None:
+            if getattr(episode, "mounted", False):
+                rs.unmount(ws.path)
+            ws.close()
+
+    # ----- tools -----
+
+    def _shell(self, ep: RepoEpisode, command: str, timeout: float) -> dict:
+        keep = max(1, self.max_chars // 2)
+        args = {"command": command, "timeout": timeout, "keep": keep}
+        r = self.tools.program(rs.BASH, ep.workspace, args, extra_path=self.python_bin)
+        if not r["_started"]:
+            ep.infra_error = f"sandbox did not start: {r['_run'].reason}: {r['_run'].stderr[-300:]}"
+        return r
+
+    def _bash_text(self, r: dict) -> str:
+        if "rc" not in r:
+            run = r["_run"]
+            return f"[the shell tool was killed ({run.reason}, exit status {run.returncode})]"
+        out = r["head"]
+        if r["total"] > r["shown"]:
+            out += f"\n<... {r['total'] - r['shown']} bytes elided ...>\n"
+        out += r["tail"]
+        if r["rc"] is None:
+            return out + f"\n[the command timed out after {r['timeout']:g} s and was killed]"
+        return out + f"\n[exit code {r['rc']}]"
+
+    def _bash(self, ep: RepoEpisode, args: dict, seconds_left: float) -> str:
+        command = args.get("command")
+        if not isinstance(command, str) or not command.strip():
+            ep.tool_errors += 1
+            return "error: bash needs a non-empty string `command`"
+        timeout = max(0.1, min(self.command_timeout, seconds_left))
+        r = self._shell(ep, command, timeout)
+        r["timeout"] = timeout
+        ep.tool_errors += "rc" not in r or r["rc"] is None
+        return cut(self._bash_text(r), self.max_chars + 200)
+
+    def _edit(self, ep: RepoEpisode, args: dict) -> str:
+        path = args.get("path")
+        root = self.tools.root(ep.workspace)
+        key = posixpath.normpath(posixpath.join(root, path)) if isinstance(path, str) else None
+        if args.get("command") == "undo_edit":
+            stack = ep.history.get(key) or []
+            args = {**args, "restore": stack[-1] if stack else None}
+        r = self.tools.program(rs.EDITOR, ep.workspace, args)
+        if not r["_started"]:
+            ep.infra_error = f"sandbox did not start: {r['_run'].reason}"
+            return ""
+        if "ok" not in r:
+            ep.tool_errors += 1
+            return f"error: the editor failed ({r['_run'].reason}: {r['_run'].stderr[-300:]})"
+        if not r["ok"]:
+            ep.tool_errors += 1
+        elif args.get("command") == "undo_edit":
+            ep.history[key].pop()
+        elif r.get("undo"):
+            ep.history.setdefault(key, []).append(r["undo"])
+        return cut(r["output"], self.max_chars)
+
+    def step(self, episode: Episode, turn: Turn) -> list[int] | None:
+        ep, t0 = episode, time.perf_counter()
+        if not self._ready(ep):
+            return None
+        calls = parse_calls(turn.text)
+        if not calls:
+            ep.tool_errors += 1
+            return self._observe([NO_CALL], turn, role="user")
+        outputs = []
+        for call in calls:
+            if ep.tool_calls >= self.max_calls:
+                return None  # a limit: scored as it stands
+            ep.tool_calls += 1
+            if isinstance(call, str):
+                ep.tool_errors += 1
+                outputs.append(call)
+                continue
+            name, args = call
+            left = self.max_seconds - ep.tool_seconds - (time.perf_counter() - t0)
+            if name == "submit":
+                ep.submitted = True
+                return None
+            if left <= 0:
+                return None
+            if name == "bash":
+                outputs.append(self._bash(ep, args, left))
+            elif name == "str_replace_editor":
+                outputs.append(self._edit(ep, args))
+            else:
+                ep.tool_errors += 1
+                outputs.append(f"error: unknown tool {name!r}; the tools are bash, "
+                               "str_replace_editor and submit")  # fmt: skip
+            if ep.infra_error:
+                return None
+            if not ep.mounted and rs.disk_usage(ep.workspace.path) > self.disk:
+                ep.over_disk = True
+                return None  # measured mode: a workspace over its limit ends the episode
+        ep.observations.extend(outputs)
+        return self._observe(outputs, turn)
+
+    def _observe(self, texts: list[str], turn: Turn, role: str = "tool") -> list[int]:
+        if not self.config.data.use_chat_template:
+            return self.tokenizer.encode("\n".join(texts))
+        closed = bool(turn.ids) and self._end is not None and turn.ids[-1] == self._end
+        msgs = [{"role": role, "content": t} for t in texts]
+        return message_delta_ids(self.tokenizer, msgs, turn_closed=closed,
+                                 **self._template_kwargs())  # fmt: skip
+
+    # ----- reward -----
+
+    def reward(self, episode: Episode) -> float:
+        ep, rec = episode, episode.record
+        f2p, p2p = list(rec["fail_to_pass"]), list(rec["pass_to_pass"])
+        if not self._ready(ep):
+            return 0.0  # masked: see masked()
+        try:
+            files = sorted({n.split("::")[0] for n in f2p + p2p})
+            tests = {f: _read_pristine(rec["repo"], f) for f in files}
+        except (OSError, KeyError, UnicodeError, tarfile.TarError) as err:
+            ep.infra_error = f"test files: {err}"
+            return 0.0
+        args = {"nodes": f2p + p2p, "tests": tests, "per_test": self.per_test}
+        r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": self.grader.site})
+        run = r["_run"]
+        if not r["_started"] or run.reason == "timeout":
+            why = "harness timeout" if r["_started"] else "sandbox did not start"
+            ep.infra_error = f"{why} ({run.reason}, {run.seconds:.1f} s)"
+            return 0.0
+        if r.get("exit") in (3, 4):  # pytest's internal error / usage error (no such test)
+            ep.infra_error = f"pytest exit status {r['exit']}: {run.stdout[-300:]}"
+            return 0.0
+        passed = r.get("passed", {})  # missing (the run died after READY): all fail
+        frac = lambda nodes: sum(bool(passed.get(n)) for n in nodes) / max(1, len(nodes))
+        ep.metrics = {"fail_to_pass_frac": frac(f2p), "pass_to_pass_frac": frac(p2p)}
+        return float(all(passed.get(n) for n in f2p + p2p))
