@@ -172,6 +172,7 @@ class RepoEnv(Environment):
         self.tools = rs.RepoSandbox(workers, tool_limits, site, bwrap)
         self.grader = rs.RepoSandbox(workers, test_limits, site, bwrap)
         self.python_bin = os.path.dirname(self.tools._python)  # `python` for the model's shell
+        self._mounted: set[str] = set()  # tmpfs workspaces not yet unmounted
         self.tools_in_template = None  # whether the chat template took `tools` (set by prompt)
 
     # ----- prompt and episode lifecycle -----
@@ -217,6 +218,8 @@ class RepoEnv(Environment):
         try:
             ep.workspace = ws = self.tools.workspace()
             ep.mounted = rs.mount_tmpfs(ws, self.disk)
+            if ep.mounted:
+                self._mounted.add(ws.path)
             rs.copy_repo(ep.record["repo"], ws)
         except Exception as err:  # noqa: BLE001 - no workspace: not the model's fault
             ep.infra_error = f"workspace: {type(err).__name__}: {err}"
@@ -233,7 +236,16 @@ class RepoEnv(Environment):
         if ws is not None:
             if getattr(episode, "mounted", False):
                 rs.unmount(ws.path)
+                self._mounted.discard(ws.path)
             ws.close()
+
+    def shutdown(self) -> None:
+        """Unmounts the workspaces of episodes never closed and closes both sandboxes."""
+        for path in list(self._mounted):
+            rs.unmount(path)
+        self._mounted.clear()
+        self.tools.close()
+        self.grader.close()
 
     # ----- tools -----
 
@@ -253,9 +265,10 @@ class RepoEnv(Environment):
         if r["total"] > r["shown"]:
             out += f"\n<... {r['total'] - r['shown']} bytes elided ...>\n"
         out += r["tail"]
+        out += "" if not out or out.endswith("\n") else "\n"
         if r["rc"] is None:
-            return out + f"\n[the command timed out after {r['timeout']:g} s and was killed]"
-        return out + f"\n[exit code {r['rc']}]"
+            return out + f"[the command timed out after {r['timeout']:g} s and was killed]"
+        return out + f"[exit code {r['rc']}]"
 
     def _bash(self, ep: RepoEpisode, args: dict, seconds_left: float) -> str:
         command = args.get("command")
@@ -358,8 +371,12 @@ class RepoEnv(Environment):
             why = "harness timeout" if r["_started"] else "sandbox did not start"
             ep.infra_error = f"{why} ({run.reason}, {run.seconds:.1f} s)"
             return 0.0
-        if r.get("exit") in (3, 4):  # pytest's internal error / usage error (no such test)
-            ep.infra_error = f"pytest exit status {r['exit']}: {run.stdout[-300:]}"
+        if r.get("exit") in (3, 4) or (r.get("missing") and not r.get("broken")):
+            # pytest's internal or usage error, or a node id the pristine tests do not define
+            missing = r.get("missing", [])[:3]
+            ep.infra_error = (
+                f"pytest exit status {r['exit']}, missing {missing}: {run.stdout[-300:]}"
+            )
             return 0.0
         passed = r.get("passed", {})  # missing (the run died after READY): all fail
         frac = lambda nodes: sum(bool(passed.get(n)) for n in nodes) / max(1, len(nodes))

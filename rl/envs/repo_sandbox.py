@@ -80,6 +80,11 @@ while True:
         size = sum(map(len, tail))
         while tail and size - len(tail[0]) >= cap:
             size -= len(tail.popleft())
+if not timed_out:  # EOF can come before bash has quite exited
+    try:
+        p.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
 try:
     os.killpg(p.pid, signal.SIGKILL)
 except OSError:
@@ -191,7 +196,10 @@ try:
             fail("No replacement was performed, old_str `%s` did not appear verbatim in %s."
                  % (old_str, path))
         if n > 1:
-            at = [i + 1 for i, line in enumerate(old.split("\n")) if old_str in line]
+            at, i = [], old.find(old_str)
+            while i >= 0:
+                at.append(old.count("\n", 0, i) + 1)
+                i = old.find(old_str, i + 1)
             fail("No replacement was performed. Multiple occurrences of old_str `%s` in lines "
                  "%s. Please ensure it is unique." % (old_str, at))
         new = old.replace(old_str, new_str)
@@ -252,7 +260,7 @@ for rel, text in A["tests"].items():
 os.chdir(root)
 sys.path[:0] = [root, A["site"]]
 import pytest
-reports = {}
+reports, broken, collected = {}, [], set()
 
 
 def alarm(*_):
@@ -272,12 +280,26 @@ class Collect:
     def pytest_runtest_logreport(self, report):
         reports.setdefault(report.nodeid, []).append((report.when, report.outcome))
 
+    def pytest_collection_modifyitems(self, config, items):
+        keep = [i for i in items if i.nodeid in wanted]
+        collected.update(i.nodeid for i in keep)
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in wanted])
+        items[:] = keep
 
-code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider", *A["nodes"]],
-                   plugins=[Collect()])
+    def pytest_collectreport(self, report):
+        if report.failed:  # e.g. the model broke an import: its fault, not a usage error
+            broken.append(report.nodeid)
+
+
+# Whole files, deselecting the other tests: with node ids, one file that fails to import would
+# stop the run before the other files' tests ran ("not found").
+wanted = set(A["nodes"])
+files = sorted({n.split("::")[0] for n in wanted})
+code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider",
+                    "--continue-on-collection-errors", *files], plugins=[Collect()])
 passed = {n: ("call", "passed") in r and not any(o == "failed" for _, o in r)
           for n, r in reports.items()}
-result(exit=int(code), passed=passed)
+result(exit=int(code), passed=passed, broken=broken, missing=sorted(wanted - collected))
 """
 )
 

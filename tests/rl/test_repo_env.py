@@ -1,0 +1,304 @@
+"""The `repo` environment (rl/envs/repo.py): a scripted policy fixes generated repositories through
+the env's step/reward API and through the engine's episode loop; tool semantics and errors;
+infrastructure errors are flagged, not scored; isolation of bubblewrap-mode episodes against
+hostile commands, each with a host-side check."""
+
+import json
+import os
+import socket
+import string
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_collections
+import pytest
+
+from launch.make_repo_tasks import make_tasks
+from models.tokenizer import CharTokenizer
+from rl.envs.base import Turn
+from rl.envs.repo import RepoEnv, cut, parse_calls
+from rl.sandbox import _live
+
+TOK = CharTokenizer(string.printable)
+
+
+def make_config(**env):
+    env = {"max_observation_chars": 2000, "command_timeout_s": 4.0, "tool_workers": 8,
+           "workspace_bytes": 32 << 20, "max_tool_seconds": 120.0, **env}  # fmt: skip
+    data = {"use_chat_template": False, "system_prompt": "", "chat_template_kwargs": {}}
+    return ml_collections.ConfigDict({"data": data, "env": env})
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return make_tasks(str(tmp_path_factory.mktemp("repo_tasks")), 10, seed=1)
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = RepoEnv(TOK, make_config())
+    yield e
+    e.shutdown()
+
+
+def call(name, **args):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def act(env, ep, text):
+    """One scripted turn: the observation text, or None when the episode ended."""
+    turn = Turn(TOK.encode(text), text, "stop")
+    ep.turns.append(turn)
+    obs = env.step(ep, turn)
+    return None if obs is None else TOK.decode(obs)
+
+
+def fix_script(task, wrong=False):
+    fix = task["fix"]
+    new = fix["old"] if wrong else fix["new"]  # wrong: a no-op edit that keeps the bug
+    return [call("str_replace_editor", command="view", path=fix["path"]),
+            call("str_replace_editor", command="str_replace", path=f"/testbed/{fix['path']}",
+                 old_str=fix["old"], new_str=new),
+            call("submit")]  # fmt: skip
+
+
+def run_episode(env, task, script):
+    ep = env.start(task)
+    observations = [act(env, ep, text) for text in script]
+    try:
+        return env.reward(ep), ep, observations
+    finally:
+        env.close(ep)
+
+
+def test_scripted_fix_gets_1_and_a_wrong_edit_0(env, tasks):
+    if env.tools.mode != "bwrap":
+        pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
+    r, ep, obs = run_episode(env, tasks[0], fix_script(tasks[0]))
+    assert r == 1.0 and ep.metrics == {"fail_to_pass_frac": 1.0, "pass_to_pass_frac": 1.0}
+    assert "cat -n" in obs[0] and "has been edited" in obs[1] and obs[2] is None
+    assert ep.submitted and ep.tool_calls == 3 and ep.tool_errors == 0 and not env.masked(ep)
+    assert ep.workspace is None  # deleted on close
+    r, ep, _ = run_episode(env, tasks[1], fix_script(tasks[1], wrong=True))
+    assert r == 0.0 and ep.metrics["fail_to_pass_frac"] < 1 and not env.masked(ep)
+
+
+def test_editing_the_tests_does_not_pass_them(env, tasks):
+    """The graded run puts the original test files back."""
+    t = tasks[2]
+    test_file = t["fail_to_pass"][0].split("::")[0]
+    hack = call("bash", command=f"printf 'def test_x():\\n    pass\\n' > {test_file}; "
+                f"rm -rf {t['fix']['path']}")  # fmt: skip
+    r, ep, obs = run_episode(env, t, [hack, call("submit")])
+    assert r == 0.0 and ep.metrics["fail_to_pass_frac"] == 0 and not env.masked(ep)
+
+
+def test_tool_errors_and_editor_semantics(env, tasks):
+    t, ws_path = tasks[3], "/testbed" if env.tools.mode == "bwrap" else ""
+    ep = env.start(t)
+    path = t["fix"]["path"]
+    src = open(os.path.join(t["repo"], path)).read()
+    ed = lambda **a: act(env, ep, call("str_replace_editor", **a))
+    try:
+        assert "error: malformed tool call" in act(env, ep, "<tool_call>{not json</tool_call>")
+        assert "No tool call found" in act(env, ep, "I think the bug is in line 3.")
+        assert "unknown tool 'python'" in act(env, ep, call("python", code="1"))
+        assert "non-empty string `command`" in act(env, ep, call("bash"))
+        assert "Unrecognized command" in ed(command="delete", path=path)
+        assert "did not appear verbatim" in ed(command="str_replace", path=path, old_str="zzz")
+        assert "Multiple occurrences" in ed(command="str_replace", path=path, old_str="\n")
+        assert "outside the repository" in ed(command="view", path="/etc/passwd")
+        assert "outside the repository" in ed(command="view", path="../../etc/passwd")
+        act(env, ep, call("bash", command="ln -s /etc/passwd link"))
+        assert "outside the repository" in ed(command="view", path="link")
+        assert "Cannot overwrite" in ed(command="create", path=path, file_text="x")
+        assert "No edit history" in ed(command="undo_edit", path=path)
+        assert "first element `99`" in ed(command="view", path=path, view_range=[99, 100])
+        errors = ep.tool_errors
+        assert errors == 13 and ep.tool_calls == 13  # the turn without a call counts no call
+        assert "     2\t" in ed(command="view", path=path, view_range=[2, 3])
+        assert "created" in ed(command="create", path="new/mod.py", file_text="A = 1\n")
+        assert "A = 1" in act(env, ep, call("bash", command="cat new/mod.py"))
+        assert "has been edited" in ed(command="insert", path=path, insert_line=0,
+                                       new_str="# top")  # fmt: skip
+        assert "has been edited" in ed(command="str_replace", path=path, old_str=t["fix"]["old"],
+                                       new_str=t["fix"]["new"])  # fmt: skip
+        assert "undone" in ed(command="undo_edit", path=path)
+        assert "undone" in ed(command="undo_edit", path=path)
+        out = act(env, ep, call("bash", command=f"cat {path}"))
+        assert out == src + "[exit code 0]" and ep.tool_errors == errors
+        # Several calls in one turn answer in order; a long output keeps its head and tail.
+        two = call("bash", command="echo one") + call("bash", command="seq 1 100000; exit 3")
+        out = act(env, ep, two)
+        assert out.startswith("one\n[exit code 0]\n1\n2\n") and "bytes elided" in out
+        assert out.endswith("99999\n100000\n[exit code 3]") and len(out) < 2500
+        out = act(env, ep, call("bash", command="echo start; sleep 30"))
+        assert "start" in out and "timed out after 4 s" in out
+        assert ws_path in act(env, ep, call("bash", command="pwd"))
+    finally:
+        env.close(ep)
+
+
+def test_call_parsing_and_cut():
+    assert parse_calls('{"name": "bash", "parameters": {"command": "ls"}}') == [
+        ("bash", {"command": "ls"})
+    ]  # Llama 3's JSON call
+    assert parse_calls('<tool_call>{"name": "submit", "arguments": "{}"}') == [("submit", {})]
+    assert parse_calls("no call here") == []
+    assert parse_calls('<tool_call>{"arguments": {}}</tool_call>')[0].startswith("error")
+    assert cut("x" * 10, 10) == "x" * 10
+    assert cut("a" * 5 + "b" * 10 + "c" * 5, 10) == "aaaaa\n<... 10 characters elided ...>\nccccc"
+
+
+def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
+    """A harness timeout, a failing setup and a missing repository mask the episode; the other
+    episodes of the group are scored as usual."""
+    repo = tmp_path / "slow"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_slow.py").write_text(
+        "import time\n\ndef test_slow():\n    time.sleep(30)\n"
+    )
+    slow = {"repo": str(repo), "problem": "p", "fail_to_pass": ["tests/test_slow.py::test_slow"],
+            "pass_to_pass": []}  # fmt: skip
+    env = RepoEnv(TOK, make_config(test_timeout_s=3.0, per_test_timeout_s=60))
+    try:
+        group = [slow, {**tasks[0], "setup": "exit 1"}, {**tasks[0], "repo": str(tmp_path / "no")}]
+        group += [tasks[0]]
+        rewards, eps = [], []
+        for rec in group:
+            ep = env.start(rec)
+            act(env, ep, call("bash", command="true"))
+            rewards.append(env.reward(ep))
+            eps.append(ep)
+            env.close(ep)
+        assert [env.masked(ep) for ep in eps] == [True, True, True, False]
+        assert eps[0].infra_error.startswith("harness timeout")
+        assert eps[1].infra_error.startswith("setup failed")
+        assert eps[2].infra_error.startswith("workspace: FileNotFoundError")
+        assert rewards[3] == 0.0 and eps[3].metrics["pass_to_pass_frac"] == 1.0  # scored
+    finally:
+        env.shutdown()
+    # A test that hangs on its own is the model's fault: it fails on the per-test alarm.
+    env = RepoEnv(TOK, make_config(test_timeout_s=30.0, per_test_timeout_s=1))
+    try:
+        ep = env.start(slow)
+        assert env.reward(ep) == 0.0 and not env.masked(ep)
+        assert ep.metrics["fail_to_pass_frac"] == 0.0
+        env.close(ep)
+    finally:
+        env.shutdown()
+
+
+# ----- isolation (bubblewrap mode) -----
+
+
+def needs_bwrap(env):
+    if env.tools.mode != "bwrap":
+        pytest.skip(f"isolation checks need bubblewrap (mode {env.tools.mode!r})")
+
+
+def bash(env, ep, command):
+    return act(env, ep, call("bash", command=command))
+
+
+def no_process_left(uids):
+    return not any(_live(uid, "") for uid in uids if uid >= 0)
+
+
+def test_32_concurrent_episodes_are_isolated(env, tasks, tmp_path):
+    """Each of 32 concurrent episodes writes a secret, then tries to read and overwrite every
+    other workspace (by its host path and through /proc), reach a host socket and the host's
+    files; host side: every secret intact, no connection, canary intact, no process left."""
+    needs_bwrap(env)
+    canary = tmp_path / "canary"
+    canary.write_text("host")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    eps = [env.start(tasks[i % len(tasks)]) for i in range(32)]
+    for i, ep in enumerate(eps):
+        assert env._ready(ep)
+        with open(os.path.join(ep.workspace.path, "secret"), "w") as f:
+            f.write(f"SECRET<{i}>")
+    paths = [ep.workspace.path for ep in eps]
+    probe = "; ".join(
+        [f"cat {p}/secret; echo pwned > {p}/secret" for p in paths]
+        + [f"cat {canary}; echo pwned > {canary}", "cat /proc/*/root/testbed/secret",
+           "ls /tmp /root /work 2>&1 | head -3",
+           f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 1)\"",
+           "python -c \"import socket; socket.create_connection(('1.1.1.1', 53), 1)\""]
+    )  # fmt: skip
+
+    def attack(i):
+        return bash(env, eps[i], probe + "; cat /testbed/secret")
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(attack, range(32)))
+    for i, out in enumerate(outs):
+        others = [f"SECRET<{j}>" for j in range(32) if j != i]
+        assert not any(s in out for s in others), (i, out[:300])
+        assert f"SECRET<{i}>" in out  # its own, through /testbed
+        assert "host" not in out.split("\n")
+    for i, ep in enumerate(eps):
+        assert open(os.path.join(ep.workspace.path, "secret")).read() == f"SECRET<{i}>"
+    assert canary.read_text() == "host"
+    with pytest.raises(TimeoutError):
+        server.accept()  # nobody connected
+    server.close()
+    uids = [ep.workspace.uid for ep in eps]
+    for ep in eps:
+        env.close(ep)
+    assert no_process_left(uids) and not any(os.path.exists(p) for p in paths)
+
+
+HOSTILE = {
+    "rm_rf_root": "rm -rf --no-preserve-root / 2>/dev/null; echo done",
+    "fork_bomb": "bomb() { bomb | bomb & }; bomb; sleep 2; echo done",
+    "kill_all": "kill -9 -1; echo done",
+    "fill_disk": "for i in $(seq 100); do head -c 1M /dev/zero > f$i || break; done; echo done",
+    "alloc_10gb": "python -c 'b = bytearray(10 * 2**30)'; echo done",
+    "background": "(sleep 1234 &) ; nohup sleep 1235 > /dev/null 2>&1 & echo done",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_commands_are_contained(env, tasks, tmp_path, name):
+    needs_bwrap(env)
+    canary = tmp_path / "canary"
+    canary.write_text("host")
+    sentinel = subprocess.Popen(["sleep", "60"])  # a host process of ours, as kill's target
+    ep = env.start(tasks[4])
+    assert env._ready(ep)
+    uid, ws = ep.workspace.uid, ep.workspace.path
+    free = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    t0 = time.monotonic()
+    out = bash(env, ep, HOSTILE[name])
+    seconds = time.monotonic() - t0
+    assert out is not None and seconds < 15, (name, seconds)
+    assert not env.masked(ep), ep.infra_error
+    # The workspace still works afterwards (the next call is a fresh process).
+    assert "alive" in bash(env, ep, "echo alive")
+    if name == "rm_rf_root":
+        assert canary.read_text() == "host" and os.path.exists("/usr/bin/env")
+        assert os.path.exists(os.path.join(tasks[5]["repo"], tasks[5]["fix"]["path"]))
+    if name == "fork_bomb":
+        assert "Resource temporarily unavailable" in out or "timed out" in out
+    if name == "kill_all":
+        assert sentinel.poll() is None  # the host's process survived
+    if name == "fill_disk":
+        st = os.statvfs(ws)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        assert used <= 32 << 20 and "No space left" in out, out[-300:]
+        after = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+        assert free - after < 16 << 20  # the host's disk did not take it
+    if name == "alloc_10gb":
+        assert "MemoryError" in out
+    if name == "background":
+        assert seconds < 5 and "done" in out
+        assert not _live(-1, "1234") and not _live(-1, "1235") and not _live(uid, "")
+    env.close(ep)
+    sentinel.kill()
+    assert no_process_left([uid]) and not os.path.exists(ws)
