@@ -3,8 +3,17 @@
 The learner, the reference model and the sampler-vs-learner checks all use this one function. It
 runs the transformer trunk once, then projects to the vocabulary a chunk of `chunk` positions at a
 time inside a `lax.scan`: only one f32 [B, chunk, V] logits block exists at a time, never the whole
-[B, T, V]. The chunk body is rematerialised (`jax.checkpoint`), so the backward pass does not keep
-every chunk's logits alive either: it recomputes them from the saved hidden states.
+[B, T, V]. The backward pass is written out (`_chunked_projection`, a custom VJP): it recomputes
+each chunk's logits from the saved hidden states, so it does not keep every chunk's logits alive
+either, and
+- the [D,V] matrix is cast to the compute dtype and gathered once per pass, outside the loop
+  over chunks, and its gradient is summed over the chunks in f32, in one accumulator per device
+  holding that device's rows' partial sum ([S,D,V] with S split over the row shards), reduced
+  over the devices once at the end. Differentiating through the scan instead, as before, summed
+  the gradient across chunks in the compute dtype (bf16: 64 chunks moved it by 1.6e-2 of its
+  largest entry, `tests/rl/test_logprobs.py`), and on a mesh put an all-gather of the matrix and
+  an all-reduce of its gradient in every chunk (256 of each for a 32k-token row). It was one
+  accumulator, not one buffer per chunk, in XLA's buffer assignment, then and now.
 
 On a mesh, `rows` pins the hidden states to the batch's row sharding. Without it GSPMD, seeing
 rows sharded over fsdp and the [D,V] projection sharded over fsdp on D, contracted over the
@@ -15,7 +24,12 @@ FSDP means. XLA CPU, Qwen2.5-0.5B shape, bf16, remat, blockwise attention, fsdp=
 of 4096 tokens per device: temporaries per device of the train step 22.0 -> 11.2 GiB, of the
 log-prob pass 2.77 -> 2.29 GiB. (With dense attention the train step goes 63.3 -> 52.9 GiB but
 the log-prob pass 2.87 -> 4.55 GiB: one row's [T,T] scores plus every layer's gathered f32
-weights, which XLA CPU all-gathers up front, outweigh the all-rows activations it held before.)
+weights, which XLA CPU all-gathered up front, outweigh the all-rows activations it held before.)
+With the blocks' ordered remat (`models.transformer.remat`) and this projection: train step
+3.04 GiB, log-prob pass 1.28 GiB at 4096 tokens; 10.43 and 3.85 GiB at 32,768
+(docs/performance.md). The peak at 4096 tokens is this backward pass: XLA:CPU holds the gathered
+matrix in f32 (its dots upcast bf16) and in both layouts, one chunk's f32 [V,D] gradient and the
+accumulator, 519 MiB each, whatever T. At 32,768 tokens a layer's MLP backward is the peak.
 
 Position t of the outputs scores token t+1 given tokens[:, :t+1]. Two distributions are scored:
 - `logp`: the sampling distribution (`sampling.distribution.log_probs`: temperature, top-k,
@@ -31,10 +45,13 @@ Without truncation or bans the two are the same array.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sampling.distribution import (
     SamplingParams,
@@ -75,24 +92,78 @@ def token_logprobs(
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     early = jnp.zeros((b, t), bool) if stop_masked is None else stop_masked
     early = jnp.pad(early, ((0, 0), (0, pad)))
-    w = model.unembed_matrix()  # [D,V]
+    w, letters = model.unembedding()  # f32 master weights, "VD" or "DV"
     to_chunks = lambda x: x.reshape(b, n, c, *x.shape[2:]).swapaxes(0, 1)  # [n,B,c,...]
     same = not sampling.truncates and stop_masked is None
+    vocab = w.shape[letters.index("V")]
 
-    @jax.checkpoint
-    def one_chunk(h_c, tgt_c, early_c):
-        logits = jnp.einsum("BCD,DV->BCV", h_c, w).astype(jnp.float32)
+    def scores(logits, tgt_c, early_c):
+        """f32 logits [B,c,V] -> (logp, full, entropy) [B,c]."""
         pick = lambda lp: jnp.take_along_axis(lp, tgt_c[..., None], axis=-1)[..., 0]
         full = tempered_log_probs(logits, sampling.temperature)  # [B,c,V]
         if same:
             return pick(full), pick(full), entropy(full)
-        banned = None if stop_masked is None else banned_stop_ids(early_c, stop_ids, w.shape[1])
+        banned = None if stop_masked is None else banned_stop_ids(early_c, stop_ids, vocab)
         lp = log_probs(logits, sampling, banned, keep=tgt_c)  # [B,c,V]
         return pick(lp), pick(full), entropy(full)
 
-    def body(_, xs):
-        return None, one_chunk(*xs)
-
-    _, out = jax.lax.scan(body, None, (to_chunks(h), to_chunks(targets), to_chunks(early)))
+    project = _chunked_projection(scores, letters, h.dtype, rows)
+    out = project(to_chunks(h), w, to_chunks(targets), to_chunks(early))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :t]
     return TokenLogprobs(*(unchunk(x) for x in out))
+
+
+def _chunked_projection(scores, letters: str, dtype, rows):
+    """(h [n,B,c,D], w [D,V] or [V,D] f32 master, targets, early [n,B,c]) -> scores of each chunk
+    [n,B,c] x3, with the backward pass written out (see the module docstring)."""
+    spec = f"BCD,{letters}->BCV"
+    mesh = getattr(rows, "mesh", None)
+    axes = rows.spec[0] if rows is not None else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1
+
+    def matrix(w):
+        """The master weights in the compute dtype, gathered once (replicated) on a mesh."""
+        w = w.astype(dtype)
+        return w if mesh is None else jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
+
+    def logits(h_c, w):
+        return jnp.einsum(spec, h_c, w).astype(jnp.float32)  # [B,c,V]
+
+    @jax.custom_vjp
+    def project(h, w, targets, early):
+        wc = matrix(w)
+        body = lambda _, xs: (None, scores(logits(xs[0], wc), *xs[1:]))
+        return jax.lax.scan(body, None, (h, targets, early))[1]
+
+    def fwd(h, w, targets, early):
+        return project(h, w, targets, early), (h, w, targets, early)
+
+    def bwd(saved, ct):
+        h, w, targets, early = saved
+        wc = matrix(w)
+        split = lambda x: x.reshape(shards, -1, *x.shape[1:])  # [S,B/S,...]: S row shards
+
+        def body(dw, xs):
+            h_c, tgt_c, early_c, ct_c = xs
+            _, vjp = jax.vjp(lambda z: scores(z, tgt_c, early_c), logits(h_c, wc))
+            dz = vjp(ct_c)[0].astype(dtype)  # [B,c,V], as the transpose of the f32 cast rounds
+            dh = jnp.einsum(f"BCV,{letters}->BCD", dz, wc)
+            dw_c = jnp.einsum(
+                f"SBCD,SBCV->S{letters}", split(h_c), split(dz), preferred_element_type=jnp.float32
+            )
+            return _on_rows(dw + dw_c, mesh, axes), dh
+
+        dw0 = _on_rows(jnp.zeros((shards, *w.shape), jnp.float32), mesh, axes)
+        dw, dh = jax.lax.scan(body, dw0, (h, targets, early, ct))
+        return dh, dw.sum(0).astype(w.dtype), None, None
+
+    project.defvjp(fwd, bwd)
+    return project
+
+
+def _on_rows(x, mesh, axes):
+    """x [S,...] with S split over the row axes (each device's own partial sum), on a mesh."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(axes or None)))

@@ -1,7 +1,10 @@
 """On an FSDP mesh every device projects its own rows to the vocabulary (`rl.logprobs`, `rows`):
-the compiled log-prob pass and gradient hold no logits block of the whole global batch, and the
-log-probs and gradients equal one device's within 1e-5 (f32), also with micro-batches whose rows
-do not split over the devices (left to GSPMD)."""
+the compiled log-prob pass and gradient hold no logits block of the whole global batch, the
+[D,V] matrix is gathered and its gradient reduced once per micro-batch, not in every chunk, and
+the log-probs and gradients equal one device's within 1e-5 (f32), also with micro-batches whose
+rows do not split over the devices (left to GSPMD)."""
+
+import re
 
 import jax
 import numpy as np
@@ -60,6 +63,33 @@ def test_no_device_holds_the_logits_of_every_row():
     for text in texts:
         assert not [s for s in every_row if s in text], [s for s in every_row if s in text]
         assert f"[1,{CHUNK},{V}]" in text  # one row's block per device
+
+
+def test_unembedding_gathered_and_reduced_outside_the_chunk_loop():
+    """No all-gather / all-reduce / reduce-scatter of a V-sized array in any loop body of the
+    compiled gradient. Differentiating through the chunk scan put both the gather of the [D,V]
+    matrix and the all-reduce of its gradient in the loop over chunks (256 of each for a row of
+    32k tokens)."""
+    learner, params, batch = _learner(make_mesh({"fsdp": 8}), sampling=SamplingParams(0.7))
+    text = learner._grads.lower(params, batch).compile().as_text()
+    computations, name = {}, None
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?(\S+) .*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+        elif name:
+            computations[name].append(line)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    assert bodies  # the chunk scans, the attention loops
+    collective = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter)\(")
+    in_loops = [
+        line.strip()[:120]
+        for body in bodies
+        for line in computations[body]
+        if (m := collective.search(line)) and str(V) in m.group(1)
+    ]
+    assert not in_loops, in_loops
 
 
 @pytest.mark.parametrize("micro", [1, 2])
