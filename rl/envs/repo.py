@@ -201,7 +201,10 @@ class RepoEnv(Environment):
         return self.tokenizer.encode(text)
 
     def stop_ids(self) -> tuple[int, ...]:
-        ids = self.tokenizer.encode(CALL_CLOSE)
+        try:
+            ids = self.tokenizer.encode(CALL_CLOSE)
+        except ValueError:  # a character-level alphabet without "<"
+            return ()
         return tuple(ids) if len(ids) == 1 else ()
 
     def start(self, record: dict) -> RepoEpisode:

@@ -302,3 +302,79 @@ def test_hostile_commands_are_contained(env, tasks, tmp_path, name):
     env.close(ep)
     sentinel.kill()
     assert no_process_left([uid]) and not os.path.exists(ws)
+
+
+# ----- through the engine's episode loop (8-device mesh) -----
+
+from rl.envs import register_env  # noqa: E402
+
+
+@register_env("test_repo_scripted")
+class ScriptedRepo(RepoEnv):
+    """The engine samples the turns (a tiny random model); the script decides what they say: the
+    environment reads the script's text in place of the sampled text, and answers with a fixed
+    observation id (the repo's output is not in the model's alphabet). Sample 0 of each group
+    fixes the bug, sample 1 starts with a malformed call and then makes a wrong edit."""
+
+    def prompt(self, record, prompt_field="problem"):
+        return [3, 4, 5]
+
+    def start(self, record):
+        ep = super().start(record)
+        self.counts = getattr(self, "counts", {})
+        ep.k = self.counts.get(record["instance_id"], 0)
+        self.counts[record["instance_id"]] = ep.k + 1
+        return ep
+
+    def step(self, episode, turn):
+        script = fix_script(episode.record, wrong=episode.k == 1)
+        if episode.k == 1:
+            script = ["<tool_call>{oops</tool_call>"] + script[1:]
+        text = script[min(episode.num_turns, len(script)) - 1]
+        return super().step(episode, Turn(turn.ids, text, "stop"))
+
+    def _observe(self, texts, turn, role="tool"):
+        self.seen = getattr(self, "seen", []) + list(texts)
+        return [6]
+
+
+@pytest.mark.slow
+def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
+    from launch.build import build
+    from launch.cli import parse_args
+    from rl.data import PromptStream, make_prompt_iterator
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    args = [
+        "--config.mesh.data=8", "--config.data.prompts_per_step=10",
+        "--config.rl.num_generations=2", "--config.sampling.num_slots=8",
+        "--config.env.name=test_repo_scripted", "--config.env.max_turns=4",
+        "--config.env.max_turn_tokens=2", "--config.sampling.max_new_tokens=16",
+        "--config.data.train.type=jsonl", f"--config.data.train.path={path}",
+        "--config.data.train.prompt_field=problem", "--config.env.max_observation_chars=2000",
+    ]  # fmt: skip
+    config = parse_args(args, {})[0]
+    run = build(config)
+    if run.env.tools.mode != "bwrap":
+        pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=10, seed=0))
+    rollouts = run.rollouts()
+    try:
+        rollout = rollouts(0, run.state.params, data)
+    finally:
+        rollouts.close()
+        run.env.shutdown()
+    ids = set()
+    for grp in rollout.groups:
+        ids.add(grp.record["instance_id"])
+        for ep, r in zip(grp.episodes, grp.rewards):
+            assert r == (1.0 if ep.k == 0 else 0.0), (grp.record["instance_id"], ep.k, r)
+            assert ep.submitted and ep.num_turns == 3 and ep.workspace is None
+            assert ep.tool_errors == (1 if ep.k == 1 else 0)
+    assert len(rollout.groups) == 10
+    assert sum(grp.rewards[0] for grp in rollout.groups) == 10  # the fix, on every task seen
+    s = rollout.stats
+    assert s["episode/tool_errors"] == 0.5 and s["episode/env_errors"] == 0
+    assert any("error: malformed tool call" in t for t in run.env.seen)
+    print(f"{len(ids)} distinct tasks; reward/env {s['reward/env']}")
