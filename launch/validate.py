@@ -311,18 +311,21 @@ def check_resumable(old: dict, new: dict) -> None:
     (the same function; "auto" may round differently on rows over one block). Likewise one
     saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked."""
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
-        new = {**new, "model": {k: v for k, v in new["model"].items() if k != "lora"}}
-    if "attention" not in old.get("model", {}):
-        new = {**new, "model": {k: v for k, v in new.get("model", {}).items() if k != "attention"}}
-    if "prefill_chunk" not in old.get("sampling", {}):
-        new = {
-            **new,
-            "sampling": {k: v for k, v in new.get("sampling", {}).items() if k != "prefill_chunk"},
-        }
+        new = _without(new, "model", "lora")
+    for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):
+        if field not in old.get(section, {}):
+            new = _without(new, section, field)
     diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
         raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir")
+
+
+def _without(config: dict, section: str, field: str) -> dict:
+    """config (a nested dict) without config[section][field], if there is one."""
+    if field not in config.get(section, {}):
+        return config
+    return {**config, section: {k: v for k, v in config[section].items() if k != field}}
 
 
 def _get(d: dict, dotted: str):

@@ -13,7 +13,7 @@ from launch.build import load_run
 from launch.cli import UsageError, parse_args
 from launch.export import main as export
 from launch.train import main
-from launch.validate import check_resumable, model_overrides, validate
+from launch.validate import check_resumable, engine_config, model_overrides, validate
 from models import lora
 from models.hf import load_hf
 from models.sharding import flatten
@@ -116,3 +116,16 @@ def test_runs_saved_before_model_attention_existed_resume():
     del saved.model["attention"]
     validate(saved, 1)
     assert model_overrides(saved)["attention"] == "auto"
+
+
+def test_runs_saved_before_sampling_prefill_chunk_existed_resume():
+    old = {"model": {"dtype": "float32"}, "sampling": {"page_size": 8}, "num_steps": 2}
+    new = {"model": {"dtype": "float32"}, "sampling": {"page_size": 8, "prefill_chunk": 512}}
+    check_resumable(old, {**new, "num_steps": 4})
+    with pytest.raises(UsageError, match="sampling.prefill_chunk"):
+        check_resumable({**old, "sampling": {"page_size": 8, "prefill_chunk": 0}}, new)
+    # launch.eval / launch.export build such a run's engine from its saved config.json: unchunked.
+    saved = parse_args([], {})[0]
+    del saved.sampling["prefill_chunk"]
+    validate(saved, 1)
+    assert engine_config(saved, [0]).prefill_chunk == 0
