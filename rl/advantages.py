@@ -26,6 +26,13 @@ advantage of the shaped reward r - penalty. The std modes do not divide it by th
 group whose task rewards tie (std 0) would otherwise turn its tiny KL differences into
 unit-size advantages whatever beta, and the ties keep their exact zero task advantage.
 
+An optional `mask` (bool [B*G], True = the sample counts) leaves samples out: an episode whose
+environment failed (a sandbox that died, a harness timeout: `rl.envs`) is not the model's fault, so
+its reward is no evidence. Means, stds, the zero-variance test and the stats then run over the
+unmasked samples only, as if the group had been drawn without them, and masked samples get
+advantage 0 (their loss mask is zeroed by the caller too). `mask=None` is the unmasked code path,
+bit for bit.
+
 Everything is jnp with static `group_size`/`mode`, so it can run inside a jitted step.
 """
 
@@ -42,7 +49,7 @@ def _std_ddof1(x, axis=None):
 
 
 def compute_advantages(
-    rewards, group_size: int, mode: str = "group_std", eps: float = 1e-6, penalty=None
+    rewards, group_size: int, mode: str = "group_std", eps: float = 1e-6, penalty=None, mask=None
 ):
     """Advantages for flat, group-contiguous rewards.
 
@@ -53,6 +60,8 @@ def compute_advantages(
       eps: added to the std in the std modes.
       penalty: optional f32[B*G] per-sample penalty (KL in the reward), centred per group and
         subtracted after the normalisation (module docstring).
+      mask: optional bool[B*G], False = the sample is left out of every statistic and gets
+        advantage 0 (module docstring); None = all count.
 
     Returns:
       adv: f32[B*G].
@@ -67,6 +76,8 @@ def compute_advantages(
             f"group_size={group_size} must be >= 1 and divide the number of rewards "
             f"({rewards.shape[0]})"
         )
+    if mask is not None:
+        return _masked_advantages(rewards, group_size, mode, eps, penalty, mask)
     r = jnp.asarray(rewards, jnp.float32)
     grouped = r.reshape(-1, group_size)  # [B, G]
     centred = grouped - jnp.mean(grouped, axis=1, keepdims=True)  # [B, G]
@@ -97,5 +108,58 @@ def compute_advantages(
         "adv_max": jnp.max(adv),
         "zero_variance_groups": n_zero,
         "zero_variance_fraction": n_zero.astype(jnp.float32) / grouped.shape[0],
+    }
+    return adv, stats
+
+
+def _masked_advantages(rewards, group_size, mode, eps, penalty, mask):
+    """compute_advantages over the samples where mask is True (the same formulas, with each
+    group's count of kept samples in place of G)."""
+    r = jnp.asarray(rewards, jnp.float32)
+    keep = jnp.asarray(mask, bool).reshape(r.shape)
+    w = keep.astype(jnp.float32)
+    grouped, wg = r.reshape(-1, group_size), w.reshape(-1, group_size)  # [B, G]
+    n = jnp.sum(wg, axis=1, keepdims=True)  # [B, 1] kept samples per group
+
+    def group_centre(x):
+        mean = jnp.sum(wg * x, axis=1, keepdims=True) / jnp.maximum(n, 1.0)
+        return jnp.where(wg > 0, x - mean, 0.0)
+
+    centred = group_centre(grouped)  # [B, G], 0 on masked samples
+    # A group with fewer than two kept samples has no spread either: max <= min then.
+    top = jnp.max(jnp.where(wg > 0, grouped, -jnp.inf), axis=1)
+    bottom = jnp.min(jnp.where(wg > 0, grouped, jnp.inf), axis=1)
+    zero_var = top <= bottom  # [B]
+
+    total = jnp.maximum(jnp.sum(w), 1.0)
+    r_mean = jnp.sum(w * r) / total
+    r_sq = jnp.sum(w * (r - r_mean) ** 2)
+    if mode == "group_std":
+        var = jnp.sum(centred * centred, axis=1, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
+        scale = jnp.sqrt(var) + eps  # [B, 1]
+    elif mode == "batch_std":
+        scale = jnp.sqrt(r_sq / jnp.maximum(total - 1.0, 1.0)) + eps  # scalar
+    else:
+        scale = jnp.ones((), jnp.float32)
+    scale = jnp.where(zero_var[:, None], 1.0, scale)  # [B, 1]
+    adv = jnp.where(zero_var[:, None], 0.0, centred / scale)  # [B, G]
+    if penalty is not None:
+        p = jnp.asarray(penalty, jnp.float32).reshape(-1, group_size)  # [B, G]
+        adv = adv - group_centre(p)
+    adv = jnp.where(wg > 0, adv, 0.0).reshape(-1)  # [B*G]
+
+    adv_mean = jnp.sum(w * adv) / total
+    any_kept = jnp.any(keep)
+    n_zero = jnp.sum(zero_var.astype(jnp.int32))
+    stats = {
+        "reward_mean": r_mean,
+        "reward_std": jnp.sqrt(r_sq / total),
+        "adv_mean": adv_mean,
+        "adv_std": jnp.sqrt(jnp.sum(w * (adv - adv_mean) ** 2) / total),
+        "adv_min": jnp.where(any_kept, jnp.min(jnp.where(keep, adv, jnp.inf)), 0.0),
+        "adv_max": jnp.where(any_kept, jnp.max(jnp.where(keep, adv, -jnp.inf)), 0.0),
+        "zero_variance_groups": n_zero,
+        "zero_variance_fraction": n_zero.astype(jnp.float32) / grouped.shape[0],
+        "masked_samples": jnp.sum(1 - keep.astype(jnp.int32)),
     }
     return adv, stats

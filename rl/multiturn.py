@@ -12,7 +12,11 @@ of `step` wall time, checked after each call (a thread cannot be stopped: a sing
 bounded by the tool itself, e.g. the sandbox's wall-clock limit); the episode ends when one is
 reached, and its reward is scored as it stands. An exception in `step`, `reward` or `close`, or
 observation ids outside the vocabulary, end that episode with reward 0; it is counted in
-`episode/env_errors` and warned about once, and the run goes on.
+`episode/env_errors` and warned about once, and the run goes on. An episode the environment
+reports as an infrastructure failure (`env.masked`: a harness timeout, a sandbox that did not
+start) is not the model's fault: `episode.masked` is set, and the rollout zeroes its loss mask and
+leaves it out of its group's advantage statistics (`rl.rollout`); counted in
+`episode/infra_errors`.
 
 Each finished group is scored on the tool workers as soon as its G episodes end, like single-turn
 groups (`rl.rollout`), and `env.close` releases what its episodes held (workspaces).
@@ -80,7 +84,10 @@ class EpisodeSampler:
         for ep in episodes:
             try:
                 r = float(0.0 if ep.env_errors else self.env.reward(ep))
-                if not np.isfinite(r):
+                ep.masked = bool(self.env.masked(ep))
+                if ep.masked:
+                    r = 0.0  # a placeholder: the episode is left out of the loss
+                elif not np.isfinite(r):
                     raise ValueError(f"reward {r}")
             except Exception as err:  # noqa: BLE001
                 self._warn_once("reward", err)
@@ -159,7 +166,19 @@ def episode_stats(groups, prefill_tokens: int, reprefill: int) -> dict[str, floa
         "episode/tool_errors": mean(lambda ep: ep.tool_errors),
         "episode/tool_seconds": mean(lambda ep: ep.tool_seconds),
         "episode/env_errors": mean(lambda ep: ep.env_errors),
+        "episode/infra_errors": float(sum(ep.masked for ep in episodes)),  # a count, not a mean
         "episode/observation_frac": n_obs / max(1, sum(c.length for c in completions)),
         "episode/prefill_tokens": float(prefill_tokens),
         "episode/reprefill_tokens": float(reprefill),
+        **env_metrics(episodes),
     }
+
+
+def env_metrics(episodes) -> dict[str, float]:
+    """`episode/<name>`: the mean of each of the environment's per-episode metrics (e.g. the repo
+    env's pass fractions) over the episodes that report it (masked episodes report none)."""
+    values: dict[str, list[float]] = {}
+    for ep in episodes:
+        for name, v in getattr(ep, "metrics", {}).items():
+            values.setdefault(name, []).append(float(v))
+    return {f"episode/{name}": float(np.mean(v)) for name, v in sorted(values.items())}

@@ -19,6 +19,12 @@ segment ids (`rl.packing`; `rl.pack=False`: one sequence per row, padded), with 
 of rows, so the learner compiles for a few shapes. A completion includes its stop token (the
 policy must learn to stop); `loss_mask[b, t]` marks the completion tokens tokens[b, t+1], and
 `sampler_logp[b, t]` holds the sampler's log-prob of that same token.
+
+An episode the environment reports as an infrastructure failure (`Group.masked`, from
+`env.masked`) is not the model's fault: its sequence stays in the batch (the packing, and so the
+compiled shapes, do not depend on failures) but its loss mask is all zero, so it adds no token and
+no sequence to the loss normalisers, and its group's advantages are computed over the other
+samples only (`compute_advantages(mask=...)`); dynamic sampling judges a group by those too.
 """
 
 from __future__ import annotations
@@ -53,6 +59,12 @@ class Group:
     rewards: np.ndarray  # f32 [G] total reward (weighted sum, after shaping; before KL)
     parts: dict[str, np.ndarray]  # reward name -> unweighted f32 [G]
     episodes: list | None = None  # multi-turn: the G rl.envs.Episode (turns, tool counters)
+    masked: np.ndarray | None = None  # bool [G]: infrastructure failures, out of the loss
+
+    def keep(self) -> np.ndarray:
+        """bool [G]: the samples that count (not masked)."""
+        g = len(self.completions)
+        return np.ones(g, bool) if self.masked is None else ~np.asarray(self.masked, bool)
 
 
 @dataclasses.dataclass
@@ -127,6 +139,10 @@ class Rollouts:
         batch, layout = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
                                     s.min_new_tokens, c.rl.pack, self.row_multiple,
                                     c.rl.minibatches)  # fmt: skip
+        keep = np.concatenate([grp.keep() for grp in groups])  # [B*G]
+        mask = None if keep.all() else keep  # None: the unmasked path, bit for bit
+        if mask is not None:  # infrastructure failures: no loss on their tokens
+            batch = batch.replace(loss_mask=batch.loss_mask * layout.spread(keep))
         self.row_shapes.add(layout.rows)
         stats.update({"learn/rows": layout.rows, "learn/row_shapes": len(self.row_shapes),
                       "learn/padding_frac": layout.padding_frac})  # fmt: skip
@@ -149,7 +165,7 @@ class Rollouts:
             batch = batch.replace(ref_logp=ref)  # the learner logs the KL, the loss ignores it
         adv, adv_stats = compute_advantages(
             jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps,
-            penalty,
+            penalty, mask,
         )  # fmt: skip
         if penalty is not None:
             rewards = rewards - penalty  # the shaped rewards, for the logs
@@ -157,7 +173,8 @@ class Rollouts:
         batch = batch.replace(advantages=jax.device_put(adv, self.batch_sharding))
         stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
         for name in groups[0].parts:
-            stats[f"reward/{name}"] = float(np.mean([grp.parts[name] for grp in groups]))
+            part = np.concatenate([grp.parts[name] for grp in groups])
+            stats[f"reward/{name}"] = float(np.mean(part[keep])) if keep.any() else 0.0
         if self.episodes is not None:
             stats.update(
                 episode_stats(groups, stats.pop("prefill_tokens"), stats.pop("reprefill_tokens"))
@@ -187,7 +204,7 @@ class Rollouts:
             base = (step * max_tries + len(rounds)) * b
             rounds.append(n)
             groups = self.sample_groups(params, records, prompts, seed, range(base, base + n))
-            return groups, np.concatenate([grp.rewards for grp in groups])
+            return groups, selection_rewards(groups)
 
         if not c.rl.dynamic_sampling:
             groups, stats = sample_round(b)[0], {}
@@ -240,6 +257,17 @@ class Rollouts:
             self.episodes.close()
 
 
+def selection_rewards(groups: list[Group]) -> np.ndarray:
+    """f32 [n*G] rewards for dynamic sampling's zero-variance test: a masked sample takes the value
+    of its group's first kept sample, so it neither makes nor hides a spread."""
+    out = []
+    for grp in groups:
+        r, keep = np.array(grp.rewards, np.float32), grp.keep()
+        r[~keep] = r[keep][0] if keep.any() else 0.0
+        out.append(r)
+    return np.concatenate(out)
+
+
 def env_prompts(env, records, max_prompt_len: int, prompt_field: str) -> list[list[int]]:
     """The environment's prompt ids of records; one longer than max_prompt_len is an error."""
     prompts = [env.prompt(r, prompt_field) for r in records]
@@ -256,4 +284,5 @@ def episode_group(record, prompt, episodes, completions, rewards, tokenizer) -> 
     texts = [tokenizer.decode(c.tokens) for c in completions]
     parts = {"env": rewards, "env_failed": np.array([ep.env_errors > 0 for ep in episodes],
                                                     np.float32)}  # fmt: skip
-    return Group(record, prompt, completions, texts, rewards, parts, episodes)
+    masked = np.array([bool(getattr(ep, "masked", False)) for ep in episodes])
+    return Group(record, prompt, completions, texts, rewards, parts, episodes, masked)

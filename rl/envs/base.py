@@ -18,7 +18,8 @@ template's rendering of the tool message alone, `models.chat`), and nothing is r
 `step` runs on a worker thread (`rl.multiturn`), so a slow tool blocks only its own episode. A
 malformed tool call should get an error observation the model can read (count it in
 `episode.tool_errors`); an exception raised by `step` or `reward` ends that episode with reward 0
-and is counted, it never stops the run. Limits per episode (turns, tokens, tool seconds) are
+and is counted, it never stops the run. An infrastructure failure is not the model's fault:
+`masked(episode)` True leaves the episode out of the loss instead (its reward is then ignored). Limits per episode (turns, tokens, tool seconds) are
 enforced by the caller (`rl.multiturn`), from the config's `env` section.
 
 G episodes of the same record form one GRPO group.
@@ -55,6 +56,8 @@ class Episode:
     tool_errors: int = 0  # malformed calls and tools that failed (error observations)
     tool_seconds: float = 0.0  # wall time of `step` calls (set by the caller)
     env_errors: int = 0  # exceptions raised by the environment itself (set by the caller)
+    masked: bool = False  # env.masked(episode) after scoring: out of the loss (set by the caller)
+    metrics: dict = dataclasses.field(default_factory=dict)  # name -> float, logged episode/<name>
     workspace: Any = None  # e.g. a sandbox workspace, released by `close`
 
     @property
@@ -96,6 +99,12 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def reward(self, episode: Episode) -> float:
         """The episode's reward, once it has ended (by `step` or by a limit)."""
+
+    def masked(self, episode: Episode) -> bool:
+        """Whether the scored episode failed for a reason that is not the model's (a sandbox that
+        did not start, a harness timeout): it is then left out of the loss and of its group's
+        advantage statistics, and counted in `episode/infra_errors`."""
+        return False
 
     def close(self, episode: Episode) -> None:
         """Releases what the episode holds (a workspace); called once it is scored."""

@@ -37,6 +37,31 @@ def advantages(rewards, group_size, mode, eps):
     return np.array(out), zero_groups
 
 
+def masked_advantages(rewards, group_size, mode, eps, keep, penalty=None):
+    """`advantages` over the kept samples only: each group (and the batch std) as if drawn
+    without the dropped ones; dropped samples get 0."""
+    r = [float(x) for x in rewards]
+    kept_all = [x for x, k in zip(r, keep) if k]
+    m_all = sum(kept_all) / max(len(kept_all), 1)
+    batch_std = math.sqrt(sum((x - m_all) ** 2 for x in kept_all) / max(len(kept_all) - 1, 1))
+    out = [0.0] * len(r)
+    for g in range(len(r) // group_size):
+        idx = [i for i in range(g * group_size, (g + 1) * group_size) if keep[i]]
+        vals = [r[i] for i in idx]
+        if idx and penalty is not None:
+            pm = sum(float(penalty[i]) for i in idx) / len(idx)
+            for i in idx:
+                out[i] -= float(penalty[i]) - pm
+        if len(vals) < 2 or all(x == vals[0] for x in vals):
+            continue
+        m = sum(vals) / len(vals)
+        std = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1))
+        for i, x in zip(idx, vals):
+            scale = {"group_std": std + eps, "group_mean": 1.0, "batch_std": batch_std + eps}
+            out[i] += (x - m) / scale[mode]
+    return np.array(out)
+
+
 def kl(lp, ref, estimator, clamp):
     """One token. KL(pi || ref) estimators written via q = ref / pi, log q clamped to +-clamp."""
     log_q = min(max(ref - lp, -clamp), clamp)

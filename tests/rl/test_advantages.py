@@ -126,3 +126,38 @@ def test_penalty_is_centred_per_group_and_not_rescaled():
 def test_select_groups():
     rewards = np.array([1, 0, 1, 1, 0.2, 0.2, 0, 0.5], np.float32)
     np.testing.assert_array_equal(shaping.select_groups(rewards, 2), [0, 3])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mask_matches_numpy(mode):
+    """Masked samples (infra errors) leave every statistic: the float64 reference computes each
+    group over its kept samples only. Groups: some masked, one fully masked, one with a single
+    kept sample (no spread: 0), one whose kept samples tie though the masked one differs."""
+    g = 4
+    rng = np.random.default_rng(3)
+    rewards = rng.integers(0, 3, 6 * g).astype(np.float32)
+    rewards[16:20] = [1, 1, 0, 1]  # kept samples tie; the masked 0 must not make a spread
+    penalty = rng.normal(size=6 * g).astype(np.float32)
+    keep = np.ones(6 * g, bool)
+    keep[[1, 6, 7]] = False
+    keep[8:12] = False  # the whole group masked
+    keep[[12, 13, 14]] = False  # one kept sample
+    keep[18] = False
+    for pen in (None, penalty):
+        adv, stats = compute_advantages(jnp.asarray(rewards), g, mode, 1e-6, pen, keep)
+        want = ref.masked_advantages(rewards, g, mode, 1e-6, keep, pen)
+        np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-5, err_msg=str(pen is None))
+        assert np.all(np.asarray(adv)[~keep] == 0.0)
+    assert int(stats["masked_samples"]) == 11
+    assert int(stats["zero_variance_groups"]) >= 3  # fully masked, single kept, kept tie
+    np.testing.assert_allclose(stats["reward_mean"], rewards[keep].mean(), rtol=1e-6)
+    np.testing.assert_allclose(stats["reward_std"], rewards[keep].std(), rtol=1e-5)
+    # All kept: the unmasked result (another code path, so up to rounding).
+    adv, _ = compute_advantages(jnp.asarray(rewards), g, mode, 1e-6, None, keep)
+    full = np.ones(6 * g, bool)
+    np.testing.assert_allclose(
+        compute_advantages(jnp.asarray(rewards), g, mode, 1e-6, None, full)[0],
+        compute_advantages(jnp.asarray(rewards), g, mode, 1e-6)[0], rtol=1e-6, atol=1e-6,
+    )  # fmt: skip
+    jitted = jax.jit(compute_advantages, static_argnums=(1, 2))
+    np.testing.assert_allclose(jitted(rewards, g, mode, 1e-6, None, keep)[0], adv, atol=1e-6)

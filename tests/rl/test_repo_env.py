@@ -11,7 +11,10 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import pytest
 
 from launch.make_repo_tasks import make_tasks
@@ -188,6 +191,80 @@ def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
         env.close(ep)
     finally:
         env.shutdown()
+
+
+def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
+    """Must-show 3, from the environment to the learner batch: four episodes of one task (fix,
+    wrong edit, fix + a slow import, fix) scored by the rollout's own scorer; the third one's
+    graded run passes env.test_timeout_s (a harness timeout; the import sleep stands for a loaded
+    machine). In the learner batch that episode has no loss token and advantage 0, and the
+    others' advantages are those of the group of three without it."""
+    from types import SimpleNamespace
+
+    from configs.default import get_config
+    from models.sharding import make_mesh
+    from rl.advantages import compute_advantages
+    from rl.learner import batch_sharding
+    from rl.multiturn import EpisodeSampler
+    from rl.packing import build_batch
+    from rl.rollout import Rollouts, episode_group
+    from rl.segments import count_sequences
+    from sampling.requests import Completion
+
+    t = tasks[0]
+    fix = t["fix"]
+    edit = lambda new: call("str_replace_editor", command="str_replace", path=fix["path"],
+                            old_str=fix["old"], new_str=new)  # fmt: skip
+    slow = call("bash", command=f"printf '\\nimport time\\ntime.sleep(60)\\n' >> {fix['path']}")
+    scripts = [[edit(fix["new"]), call("submit")], [edit(fix["old"]), call("submit")],
+               [edit(fix["new"]), slow, call("submit")], [edit(fix["new"]), call("submit")]]  # fmt: skip
+    env = RepoEnv(TOK, make_config(test_timeout_s=6.0, per_test_timeout_s=60))
+    engine = SimpleNamespace(cfg=SimpleNamespace(vocab_size=TOK.vocab_size))
+    env_cfg = SimpleNamespace(max_turns=4, max_turn_tokens=0, max_tool_seconds=120.0,
+                              tool_workers=4)  # fmt: skip
+    scorer = EpisodeSampler(env, engine, TOK, env_cfg)
+    try:
+        episodes = []
+        for script in scripts:
+            ep = env.start(t)
+            for text in script:
+                act(env, ep, text)
+            episodes.append(ep)
+        rewards = scorer._score(episodes)  # what the rollout runs when a group has ended
+    finally:
+        scorer.close()
+        env.shutdown()
+    assert [ep.masked for ep in episodes] == [False, False, True, False]
+    assert episodes[2].infra_error.startswith("harness timeout"), episodes[2].infra_error
+    assert list(rewards) == [1.0, 0.0, 0.0, 1.0] and all(ep.workspace is None for ep in episodes)
+
+    lengths = [5, 3, 6, 4]  # stand-ins for the sampled episode tokens
+    completions = [Completion(list(range(3, 3 + n)), [-0.5] * n, "stop", n) for n in lengths]
+    group = episode_group(t, [1, 2], episodes, completions, rewards, TOK)
+    config = get_config()
+    config.rl.num_generations, config.sampling.max_prompt_len = 4, 2
+    config.sampling.max_new_tokens = 6
+    mesh = make_mesh({"data": 8})
+    rollouts = Rollouts(config, None, TOK, None, None, batch_sharding(mesh, tuple(map(tuple, config.rules))),
+                        0)  # fmt: skip
+    rollouts.episodes = SimpleNamespace(close=lambda: None)  # a multi-turn rollout's stats
+    stats0 = {"prefill_tokens": 0, "reprefill_tokens": 0}
+    rollouts._sample = lambda step, params, data: ([group], dict(stats0))
+    rollout = rollouts(0, None, None)
+    b = jax.device_get(rollout.batch)
+    want, layout = build_batch([group], 2 + 6, 0, multiple=8)
+    keep = np.array([True, True, False, True])
+    np.testing.assert_array_equal(b.loss_mask, want.loss_mask * layout.spread(keep))
+    assert b.loss_mask[layout.row[2]].sum() == 0 and want.loss_mask[layout.row[2]].sum() == 6
+    assert int(count_sequences(b.loss_mask, b.segment_ids[:, 1:])) == 3  # the normaliser
+    three, _ = compute_advantages(jnp.asarray([1.0, 0.0, 1.0]), 3, "group_std", 1e-6)
+    want_adv = np.insert(np.asarray(three), 2, 0.0)
+    np.testing.assert_allclose(b.advantages, layout.spread(want_adv), atol=1e-6)
+    assert np.abs(want_adv[[0, 1, 3]]).min() > 0.5  # the rest of the group trains
+    s = rollout.stats
+    assert s["episode/infra_errors"] == 1 and s["masked_samples"] == 1
+    assert s["episode/fail_to_pass_frac"] == pytest.approx(2 / 3)
+    assert s["episode/pass_to_pass_frac"] == 1.0 and s["reward/env"] == pytest.approx(2 / 3)
 
 
 # ----- isolation (bubblewrap mode) -----
