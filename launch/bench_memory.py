@@ -10,15 +10,16 @@ for three jitted functions:
 - learn: `Learner.step` on one packed row of T tokens per device (8 rows), KL on (the batch
   carries reference log-probs), π_old recomputed, one micro-batch;
 - logprobs: the reference / π_old log-prob pass over the same batch;
-- prefill: the sampler's `prefill` of one T-token prompt into its pages (`lower_prefill`).
+- prefill: the sampler's `prefill` of one T-token prompt into its pages (`lower_prefill`), in
+  chunks of PREFILL_CHUNK tokens over the pages; with `--attention dense` unchunked
+  (prefill_chunk 0: dense attention over the whole prompt, the reference path).
 The learner's two lowerings are `launch.dry_run`'s (`abstract_batch`, `Learner.lower_step`,
 `Learner.lower_logprobs`): this bench only sweeps T. Arguments and outputs (parameters,
 optimizer state, KV pages) are not counted: they are resident whatever T is, and `--dry_run`
 reports them.
 
 The growth exponent between the two longest lengths, log(temp[T2] / temp[T1]) / log(T2 / T1),
-is 1 for memory linear in T and 2 for quadratic. The prefill's fresh-prompt attention is the
-dense reference (`sampling.state.PagedPrefill`), so its temporaries are expected to grow as T^2.
+is 1 for memory linear in T and 2 for quadratic.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from sampling.lowering import lower_prefill
 
 DEVICES = 8  # the CPU devices of the mesh (fsdp=8)
 PAGE_SIZE = 128  # prefill KV pages (bf16)
+PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk's default; --attention dense: 0 (the reference)
 GIB = 2**30
 
 
@@ -94,6 +96,7 @@ def measure(cfg: ModelConfig, t: int, mesh, phases=("learn", "logprobs", "prefil
         ecfg = EngineConfig(
             num_slots=mesh.size, page_size=PAGE_SIZE, max_prompt_len=t + 1, max_new_tokens=1,
             num_pages=-(-(t + 2) // PAGE_SIZE) + 1, cache_dtype=cfg.dtype,
+            prefill_chunk=0 if cfg.attention == "dense" else PREFILL_CHUNK,
         )  # fmt: skip
         engine = Engine(cfg, graphdef, ecfg, SamplingParams(), mesh=mesh, rules=DEFAULT_RULES)
         row["prefill_temp_bytes"], row["prefill_compile_s"] = _compile(

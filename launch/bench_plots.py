@@ -8,7 +8,14 @@
 
 writes sampler_batch.png (sampler tokens/s against the number of sequences), learner_packing.png
 (learner real tokens/s, packed against padded) and iteration_split.png (a GRPO iteration's time
-split into rollout, reference log-probs and learning, for each workload and layout).
+split into rollout, reference log-probs and learning, for each workload and layout). With
+
+    python -m launch.bench memory --attention dense --tokens 1024,2048,4096,8192 --output bench_memory_dense.json
+    python -m launch.bench memory --attention blockwise --tokens 1024,2048,4096,8192,16384,32768 --output bench_memory.json
+    python -m launch.bench_plots --memory_dense bench_memory_dense.json --memory bench_memory.json
+
+it also writes memory_tokens.png (per-device temporaries of the learner step and the prefill
+against the row length, dense against blockwise; log-log).
 """
 
 from __future__ import annotations
@@ -74,6 +81,37 @@ def plot(sampler, learn, loop, skewed, out: str) -> list[str]:
     return paths
 
 
+def plot_memory(dense, blockwise, out: str) -> str:
+    """memory_tokens.png: learner-step and prefill temporaries (GiB per device) against T."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for r, style in ((dense, "--"), (blockwise, "-")):
+        for key, name, color in (("learn_temp_bytes", "learner step", "#ee6677"),
+                                 ("prefill_temp_bytes", "prefill", "#4477aa")):  # fmt: skip
+            rows = [x for x in r["rows"] if x.get(key)]
+            label = f"{name}, {r['attention']}"
+            ax.plot([x["tokens"] for x in rows], [x[key] / 2**30 for x in rows], style,
+                    marker="o", color=color, label=label)  # fmt: skip
+    ax.axhline(16, color="#999999", lw=0.8)
+    ax.text(ax.get_xlim()[0], 16, " 16 GiB (TPU v5e)", va="bottom", fontsize=8, color="#666666")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per row (T)", ylabel="GiB per device",
+           title=f"{blockwise['shape']}, fsdp={blockwise['devices']}, XLA:CPU memory analysis")  # fmt: skip
+    ax.set_xticks([x["tokens"] for x in blockwise["rows"]],
+                  [f"{x['tokens'] // 1024}k" for x in blockwise["rows"]])  # fmt: skip
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "memory_tokens.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sampler", default="bench_sampler.json")
@@ -81,9 +119,16 @@ def main(argv=None) -> int:
     p.add_argument("--loop", default="bench_loop.json")
     p.add_argument("--loop_skewed", default="bench_loop_skewed.json")
     p.add_argument("--out", default="docs/img")
+    p.add_argument("--memory_dense", default=None, help="bench memory JSON, --attention dense")
+    p.add_argument("--memory", default=None, help="bench memory JSON, --attention blockwise")
+    p.add_argument("--only_memory", action="store_true", help="draw memory_tokens.png alone")
     a = p.parse_args(argv)
-    files = (a.sampler, a.learn, a.loop, a.loop_skewed)
-    for path in plot(*(_load(f) for f in files), a.out):
+    paths = []
+    if not a.only_memory:
+        paths += plot(*(_load(f) for f in (a.sampler, a.learn, a.loop, a.loop_skewed)), a.out)
+    if a.memory_dense and a.memory:
+        paths.append(plot_memory(_load(a.memory_dense), _load(a.memory), a.out))
+    for path in paths:
         print(f"wrote {path}")
     return 0
 

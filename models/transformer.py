@@ -148,6 +148,8 @@ def remat(fn, state, x, rest, ready):
     GiB at 32,768. (Loop buffers that the attention initialises from constants are outside this
     order: XLA:CPU still makes every layer's at the start.)
     """
+    if x.shape[1] == 1:  # a decode step: one token per row, no activations worth ordering
+        return fn(state, x, rest)
     return fn(_after(state, ready), x, rest)
 
 
