@@ -217,10 +217,16 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(_as_id_list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        """Renders as transformers' `apply_chat_template(..., tokenize=False)`; extra keyword
-        arguments (e.g. Qwen3's `enable_thinking=False`) become template variables."""
+        """Renders as transformers' `apply_chat_template(..., tokenize=False)`; `tools` (JSON
+        schemas, OpenAI function format) is the template's `tools` variable, as in transformers;
+        extra keyword arguments (e.g. Qwen3's `enable_thinking=False`) become template
+        variables."""
         if self._template_src is None:
             raise ValueError(
                 f"{self._config_file} has no chat_template (nor is there a chat_template.jinja "
@@ -231,7 +237,7 @@ class HFTokenizer(Tokenizer):
         specials = {k: v for k, v in self._special.items() if v is not None}
         return self._template.render(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **specials,

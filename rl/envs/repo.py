@@ -19,8 +19,10 @@ a bare JSON object `{"name": ..., "parameters": {...}}` as Llama 3 writes it), s
                         old_str, new_str, insert_line, view_range}   OpenHands' semantics
     submit {}                    ends the episode
 A malformed call, or a turn without any, gets an error observation and counts in
-`episode.tool_errors`. Schemas go to the chat template's `tools` argument (`TOOLS`) when the
-tokenizer's `apply_chat_template` accepts it, else they are described in the system message.
+`episode.tool_errors`. Schemas (`TOOLS`, OpenAI function format) go to the chat template's `tools`
+argument, so the prompt is the one the model was tuned on (Qwen's "# Tools ... <tools>" system
+block); a template that ignores `tools` (its rendering does not change) or a tokenizer that takes
+none gets them described in a system message in Qwen's wording instead.
 
 Reward, after submit or when a limit ends the episode: the original test files are put back and
 FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
@@ -188,9 +190,10 @@ class RepoEnv(Environment):
         msgs, kw = system + [{"role": "user", "content": user}], self._template_kwargs()
         try:
             text = self.tokenizer.apply_chat_template(msgs, True, tools=TOOLS, **kw)
-            self.tools_in_template = True
-        except TypeError:  # the tokenizer passes no `tools` (models/tokenizer.py): describe them
+            self.tools_in_template = text != self.tokenizer.apply_chat_template(msgs, True, **kw)
+        except TypeError:  # a tokenizer without a `tools` argument
             self.tools_in_template = False
+        if not self.tools_in_template:  # describe them in the system message
             described = "\n".join(json.dumps(t) for t in TOOLS)
             tools = (f"# Tools\n\nYou may call these functions:\n<tools>\n{described}\n</tools>"
                      f"\n\nFor each call, write {CALL_OPEN}\n{{\"name\": <function-name>, "

@@ -267,6 +267,44 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     assert s["episode/pass_to_pass_frac"] == 1.0 and s["reward/env"] == pytest.approx(2 / 3)
 
 
+def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_path, tasks):
+    """Qwen2.5's published template renders the schemas from its `tools` argument (its own
+    "# Tools" system block); a template that ignores `tools` gets them in a system message."""
+    from models.tokenizer import load_tokenizer
+    from rl.envs.repo import TOOLS
+    from tests.models.test_chat import _write_stand_in
+
+    _write_stand_in("qwen2", str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    config = make_config()
+    config.data.use_chat_template = True
+    env = RepoEnv(tok, config)
+    try:
+        ids = env.prompt(tasks[0])
+        text = tok.decode(ids, skip_special=False)
+        assert env.tools_in_template
+        user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        msgs = [{"role": "user", "content": user}]
+        assert ids == tok.encode(tok.apply_chat_template(msgs, True, tools=TOOLS))
+        assert "You may call one or more functions to assist" in text  # Qwen's own wording
+        assert json.dumps(TOOLS[1], ensure_ascii=False) in text
+        assert "# Tools" not in tok.apply_chat_template(msgs, True)  # default: no tools, as before
+        # A template without tools: the schemas are described in a system message.
+        cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        )
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+        plain = load_tokenizer(str(tmp_path))
+        env.tokenizer = plain
+        text = plain.decode(env.prompt(tasks[0]), skip_special=False)
+        assert not env.tools_in_template
+        assert text.startswith("<|im_start|>system\n# Tools") and json.dumps(TOOLS[1]) in text
+    finally:
+        env.shutdown()
+
+
 # ----- isolation (bubblewrap mode) -----
 
 
