@@ -162,6 +162,16 @@ def get_config():
     c.env.max_tool_seconds = 30.0  # tool (env.step) wall time per episode before it is ended
     c.env.tool_workers = 8  # tool calls running in parallel (threads; sandboxed processes)
     c.env.max_observation_chars = 1000  # tool output / test failures shown to the model, at most
+    # The repository environment (env.name="repo", rl/envs/repo.py, docs/repo_env.md):
+    c.env.command_timeout_s = 30.0  # repo: wall-clock seconds per bash command
+    c.env.max_tool_calls = 40  # repo: tool calls per episode; the episode ends there
+    c.env.workspace_bytes = 256 << 20  # repo: disk bytes of an episode's workspace (tmpfs size)
+    c.env.test_timeout_s = 300.0  # repo: the graded test run; past it = harness timeout (masked)
+    c.env.per_test_timeout_s = 30  # repo: seconds per graded test (its alarm fails that test)
+    c.env.setup_timeout_s = 300.0  # repo: a record's `setup` command; failing it is masked
+    c.env.sandbox_memory_bytes = 4 << 30  # repo: address space per sandboxed process
+    c.env.sandbox_processes = 64  # repo: processes per sandbox (a fork bomb stops here)
+    c.env.sandbox_bwrap = None  # repo: None = bubblewrap if it works, True = require, False = off
     # sampling.max_new_tokens is the episode's budget after the prompt: model + observation tokens.
 
     c.eval = ml_collections.ConfigDict()

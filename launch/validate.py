@@ -38,6 +38,21 @@ RESUMABLE_CHANGES = (
 )  # fmt: skip
 
 
+# The repo environment's fields (configs/default.py) and the least value each may take; their
+# defaults are the values rl/envs/repo.py used before they were config fields, so a run saved
+# without them resumes when they still hold those values (check_resumable).
+REPO_ENV_MINIMA = {
+    "command_timeout_s": 0.1, "max_tool_calls": 1, "workspace_bytes": 1 << 20,
+    "test_timeout_s": 1.0, "per_test_timeout_s": 1, "setup_timeout_s": 1.0,
+    "sandbox_memory_bytes": 64 << 20, "sandbox_processes": 1,
+}  # fmt: skip
+REPO_ENV_DEFAULTS = {
+    "command_timeout_s": 30.0, "max_tool_calls": 40, "workspace_bytes": 256 << 20,
+    "test_timeout_s": 300.0, "per_test_timeout_s": 30, "setup_timeout_s": 300.0,
+    "sandbox_memory_bytes": 4 << 30, "sandbox_processes": 64, "sandbox_bwrap": None,
+}  # fmt: skip
+
+
 def _need(cond: bool, field: str, value, reason: str) -> None:
     if not cond:
         raise UsageError(f"config.{field}={value!r}: {reason}")
@@ -193,6 +208,12 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
               v.max_observation_chars, "must be >= 1")  # fmt: skip
         _need(c.rl.overlong_buffer == 0, "rl.overlong_buffer", c.rl.overlong_buffer,
               "must be 0 with an environment (the episode's reward is the environment's)")  # fmt: skip
+        for name, low in REPO_ENV_MINIMA.items():
+            if name in v:
+                _need(v[name] >= low, f"env.{name}", v[name], f"must be >= {low}")
+        if "sandbox_bwrap" in v:
+            _need(v.sandbox_bwrap in (None, True, False), "env.sandbox_bwrap", v.sandbox_bwrap,
+                  "must be None (bubblewrap if it works), True or False")  # fmt: skip
     _need(c.rl.get("reward_timeout_s", 0) >= 0, "rl.reward_timeout_s",
           c.rl.get("reward_timeout_s", 0), "must be >= 0 (0 = no limit)")  # fmt: skip
     for name in ([] if env else list(c.rl.rewards)) + [c.eval.reward] * (not env):
@@ -315,6 +336,9 @@ def check_resumable(old: dict, new: dict) -> None:
     for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):
         if field not in old.get(section, {}):
             new = _without(new, section, field)
+    for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
+        if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
+            new = _without(new, "env", field)
     diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)

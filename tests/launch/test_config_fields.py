@@ -109,3 +109,35 @@ def test_bad_values_name_the_config_field(override, message):
     with pytest.raises(UsageError) as e:
         validate(config, 1)
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_repo_env_fields_are_documented_read_validated_and_resumable():
+    """The repo environment's fields: set with a comment in configs/default.py to the defaults
+    rl/envs/repo.py reads them with, checked at start-up, and a run saved before they existed
+    resumes while they keep those values."""
+    from launch.validate import REPO_ENV_DEFAULTS, check_resumable
+
+    with open(DEFAULT_CONFIG) as f:
+        lines = f.read().splitlines()
+    with open(os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "rl", "envs", "repo.py")) as f:
+        env_source = f.read()
+    default = parse_args([], {})[0]
+    for name, value in REPO_ENV_DEFAULTS.items():
+        rows = [ln for ln in lines if f"c.env.{name} = " in ln]
+        assert len(rows) == 1 and "#" in rows[0], (name, rows)
+        assert default.env[name] == value, name
+        assert f'e.get("{name}", ' in env_source, name
+    for override, message in [
+        ("env.sandbox_processes=0", "config.env.sandbox_processes=0: must be >= 1"),
+        ("env.sandbox_bwrap='yes'", "config.env.sandbox_bwrap='yes': must be None"),
+    ]:
+        config = parse_args([f"--config.{override}", "--config.env.name=calculator"], {})[0]
+        with pytest.raises(UsageError) as e:
+            validate(config, 1)
+        assert str(e.value).startswith(message), str(e.value)
+    new = default.to_dict()
+    old = {**new, "env": {k: v for k, v in new["env"].items() if k not in REPO_ENV_DEFAULTS}}
+    check_resumable(old, new)
+    new["env"]["test_timeout_s"] = 5.0
+    with pytest.raises(UsageError, match="env.test_timeout_s"):
+        check_resumable(old, new)
