@@ -1,6 +1,10 @@
 """Generates small Python repositories with a planted bug, for the `repo` environment: one jsonl row each.
 
     python -m launch.make_repo_tasks --out DIR [--num 64 --seed 0 --tar]
+    python -m launch.make_repo_tasks --out DIR --from_rows swe_gym.jsonl --repos CHECKOUTS
+
+The second form converts SWE-Gym / SWE-smith / R2E-Gym rows whose repositories are checked out
+locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`).
 
 Each task is a directory DIR/repos/<id> (or a DIR/repos/<id>.tar.gz snapshot with --tar) holding a
 package of two modules and their tests (`tests/test_<module>.py`, plain pytest functions), and one
@@ -366,8 +370,22 @@ def main(argv=None) -> None:
     p.add_argument("--num", type=int, default=64, help="tasks to generate")
     p.add_argument("--seed", type=int, default=0, help="generator seed")
     p.add_argument("--tar", action="store_true", help="write .tar.gz snapshots, not directories")
+    p.add_argument("--from_rows", help="convert SWE-Gym/SWE-smith/R2E-Gym jsonl rows instead")
+    p.add_argument("--repos", help="with --from_rows: directory of checkouts <instance_id>/")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.from_rows:
+        from rl.envs.repo_tasks import convert_rows
+
+        with open(a.from_rows) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        records, skipped = convert_rows(rows, a.repos)
+        with open(os.path.join(a.out, "tasks.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        for reason in skipped[:10]:
+            print(f"skipped {reason}")
+        print(f"wrote {len(records)} of {len(rows)} rows to {os.path.join(a.out, 'tasks.jsonl')}")
+        return
     rows = make_tasks(a.out, a.num, a.seed, a.tar)
     kinds = {k: sum(r["bug"] == k for r in rows) for k in KINDS}
     print(f"wrote {len(rows)} tasks to {os.path.join(a.out, 'tasks.jsonl')}: {kinds}")

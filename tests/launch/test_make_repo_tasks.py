@@ -65,3 +65,76 @@ def test_cli_writes_rows_and_tar_snapshots(tmp_path, capsys):
             names = tar.getnames()
         assert f"./{r['fix']['path']}" in names and "./tests/test_util.py" in names
     assert "wrote 5 tasks" in capsys.readouterr().out
+
+
+def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
+    """SWE-Gym rows (JSON-string test lists, checkout at <repos>/<instance_id>), SWE-smith /
+    R2E-Gym rows (lists, an explicit repo_path) become records; rows without a checkout, with
+    non-pytest test ids or whose test files are missing are skipped with the reason. A converted
+    record grades in the repo env: unfixed 0 with its PASS_TO_PASS passing, fixed 1."""
+    import shutil
+    import string
+
+    import ml_collections
+
+    from models.tokenizer import CharTokenizer
+    from rl.envs.repo import RepoEnv
+    from rl.envs.repo_tasks import from_swe_row
+
+    gen = tmp_path / "gen"
+    main(["--out", str(gen), "--num", "2", "--seed", "3"])
+    tasks = [json.loads(x) for x in open(gen / "tasks.jsonl")]
+    checkouts = tmp_path / "checkouts"
+    checkouts.mkdir()
+    shutil.copytree(tasks[0]["repo"], checkouts / "org__pkg-1")
+    swe_gym = {"instance_id": "org__pkg-1", "repo": "org/pkg", "base_commit": "abc",
+               "problem_statement": tasks[0]["problem"],
+               "FAIL_TO_PASS": json.dumps(tasks[0]["fail_to_pass"]),
+               "PASS_TO_PASS": json.dumps(tasks[0]["pass_to_pass"])}  # fmt: skip
+    smith = {"instance_id": "org__pkg.x1", "repo": "org/pkg", "repo_path": tasks[1]["repo"],
+             "problem_statement": tasks[1]["problem"], "FAIL_TO_PASS": tasks[1]["fail_to_pass"],
+             "PASS_TO_PASS": tasks[1]["pass_to_pass"], "setup": "true"}  # fmt: skip
+    bad = [
+        {**swe_gym, "instance_id": "org__pkg-2"},  # no checkout
+        {**smith, "FAIL_TO_PASS": '["test_x (tests.T)"]'},  # not a pytest node id
+        {**smith, "FAIL_TO_PASS": ["tests/test_new.py::test_x"]},  # test patch not applied
+    ]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [swe_gym, smith, *bad]))
+    out = tmp_path / "out"
+    main(["--out", str(out), "--from_rows", str(rows), "--repos", str(checkouts)])
+    printed = capsys.readouterr().out
+    assert "wrote 2 of 5 rows" in printed
+    for why in ("no local checkout", "not a pytest node id", "test patch applied?"):
+        assert why in printed, (why, printed)
+    records = [json.loads(x) for x in open(out / "tasks.jsonl")]
+    assert records[0] == {
+        "instance_id": "org__pkg-1", "repo": str(checkouts / "org__pkg-1"),
+        "problem": tasks[0]["problem"], "fail_to_pass": tasks[0]["fail_to_pass"],
+        "pass_to_pass": tasks[0]["pass_to_pass"], "setup": "", "test_cmd": "",
+    }  # fmt: skip
+    assert records[1]["repo"] == tasks[1]["repo"] and records[1]["setup"] == "true"
+    assert (
+        from_swe_row({**smith, "repo_path": None, "repo": tasks[1]["repo"]})["repo"]
+        == (tasks[1]["repo"])
+    )
+
+    env_cfg = {"command_timeout_s": 4.0, "tool_workers": 2, "workspace_bytes": 32 << 20}
+    data = {"use_chat_template": False, "system_prompt": "", "chat_template_kwargs": {}}
+    config = ml_collections.ConfigDict({"data": data, "env": env_cfg})
+    env = RepoEnv(CharTokenizer(string.printable), config)
+    try:
+        for fixed in (False, True):
+            record = records[0]
+            if fixed:
+                fixed_dir = tmp_path / "fixed"
+                shutil.copytree(record["repo"], fixed_dir)
+                apply_fix(str(fixed_dir), tasks[0]["fix"])
+                record = {**record, "repo": str(fixed_dir)}
+            ep = env.start(record)
+            reward = env.reward(ep)
+            env.close(ep)
+            assert not env.masked(ep), ep.infra_error
+            assert reward == float(fixed) and ep.metrics["pass_to_pass_frac"] == 1.0
+    finally:
+        env.shutdown()

@@ -1,0 +1,82 @@
+"""SWE-Gym / SWE-smith / R2E-Gym style rows -> records of the `repo` environment (rl/envs/repo.py).
+
+Those datasets share one row shape: `instance_id`, `repo` (owner/name on GitHub),
+`problem_statement`, and `FAIL_TO_PASS` / `PASS_TO_PASS` as lists of test ids or as JSON strings
+of lists (SWE-Gym and SWE-bench store strings). They expect a Docker image per task; here the
+repository must be checked out locally instead, at the task's commit, with its test patch
+applied (the tests that define FAIL_TO_PASS must be in the checkout: grading reads them from
+there) and the gold patch not applied. The checkout is found as, in order: the row's `repo_path`,
+`<repos_dir>/<instance_id>`, `<repos_dir>/<instance_id>.tar.gz`, or `repo` when it is a local
+path.
+
+    record = from_swe_row(row, repos_dir)   # {"instance_id", "repo", "problem", "fail_to_pass",
+                                            #  "pass_to_pass", "setup", "test_cmd"}
+
+A row is refused (ValueError naming the instance) when no checkout is found, when a test id is
+not a pytest node id (SWE-bench's Django and SymPy rows name tests their own way), or when a test
+file it names is missing from a checkout directory (the test patch is not applied). `setup` (a
+shell command run once per workspace, e.g. `pip install -e . --no-deps`; the sandbox has no
+network) and `test_cmd` pass through when the row has them; the environment grades with pytest
+in-process and does not run `test_cmd`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _ids(row: dict, key: str) -> list[str]:
+    value = row.get(key, row.get(key.lower(), []))
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{row.get('instance_id')}: {key} must be a list of test ids")
+    return value
+
+
+def _checkout(row: dict, repos_dir: str | None) -> str:
+    iid = row["instance_id"]
+    candidates = [row.get("repo_path")]
+    if repos_dir:
+        candidates += [os.path.join(repos_dir, iid), os.path.join(repos_dir, iid + ".tar.gz")]
+    candidates.append(row.get("repo"))
+    for path in candidates:
+        if path and os.path.exists(os.path.expanduser(path)):
+            return os.path.abspath(os.path.expanduser(path))
+    raise ValueError(f"{iid}: no local checkout (looked for repo_path, {repos_dir}/{iid}[.tar.gz]"
+                     f" and repo={row.get('repo')!r})")  # fmt: skip
+
+
+def from_swe_row(row: dict, repos_dir: str | None = None) -> dict:
+    """The `repo` environment's record of one SWE-style row (module docstring)."""
+    iid = row["instance_id"]
+    f2p, p2p = _ids(row, "FAIL_TO_PASS"), _ids(row, "PASS_TO_PASS")
+    if not f2p:
+        raise ValueError(f"{iid}: FAIL_TO_PASS is empty")
+    for node in f2p + p2p:
+        if "::" not in node or not node.split("::")[0].endswith(".py"):
+            raise ValueError(f"{iid}: {node!r} is not a pytest node id (path.py::name)")
+    repo = _checkout(row, repos_dir)
+    if os.path.isdir(repo):
+        missing = sorted({n.split("::")[0] for n in f2p + p2p
+                          if not os.path.isfile(os.path.join(repo, n.split("::")[0]))})  # fmt: skip
+        if missing:
+            raise ValueError(f"{iid}: test files {missing[:3]} not in {repo} (test patch applied?)")
+    problem = row.get("problem_statement", row.get("problem"))
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError(f"{iid}: no problem_statement")
+    return {"instance_id": iid, "repo": repo, "problem": problem, "fail_to_pass": f2p,
+            "pass_to_pass": p2p, "setup": row.get("setup") or "",
+            "test_cmd": row.get("test_cmd") or ""}  # fmt: skip
+
+
+def convert_rows(rows, repos_dir: str | None = None) -> tuple[list[dict], list[str]]:
+    """(records, reasons): the rows that convert, and why each of the others did not."""
+    records, skipped = [], []
+    for row in rows:
+        try:
+            records.append(from_swe_row(row, repos_dir))
+        except (ValueError, KeyError, json.JSONDecodeError) as err:
+            skipped.append(str(err))
+    return records, skipped
