@@ -103,7 +103,7 @@ def plot_memory(dense, blockwise, out: str) -> str:
     ax.set_xticks([x["tokens"] for x in blockwise["rows"]],
                   [f"{x['tokens'] // 1024}k" for x in blockwise["rows"]])  # fmt: skip
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "memory_tokens.png")
