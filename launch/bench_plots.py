@@ -12,9 +12,9 @@ split into rollout, reference log-probs and learning, for each workload and layo
 
     python -m launch.bench memory --attention dense --tokens 1024,2048,4096,8192 --output bench_memory_dense.json
     python -m launch.bench memory --attention blockwise --tokens 1024,2048,4096,8192,16384,32768 --output bench_memory.json
-    python -m launch.bench_plots --memory_dense bench_memory_dense.json --memory bench_memory.json
+    python -m launch.bench_plots --only_memory --memory_dense bench_memory_dense.json --memory bench_memory.json
 
-it also writes memory_tokens.png (per-device temporaries of the learner step and the prefill
+it writes memory_tokens.png (per-device temporaries of the learner step and the prefill
 against the row length, dense against blockwise; log-log).
 """
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -225,6 +226,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         _need(c.model[field] in DTYPES, f"model.{field}", c.model[field], f"one of {DTYPES}")
     attention = c.model.get("attention", "auto")  # absent in runs saved before it existed
     _need(attention in ATTENTION, "model.attention", attention, f"expected one of {ATTENTION}")
+    kernel_platform = {"splash": "tpu", "pallas_gpu": "gpu"}.get(attention)
+    _need(kernel_platform in (None, jax.default_backend()), "model.attention", attention,
+          f"a {kernel_platform} kernel, but this run is on {jax.default_backend()}; "
+          f"use auto (picks it where it runs) or blockwise")  # fmt: skip
     _check_lora(c)
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")

@@ -129,3 +129,10 @@ def test_runs_saved_before_sampling_prefill_chunk_existed_resume():
     del saved.sampling["prefill_chunk"]
     validate(saved, 1)
     assert engine_config(saved, [0]).prefill_chunk == 0
+
+
+@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])
+def test_a_kernel_attention_for_another_platform_is_refused_at_start_up(kernel):
+    config = parse_args([f"--config.model.attention={kernel}"], {})[0]
+    with pytest.raises(UsageError, match=rf"^config.model.attention='{kernel}': a \w+ kernel, but"):
+        validate(config, 1)
