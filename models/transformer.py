@@ -171,7 +171,10 @@ def _after(tree, ref):
     """tree, computed only once ref [B,T,D] is. An `optimization_barrier` orders TPU and GPU
     schedules; XLA:CPU drops barriers before it schedules, so there each float leaf is also read
     through ref: the leaf as is, or NaN if ref[:, 0, 0] holds a NaN (the same bits otherwise; on
-    a mesh, an all-reduce of one scalar). Lowered for another platform, only the barrier."""
+    a mesh, an all-reduce of one scalar). So on CPU a NaN in one row's activations makes every
+    row NaN, not just its own (the loss is NaN either way, and the step is skipped). Lowered for
+    another platform, only the barrier. `remat` is a custom_vjp: reverse mode only (jax.jvp of
+    a remat model raises; nothing here uses forward mode)."""
     tree, ref = jax.lax.optimization_barrier((tree, jax.lax.stop_gradient(ref)))
 
     def read_through(tree, ref):
