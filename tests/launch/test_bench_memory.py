@@ -6,6 +6,8 @@ cheap phases at two lengths and the learner at one."""
 
 import json
 
+import pytest
+
 from launch.bench import main
 
 
@@ -30,6 +32,7 @@ def test_bench_memory_json(tmp_path):
     assert r["learn_exponent"] is None  # not measured
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_bench_memory_learn_blockwise_below_dense(tmp_path):
     temp = {}
     for attention in ("dense", "blockwise"):

@@ -87,6 +87,7 @@ def test_kernel_equals_dense(kernel, case):
     assert max(errors) < 1e-5, errors
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_equals_dense_bf16(kernel):
     """bf16 q, k, v (what accelerators run), head_dim 64 and 7 query heads per KV head (the
@@ -118,6 +119,7 @@ def _packed_batch(t, rows=4, seed=0):
     return tokens, pos, seg
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_model_on_mesh_equals_dense(kernel):
     """A 2-layer model with cfg.attention = kernel, its parameters and rows sharded on the

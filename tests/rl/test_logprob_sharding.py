@@ -92,7 +92,7 @@ def test_unembedding_gathered_and_reduced_outside_the_chunk_loop():
     assert not in_loops, in_loops
 
 
-@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("micro", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_fsdp_logprobs_and_grads_equal_one_device(micro):
     results = []
     for mesh in (make_mesh({}, devices=jax.devices()[:1]), make_mesh({"fsdp": 8})):

@@ -112,6 +112,7 @@ class Hostile(Scripted):
 MODES = ["step_raises", "text", "out_of_vocab", "nan_reward", "reward_raises", "close_raises"]
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
     """Every way an environment can fail ends the episode with reward 0, counted in
     episode/env_errors; nothing raises and no KV page stays allocated."""

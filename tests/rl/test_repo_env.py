@@ -193,6 +193,7 @@ def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
         env.shutdown()
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     """Must-show 3, from the environment to the learner batch: four episodes of one task (fix,
     wrong edit, fix + a slow import, fix) scored by the rollout's own scorer; the third one's
@@ -379,6 +380,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_commands_are_contained(env, tasks, tmp_path, name):
     needs_bwrap(env)

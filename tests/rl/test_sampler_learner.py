@@ -62,8 +62,10 @@ def _copy(params):
 
 @pytest.mark.parametrize(
     "temperature, top_p, vocab, n_prompts, g",
-    [(0.6, 0.8, 64, 2, 4), (0.6, 0.95, 211, 3, 4), (1.0, 0.8, 211, 1, 8),
-     (1.0, 0.95, 64, 4, 2), (1.3, 0.8, 64, 2, 4), (1.3, 0.95, 211, 3, 2)],
+    [(0.6, 0.8, 64, 2, 4), (1.0, 0.95, 64, 4, 2), (1.3, 0.8, 64, 2, 4),
+     # the vocabulary of 211 (not a multiple of any block) in the full suite only
+     *(pytest.param(*p, marks=pytest.mark.slow) for p in
+       [(0.6, 0.95, 211, 3, 4), (1.0, 0.8, 211, 1, 8), (1.3, 0.95, 211, 3, 2)])],
 )  # fmt: skip
 def test_top_p_learner_equals_sampler_and_steps_stay_finite(
     models, temperature, top_p, vocab, n_prompts, g

@@ -126,6 +126,7 @@ def _timed_rollout(graphdef, params, tool_seconds, slow=None):
     return wall, finished
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_tool_latency_is_hidden_behind_decoding(tiny):
     graphdef, params = tiny
     instant, _ = _timed_rollout(graphdef, params, 0.0)
@@ -135,6 +136,7 @@ def test_tool_latency_is_hidden_behind_decoding(tiny):
     assert sleeping < instant + 3.0
 
 
+@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_a_slow_tool_does_not_delay_the_other_episodes(tiny):
     graphdef, params = tiny
     wall, finished = _timed_rollout(graphdef, params, 0.0, slow=((3, 2), 2.0))
