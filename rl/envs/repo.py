@@ -55,6 +55,7 @@ from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
 from rl.sandbox import Limits
 
+GRACE_S = 3.0  # a graded run killed this long past an alarm, in the model's code: its fault
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
 
@@ -102,6 +103,7 @@ class RepoEpisode(Episode):
     mounted: bool = False  # the workspace is its own tmpfs
     history: dict = dataclasses.field(default_factory=dict)  # path -> [(real path, old text)]
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
+    grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
 
 
 def parse_calls(text: str) -> list[tuple[str, dict] | str]:
@@ -231,7 +233,8 @@ class RepoEnv(Environment):
             ep.infra_error = f"workspace: {type(err).__name__}: {err}"
             return False
         if ep.record.get("setup"):
-            r = self._shell(ep, ep.record["setup"], self.setup_timeout)
+            r = {**self._shell(ep, ep.record["setup"], self.setup_timeout),
+                 "timeout": self.setup_timeout}  # fmt: skip
             if r.get("rc") != 0:
                 ep.infra_error = f"setup failed: {self._bash_text(r)[-500:]}"
                 return False
@@ -373,9 +376,20 @@ class RepoEnv(Environment):
         args = {"nodes": f2p + p2p, "tests": tests, "per_test": self.per_test}
         r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": self.grader.site})
         run = r["_run"]
-        if not r["_started"] or run.reason == "timeout":
-            why = "harness timeout" if r["_started"] else "sandbox did not start"
-            ep.infra_error = f"{why} ({run.reason}, {run.seconds:.1f} s)"
+        if not r["_started"]:
+            ep.infra_error = f"sandbox did not start ({run.reason}, {run.seconds:.1f} s)"
+            return 0.0
+        if run.reason == "timeout":
+            # Killed at env.test_timeout_s. Inside the model's code (collecting = importing it,
+            # or a test) for longer than its alarm allows: the model's code evaded or outlived
+            # the alarm (e.g. ignored SIGALRM), so it scores 0. Anywhere else (before collection,
+            # between tests, or a phase younger than its alarm: a slow machine): masked.
+            where = rs.last_phase(run.stdout)
+            if where and where[0] != "run" and run.seconds - where[1] > self.per_test + GRACE_S:
+                ep.grade_timeout = where[0]
+                ep.metrics = {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
+                return 0.0
+            ep.infra_error = f"harness timeout ({run.reason}, {run.seconds:.1f} s, phase {where})"
             return 0.0
         if r.get("exit") in (3, 4) or (r.get("missing") and not r.get("broken")):
             # pytest's internal or usage error, or a node id the pristine tests do not define

@@ -239,11 +239,16 @@ except (OSError, UnicodeError) as e:
 )
 
 # The graded run: the pristine test files are put back (a model cannot pass by editing its
-# tests), then pytest runs the node ids in this process with a per-test alarm.
+# tests), then pytest runs the node ids in this process with an alarm over collection (importing
+# the model's code: conftest.py, the package, the test modules) and one per test. It reports its
+# phase on a copy of the real stdout (pytest captures fd 1): `PHASE <collect|test|run> <seconds
+# since start>`, so that when the whole run passes its wall limit the environment can tell the
+# model's code outliving its alarm (its fault) from the harness being slow (masked).
 GRADE = (
     _HEAD
     + r"""
-import signal
+import signal, time
+T0 = time.monotonic()
 root = A["root"]
 for rel, text in A["tests"].items():
     d = root
@@ -261,21 +266,36 @@ os.chdir(root)
 sys.path[:0] = [root, A["site"]]
 import pytest
 reports, broken, collected = {}, [], set()
+OUT = os.dup(1)
+
+
+def phase(name):
+    os.write(OUT, ("\x00PHASE %s %.3f\n" % (name, time.monotonic() - T0)).encode())
 
 
 def alarm(*_):
     raise TimeoutError("the test ran longer than %s s" % A["per_test"])
 
 
+def collect_alarm(*_):
+    raise TimeoutError("importing and collecting the tests took longer than %s s" % A["per_test"])
+
+
 class Collect:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item):
+        phase("test")
         signal.signal(signal.SIGALRM, alarm)
         signal.alarm(A["per_test"])
         try:
             yield
         finally:
             signal.alarm(0)
+            phase("run")
+
+    def pytest_collection_finish(self, session):
+        signal.alarm(0)
+        phase("run")
 
     def pytest_runtest_logreport(self, report):
         reports.setdefault(report.nodeid, []).append((report.when, report.outcome))
@@ -295,6 +315,9 @@ class Collect:
 # stop the run before the other files' tests ran ("not found").
 wanted = set(A["nodes"])
 files = sorted({n.split("::")[0] for n in wanted})
+phase("collect")
+signal.signal(signal.SIGALRM, collect_alarm)
+signal.alarm(A["per_test"])
 code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider",
                     "--continue-on-collection-errors", *files], plugins=[Collect()])
 passed = {n: ("call", "passed") in r and not any(o == "failed" for _, o in r)
@@ -310,6 +333,16 @@ def site_packages() -> str:
     if spec is None or not spec.origin:
         raise RuntimeError("the repo environment runs tests with pytest: pip install pytest")
     return os.path.dirname(os.path.dirname(spec.origin))
+
+
+def last_phase(stdout: str) -> tuple[str, float] | None:
+    """The graded run's last `PHASE` line: (collect | test | run, seconds since its start)."""
+    _, found, tail = stdout.rpartition("\x00PHASE ")
+    try:
+        name, at = tail.split("\n", 1)[0].split()
+        return (name, float(at)) if found else None
+    except ValueError:
+        return None
 
 
 class RepoSandbox(Sandbox):

@@ -193,13 +193,57 @@ def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
         env.shutdown()
 
 
+def _hang_at_import(env, task, code):
+    """The task fixed, then `code` appended to the fixed module (run when the tests import it)."""
+    fix = task["fix"]
+    ep = env.start(task)
+    edit = call("str_replace_editor", command="str_replace", path=fix["path"],
+                old_str=fix["old"], new_str=fix["new"])  # fmt: skip
+    act(env, ep, edit)
+    act(env, ep, call("bash", command=f"printf '{code}' >> {fix['path']}"))
+    try:
+        return env.reward(ep), ep
+    finally:
+        env.close(ep)
+
+
+def test_a_hang_at_import_scores_0_not_masked(tasks):
+    """Collecting the tests imports the model's code under an alarm of env.per_test_timeout_s:
+    a fixed module that then sleeps at import is a collection error, reward 0, not masked."""
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=1))
+    try:
+        reward, ep = _hang_at_import(env, tasks[0], "\\nimport time\\ntime.sleep(60)\\n")
+    finally:
+        env.shutdown()
+    assert reward == 0.0 and not env.masked(ep), ep.infra_error
+    assert ep.metrics["fail_to_pass_frac"] == 0.0 and not ep.grade_timeout  # its alarm fired
+
+
+@pytest.mark.slow  # waits out env.test_timeout_s
+def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
+    """Code that ignores SIGALRM and hangs at import is killed with the whole graded run at
+    env.test_timeout_s; it was in collection (the model's code) for longer than its alarm, so it
+    scores 0 unmasked (a harness timeout elsewhere stays masked)."""
+    env = RepoEnv(TOK, make_config(test_timeout_s=7.0, per_test_timeout_s=1))
+    code = (
+        "\\nimport signal, time\\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\\ntime.sleep(60)\\n"
+    )
+    try:
+        reward, ep = _hang_at_import(env, tasks[0], code)
+    finally:
+        env.shutdown()
+    assert reward == 0.0 and not env.masked(ep), ep.infra_error
+    assert ep.grade_timeout == "collect"
+    assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
+
+
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     """Must-show 3, from the environment to the learner batch: four episodes of one task (fix,
-    wrong edit, fix + a slow import, fix) scored by the rollout's own scorer; the third one's
-    graded run passes env.test_timeout_s (a harness timeout; the import sleep stands for a loaded
-    machine). In the learner batch that episode has no loss token and advantage 0, and the
-    others' advantages are those of the group of three without it."""
+    wrong edit, fix, fix) scored by the rollout's own scorer; the third one's workspace `setup`
+    passes env.setup_timeout_s (an infrastructure failure: a slow install, a loaded machine), so
+    its episode ends there. In the learner batch that episode has no loss token and advantage 0,
+    and the others' advantages are those of the group of three without it."""
     from types import SimpleNamespace
 
     from configs.default import get_config
@@ -216,18 +260,18 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     fix = t["fix"]
     edit = lambda new: call("str_replace_editor", command="str_replace", path=fix["path"],
                             old_str=fix["old"], new_str=new)  # fmt: skip
-    slow = call("bash", command=f"printf '\\nimport time\\ntime.sleep(60)\\n' >> {fix['path']}")
     scripts = [[edit(fix["new"]), call("submit")], [edit(fix["old"]), call("submit")],
-               [edit(fix["new"]), slow, call("submit")], [edit(fix["new"]), call("submit")]]  # fmt: skip
-    env = RepoEnv(TOK, make_config(test_timeout_s=6.0, per_test_timeout_s=60))
+               [edit(fix["new"]), call("submit")], [edit(fix["new"]), call("submit")]]  # fmt: skip
+    records = [t, t, {**t, "setup": "sleep 60"}, t]
+    env = RepoEnv(TOK, make_config(setup_timeout_s=2.0))
     engine = SimpleNamespace(cfg=SimpleNamespace(vocab_size=TOK.vocab_size))
     env_cfg = SimpleNamespace(max_turns=4, max_turn_tokens=0, max_tool_seconds=120.0,
                               tool_workers=4)  # fmt: skip
     scorer = EpisodeSampler(env, engine, TOK, env_cfg)
     try:
         episodes = []
-        for script in scripts:
-            ep = env.start(t)
+        for record, script in zip(records, scripts):
+            ep = env.start(record)
             for text in script:
                 act(env, ep, text)
             episodes.append(ep)
@@ -236,7 +280,7 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
         scorer.close()
         env.shutdown()
     assert [ep.masked for ep in episodes] == [False, False, True, False]
-    assert episodes[2].infra_error.startswith("harness timeout"), episodes[2].infra_error
+    assert episodes[2].infra_error.startswith("setup failed"), episodes[2].infra_error
     assert list(rewards) == [1.0, 0.0, 0.0, 1.0] and all(ep.workspace is None for ep in episodes)
 
     lengths = [5, 3, 6, 4]  # stand-ins for the sampled episode tokens
