@@ -54,6 +54,11 @@ def prepare(config) -> tuple[Run, object, list]:
     ))  # fmt: skip
     eval_records = load_records(config.data.eval)
     for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
+        if config.env.get("name") == "repo":  # refuse unsupported record fields at load time
+            from rl.envs.repo import check_record
+
+            for r in records:
+                check_record(r)
         tokenize_prompts(records, run.tokenizer, config, config.data[split].prompt_field)
     return run, data, eval_records
 

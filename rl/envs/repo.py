@@ -7,6 +7,8 @@ A record (jsonl row, e.g. from `python -m launch.make_repo_tasks`):
     fail_to_pass  pytest node ids that must pass after the fix
     pass_to_pass  pytest node ids that must keep passing
     setup         optional: a shell command run once in each fresh workspace (e.g. pip install)
+A record that sets `test_cmd` is refused (`check_record`, at load time in launch.train): grading
+runs the node ids with pytest, and a command that would replace it is not run.
 
 Each episode gets its own writable copy of the repository as its sandbox workspace
 (`rl.envs.repo_sandbox`: at /testbed in bubblewrap mode, a tmpfs of `env.workspace_bytes` when we
@@ -27,7 +29,9 @@ none gets them described in a system message in Qwen's wording instead.
 Reward, after submit or when a limit ends the episode: the original test files are put back and
 FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
 else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails on its own alarm
-(`env.per_test_timeout_s`, the model's fault); the whole run passing `env.test_timeout_s`, a
+(`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (collection
+has the same alarm; a run killed in collection or a test past its alarm scores 0); the whole run
+passing `env.test_timeout_s` elsewhere, a
 sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
 infrastructure errors: `episode.infra_error` says which, `masked(episode)` is True and the reward
 is 0.0 only because the caller needs a number: the rollout leaves such an episode out of the loss
@@ -152,6 +156,16 @@ def _read_pristine(repo: str, rel: str) -> str:
     raise FileNotFoundError(f"{rel} is not in {repo}")
 
 
+def check_record(record: dict) -> dict:
+    """`record`, or a ValueError naming the field when it sets `test_cmd` (not supported)."""
+    if record.get("test_cmd"):
+        raise ValueError(
+            f"repo record {record.get('instance_id', '')!r}: test_cmd={record['test_cmd']!r} is "
+            "not supported (grading runs fail_to_pass/pass_to_pass with pytest); drop the field"
+        )
+    return record
+
+
 @register_env("repo")
 class RepoEnv(Environment):
     def __init__(self, tokenizer, config):
@@ -183,7 +197,7 @@ class RepoEnv(Environment):
 
     def prompt(self, record: dict, prompt_field: str = "problem") -> list[int]:
         d = self.config.data
-        problem = record["problem"] if "problem" in record else record[prompt_field]
+        problem = check_record(record)["problem"] if "problem" in record else record[prompt_field]
         user = INSTRUCTIONS.format(root=self.tools.shown_root(), problem=problem)
         if not d.use_chat_template:
             return self.tokenizer.encode((d.system_prompt or "") + user,
@@ -213,7 +227,9 @@ class RepoEnv(Environment):
         return tuple(ids) if len(ids) == 1 else ()
 
     def start(self, record: dict) -> RepoEpisode:
-        return RepoEpisode(record)  # the workspace is made on the first tool call (a worker)
+        return RepoEpisode(
+            check_record(record)
+        )  # the workspace is made on the first tool call (a worker)
 
     def masked(self, episode: Episode) -> bool:
         """Whether the episode belongs out of the loss (an infrastructure error)."""

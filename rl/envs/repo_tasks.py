@@ -10,14 +10,15 @@ there) and the gold patch not applied. The checkout is found as, in order: the r
 path.
 
     record = from_swe_row(row, repos_dir)   # {"instance_id", "repo", "problem", "fail_to_pass",
-                                            #  "pass_to_pass", "setup", "test_cmd"}
+                                            #  "pass_to_pass", "setup"}
 
 A row is refused (ValueError naming the instance) when no checkout is found, when a test id is
 not a pytest node id (SWE-bench's Django and SymPy rows name tests their own way), or when a test
 file it names is missing from a checkout directory (the test patch is not applied). `setup` (a
 shell command run once per workspace, e.g. `pip install -e . --no-deps`; the sandbox has no
-network) and `test_cmd` pass through when the row has them; the environment grades with pytest
-in-process and does not run `test_cmd`.
+network) passes through when the row has it. A row's `test_cmd` is not carried over: the
+environment grades FAIL_TO_PASS / PASS_TO_PASS with pytest and refuses a record that sets
+`test_cmd` (rl.envs.repo.check_record).
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ def from_swe_row(row: dict, repos_dir: str | None = None) -> dict:
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"{iid}: no problem_statement")
     return {"instance_id": iid, "repo": repo, "problem": problem, "fail_to_pass": f2p,
-            "pass_to_pass": p2p, "setup": row.get("setup") or "",
-            "test_cmd": row.get("test_cmd") or ""}  # fmt: skip
+            "pass_to_pass": p2p, "setup": row.get("setup") or ""}  # fmt: skip
 
 
 def convert_rows(rows, repos_dir: str | None = None) -> tuple[list[dict], list[str]]:

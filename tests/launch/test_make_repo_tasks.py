@@ -78,7 +78,7 @@ def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
     import ml_collections
 
     from models.tokenizer import CharTokenizer
-    from rl.envs.repo import RepoEnv
+    from rl.envs.repo import RepoEnv, check_record
     from rl.envs.repo_tasks import from_swe_row
 
     gen = tmp_path / "gen"
@@ -111,13 +111,17 @@ def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
     assert records[0] == {
         "instance_id": "org__pkg-1", "repo": str(checkouts / "org__pkg-1"),
         "problem": tasks[0]["problem"], "fail_to_pass": tasks[0]["fail_to_pass"],
-        "pass_to_pass": tasks[0]["pass_to_pass"], "setup": "", "test_cmd": "",
+        "pass_to_pass": tasks[0]["pass_to_pass"], "setup": "",
     }  # fmt: skip
     assert records[1]["repo"] == tasks[1]["repo"] and records[1]["setup"] == "true"
     assert (
         from_swe_row({**smith, "repo_path": None, "repo": tasks[1]["repo"]})["repo"]
         == (tasks[1]["repo"])
     )
+
+    assert "test_cmd" not in from_swe_row({**smith, "test_cmd": "pytest -x"})  # not carried
+    with pytest.raises(ValueError, match="test_cmd='pytest' is not supported"):
+        check_record({**records[0], "test_cmd": "pytest"})
 
     env_cfg = {"command_timeout_s": 4.0, "tool_workers": 2, "workspace_bytes": 32 << 20}
     data = {"use_chat_template": False, "system_prompt": "", "chat_template_kwargs": {}}
