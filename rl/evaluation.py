@@ -9,6 +9,7 @@ tool-call rate is reported too.
 
 from __future__ import annotations
 
+import math
 from math import comb
 
 import numpy as np
@@ -34,7 +35,8 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
 
 
 def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
-    """(correct bool [R,G], tool-call rate, texts) of G episodes per record."""
+    """(correct bool [R,G], masked bool [R,G], tool-call rate, texts) of G episodes per record;
+    masked: infrastructure failures (`env.masked`), which count neither way."""
     sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
     try:
         prompts = env_prompts(env, records, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
@@ -43,9 +45,26 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
         correct = np.stack([fut.result() >= 0.5 for _, _, fut in out])
     finally:
         sampler.close()
+    masked = np.array([[ep.masked for ep in eps] for eps, _, _ in out], bool)
     calls = np.mean([ep.tool_calls > 0 for eps, _, _ in out for ep in eps])
     texts = [tokenizer.decode(c.tokens) for _, cs, _ in out for c in cs]
-    return correct, float(calls), texts
+    return correct, masked, float(calls), texts
+
+
+def episode_scores(correct, masked, k: int = 0) -> dict:
+    """Greedy accuracy (k = 0; correct/masked bool [R,1]) or pass@k ([R,n]) over the episodes
+    that were not masked (infrastructure failures: the model's result is unknown), and their
+    count as "infra_errors". A record with fewer than k unmasked samples is left out of pass@k;
+    with nothing left the score is NaN (unknown), not 0."""
+    keep = ~masked
+    out = {"infra_errors": float(masked.sum())}
+    if not k:
+        out["accuracy"] = float(correct[keep].mean()) if keep.any() else math.nan
+        return out
+    n, c = keep.sum(axis=1), (correct & keep).sum(axis=1)
+    scores = [pass_at_k(int(ni), int(ci), k) for ni, ci in zip(n, c) if ni >= k]
+    out[f"pass@{k}"] = float(np.mean(scores)) if scores else math.nan
+    return out
 
 
 def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed: int, env=None):
@@ -53,14 +72,18 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     on the held-out records (config.data.eval), with a greedy engine and a sampling engine;
     with `env`, of multi-turn episodes, plus "tool_call_rate" of the greedy ones."""
     if env is not None:
-        correct, rate, texts = _episodes(env, greedy_engine, params, records, tokenizer, cfg, 1,
-                                         seed)  # fmt: skip
-        out = {"accuracy": float(correct.mean()), "tool_call_rate": rate, "example": texts[0]}
+        correct, masked, rate, texts = _episodes(
+            env, greedy_engine, params, records, tokenizer, cfg, 1, seed
+        )
+        out = {**episode_scores(correct, masked), "tool_call_rate": rate, "example": texts[0]}
         n, k = cfg.eval.pass_n, cfg.eval.pass_k
         if k:
-            correct = _episodes(env, sample_engine, params, records, tokenizer, cfg, n,
-                                seed + 1)[0].sum(axis=1)  # fmt: skip
-            out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+            correct, masked, _, _ = _episodes(
+                env, sample_engine, params, records, tokenizer, cfg, n, seed + 1
+            )
+            scores = episode_scores(correct, masked, k)
+            out[f"pass@{k}"] = scores[f"pass@{k}"]
+            out["infra_errors"] += scores["infra_errors"]
         return out
     prompts = tokenize_prompts(records, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]

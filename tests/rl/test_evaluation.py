@@ -1,0 +1,29 @@
+"""Held-out scores of multi-turn episodes (`rl.evaluation.episode_scores`): infrastructure
+failures (masked episodes) count neither as right nor as wrong; pass@k against its definition."""
+
+import itertools
+import math
+
+import numpy as np
+
+from rl.evaluation import episode_scores, pass_at_k
+
+
+def test_pass_at_k_is_the_chance_that_k_of_n_draws_hold_a_correct_one():
+    for n, c, k in [(5, 0, 1), (5, 2, 1), (5, 2, 3), (6, 5, 2), (4, 4, 4)]:
+        draws = list(itertools.combinations([True] * c + [False] * (n - c), k))
+        assert math.isclose(pass_at_k(n, c, k), np.mean([any(d) for d in draws]), rel_tol=1e-9)
+
+
+def test_masked_episodes_are_left_out_of_accuracy_and_pass_at_k():
+    correct = np.array([[True], [False], [True], [False]])
+    masked = np.array([[False], [False], [False], [True]])  # the 4th: a harness timeout
+    assert episode_scores(correct, masked) == {"infra_errors": 1.0, "accuracy": 2 / 3}
+    assert episode_scores(correct, np.zeros_like(masked))["accuracy"] == 0.5  # counted wrong
+    correct = np.array([[True, False, False], [False, True, True], [True, True, False]])
+    masked = np.array([[False, False, True], [False, False, False], [True, True, False]])
+    # record 0: 2 kept, 1 right; record 1: 3 kept, 2 right; record 2: 1 kept (< k): left out
+    got = episode_scores(correct, masked, k=2)
+    assert got["infra_errors"] == 3.0
+    assert math.isclose(got["pass@2"], (pass_at_k(2, 1, 2) + pass_at_k(3, 2, 2)) / 2)
+    assert math.isnan(episode_scores(correct, np.ones_like(masked), k=1)["pass@1"])  # unknown
