@@ -131,19 +131,22 @@ def test_tool_latency_is_hidden_behind_decoding(tiny):
     graphdef, params = tiny
     instant, _ = _timed_rollout(graphdef, params, 0.0)
     sleeping, _ = _timed_rollout(graphdef, params, 0.1)
-    # Waiting on each of the 128 calls in turn would add 12.8 s; 8 workers at least 1.6 s.
+    # Waiting on each of the 128 calls in turn would add 12.8 s; 8 workers at least 1.6 s. The
+    # margin is wide: in the full suite this runs beside training runs on the other worker.
     print(f"instant tool {instant:.2f} s, 100 ms tool {sleeping:.2f} s")
-    assert sleeping < instant + 3.0
+    assert sleeping < instant + 6.0
 
 
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_a_slow_tool_does_not_delay_the_other_episodes(tiny):
     graphdef, params = tiny
-    wall, finished = _timed_rollout(graphdef, params, 0.0, slow=((3, 2), 2.0))
+    wall, finished = _timed_rollout(graphdef, params, 0.0, slow=((3, 2), 4.0))
     others = max(t for key, t in finished.items() if key != (3, 2))
     print(f"others done at {others:.2f} s, slow episode at {finished[(3, 2)]:.2f} s")
-    assert finished[(3, 2)] >= 4.0  # two 2 s calls
-    assert others < 2.0  # everything else finished while the slow tool was still running
+    assert finished[(3, 2)] >= 8.0  # two 4 s calls
+    # everything else finished while the slow tool was still running its first call (4 s: a
+    # wide margin for a loaded machine: the others finish in about 1.3 s on an idle one)
+    assert others < 4.0
 
 
 def test_resume_refuses_what_exceeds_the_reservation(tiny):
