@@ -2,8 +2,10 @@
 
     python -m launch.sft --out configs/assets/arithmetic_sft              # the GRPO demo's
     python -m launch.sft --task calc --out configs/assets/calc_sft        # the tool-use demo's
+    python -m launch.sft --task repo_fix --out configs/assets/repo_fix_sft  # the repository demo's
 
-Trains a tiny Llama-family, character-level transformer with teacher forcing on one of two tasks:
+Trains a tiny Llama-family, character-level transformer with teacher forcing on one of three tasks
+(`repo_fix`, scripted episodes of the CPU repository demo, is described in launch/sft_repo_fix.py):
 
 - `arithmetic` (default): `a+b=` -> `sum<eos>` (2-digit operands). The data teach the arithmetic
   and also a bad habit (`encode_arithmetic`): on answers ending in 1-7 a spurious "0" usually
@@ -51,11 +53,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from launch import sft_repo_fix
 from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh
 from models.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
+from rl.envs.repo_fix_tasks import REPO_FIX_ALPHABET
 from rl.logprobs import token_logprobs
 from rl.tasks import (
     ARITHMETIC_ALPHABET,
@@ -72,14 +76,15 @@ from sampling.engine import Engine, EngineConfig
 TASKS = {
     "arithmetic": dict(alphabet=ARITHMETIC_ALPHABET, digits=2, ops="+", steps=2000),
     "calc": dict(alphabet=CALC_ALPHABET, digits=3, ops="*", steps=1200),
+    "repo_fix": dict(alphabet=REPO_FIX_ALPHABET, digits=0, ops="", steps=800),
 }
 
 
-def model_config(vocab_size: int) -> ModelConfig:
+def model_config(vocab_size: int, max_positions: int = 64) -> ModelConfig:
     return ModelConfig(
         family="llama", vocab_size=vocab_size, d_model=128, d_ff=384, num_layers=4,
         num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, tie_embeddings=True,
-        norm_eps=1e-5, max_position_embeddings=64,
+        norm_eps=1e-5, max_position_embeddings=max_positions,
     )  # fmt: skip
 
 
@@ -216,12 +221,20 @@ def main(argv=None) -> int:
     digits = task["digits"] if args.digits is None else args.digits
 
     tok = CharTokenizer(task["alphabet"])
-    cfg = model_config(tok.vocab_size)
+    repo_fix = args.task == "repo_fix"
+    cfg = model_config(tok.vocab_size, sft_repo_fix.MAX_POSITIONS if repo_fix else 64)
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(cfg, mesh, seed=args.seed)
-    train = arithmetic_records(args.seed, steps * args.batch_size, digits, task["ops"])
-    held_out = arithmetic_records(args.seed + 1, args.eval_size, digits, task["ops"], split="eval")
-    if args.task == "arithmetic":
+    if repo_fix:
+        train = sft_repo_fix.records(args.seed, steps * args.batch_size, "train")
+        held_out = sft_repo_fix.records(args.seed + 1, args.eval_size, "eval")
+    else:
+        train = arithmetic_records(args.seed, steps * args.batch_size, digits, task["ops"])
+        held_out = arithmetic_records(args.seed + 1, args.eval_size, digits, task["ops"], "eval")
+    if repo_fix:
+        seq_len = sft_repo_fix.SEQ_LEN
+        data = sft_repo_fix.encode(train, tok, seq_len, args.seed)
+    elif args.task == "arithmetic":
         seq_len = 2 * digits + 2 + digits + 3  # "a+b=" + answer (<= digits+1) + "0" + eos
         data = encode_arithmetic(
             train, tok, seq_len, args.ramble_prob, args.ramble_digits, args.seed
@@ -252,7 +265,10 @@ def main(argv=None) -> int:
         loss = float(loss)  # block every step
         if (i + 1) % 50 == 0 or i + 1 == steps:
             print(f"step {i + 1}/{steps}: loss {loss:.4f}", file=sys.stderr)
-    if args.task == "arithmetic":
+    if repo_fix:
+        r = sft_repo_fix.report(graphdef, params, held_out, tok, args.eval_samples, args.seed)
+        result = "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
+    elif args.task == "arithmetic":
         acc = greedy_accuracy(graphdef, params, held_out, tok, digits + 3)
         result = f"held-out greedy accuracy {acc:.3f}"
     else:

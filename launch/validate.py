@@ -29,7 +29,7 @@ from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
 from sampling.page_allocator import group_pages
 
-BUILTIN_SOURCES = ("arithmetic",)
+BUILTIN_SOURCES = ("arithmetic", "repo_fix")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Fields that cannot change the trajectory of a run: a resumed run may change them.

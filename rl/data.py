@@ -7,11 +7,13 @@ as a list of records; `format_prompt` turns a record into token ids and `reward_
 columns out for `rl.rewards.combined_rewards`.
 
 Source config (a dict or ml_collections.ConfigDict; missing keys take the defaults shown):
-    type: "jsonl" | "parquet" | "arithmetic"
+    type: "jsonl" | "parquet" | "arithmetic" | "repo_fix"
     path: file path, list of paths, or glob pattern   (jsonl / parquet)
     prompt_field: "prompt"
     num: 10_000, digits: 2, ops: "+", split: "train", eval_fraction: 0.1, seed: 0   (arithmetic,
         see rl.tasks.arithmetic_records; the held-out set is the same config with split="eval")
+    num, split, eval_fraction, seed   (repo_fix: the CPU repository demo's tiny repositories,
+        rl.envs.repo_fix_tasks.repo_fix_records)
 
 Choices a reader may question:
 - All records are read into host memory up front. Prompt sets are small (GSM8K: 7.5k rows), and a
@@ -42,7 +44,7 @@ from jax.experimental import multihost_utils
 from models.tokenizer import Tokenizer
 from rl.tasks import arithmetic_records
 
-SOURCE_TYPES = ("jsonl", "parquet", "arithmetic")
+SOURCE_TYPES = ("jsonl", "parquet", "arithmetic", "repo_fix")
 
 
 def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
@@ -136,6 +138,15 @@ def load_records(source_cfg: Any) -> list[dict]:
             raise ValueError(
                 f"the arithmetic task's prompt field is 'prompt', not {prompt_field!r}"
             )
+    elif kind == "repo_fix":  # the CPU repository demo's tiny repositories
+        from rl.envs.repo_fix_tasks import repo_fix_records
+
+        records = repo_fix_records(
+            seed=int(_cfg_get(source_cfg, "seed", 0)),
+            num=int(_cfg_get(source_cfg, "num", 10_000)),
+            split=str(_cfg_get(source_cfg, "split", "train")),
+            eval_fraction=float(_cfg_get(source_cfg, "eval_fraction", 0.1)),
+        )
     elif kind in ("jsonl", "parquet"):
         read = _read_jsonl if kind == "jsonl" else _read_parquet
         records, paths = [], _expand_paths(_cfg_get(source_cfg, "path", None))

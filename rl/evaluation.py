@@ -4,7 +4,8 @@ pass@k (Chen et al., 2021) from n >= k samples per prompt of which c are correct
     pass@k = 1 - C(n - c, k) / C(n, k)
 averaged over prompts. Correctness is a 0/1 reward from `rl.rewards` (>= 0.5 counts as correct),
 or with an environment (multi-turn episodes) the episode's reward; then the greedy episodes'
-tool-call rate is reported too.
+tool-call rate is reported too, and the means of the environment's per-episode metrics over the
+greedy episodes that report them (e.g. repo_fix's second_try_fix_rate; `rl.multiturn.env_metrics`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from math import comb
 import numpy as np
 
 from rl.data import reward_inputs, tokenize_prompts
-from rl.multiturn import EpisodeSampler
+from rl.multiturn import EpisodeSampler, env_metrics
 from rl.rewards import get_reward
 from rl.rollout import env_prompts
 
@@ -35,8 +36,8 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
 
 
 def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
-    """(correct bool [R,G], masked bool [R,G], tool-call rate, texts) of G episodes per record;
-    masked: infrastructure failures (`env.masked`), which count neither way."""
+    """(correct bool [R,G], masked bool [R,G], tool-call rate, texts, env metrics) of G episodes
+    per record; masked: infrastructure failures (`env.masked`), which count neither way."""
     sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
     try:
         prompts = env_prompts(env, records, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
@@ -48,7 +49,9 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
     masked = np.array([[ep.masked for ep in eps] for eps, _, _ in out], bool)
     calls = np.mean([ep.tool_calls > 0 for eps, _, _ in out for ep in eps])
     texts = [tokenizer.decode(c.tokens) for _, cs, _ in out for c in cs]
-    return correct, masked, float(calls), texts
+    metrics = env_metrics([ep for eps, _, _ in out for ep in eps])
+    return correct, masked, float(calls), texts, {k.removeprefix("episode/"): v
+                                                  for k, v in metrics.items()}  # fmt: skip
 
 
 def episode_scores(correct, masked, k: int = 0) -> dict:
@@ -72,13 +75,14 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     on the held-out records (config.data.eval), with a greedy engine and a sampling engine;
     with `env`, of multi-turn episodes, plus "tool_call_rate" of the greedy ones."""
     if env is not None:
-        correct, masked, rate, texts = _episodes(
+        correct, masked, rate, texts, metrics = _episodes(
             env, greedy_engine, params, records, tokenizer, cfg, 1, seed
         )
-        out = {**episode_scores(correct, masked), "tool_call_rate": rate, "example": texts[0]}
+        out = {**metrics, **episode_scores(correct, masked), "tool_call_rate": rate,
+               "example": texts[0]}  # fmt: skip
         n, k = cfg.eval.pass_n, cfg.eval.pass_k
         if k:
-            correct, masked, _, _ = _episodes(
+            correct, masked, _, _, _ = _episodes(
                 env, sample_engine, params, records, tokenizer, cfg, n, seed + 1
             )
             scores = episode_scores(correct, masked, k)
