@@ -119,6 +119,13 @@ def get_config():
     c.rl.dynamic_sampling = False  # DAPO: drop zero-variance groups and sample more
     c.rl.dynamic_sampling_max_tries = 3  # sampling rounds per step at most
     c.rl.reward_timeout_s = 60.0  # a reward call running longer scores 0 (counted); 0 = no limit
+    # Partial rollouts (rl/partial.py): episodes not ended when B groups are complete stay parked,
+    # KV and all, across the learner step and go on under the new weights; decoupled PPO
+    # corrects for the older policies (needs is_correction tis or mis).
+    c.rl.partial_rollouts = False
+    c.rl.extra_groups = 0  # groups in flight beyond B (over-provisioning), at most B
+    c.rl.max_staleness = 4  # eta: no token older than this many policy versions is trained
+    c.rl.refresh_kv_on_update = False  # re-prefill a carried episode's history under new weights
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 2e-4  # peak AdamW learning rate

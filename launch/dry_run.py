@@ -124,7 +124,7 @@ def dry_run(config) -> int:
     # state; the rollout beside the optimizer state (and the KV cache stays when not released).
     learn_phase = ref + max(learn, state + logprobs)
     rollout_phase = ref + opt + sample
-    kv_kept = not s.release_kv_between_phases
+    kv_kept = not s.release_kv_between_phases or config.rl.get("partial_rollouts", False)
     peak = (learn_phase + sample) if kv_kept else max(learn_phase, rollout_phase)
     print(f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "
           f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})")  # fmt: skip

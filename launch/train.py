@@ -102,7 +102,13 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     preemption = Preemption()  # SIGTERM / SIGINT: stop after the current step, saved
     for step in preemption.catching(bar):
         t0 = time.perf_counter()
-        rollout = rollouts(step, state.params, data)  # the sampler reads the learner's arrays
+        last = step + 1 == config.num_steps
+        saving = last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+        # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py).
+        drain = bool(saving) or preemption.requested()
+        rollout = rollouts(
+            step, state.params, data, drain
+        )  # the sampler reads the learner's arrays
         t1 = time.perf_counter()
         state, history = learner.learn(state, run.ref_params, rollout.batch)
         t2 = time.perf_counter()
@@ -133,17 +139,13 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                  f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
             return 3
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-        last = step + 1 == config.num_steps
         if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
             ev = _evaluate(run, state, eval_records, log, step + 1)
             if main_process:
                 bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
-        preempted = not last and preemption.requested()
-        if (
-            last
-            or preempted
-            or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-        ):
+        # A stop requested while episodes were in flight waits for the next (drained) step.
+        preempted = not last and preemption.requested() and not rollouts.carried
+        if saving or preempted:
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)
             meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
                     "key": key_data, "base": base}  # fmt: skip

@@ -183,6 +183,11 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(c.rl.is_correction == "none" or c.rl.old_logp == "recompute", "rl.is_correction",
           c.rl.is_correction, "corrects pi_old against the sampler, which old_logp='sampler' "
           "makes the same distribution: use old_logp='recompute'")  # fmt: skip
+    if c.rl.partial_rollouts:
+        from rl.partial import check_partial
+
+        for field, value, why in check_partial(c):
+            _need(False, field, value, why)
     _need(c.rl.advantage_eps >= 0, "rl.advantage_eps", c.rl.advantage_eps, "must be >= 0")
     _need(c.rl.dynamic_sampling_max_tries >= 1, "rl.dynamic_sampling_max_tries",
           c.rl.dynamic_sampling_max_tries, "must be >= 1")  # fmt: skip

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from rl.envs.base import Environment, Episode, Turn
-from sampling.episodes import generate_episodes
+from sampling.episodes import EpisodeLoop
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class EpisodeSampler:
         self.max_tool_seconds = env_cfg.max_tool_seconds
         self.pool = ThreadPoolExecutor(env_cfg.tool_workers, thread_name_prefix="tool")
         self._warned: set[str] = set()
+        self.live: dict = {}  # request key -> its G episodes, until scored
 
     def _warn_once(self, what: str, err: BaseException) -> None:
         if what not in self._warned:
@@ -98,40 +99,60 @@ class EpisodeSampler:
             rewards.append(r)
         return np.asarray(rewards, np.float32)
 
+    def begin(self, key, record, g: int) -> None:
+        """G fresh episodes of record under `key` (the key of its request in the loop)."""
+        self.live[key] = [self.env.start(record) for _ in range(g)]
+
+    def respond(self, key, k, completion, budget_left):
+        """`EpisodeLoop`'s respond: the turn goes to its episode; the tool runs on a worker."""
+        ep = self.live[key][k]
+        text = self.tokenizer.decode(completion.tokens)
+        turn = Turn(completion.tokens, text, completion.finish_reason)
+        ep.turns.append(turn)
+        if ep.num_turns >= self.max_turns or budget_left < 2:
+            return None  # a limit: the episode ends with this turn
+        return self.pool.submit(self._step, ep, turn)
+
+    def score(self, key):
+        """(episodes, future of their f32 [G] rewards) of a group whose G episodes ended."""
+        episodes = self.live.pop(key)
+        return episodes, self.pool.submit(self._score, episodes)
+
+    def abandon(self) -> None:
+        """Releases what every unscored episode holds (after an exception)."""
+        for eps in self.live.values():
+            for ep in eps:
+                self._close(ep)
+        self.live.clear()
+
+    def loop(self, g: int, on_finish) -> EpisodeLoop:
+        """An episode loop on the engine whose turns go to this sampler's environment."""
+        return EpisodeLoop(self.engine, g, on_finish=on_finish, respond=self.respond,
+                           max_turn_tokens=self.max_turn_tokens)  # fmt: skip
+
     def run(self, params, state, records, prompts, g, seed, request_ids):
         """(state, [(episodes, completions, rewards future)] per record): G episodes each."""
-        episodes = [[self.env.start(r) for _ in range(g)] for r in records]
+        keys = list(range(len(records)))
+        for key, r in zip(keys, records):
+            self.begin(key, r, g)
         done = [[None] * g for _ in records]
         left = [g] * len(records)
-        futures = {}
-
-        def respond(i, k, completion, budget_left):
-            ep = episodes[i][k]
-            text = self.tokenizer.decode(completion.tokens)
-            turn = Turn(completion.tokens, text, completion.finish_reason)
-            ep.turns.append(turn)
-            if ep.num_turns >= self.max_turns or budget_left < 2:
-                return None  # a limit: the episode ends with this turn
-            return self.pool.submit(self._step, ep, turn)
+        scored = {}
 
         def on_finish(i, k, completion):
             done[i][k] = completion
             left[i] -= 1
             if not left[i]:
-                futures[i] = self.pool.submit(self._score, episodes[i])
+                scored[i] = self.score(i)
 
+        loop = self.loop(g, on_finish)
+        loop.add(prompts, request_ids=list(request_ids), keys=keys)
         try:
-            state, _ = generate_episodes(
-                self.engine, params, state, prompts, g, seed=seed, request_ids=list(request_ids),
-                on_finish=on_finish, respond=respond, max_turn_tokens=self.max_turn_tokens,
-            )  # fmt: skip
+            state = loop.run(params, state, seed)
         except BaseException:
-            for i, eps in enumerate(episodes):  # release what unscored episodes hold
-                if i not in futures:
-                    for ep in eps:
-                        self._close(ep)
+            self.abandon()
             raise
-        return state, [(episodes[i], done[i], futures[i]) for i in range(len(records))]
+        return state, [(scored[i][0], done[i], scored[i][1]) for i in range(len(records))]
 
     def close(self) -> None:
         self.pool.shutdown()

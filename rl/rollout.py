@@ -43,6 +43,7 @@ from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
 from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
 from rl.packing import Layout, build_batch
+from rl.partial import PartialRollouts
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
 from sampling.state import host_values
@@ -131,10 +132,45 @@ class Rollouts:
         self.decode_state = None
         # Multi-turn episodes through an environment (rl.envs), else single-turn completions.
         self.episodes = None if env is None else EpisodeSampler(env, engine, tokenizer, config.env)
+        # Partial rollouts (rl.partial): episodes in flight carried across learner steps.
+        self.partial = PartialRollouts(self) if config.rl.get("partial_rollouts") else None
 
-    def __call__(self, step: int, params, data) -> Rollout:
+    @property
+    def carried(self) -> int:
+        """Groups sampled but not trained yet (partial rollouts), to be trained by later steps."""
+        return 0 if self.partial is None else self.partial.carried
+
+    def prompts_of(self, records) -> list[list[int]]:
+        """The prompt ids of data records (the environment's prompts, with an environment)."""
         c = self.config
-        groups, stats = self._sample(step, params, data)
+        if self.episodes is None:
+            return tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
+        return env_prompts(self.episodes.env, records, c.sampling.max_prompt_len,
+                           c.data.train.prompt_field)  # fmt: skip
+
+    def _sample_partial(self, step, params, data, drain):
+        prefill_before = self.engine.prefill_tokens
+        state = self.engine.init_state() if self.decode_state is None else self.decode_state
+        self.decode_state = None  # donated below; kept again only once the call has returned
+        state, groups, stats = self.partial.sample(step, params, state, data, drain)
+        idle = self.partial.loop.idle
+        if not (idle and self.config.sampling.release_kv_between_phases):
+            self.decode_state = state  # episodes in flight keep their pages across the step
+        stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
+        stats["reprefill_tokens"] = reprefill_tokens(groups) if self.episodes else 0
+        return groups, stats
+
+    def __call__(self, step: int, params, data, drain: bool = False) -> Rollout:
+        """Step `step`'s Rollout. With partial rollouts `drain` ends the step with no episode
+        in flight (a checkpoint step); otherwise it is ignored (nothing is ever carried)."""
+        c = self.config
+        slot_steps = list(self.engine.slot_steps)
+        if self.partial is not None:
+            groups, stats = self._sample_partial(step, params, data, drain)
+        else:
+            groups, stats = self._sample(step, params, data)
+        active, total = (a - b for a, b in zip(self.engine.slot_steps, slot_steps))
+        stats["rollout/slot_utilization"] = active / max(total, 1)
         s = c.sampling
         batch, layout = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
                                     s.min_new_tokens, c.rl.pack, self.row_multiple,
@@ -194,11 +230,7 @@ class Rollouts:
 
         def sample_round(n):
             records = data.take(n)  # a rl.data.PromptStream: leftovers carry to the next draw
-            if self.episodes is None:
-                prompts = tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
-            else:
-                prompts = env_prompts(self.episodes.env, records, c.sampling.max_prompt_len,
-                                      c.data.train.prompt_field)  # fmt: skip
+            prompts = self.prompts_of(records)
             seed = int(jax.random.randint(jax.random.fold_in(root, len(rounds)), (), 0, 2**31 - 1))
             # Request ids unique over steps and refill rounds: at most b prompts a round.
             base = (step * max_tries + len(rounds)) * b

@@ -19,14 +19,23 @@ tokens together; admission reserves its worst-case pages, so a running episode n
 and `max_turn_tokens` caps one model turn. An observation that leaves no room for one more model
 token ends the episode with finish_reason "length", as does a turn that uses up the budget.
 
+Partial rollouts (`EpisodeLoop`): `run(..., until=f)` stops as soon as `f()` holds (checked
+between decode calls, e.g. "B groups are complete"). The call in flight is read, and every episode
+still decoding is parked in the middle of its turn (pages, KV and reservation kept; its last
+sampled token not cached yet, as between turns); episodes waiting on a tool keep waiting. The
+next `run`, with new parameters, resumes them first (oldest first) and then admits new requests
+(`add`). Every token records the `version` of the `run` that drew it (`Completion.versions`).
+`refresh=True` re-prefills a carried episode's whole history under the new parameters when it
+resumes, instead of keeping the KV the old parameters computed.
+
 Multi-process runs: every process runs the same loop on the same host values, so a future counts
 as done only once it is done on every process (`_agreed_done`), and environments must give every
 process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
-Determinism: a token is drawn with a key of (request, sample, cache position), so an episode's
-tokens depend neither on its slot nor on when its tool answered. Resumed episodes go first, then
-new groups are admitted; the admission order is the prompts' order.
+Determinism: a token is drawn with a key of (run seed, request, sample, cache position), so an
+episode's tokens depend neither on its slot nor on when its tool answered (within one `run`).
+Resumed episodes go first, then new groups are admitted; the admission order is `add`'s order.
 """
 
 from __future__ import annotations
@@ -76,19 +85,290 @@ def _digest(future: Future) -> int:
 
 @dataclasses.dataclass
 class _Episode:
-    i: int  # prompt index
+    i: int  # request key
     k: int  # sample in its group
     budget: int  # tokens after the prompt
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     observation: list[bool] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # run version of each token
     turns: int = 0
+    turn_len: int = 0  # model tokens of the turn in progress (parked mid-turn: > 0)
+    seen: int = 0  # tokens of this slot stint already read (for slot utilization)
+    kv_version: int = 0  # the version whose parameters computed the cached KV (refresh)
     finish: str = "stop"
     parked: Parked | None = None
 
     @property
     def left(self) -> int:
         return self.budget - len(self.tokens)
+
+
+class EpisodeLoop:
+    """Continuous batching of G-sample requests over the engine's slots, resumable across `run`
+    calls (partial rollouts). Requests are `add`ed under a key; `on_finish(key, k, completion)`
+    is called as each episode ends; `respond` as in the module docstring (None: one turn)."""
+
+    def __init__(self, engine, num_samples=1, *, on_finish=None, respond=None,
+                 max_turn_tokens=None):  # fmt: skip
+        e = engine.ecfg
+        self.engine, self.g = engine, num_samples
+        self.turn_cap = e.max_new_tokens if max_turn_tokens is None else int(max_turn_tokens)
+        if not 1 <= self.turn_cap <= e.max_new_tokens:
+            raise ValueError(f"max_turn_tokens={max_turn_tokens}: need 1..{e.max_new_tokens}")
+        if not 1 <= num_samples <= e.num_slots:
+            raise ValueError(f"num_samples={num_samples}: need 1..num_slots={e.num_slots}")
+        self.on_finish, self.respond = on_finish, respond
+        self.results: dict = {}  # key -> [Completion | None] * G
+        self.admitted: dict = {}  # key -> version of the run that admitted it
+        self._req: dict = {}  # key -> (prompt, budget, request id, worst-case pages)
+        self.pending: list = []  # keys not admitted yet, in order
+        self.owner: dict[int, _Episode] = {}  # busy slot -> its episode
+        self.waiting: dict[Future, _Episode] = {}  # parked, the observation being computed
+        self.ready: collections.deque = collections.deque()  # (episode, ids), parked
+        self.mine: set[int] = set()  # every slot this loop inserted into
+        self.parked_here: list[Parked] = []  # every sequence this loop parked
+        self.prefixes: list = []  # of the last prefill
+        self.version = 0
+        self._last = None  # the Results of the last call read
+        self._next = 0  # the next default request key
+
+    def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None) -> list:
+        """Queues requests (G samples each); returns their keys (default 0..n-1 after the last)."""
+        budget, ids, need = check_requests(
+            self.engine.ecfg, prompts, self.g, max_new_tokens, request_ids
+        )
+        if keys is None:
+            keys = list(range(self._next, self._next + len(prompts)))
+        keys = list(keys)
+        if len(set(keys)) != len(keys) or any(k in self._req for k in keys):
+            raise ValueError("request keys must be new and unique")
+        self._next = max([self._next - 1, *[k for k in keys if isinstance(k, int)]]) + 1
+        for key, p, b, r, n in zip(keys, prompts, budget, ids, need):
+            self._req[key] = (list(p), b, r, n)
+            self.results[key] = [None] * self.g
+            self.pending.append(key)
+        return keys
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, decoding, parked or waiting."""
+        return not (self.pending or self.owner or self.waiting or self.ready)
+
+    def in_flight(self) -> set:
+        """Keys admitted whose G episodes have not all ended."""
+        return {k for k in self.admitted if any(c is None for c in self.results[k])}
+
+    def forget(self, key) -> None:
+        """Drops an ended request's bookkeeping (its results were read)."""
+        if any(c is None for c in self.results[key]):
+            raise ValueError(f"request {key} has not ended")
+        for d in (self.results, self.admitted, self._req):
+            d.pop(key, None)
+
+    def _finish(self, ep: _Episode, reason: str | None = None) -> None:
+        if ep.parked is not None:
+            self.engine.drop(ep.parked)
+            ep.parked = None
+        ep.finish = reason or ep.finish
+        self.results[ep.i][ep.k] = done = Completion(
+            ep.tokens, ep.logprobs, ep.finish, len(ep.tokens), ep.turns,
+            None if self.respond is None else ep.observation, ep.versions,
+        )  # fmt: skip
+        if self.on_finish is not None:
+            self.on_finish(ep.i, ep.k, done)
+
+    def _answered(self, ep: _Episode, obs) -> None:
+        if obs is None:
+            return self._finish(ep)
+        obs = [operator.index(t) for t in obs]
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in obs if not 0 <= t < vocab]
+        if bad:  # an id outside the vocabulary would write NaN into the KV pages
+            raise ValueError(f"observation ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(obs) + 1 > ep.left:  # no room for the observation and one more model token
+            self._finish(ep, "length")
+        else:
+            self.ready.append((ep, obs))
+
+    def run(self, params, state, seed=0, *, version=0, until=None, refresh=False):
+        """Decodes until every request has ended, or until `until()` holds (then the episodes
+        still decoding are parked mid-turn, to be resumed by the next `run`). Returns the state
+        (donated). After an exception the host side is cleaned up (start from `init_state()`)."""
+        engine, e, g = self.engine, self.engine.ecfg, self.g
+        if not engine._len:  # no busy slot: the block size can change
+            engine.group = g if g > 1 and e.num_slots % g == 0 else 1
+        self.version = version
+        root = jax.random.key(seed)
+        params = engine.decode_params(params)  # a decode copy, if the config asks for one
+        inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
+        try:
+            while not self.idle:
+                for fut in _agreed_done(list(self.waiting)):
+                    self._answered(self.waiting.pop(fut), fut.result())
+                if until is not None and until():
+                    state = self._stop(state, inflight)
+                    break
+                state = self._resume_ready(params, state, refresh)
+                state = self._admit(params, state)
+                if not self.owner:
+                    inflight = None  # every sequence it decoded has finished: nothing to read
+                    if self.waiting:  # every episode waits for its tool: nothing to decode
+                        wait(list(self.waiting), return_when=FIRST_COMPLETED)
+                    continue
+                # Call n+1 goes to the device before call n's results are read: the bookkeeping
+                # below overlaps decoding. A slot that finished in call n idles through n+1.
+                state, ticket = engine.dispatch(params, state, root)
+                previous, inflight = inflight, (ticket, dict(self.owner))
+                if previous is not None:
+                    state = self._collect(state, *previous)
+        except BaseException:
+            self._abort()
+            raise
+        self.parked_here = [p for p in self.parked_here if p in engine._parked]
+        return state
+
+    def _resume_ready(self, params, state, refresh: bool):
+        """Episodes between turns (or parked mid-turn) first: they hold pages already."""
+        engine, items, stale = self.engine, [], []
+        while self.ready and len(engine.free_slots) > len(items):
+            ep, obs = self.ready.popleft()
+            if refresh and ep.kv_version != self.version:
+                stale.append((ep.parked, self._history(ep)))
+                ep.kv_version = self.version
+            ep.tokens += obs
+            ep.logprobs += [0.0] * len(obs)
+            ep.observation += [True] * len(obs)
+            ep.versions += [self.version] * len(obs)
+            max_new = min(self.turn_cap - ep.turn_len, ep.left)
+            items.append((ep.parked, obs, engine.free_slots[len(items)], max_new))
+            self.owner[items[-1][2]] = ep
+            ep.parked, ep.seen = None, 0
+        if stale:  # the whole cached history again, under the parameters of this run
+            state = engine.refresh(params, state, stale)
+        if items:
+            state = engine.resume(params, state, items)
+            self.mine.update(it[2] for it in items)
+        return state
+
+    def _history(self, ep: _Episode) -> list[int]:
+        """The tokens a parked episode's pages cache, plus its last (uncached) token."""
+        return self._req[ep.i][0] + ep.tokens
+
+    def _admit(self, params, state):
+        """Admits what fits (slots, and worst-case pages counted together), prefills it in
+        batches, then puts each prompt into its G slots."""
+        engine, g = self.engine, self.g
+        admit, need_total = [], 0
+        free_pages = engine.allocator.num_free - engine._reserved()
+        while self.pending and not self.ready and len(engine.free_slots) - g * len(admit) >= g:
+            need = self._req[self.pending[0]][3]
+            if need_total + need > free_pages:
+                break
+            need_total += need
+            admit.append(self.pending.pop(0))
+        if self.pending and not admit and not (self.owner or self.waiting or self.ready):
+            key = self.pending[0]
+            raise ValueError(
+                f"request {key} needs {g} slots and {self._req[key][3]} KV pages; "
+                f"{len(engine.free_slots)} slots and {free_pages} pages are free, the rest "
+                "is held by slots or prefixes from outside this loop"
+            )
+        if not admit:
+            return state
+        state, self.prefixes = engine.prefill_many(params, state, [self._req[k][0] for k in admit])
+        for key, prefix in zip(admit, self.prefixes):
+            _, budget, rid, _ = self._req[key]
+            slots = engine._take_slots(g)
+            turn = min(self.turn_cap, budget)
+            state = engine.bulk_insert(state, prefix, slots, rid, turn, budget)
+            self.mine.update(slots)
+            self.admitted[key] = self.version
+            eps = [_Episode(key, k, budget, kv_version=self.version) for k in range(g)]
+            self.owner.update(zip(slots, eps))
+        return state
+
+    def _collect(self, state, ticket, owners):
+        """Reads a decode call: its tokens go to their episodes; ended turns are answered."""
+        engine = self.engine
+        r = self._last = engine.collect(ticket)
+        mine = [s for s in r.slots if s in owners and self.owner.get(s) is owners[s]]
+        steps = [int(r.num_generated[s]) - owners[s].seen for s in mine]
+        engine.slot_steps[0] += sum(steps)  # tokens decoded ...
+        engine.slot_steps[1] += max(steps, default=0) * engine.ecfg.num_slots  # ... slot-steps run
+        for s in mine:
+            owners[s].seen = int(r.num_generated[s])
+        to_free, to_park = [], []
+        for s in (s for s in mine if not r.active[s]):
+            ep = self.owner.pop(s)
+            self._take(ep, r, s)
+            ep.finish = "stop" if r.stopped[s] else "length"
+            turn = ep.tokens[len(ep.tokens) - ep.turn_len :]
+            turn_lps = ep.logprobs[len(ep.tokens) - ep.turn_len :]
+            ep.turns, ep.turn_len = ep.turns + 1, 0
+            if self.respond is None:
+                to_free.append((s, ep))
+                continue
+            answer = self.respond(ep.i, ep.k, Completion(turn, turn_lps, ep.finish, len(turn)),
+                                  ep.left)  # fmt: skip
+            to_park.append((s, ep, answer))
+        if to_free:
+            state = engine.free_slots_of(state, [s for s, _ in to_free])
+            for _, ep in to_free:
+                self._finish(ep)
+        if to_park:
+            state, parked = engine.park(
+                state, [s for s, *_ in to_park], [ep.tokens[-1] for _, ep, _ in to_park]
+            )
+            self.parked_here += parked
+            for (_, ep, answer), p in zip(to_park, parked):
+                ep.parked, ep.kv_version = p, self.version
+                if isinstance(answer, Future):
+                    self.waiting[answer] = ep
+                else:
+                    self._answered(ep, answer)
+        return state
+
+    def _take(self, ep: _Episode, r, s: int) -> None:
+        """Appends the tokens slot s drew since its episode's last insert or resume."""
+        m = int(r.num_generated[s])
+        toks, lps = r.tokens[s, :m].tolist(), r.logprobs[s, :m].tolist()
+        ep.tokens += toks
+        ep.logprobs += lps
+        ep.observation += [False] * m
+        ep.versions += [self.version] * m
+        ep.turn_len += m
+
+    def _stop(self, state, inflight):
+        """Reads the call in flight, then parks every episode still decoding, mid-turn."""
+        if inflight is not None:
+            state = self._collect(state, *inflight)
+        if not self.owner:
+            return state
+        slots = list(self.owner)  # all decoded by the call just read: its buffers are exact
+        eps = [self.owner.pop(s) for s in slots]
+        for s, ep in zip(slots, eps):
+            self._take(ep, self._last, s)
+        state, parked = self.engine.park(state, slots, [ep.tokens[-1] for ep in eps])
+        self.parked_here += parked
+        for ep, p in zip(eps, parked):
+            ep.parked, ep.kv_version = p, self.version
+        self.ready.extendleft((ep, []) for ep in reversed(eps))  # first in line at the next run
+        return state
+
+    def _abort(self) -> None:
+        """Releases what this loop holds on the host side after an exception."""
+        engine = self.engine
+        for s in self.mine & engine._cap.keys():
+            engine._free_host(s)
+        for p in self.parked_here:  # a no-op for those already resumed or dropped
+            engine.drop(p)
+        for x in self.prefixes:
+            if not x.consumed and x.epoch is engine._epoch:
+                engine.allocator.free(x.pages)
+                x.consumed = True
+        self.pending, self.owner, self.waiting = [], {}, {}
+        self.ready = collections.deque()
 
 
 def generate_episodes(
@@ -99,145 +379,8 @@ def generate_episodes(
     after the prompt. With `respond` None each episode is one turn (`Engine.generate_all`).
     `on_finish(i, k, completion)` is called as each episode ends. `state` is donated; after an
     exception the host side is cleaned up (start again from `init_state()`)."""
-    e, g = engine.ecfg, num_samples
-    budget, ids, need = check_requests(e, prompts, g, max_new_tokens, request_ids)
-    turn_cap = e.max_new_tokens if max_turn_tokens is None else int(max_turn_tokens)
-    if not 1 <= turn_cap <= e.max_new_tokens:
-        raise ValueError(f"max_turn_tokens={max_turn_tokens}: need 1..{e.max_new_tokens}")
-    if not engine._len:  # no busy slot: the block size can change
-        engine.group = g if g > 1 and e.num_slots % g == 0 else 1
-    root = jax.random.key(seed)
-    params = engine.decode_params(params)  # a decode copy, if the config asks for one
-    results: list[list[Completion | None]] = [[None] * g for _ in prompts]
-    owner: dict[int, _Episode] = {}  # busy slot -> its episode
-    mine: set[int] = set()  # every slot this call inserted into
-    prefixes = []  # of the last prefill
-    waiting: dict[Future, _Episode] = {}  # parked, the observation being computed
-    ready: collections.deque = collections.deque()  # (episode, observation ids), parked
-    pending = list(range(len(prompts)))
-    parked_here: list[Parked] = []  # every sequence this call parked (dropped on an exception)
-    inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
-    vocab = engine.cfg.vocab_size
-
-    def finish(ep: _Episode, reason: str | None = None) -> None:
-        if ep.parked is not None:
-            engine.drop(ep.parked)
-            ep.parked = None
-        ep.finish = reason or ep.finish
-        results[ep.i][ep.k] = done = Completion(
-            ep.tokens, ep.logprobs, ep.finish, len(ep.tokens), ep.turns,
-            None if respond is None else ep.observation,
-        )  # fmt: skip
-        if on_finish is not None:
-            on_finish(ep.i, ep.k, done)
-
-    def answered(ep: _Episode, obs) -> None:
-        if obs is None:
-            return finish(ep)
-        obs = [operator.index(t) for t in obs]
-        bad = [t for t in obs if not 0 <= t < vocab]
-        if bad:  # an id outside the vocabulary would write NaN into the KV pages
-            raise ValueError(f"observation ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if len(obs) + 1 > ep.left:  # no room for the observation and one more model token
-            finish(ep, "length")
-        else:
-            ready.append((ep, obs))
-
-    try:
-        while pending or owner or waiting or ready:
-            for fut in _agreed_done(list(waiting)):
-                answer = fut.result()
-                answered(waiting.pop(fut), answer)
-            # Episodes between turns first: they hold pages already.
-            items = []
-            while ready and len(engine.free_slots) > len(items):
-                ep, obs = ready.popleft()
-                ep.tokens += obs
-                ep.logprobs += [0.0] * len(obs)
-                ep.observation += [True] * len(obs)
-                items.append(
-                    (ep.parked, obs, engine.free_slots[len(items)], min(turn_cap, ep.left))
-                )
-                owner[items[-1][2]] = ep
-                ep.parked = None
-            if items:
-                state = engine.resume(params, state, items)
-                mine.update(it[2] for it in items)
-            # Admit what fits (slots, and worst-case pages counted together), prefill it in
-            # batches, then put each prompt into its G slots.
-            admit, need_total = [], 0
-            free_pages = engine.allocator.num_free - engine._reserved()
-            while pending and not ready and len(engine.free_slots) - g * len(admit) >= g:
-                if need_total + need[pending[0]] > free_pages:
-                    break
-                need_total += need[pending[0]]
-                admit.append(pending.pop(0))
-            if pending and not admit and not (owner or waiting or ready):
-                raise ValueError(
-                    f"request {pending[0]} needs {g} slots and {need[pending[0]]} KV pages; "
-                    f"{len(engine.free_slots)} slots and {free_pages} pages are free, the rest "
-                    "is held by slots or prefixes from outside this call"
-                )
-            if admit:
-                state, prefixes = engine.prefill_many(params, state, [prompts[i] for i in admit])
-                for i, prefix in zip(admit, prefixes):
-                    slots = engine._take_slots(g)
-                    turn = min(turn_cap, budget[i])
-                    state = engine.bulk_insert(state, prefix, slots, ids[i], turn, budget[i])
-                    mine.update(slots)
-                    owner.update({s: _Episode(i, k, budget[i]) for k, s in enumerate(slots)})
-            if not owner:
-                inflight = None  # every sequence it decoded has finished: nothing to read
-                if waiting:  # every episode waits for its tool: nothing to decode meanwhile
-                    wait(list(waiting), return_when=FIRST_COMPLETED)
-                continue
-            # Call n+1 goes to the device before call n's results are read: the bookkeeping
-            # below overlaps decoding. A slot that finished in call n idles through call n+1.
-            state, ticket = engine.dispatch(params, state, root)
-            previous, inflight = inflight, (ticket, dict(owner))
-            if previous is None:
-                continue
-            ticket, owners = previous
-            r = engine.collect(ticket)
-            done = [s for s in r.slots if s in owners and owner.get(s) is owners[s]]
-            done = [s for s in done if not r.active[s]]
-            to_free, to_park = [], []
-            for s in done:
-                ep, m = owner.pop(s), int(r.num_generated[s])
-                toks, lps = r.tokens[s, :m].tolist(), r.logprobs[s, :m].tolist()
-                ep.tokens += toks
-                ep.logprobs += lps
-                ep.observation += [False] * m
-                ep.turns += 1
-                ep.finish = "stop" if r.stopped[s] else "length"
-                if respond is None:
-                    to_free.append((s, ep))
-                    continue
-                turn = Completion(toks, lps, ep.finish, m)
-                to_park.append((s, ep, respond(ep.i, ep.k, turn, ep.left)))
-            if to_free:
-                state = engine.free_slots_of(state, [s for s, _ in to_free])
-                for _, ep in to_free:
-                    finish(ep)
-            if to_park:
-                state, parked = engine.park(
-                    state, [s for s, *_ in to_park], [ep.tokens[-1] for _, ep, _ in to_park]
-                )
-                parked_here += parked
-                for (_, ep, answer), p in zip(to_park, parked):
-                    ep.parked = p
-                    if isinstance(answer, Future):
-                        waiting[answer] = ep
-                    else:
-                        answered(ep, answer)
-    except BaseException:
-        for s in mine & engine._cap.keys():
-            engine._free_host(s)
-        for p in parked_here:  # a no-op for those already resumed or dropped
-            engine.drop(p)
-        for x in prefixes:
-            if not x.consumed and x.epoch is engine._epoch:
-                engine.allocator.free(x.pages)
-                x.consumed = True
-        raise
-    return state, results
+    loop = EpisodeLoop(engine, num_samples, on_finish=on_finish, respond=respond,
+                       max_turn_tokens=max_turn_tokens)  # fmt: skip
+    loop.add(prompts, max_new_tokens, request_ids)
+    state = loop.run(params, state, seed)
+    return state, [loop.results[i] for i in range(len(prompts))]

@@ -128,6 +128,7 @@ class Completion:
     length: int
     turns: int = 1
     observation: list[bool] | None = None  # None: every token is the model's
+    versions: list[int] | None = None  # per token: the version of the sampler run that drew it
 
 
 def check_slots(num_slots: int, slots, unique: bool = True) -> list[int]:

@@ -41,6 +41,17 @@ class Turns:
             self._parked.remove(parked)
             self.allocator.free(parked.pages)
 
+    def refresh(self, params, state, items) -> DecodeState:
+        """Recomputes the KV of parked sequences under `params`: items are (parked, history),
+        history the tokens its pages cache plus its last (uncached) token. Their pages are
+        overwritten in place (a chunked prefill from position 0); nothing else changes."""
+        for p, history in items:
+            if p not in self._parked or len(history) - 1 != p.cached_len:
+                raise ValueError("refresh needs a parked sequence and its whole history")
+        starts = [Parked(p.pages, 0, 0, p.cap, 0, 0) for p, _ in items]  # cached from 0
+        histories = [list(h) for _, h in items]
+        return self._prefill_pages(params, state, histories, starts, extend=histories)
+
     def resume(self, params, state, items) -> DecodeState:
         """Continues parked sequences: items are (parked, new_tokens, slot, max_new). The
         parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after
