@@ -265,6 +265,14 @@ def main(argv=None) -> int:
         loss = float(loss)  # block every step
         if (i + 1) % 50 == 0 or i + 1 == steps:
             print(f"step {i + 1}/{steps}: loss {loss:.4f}", file=sys.stderr)
+    save_hf(  # before the report: a report that fails does not lose the weights
+        args.out,
+        cfg,
+        params,
+        GenerationIds(eos_ids=tok.eos_ids, pad_id=tok.pad_id, bos_id=tok.bos_id),
+    )
+    with open(os.path.join(args.out, CHAR_TOKENIZER_FILE), "w") as f:
+        json.dump(tok.to_dict(), f, indent=2)
     if repo_fix:
         r = sft_repo_fix.report(graphdef, params, held_out, tok, args.eval_samples, args.seed)
         result = "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
@@ -274,14 +282,6 @@ def main(argv=None) -> int:
     else:
         r = calc_report(graphdef, params, held_out, tok, digits, args.eval_samples, args.seed)
         result = "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
-    save_hf(
-        args.out,
-        cfg,
-        params,
-        GenerationIds(eos_ids=tok.eos_ids, pad_id=tok.pad_id, bos_id=tok.bos_id),
-    )
-    with open(os.path.join(args.out, CHAR_TOKENIZER_FILE), "w") as f:
-        json.dump(tok.to_dict(), f, indent=2)
     print(f"{result} after {steps} steps "
           f"({time.perf_counter() - start:.0f} s); wrote {args.out}")  # fmt: skip
     return 0

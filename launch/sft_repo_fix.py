@@ -13,8 +13,16 @@ sampled (T=1) reward, first-try fix rate and the fix rate after a failed first a
 from __future__ import annotations
 
 import numpy as np
+from flax import nnx
 
+from configs import repo_fix
+from launch.validate import engine_config
+from rl.envs import make_env
 from rl.envs.repo_fix_tasks import repo_fix_records, scripted_episode
+from rl.multiturn import EpisodeSampler, env_metrics
+from rl.rollout import env_prompts
+from sampling.distribution import SamplingParams
+from sampling.engine import Engine
 
 SEQ_LEN = 72  # the longest scripted episode: prompt 21 + 2 edits (9) + 2 outputs (<= 14) + eos
 MAX_POSITIONS = 128  # the model's positions: the demo's episodes are up to 21 + 48 tokens
@@ -45,16 +53,6 @@ def encode(records, tok, seq_len: int, seed: int):
 
 def report(graphdef, params, held_out, tok, samples: int, seed: int) -> dict:
     """Held-out episodes of the warm start under the demo's config (configs/repo_fix.py)."""
-    from flax import nnx
-
-    from configs import repo_fix
-    from launch.validate import engine_config
-    from rl.envs import make_env
-    from rl.multiturn import EpisodeSampler, env_metrics
-    from rl.rollout import env_prompts
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine
-
     c = repo_fix.get_config()
     cfg = nnx.merge(graphdef, params).cfg
     env = make_env(c.env.name, tok, c)

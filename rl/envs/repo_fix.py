@@ -12,7 +12,7 @@ in the episode); the editor's str_replace semantics (`old` must occur exactly on
 observation); malformed calls get an error observation and count in `episode.tool_errors`; the
 reward after submit, or when a limit ends the episode, is 1.0 iff every FAIL_TO_PASS and
 PASS_TO_PASS test of the record passes on the final files, and their pass fractions are
-`episode/fail_to_pass` and `episode/pass_to_pass`; `env.max_tool_calls` caps the calls (a call past
+`episode/fail_to_pass_frac` and `episode/pass_to_pass_frac`; `env.max_tool_calls` caps the calls (a call past
 it ends the episode unapplied).
 
 Simplified: one file, so the call names no path; one tool (str_replace) in a compact syntax that
@@ -79,7 +79,7 @@ class RepoFixEnv(Environment):
     def reward(self, episode: Episode) -> float:
         f2p, p2p, _ = run_tests(episode.record, episode.source)
         fixed = float(f2p == 1.0 and p2p == 1.0)
-        episode.metrics.update(fail_to_pass=f2p, pass_to_pass=p2p,
+        episode.metrics.update(fail_to_pass_frac=f2p, pass_to_pass_frac=p2p,
                                first_try_fix_rate=float(bool(episode.first_fixed)))  # fmt: skip
         if episode.first_fixed is False:
             episode.metrics["second_try_fix_rate"] = fixed

@@ -56,7 +56,11 @@ def _play(env, record, turns):
 def test_right_first_edit_scores_one():
     ep, obs, reward = _play(_env(), RECORD, ["<k=3/k=9>", ""])
     assert obs == ["passed;"] and reward == 1.0
-    assert ep.metrics == {"fail_to_pass": 1.0, "pass_to_pass": 1.0, "first_try_fix_rate": 1.0}
+    assert ep.metrics == {
+        "fail_to_pass_frac": 1.0,
+        "pass_to_pass_frac": 1.0,
+        "first_try_fix_rate": 1.0,
+    }
 
 
 @pytest.mark.parametrize("wrong", ["5", "7", "2"])
@@ -79,7 +83,7 @@ def test_second_try_reading_the_failure_fixes():
 def test_no_edit_scores_zero_and_reports_no_second_try():
     ep, obs, reward = _play(_env(), RECORD, [""])
     assert obs == [] and reward == 0.0
-    assert "second_try_fix_rate" not in ep.metrics and ep.metrics["fail_to_pass"] == 0.0
+    assert "second_try_fix_rate" not in ep.metrics and ep.metrics["fail_to_pass_frac"] == 0.0
 
 
 @pytest.mark.parametrize(
