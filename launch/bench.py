@@ -242,6 +242,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="learn / loop: tiny model and workload")
     p.add_argument("--lengths", choices=["fixed", "skewed"], default="fixed",
                    help="loop: completion lengths, 128 each or long-tailed over 8..512")  # fmt: skip
+    p.add_argument("--partial_rollouts", action="store_true",
+                   help="loop --lengths skewed: synchronous against partial rollouts")  # fmt: skip
+    p.add_argument("--extra_groups", type=int, default=None,
+                   help="loop --partial_rollouts: sequences in flight beyond B (default B)")  # fmt: skip
+    p.add_argument("--max_staleness", type=int, default=4, help="loop --partial_rollouts: eta")
     p.add_argument("--rows", type=int, default=4, help="learn: rows of 512 tokens per step")
     p.add_argument("--skewed_seqs", type=int, default=16, help="learn: long-tailed sequences")
     p.add_argument("--seed", type=int, default=0, help="learn / loop: seed of the lengths")
@@ -253,7 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--num_samples", type=int, default=8, help="G samples per prompt")
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=128, help="exactly this many (no stop)")
-    p.add_argument("--steps_per_call", type=int, default=32, help="EngineConfig.steps_per_call")
+    p.add_argument("--steps_per_call", type=int, default=32,
+                   help="sampler / loop: EngineConfig.steps_per_call")  # fmt: skip
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--backend", default="auto", help="paged attention backend")
     p.add_argument(
@@ -284,6 +290,11 @@ def main(argv=None) -> int:
         from launch.bench_learn import bench_learn, table
 
         r = bench_learn(args)
+        print(table(r))
+    elif args.what == "loop" and args.partial_rollouts:
+        from launch.bench_partial import bench_partial, table
+
+        r = bench_partial(args)
         print(table(r))
     elif args.what == "loop":
         from launch.bench_loop import bench_loop, table

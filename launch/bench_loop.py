@@ -64,7 +64,7 @@ class Loop:
         ecfg = EngineConfig(
             num_slots=slots, page_size=page, max_prompt_len=plen, max_new_tokens=self.max_new,
             num_pages=slots * group_pages(plen, self.max_new, page, 1) + 1,
-            steps_per_call=4 if quick else 32,
+            steps_per_call=4 if quick else args.steps_per_call,
         )  # fmt: skip
         self.engine = Engine(cfg, graphdef, ecfg, sampling)
         self.decode_state = self.engine.init_state()

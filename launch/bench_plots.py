@@ -112,6 +112,33 @@ def plot_memory(dense, blockwise, out: str) -> str:
     return path
 
 
+def plot_partial(r, out: str) -> str:
+    """partial_utilization.png: each decode call's slot utilization over one rollout, the
+    synchronous loop against partial rollouts (`launch.bench loop --partial_rollouts`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for name, color in (("sync", "#ee6677"), ("partial", "#4477aa")):
+        trace = r[name]["utilization_trace"]
+        label = (f"{name}: {r[name]['rollout_seconds']:.1f} s, mean "
+                 f"{r[name]['slot_utilization']:.2f}")  # fmt: skip
+        ax.step(range(1, len(trace) + 1), trace, where="post", color=color, label=label)
+    ax.set(xlabel="decode call of the rollout", ylabel="busy slots / slots", ylim=(0, 1.05),
+           title=f"one rollout, {r['batch_sequences']} sequences of 8..512 tokens, "
+                 f"{r['num_slots']} slots")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "partial_utilization.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sampler", default="bench_sampler.json")
@@ -122,9 +149,13 @@ def main(argv=None) -> int:
     p.add_argument("--memory_dense", default=None, help="bench memory JSON, --attention dense")
     p.add_argument("--memory", default=None, help="bench memory JSON, --attention blockwise")
     p.add_argument("--only_memory", action="store_true", help="draw memory_tokens.png alone")
+    p.add_argument("--partial", default=None, help="bench loop --partial_rollouts JSON: draw "
+                   "partial_utilization.png alone")  # fmt: skip
     a = p.parse_args(argv)
     paths = []
-    if not a.only_memory:
+    if a.partial:
+        paths.append(plot_partial(_load(a.partial), a.out))
+    elif not a.only_memory:
         paths += plot(*(_load(f) for f in (a.sampler, a.learn, a.loop, a.loop_skewed)), a.out)
     if a.memory_dense and a.memory:
         paths.append(plot_memory(_load(a.memory_dense), _load(a.memory), a.out))

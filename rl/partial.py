@@ -95,28 +95,14 @@ class PartialRollouts:
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         seed = int(jax.random.randint(jax.random.fold_in(root, 0), (), 0, 2**31 - 1))
         self.generated = []
-        until = None if drain else (lambda: self._enough(step))
+        until = (
+            None if drain else (lambda: enough(self.loop, len(self.done), self.b, step, self.eta))
+        )
         state = self.loop.run(params, state, seed, version=step, until=until,
                               refresh=self.refresh)  # fmt: skip
-        keys = self._select(step, drain)
+        keys = select(self.loop, self.done, self.b, step, self.eta, drain)
         groups = [self._group(key) for key in keys]
         return state, groups, self._stats(step, groups)
-
-    def _enough(self, step: int) -> bool:
-        """B groups complete, and no group in flight would be older than eta at step + 1."""
-        loop = self.loop
-        return len(self.done) >= self.b and all(
-            step + 1 - loop.admitted[k] <= self.eta for k in loop.in_flight()
-        )
-
-    def _select(self, step: int, drain: bool) -> list[int]:
-        """The complete groups to train: those at the staleness bound, then the oldest."""
-        order = sorted(self.done, key=lambda k: (self.loop.admitted[k], k))
-        if drain:
-            return order
-        forced = [k for k in order if step + 1 - self.loop.admitted[k] > self.eta]
-        rest = [k for k in order if k not in forced]
-        return forced + rest[: max(self.b - len(forced), 0)]
 
     def _group(self, key: int):
         from rl.rollout import episode_group
@@ -146,6 +132,23 @@ class PartialRollouts:
             "rollout/offpolicy_token_frac": float((ages > 0).mean()) if ages.size else 0.0,
             "rollout/generated_length_mean": float(np.mean(self.generated or [0])),
         }
+
+
+def enough(loop, n_done: int, b: int, step: int, eta: int) -> bool:
+    """Whether step `step`'s rollout may stop: b groups complete, and no group in flight would
+    be older than eta versions in step + 1's batch (else the rollout waits for it)."""
+    return n_done >= b and all(step + 1 - loop.admitted[k] <= eta for k in loop.in_flight())
+
+
+def select(loop, done, b: int, step: int, eta: int, drain: bool) -> list:
+    """The complete groups (keys) step `step` trains: every one when draining, else those that
+    would pass the staleness bound at step + 1, then the oldest, up to b in all."""
+    order = sorted(done, key=lambda k: (loop.admitted[k], k))
+    if drain:
+        return order
+    forced = [k for k in order if step + 1 - loop.admitted[k] > eta]
+    rest = [k for k in order if k not in forced]
+    return forced + rest[: max(b - len(forced), 0)]
 
 
 def check_partial(c) -> list[tuple[str, object, str]]:

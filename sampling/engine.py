@@ -123,6 +123,7 @@ class Engine(Turns):
         # Decode calls' [tokens decoded, slot-steps run] (slots x steps of each call), ever:
         # their ratio is the slot utilization (`sampling.episodes`).
         self.slot_steps = [0, 0]
+        self.slot_trace: list | None = None  # a list: each call's (tokens, slot-steps) appended
         self._reset_host()
 
     def _reset_host(self) -> None:

@@ -296,6 +296,8 @@ class EpisodeLoop:
         steps = [int(r.num_generated[s]) - owners[s].seen for s in mine]
         engine.slot_steps[0] += sum(steps)  # tokens decoded ...
         engine.slot_steps[1] += max(steps, default=0) * engine.ecfg.num_slots  # ... slot-steps run
+        if engine.slot_trace is not None:
+            engine.slot_trace.append((sum(steps), max(steps, default=0) * engine.ecfg.num_slots))
         for s in mine:
             owners[s].seen = int(r.num_generated[s])
         to_free, to_park = [], []

@@ -21,6 +21,14 @@ def results(tmp_path_factory):
         "learn": ["learn", "--quick", "--reps=1"],
         "loop": ["loop", "--quick", "--reps=2"],
         "loop_skewed": ["loop", "--quick", "--reps=2", "--lengths=skewed"],
+        "loop_partial": [
+            "loop",
+            "--quick",
+            "--reps=1",
+            "--lengths=skewed",
+            "--partial_rollouts",
+            "--max_staleness=1",
+        ],
     }
     out = {}
     for name, args in runs.items():
@@ -51,6 +59,17 @@ def test_bench_loop_quick(results, name):
         keys += ["static_rollout_seconds", "padded_learn_seconds"]
     for key in keys:
         assert r[key] > 0, key
+
+
+def test_bench_loop_partial_quick(results):
+    r = results["loop_partial"][1]
+    for name in ("sync", "partial"):
+        for key in ("iteration_seconds", "rollout_seconds", "learned_tokens_per_s"):
+            assert r[name][key] > 0, (name, key)
+        assert 0 < r[name]["slot_utilization"] <= 1
+        trace = r[name]["utilization_trace"]
+        assert trace and all(0 <= u <= 1 for u in trace)
+    assert r["rollout_speedup"] > 0 and r["learned_tokens_speedup"] > 0
 
 
 def test_bench_learn_quick(results):

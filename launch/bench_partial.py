@@ -1,0 +1,146 @@
+"""Partial rollouts against synchronous ones: `python -m launch.bench loop --lengths skewed
+--partial_rollouts [--extra_groups N] [--max_staleness ETA]`.
+
+Both loops run in one process on bench-small (`launch.bench_loop.Loop`: 8 prompts x 8 samples,
+each sample its own request with a long-tailed length over 8..512, 16 slots, no stop ids), with
+the same learner step (reference log-probs + one AdamW step on the packed batch of B = 64
+sequences), alternating iteration by iteration:
+
+- `sync`: the rollout decodes all B sequences, then the learner steps (`Engine.generate_all`);
+- `partial`: one `sampling.episodes.EpisodeLoop` on its own engine keeps up to B + extra
+  sequences in flight; each rollout decodes until B are complete (`rl.partial.enough`, staleness
+  bound eta), trains the B oldest complete (`rl.partial.select`) and carries the rest, parked
+  mid-sequence, into the next iteration. New sequences get fresh long-tailed lengths (one at
+  the budget per draw, like a synchronous batch). Timed in steady state, after the carry-over
+  has filled up (eta + 2 warm-up iterations).
+
+Per loop (medians over --reps): `iteration_seconds`, `rollout_seconds`, `slot_utilization`
+(tokens decoded / slot-steps of the rollout's decode calls) and `learned_tokens_per_s` (prompt +
+completion tokens of the learner batch per second of iteration); `utilization_trace`: each decode
+call's utilization over the last timed rollout (docs/performance.md's figure).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from launch.bench_learn import skewed_lengths
+from launch.bench_loop import Loop
+from rl.partial import enough, select
+from rl.rollout import Group
+from sampling.engine import Engine
+from sampling.episodes import EpisodeLoop
+
+
+def _trace(engine) -> list[float]:
+    return [round(a / t, 4) for a, t in engine.slot_trace if t]
+
+
+class Partial:
+    """The partial loop of the benchmark: an EpisodeLoop carried across iterations."""
+
+    def __init__(self, loop: Loop, extra: int, eta: int, low: int, high: int, seed: int):
+        e = loop.engine
+        self.engine = Engine(e.cfg, e.graphdef, e.ecfg, e.sampling)  # its own slots and pages
+        self.state = self.engine.init_state()
+        self.loop, self.b, self.extra, self.eta = loop, len(loop.lengths), extra, eta
+        self.low, self.high, self.seed = low, high, seed
+        self.done: dict[int, object] = {}  # key -> Completion, complete and not trained
+        self.episodes = EpisodeLoop(self.engine, 1, on_finish=self._finish)
+        self.next, self.version = 0, 0
+
+    def _finish(self, key, k, completion) -> None:
+        self.done[key] = completion
+
+    @property
+    def carried(self) -> int:
+        return len(self.episodes.in_flight()) + len(self.episodes.pending) + len(self.done)
+
+    def rollout(self) -> list[Group]:
+        """One rollout: new sequences in, B trained out, the rest carried."""
+        n = self.b + self.extra - self.carried
+        if n > 0:
+            lengths = skewed_lengths(n, self.low, self.high, self.seed + 1000 + self.version)
+            prompts = self.loop.prompts
+            keys = list(range(self.next, self.next + n))
+            self.next += n
+            self.episodes.add([prompts[k % len(prompts)] for k in keys],
+                              [int(x) for x in lengths], request_ids=keys, keys=keys)  # fmt: skip
+        v = self.version
+        until = lambda: enough(self.episodes, len(self.done), self.b, v, self.eta)  # noqa: E731
+        self.state = self.episodes.run(self.loop.state.params, self.state, seed=v, version=v,
+                                       until=until)  # fmt: skip
+        keys = select(self.episodes, self.done, self.b, v, self.eta, drain=False)
+        groups = []
+        for key in keys:
+            c = self.done.pop(key)
+            groups.append(Group({}, self.episodes._req[key][0], [c], [], np.zeros(1), {}))
+            self.episodes.forget(key)
+        self.version += 1
+        return groups
+
+
+def _iteration(loop: Loop, engine, rollout) -> dict:
+    """One timed iteration: rollout, reference log-probs, learner step."""
+    before = list(engine.slot_steps)
+    engine.slot_trace = []
+    t0 = time.perf_counter()
+    groups = rollout()
+    t1 = time.perf_counter()
+    loop.adv = np.random.default_rng(0).normal(size=len(groups)).astype(np.float32)
+    loop.learn(loop.with_reference(loop.batch(groups, pack=True)))
+    t2 = time.perf_counter()
+    active, total = (a - b for a, b in zip(engine.slot_steps, before))
+    tokens = sum(len(g.prompt) + c.length for g in groups for c in g.completions)
+    return {"iteration_seconds": t2 - t0, "rollout_seconds": t1 - t0,
+            "slot_utilization": active / max(total, 1), "learned_tokens_per_s": tokens / (t2 - t0),
+            "sequences": len(groups), "trace": _trace(engine)}  # fmt: skip
+
+
+def bench_partial(args) -> dict:
+    loop = Loop(args)
+    if not loop.skewed:
+        raise SystemExit("--partial_rollouts needs --lengths skewed")
+    quick = args.quick
+    low, high = (2, 16) if quick else (8, 512)
+    extra = len(loop.lengths) if args.extra_groups is None else args.extra_groups
+    partial = Partial(loop, extra, args.max_staleness, low, high, args.seed)
+
+    def sync():
+        return loop.rollout()
+
+    _iteration(loop, loop.engine, sync)  # warm-up: compiles everything
+    for _ in range(args.max_staleness + 2):  # the carry-over fills up
+        _iteration(loop, partial.engine, partial.rollout)
+    runs = {"sync": [], "partial": []}
+    for _ in range(args.reps):
+        runs["sync"].append(_iteration(loop, loop.engine, sync))
+        runs["partial"].append(_iteration(loop, partial.engine, partial.rollout))
+    r = {"device": jax.devices()[0].platform,
+         "reps": args.reps, "num_slots": loop.engine.ecfg.num_slots,
+         "batch_sequences": len(loop.lengths), "extra_groups": extra,
+         "max_staleness": args.max_staleness}  # fmt: skip
+    for name, its in runs.items():
+        r[name] = {k: statistics.median(it[k] for it in its)
+                   for k in ("iteration_seconds", "rollout_seconds", "slot_utilization",
+                             "learned_tokens_per_s")}  # fmt: skip
+        r[name]["utilization_trace"] = its[-1]["trace"]
+    r["rollout_speedup"] = r["sync"]["rollout_seconds"] / r["partial"]["rollout_seconds"]
+    r["learned_tokens_speedup"] = (
+        r["partial"]["learned_tokens_per_s"] / r["sync"]["learned_tokens_per_s"]
+    )
+    return r
+
+
+def table(r: dict) -> str:
+    rows = [("", "sync", "partial")]
+    for k in ("iteration_seconds", "rollout_seconds", "slot_utilization", "learned_tokens_per_s"):
+        rows.append((k.replace("_", " "), *(f"{r[m][k]:.3f}" for m in ("sync", "partial"))))
+    rows.append(("rollout speedup", "", f"{r['rollout_speedup']:.2f}x"))
+    rows.append(("learned tokens/s speedup", "", f"{r['learned_tokens_speedup']:.2f}x"))
+    w = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in rows)
