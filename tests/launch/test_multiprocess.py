@@ -2,8 +2,11 @@
 process x 8 devices: same metrics and parameters within 1e-5, rollouts included, even when one
 process is killed mid-step and both are restarted. The KL is folded into the rewards
 (kl_in="reward"), so the rollout's gather of the shaped rewards from every process is on the
-path."""
+path. Partial rollouts are on (rl/partial.py; its loop is the synchronous one's, plus the
+carry-over): episodes carried across steps, so every process must make the same carry-over
+decisions, and the kill lands in a step that carries episodes."""
 
+import json
 import os
 import socket
 import subprocess
@@ -20,11 +23,13 @@ from tests.conftest import ROOT, train_metrics
 pytestmark = pytest.mark.slow  # three multi-process training runs
 
 TINY = [
-    "--config.num_steps=3", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+    "--config.num_steps=4", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
     "--config.data.prompts_per_step=8", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
     "--config.data.eval.num=8", "--config.eval.pass_k=0", "--config.eval_every=0",
-    "--config.checkpoint_every=1", "--config.sampling.num_slots=32", "--config.sampling.num_pages=128",
-    "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1",
+    "--config.checkpoint_every=2", "--config.sampling.num_slots=16", "--config.sampling.num_pages=128",
+    "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1", "--config.rl.partial_rollouts=True",
+    "--config.rl.extra_groups=4", "--config.rl.is_correction=tis",
+    "--config.sampling.steps_per_call=1", "--config.sampling.temperature=1.5",
 ]  # fmt: skip
 
 
@@ -57,14 +62,14 @@ def _wait(procs) -> list[str]:
 
 
 def test_two_processes_equal_one_even_after_one_dies(tmp_path):
-    """Process 1 is killed (SIGKILL) in step 2, once step 1's checkpoint is committed: process 0
+    """Process 1 is killed (SIGKILL) in step 3, once step 2's checkpoint is committed: process 0
     stops within 60 s with a message that says what to do, and restarting both resumes and ends
     within 1e-5 of the 1-process run."""
     single, multi = tmp_path / "single", tmp_path / "multi"
     _wait([_launch(single, 8)])
     port = _free_port()
     procs = [_launch(multi, 4, i, 2, port) for i in range(2)]
-    while not (multi / "checkpoints" / "1").exists():
+    while not (multi / "checkpoints" / "2").exists():
         assert procs[1].poll() is None, procs[1].communicate()[1][-3000:]
         time.sleep(0.05)  # polling a directory the run writes; nothing is timed
     procs[1].kill()
@@ -81,7 +86,10 @@ def test_two_processes_equal_one_even_after_one_dies(tmp_path):
     errs = _wait([_launch(multi, 4, i, 2, port) for i in range(2)])
     assert "resumed from step" in errs[0], errs[0][-3000:]
     a, b = train_metrics(single), train_metrics(multi)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    rows = [json.loads(x) for x in open(single / "metrics.jsonl") if '"loss"' in x]
+    assert rows[0]["rollout/carried_episodes"] + rows[2]["rollout/carried_episodes"] > 0
+    assert rows[1]["rollout/carried_groups"] == rows[3]["rollout/carried_groups"] == 0  # drained
     for step in a:
         got, want = list(b[step].values()), list(a[step].values())
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
