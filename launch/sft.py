@@ -76,7 +76,7 @@ from sampling.engine import Engine, EngineConfig
 TASKS = {
     "arithmetic": dict(alphabet=ARITHMETIC_ALPHABET, digits=2, ops="+", steps=2000),
     "calc": dict(alphabet=CALC_ALPHABET, digits=3, ops="*", steps=1200),
-    "repo_fix": dict(alphabet=REPO_FIX_ALPHABET, digits=0, ops="", steps=800),
+    "repo_fix": dict(alphabet=REPO_FIX_ALPHABET, digits=0, ops="", steps=600),
 }
 
 

@@ -7,7 +7,10 @@ output (not trained on), after a failure an edit to a random other candidate, th
 (submit). The warm start thus edits well-formed calls and retries after a failure, but its choices
 ignore the failure output; reading it is left to GRPO. `report` runs held-out episodes through the
 environment itself (`rl.envs.repo_fix`, the engine's episode loop, the demo's config): greedy and
-sampled (T=1) reward, first-try fix rate and the fix rate after a failed first attempt.
+sampled (T=1) reward, first-try fix rate and the fix rate after a failed first attempt. The shipped
+warm start (600 steps, 398 s on a shared 2-core CPU): greedy reward 0.485, first-try 0.280, after a
+failed first attempt 0.285 (chance: 1 in 3); sampled 0.349 / 0.170 / 0.220 (some sampled edits
+pick a value that is not a candidate).
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ are no infrastructure errors to mask); submit is the end token.
 
 Per-episode metrics: `first_try_fix_rate` (the first applied edit made the tests pass) and, over
 the episodes whose first applied edit failed, `second_try_fix_rate` (the repository is fixed at the
-end): the demo's measure of reading the failure output.
+end): the demo's measure of reading the failure output; of those, `first_edit_noop_rate` (the
+first edit left the file unchanged: it only ran the tests) and, over those whose first edit set a
+wrong candidate, `fix_after_wrong_candidate_rate`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from rl.envs.repo_fix_tasks import (
     CALL_OPEN,
     MODULE,
     PASSED,
+    candidates,
     observation,
+    parse_module,
     run_tests,
     str_replace,
 )
@@ -47,6 +51,7 @@ class RepoFixEpisode(Episode):
     source: str = ""  # the episode's copy of m.py
     edits: int = 0  # applied edits
     first_fixed: bool | None = None  # whether the first applied edit made the tests pass
+    first_kind: str = ""  # the first applied edit: "noop" (file unchanged), "candidate", "other"
 
 
 @register_env("repo_fix")
@@ -64,6 +69,7 @@ class RepoFixEnv(Environment):
             return None  # past the call limit: ends, unapplied
         episode.tool_calls += 1
         before, opened, body = turn.text[: -len(CALL_CLOSE)].rpartition(CALL_OPEN)
+        before_source = episode.source
         source, error = str_replace(episode.source, body) if opened else (None, "E bad call")
         if source is None:
             episode.tool_errors += 1
@@ -73,6 +79,7 @@ class RepoFixEnv(Environment):
             output = run_tests(episode.record, source)[2]
             if episode.edits == 1:
                 episode.first_fixed = output == PASSED
+                episode.first_kind = _kind(episode.record, before_source, source)
         episode.observations.append(observation(output))
         return self.observation_ids(observation(output), turn)
 
@@ -83,4 +90,17 @@ class RepoFixEnv(Environment):
                                first_try_fix_rate=float(bool(episode.first_fixed)))  # fmt: skip
         if episode.first_fixed is False:
             episode.metrics["second_try_fix_rate"] = fixed
+            episode.metrics["first_edit_noop_rate"] = float(episode.first_kind == "noop")
+            if episode.first_kind == "candidate":
+                episode.metrics["fix_after_wrong_candidate_rate"] = fixed
         return fixed
+
+
+def _kind(record: dict, before: str, after: str) -> str:
+    """What the first applied edit did: "noop" (the file is unchanged: the edit only ran the
+    tests), "candidate" (the constant now holds one of the issue's candidates), else "other"."""
+    if after == before:
+        return "noop"
+    values = parse_module(after) or {}
+    name = record["files"][MODULE].split("=")[0]
+    return "candidate" if str(values.get(name)) in candidates(record) else "other"

@@ -131,6 +131,11 @@ def str_replace(source: str, call: str) -> tuple[str | None, str]:
     return source.replace(old, new), ""
 
 
+def candidates(record: dict) -> list[str]:
+    """The candidate values the record's issue lists."""
+    return record["prompt"].split("fix:")[1].strip().split("|")
+
+
 def observation(output: str) -> str:
     return output + OBS_END
 
@@ -141,7 +146,7 @@ def scripted_episode(record: dict, rng: np.random.Generator) -> list[tuple[str, 
     output, then the end token (submit, written by the caller)."""
     source = record["files"][MODULE]
     name, value = source.split("=")
-    cands = record["prompt"].split("fix:")[1].strip().split("|")
+    cands = candidates(record)
     parts = [(record["prompt"], False)]
     tried = []
     for _ in range(2):

@@ -80,6 +80,20 @@ def test_second_try_reading_the_failure_fixes():
     assert ep.tool_calls == 2 and ep.tool_errors == 0
 
 
+@pytest.mark.parametrize(
+    "first, noop, after_wrong",
+    [("<k=3/k=3>", 1.0, None), ("<k=3/k=5>", 0.0, 1.0), ("<k=3/k=4>", 0.0, None)],
+)
+def test_first_edit_kinds(first, noop, after_wrong):
+    """A no-op first edit only runs the tests; a wrong candidate is a genuine failed attempt."""
+    value = first[-2]
+    ep, obs, reward = _play(_env(), RECORD, [first, f"<k={value}/k=9>", ""])
+    assert obs == [f"assert {value}==9;", "passed;"] and reward == 1.0
+    assert ep.metrics["second_try_fix_rate"] == 1.0
+    assert ep.metrics["first_edit_noop_rate"] == noop
+    assert ep.metrics.get("fix_after_wrong_candidate_rate") == after_wrong
+
+
 def test_no_edit_scores_zero_and_reports_no_second_try():
     ep, obs, reward = _play(_env(), RECORD, [""])
     assert obs == [] and reward == 0.0
