@@ -123,7 +123,7 @@ def get_config():
     # KV and all, across the learner step and go on under the new weights; decoupled PPO
     # corrects for the older policies (needs is_correction tis or mis).
     c.rl.partial_rollouts = False
-    c.rl.extra_groups = 0  # groups in flight beyond B (over-provisioning), at most B
+    c.rl.extra_groups = 4  # groups in flight beyond B (over-provisioning), 1..B
     c.rl.max_staleness = 4  # eta: no token older than this many policy versions is trained
     c.rl.refresh_kv_on_update = False  # re-prefill a carried episode's history under new weights
 

@@ -258,8 +258,9 @@ def main(argv=None) -> int:
     p.add_argument("--num_samples", type=int, default=8, help="G samples per prompt")
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=128, help="exactly this many (no stop)")
-    p.add_argument("--steps_per_call", type=int, default=32,
-                   help="sampler / loop: EngineConfig.steps_per_call")  # fmt: skip
+    p.add_argument("--steps_per_call", type=int, default=None,
+                   help="sampler / loop: EngineConfig.steps_per_call (default 32; 4 with "
+                   "--partial_rollouts)")  # fmt: skip
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--backend", default="auto", help="paged attention backend")
     p.add_argument(
@@ -281,6 +282,8 @@ def main(argv=None) -> int:
     args.tokens = [int(n) for n in args.tokens.split(",") if n]
     args.phases = tuple(x for x in args.phases.split(",") if x)
     args.output = args.output or f"bench_{args.what}.json"
+    if args.steps_per_call is None:
+        args.steps_per_call = 4 if args.partial_rollouts else 32
     if args.what == "memory":
         from launch.bench_memory import bench_memory, table
 

@@ -2,16 +2,18 @@
 --partial_rollouts [--extra_groups N] [--max_staleness ETA]`.
 
 Both loops run in one process on bench-small (`launch.bench_loop.Loop`: 8 prompts x 8 samples,
-each sample its own request with a long-tailed length over 8..512, 16 slots, no stop ids), with
-the same learner step (reference log-probs + one AdamW step on the packed batch of B = 64
+each sample its own request with a long-tailed length over 8..512, 16 slots, no stop ids; decode
+calls of `--steps_per_call` 4 steps, so that a slot whose sequence ended is refilled within a
+few steps: the loop reads call n while call n+1 runs, so such a slot idles for the rest of call n
+and all of n+1), with the same learner step (reference log-probs + one AdamW step on the packed batch of B = 64
 sequences), alternating iteration by iteration:
 
 - `sync`: the rollout decodes all B sequences, then the learner steps (`Engine.generate_all`);
 - `partial`: one `sampling.episodes.EpisodeLoop` on its own engine keeps up to B + extra
   sequences in flight; each rollout decodes until B are complete (`rl.partial.enough`, staleness
   bound eta), trains the B oldest complete (`rl.partial.select`) and carries the rest, parked
-  mid-sequence, into the next iteration. New sequences get fresh long-tailed lengths (one at
-  the budget per draw, like a synchronous batch). Timed in steady state, after the carry-over
+  mid-sequence, into the next iteration. New sequence j gets the synchronous batch's length
+  j mod B, so both loops generate the same lengths. Timed in steady state, after the carry-over
   has filled up (eta + 2 warm-up iterations).
 
 Per loop (medians over --reps): `iteration_seconds`, `rollout_seconds`, `slot_utilization`
@@ -28,8 +30,8 @@ import time
 import jax
 import numpy as np
 
-from launch.bench_learn import skewed_lengths
 from launch.bench_loop import Loop
+from rl.packing import bucket_rows, build_batch
 from rl.partial import enough, select
 from rl.rollout import Group
 from sampling.engine import Engine
@@ -43,12 +45,11 @@ def _trace(engine) -> list[float]:
 class Partial:
     """The partial loop of the benchmark: an EpisodeLoop carried across iterations."""
 
-    def __init__(self, loop: Loop, extra: int, eta: int, low: int, high: int, seed: int):
+    def __init__(self, loop: Loop, extra: int, eta: int):
         e = loop.engine
         self.engine = Engine(e.cfg, e.graphdef, e.ecfg, e.sampling)  # its own slots and pages
         self.state = self.engine.init_state()
         self.loop, self.b, self.extra, self.eta = loop, len(loop.lengths), extra, eta
-        self.low, self.high, self.seed = low, high, seed
         self.done: dict[int, object] = {}  # key -> Completion, complete and not trained
         self.episodes = EpisodeLoop(self.engine, 1, on_finish=self._finish)
         self.next, self.version = 0, 0
@@ -64,12 +65,12 @@ class Partial:
         """One rollout: new sequences in, B trained out, the rest carried."""
         n = self.b + self.extra - self.carried
         if n > 0:
-            lengths = skewed_lengths(n, self.low, self.high, self.seed + 1000 + self.version)
-            prompts = self.loop.prompts
+            prompts, lengths = self.loop.prompts, self.loop.lengths
             keys = list(range(self.next, self.next + n))
             self.next += n
             self.episodes.add([prompts[k % len(prompts)] for k in keys],
-                              [int(x) for x in lengths], request_ids=keys, keys=keys)  # fmt: skip
+                              [int(lengths[k % self.b]) for k in keys], request_ids=keys,
+                              keys=keys)  # fmt: skip
         v = self.version
         until = lambda: enough(self.episodes, len(self.done), self.b, v, self.eta)  # noqa: E731
         self.state = self.episodes.run(self.loop.state.params, self.state, seed=v, version=v,
@@ -82,6 +83,19 @@ class Partial:
             self.episodes.forget(key)
         self.version += 1
         return groups
+
+
+def _warm_learner(loop: Loop, groups) -> None:
+    """Compiles the reference and learner steps for every packed row count (`rl.packing`'s
+    buckets) from half to twice that of `groups`: partial batches vary in length, and a timed
+    iteration must not compile."""
+    batch, layout = build_batch(groups, loop.width, 0, pack=True)
+    batch = batch.replace(advantages=layout.spread(np.zeros(len(layout.row), np.float32)))
+    n = batch.tokens.shape[0]
+    cap = len(loop.lengths)
+    for rows in sorted({bucket_rows(k, 1, cap) for k in range(max(n // 2, 1), 2 * n + 1)}):
+        tiled = jax.tree.map(lambda x, r=rows: np.resize(x, (r, *x.shape[1:])), batch)
+        loop.learn(loop.with_reference(jax.device_put(tiled, loop.sharding)))
 
 
 def _iteration(loop: Loop, engine, rollout) -> dict:
@@ -105,15 +119,14 @@ def bench_partial(args) -> dict:
     loop = Loop(args)
     if not loop.skewed:
         raise SystemExit("--partial_rollouts needs --lengths skewed")
-    quick = args.quick
-    low, high = (2, 16) if quick else (8, 512)
     extra = len(loop.lengths) if args.extra_groups is None else args.extra_groups
-    partial = Partial(loop, extra, args.max_staleness, low, high, args.seed)
+    partial = Partial(loop, extra, args.max_staleness)
 
     def sync():
         return loop.rollout()
 
     _iteration(loop, loop.engine, sync)  # warm-up: compiles everything
+    _warm_learner(loop, loop.rollout())
     for _ in range(args.max_staleness + 2):  # the carry-over fills up
         _iteration(loop, partial.engine, partial.rollout)
     runs = {"sync": [], "partial": []}

@@ -13,6 +13,9 @@ The parts come from `launch/build.py`; config checks from `launch/validate.py`; 
 and summary.json go through `launch/logger.py`. Checkpoints hold the train state, the step and the
 data-iterator state (orbax), so a resumed run is bitwise equal to an uninterrupted one: the
 rollout key of step s is fold_in(seed, s) and needs nothing else.
+With partial rollouts (`rl/partial.py`) episodes in flight are carried from one step to the
+next; a step that saves (a checkpoint step, the last, or the first after SIGTERM) drains them
+first, so no checkpoint holds any.
 `--dry_run` lowers both phases with abstract shapes and prints XLA's memory estimate instead.
 
 Simplification: evaluation runs on every process over the full held-out set (identically).

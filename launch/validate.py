@@ -54,6 +54,10 @@ REPO_ENV_DEFAULTS = {
 }  # fmt: skip
 
 
+PARTIAL_DEFAULTS = {"partial_rollouts": False, "extra_groups": 4, "max_staleness": 4,
+                    "refresh_kv_on_update": False}  # fmt: skip
+
+
 def _need(cond: bool, field: str, value, reason: str) -> None:
     if not cond:
         raise UsageError(f"config.{field}={value!r}: {reason}")
@@ -340,12 +344,17 @@ def check_resumable(old: dict, new: dict) -> None:
     saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
     config.model.attention existed ran dense attention: it resumes with the attention asked for
     (the same function; "auto" may round differently on rows over one block). Likewise one
-    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked."""
+    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked. One
+    saved before the partial-rollout fields existed resumes with them at their defaults
+    (partial rollouts off)."""
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = _without(new, "model", "lora")
     for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):
         if field not in old.get(section, {}):
             new = _without(new, section, field)
+    for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
+        if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
+            new = _without(new, "rl", field)
     for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
         if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
             new = _without(new, "env", field)

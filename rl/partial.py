@@ -98,8 +98,13 @@ class PartialRollouts:
         until = (
             None if drain else (lambda: enough(self.loop, len(self.done), self.b, step, self.eta))
         )
-        state = self.loop.run(params, state, seed, version=step, until=until,
-                              refresh=self.refresh)  # fmt: skip
+        try:
+            state = self.loop.run(params, state, seed, version=step, until=until,
+                                  refresh=self.refresh)  # fmt: skip
+        except BaseException:
+            if self.r.episodes is not None:
+                self.r.episodes.abandon()  # what unscored episodes hold (workspaces)
+            raise
         keys = select(self.loop, self.done, self.b, step, self.eta, drain)
         groups = [self._group(key) for key in keys]
         return state, groups, self._stats(step, groups)
@@ -165,9 +170,9 @@ def check_partial(c) -> list[tuple[str, object, str]]:
     if c.sampling.min_new_tokens:
         bad.append(("sampling.min_new_tokens", c.sampling.min_new_tokens,
                     "must be 0 with partial rollouts (a resumed turn would ban stop ids again)"))  # fmt: skip
-    if not 0 <= c.rl.extra_groups <= c.data.prompts_per_step:
-        bad.append(("rl.extra_groups", c.rl.extra_groups,
-                    f"must be in [0, data.prompts_per_step={c.data.prompts_per_step}]"))  # fmt: skip
+    if not 1 <= c.rl.extra_groups <= c.data.prompts_per_step:
+        bad.append(("rl.extra_groups", c.rl.extra_groups, f"must be in [1, data.prompts_per_step="
+                    f"{c.data.prompts_per_step}] (0 would carry nothing)"))  # fmt: skip
     if c.rl.max_staleness < 1:
         bad.append(("rl.max_staleness", c.rl.max_staleness, "must be >= 1"))
     return bad

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from launch.cli import DEFAULT_CONFIG, UsageError, parse_args
+from launch.cli import DEFAULT_CONFIG, UsageError, config_json, parse_args
 from launch.validate import engine_config, learner_config, validate
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
@@ -109,6 +109,34 @@ def test_bad_values_name_the_config_field(override, message):
     with pytest.raises(UsageError) as e:
         validate(config, 1)
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], "config.rl.is_correction='none': partial rollouts train on tokens of older policies"),
+        (["rl.is_correction=tis", "rl.extra_groups=0"], "config.rl.extra_groups=0: must be in [1, data.prompts_per_step=16]"),
+        (["rl.is_correction=mis", "rl.max_staleness=0"], "config.rl.max_staleness=0: must be >= 1"),
+        (["rl.is_correction=tis", "rl.dynamic_sampling=True"], "config.rl.dynamic_sampling=True: not supported"),
+        (["rl.is_correction=tis", "sampling.min_new_tokens=1"], "config.sampling.min_new_tokens=1: must be 0"),
+    ],
+)  # fmt: skip
+def test_partial_rollout_settings_are_checked(overrides, message):
+    args = ["--config.rl.partial_rollouts=True", *(f"--config.{o}" for o in overrides)]
+    with pytest.raises(UsageError) as e:
+        validate(parse_args(args, {})[0], 1)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_run_saved_before_partial_rollouts_resumes():
+    from launch.validate import PARTIAL_DEFAULTS, check_resumable
+
+    new = config_json(parse_args([], {})[0])
+    old = {**new, "rl": {k: v for k, v in new["rl"].items() if k not in PARTIAL_DEFAULTS}}
+    check_resumable(old, new)
+    on = config_json(parse_args(["--config.rl.partial_rollouts=True"], {})[0])
+    with pytest.raises(UsageError, match="rl.partial_rollouts"):
+        check_resumable(old, on)
 
 
 def test_repo_env_fields_are_documented_read_validated_and_resumable():
