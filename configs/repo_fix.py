@@ -22,7 +22,7 @@ eval/fix_after_wrong_candidate_rate (the same, over first edits to a wrong candi
 eval/first_try_fix_rate (no signal: nothing in the prompt tells) and eval/accuracy (held-out greedy
 reward) in metrics.jsonl. Measured on a shared 2-core CPU, seed 0: second-try fix rate 0.285 ->
 0.902, reward 0.485 -> 0.920, 4m14s for the whole run; seed 1: 0.285 -> 0.960, 0.485 -> 0.965,
-5m36s (docs/repo_env.md). The first-try rate falls below chance (0.28 -> 0.18): some learned
+5m34s (docs/repo_env.md). The first-try rate falls below chance (0.28 -> 0.18): some learned
 first edits only probe (a non-candidate value, or a no-op edit that just runs the tests).
 
 Shared with env `repo`: the episode's own copy of the repository, str_replace's semantics and
