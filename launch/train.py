@@ -14,8 +14,8 @@ and summary.json go through `launch/logger.py`. Checkpoints hold the train state
 data-iterator state (orbax), so a resumed run is bitwise equal to an uninterrupted one: the
 rollout key of step s is fold_in(seed, s) and needs nothing else.
 With partial rollouts (`rl/partial.py`) episodes in flight are carried from one step to the
-next; a step that saves (a checkpoint step, the last, or the first after SIGTERM) drains them
-first, so no checkpoint holds any.
+next; a step that saves (a checkpoint step, the last, or one during which SIGTERM came) drains
+them first, so no checkpoint holds any.
 `--dry_run` lowers both phases with abstract shapes and prints XLA's memory estimate instead.
 
 Simplification: evaluation runs on every process over the full held-out set (identically).
@@ -107,11 +107,10 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         t0 = time.perf_counter()
         last = step + 1 == config.num_steps
         saving = last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-        # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py).
-        drain = bool(saving) or preemption.requested()
-        rollout = rollouts(
-            step, state.params, data, drain
-        )  # the sampler reads the learner's arrays
+        # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py), and
+        # so does one during which a stop is requested.
+        drain = lambda saving=bool(saving): saving or preemption.requested()  # noqa: E731
+        rollout = rollouts(step, state.params, data, drain)  # on the learner's own arrays
         t1 = time.perf_counter()
         state, history = learner.learn(state, run.ref_params, rollout.batch)
         t2 = time.perf_counter()
@@ -136,6 +135,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                       f"gradient skipped ({nonfinite} GRPO step(s) in a row)")  # fmt: skip
         if nonfinite >= config.max_nonfinite_steps:
             bar.close()
+            rollouts.close()
             ckpt.close()
             fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
                  f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
@@ -146,7 +146,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
             ev = _evaluate(run, state, eval_records, log, step + 1)
             if main_process:
                 bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
-        # A stop requested while episodes were in flight waits for the next (drained) step.
+        # A stop requested after this step's batch was complete waits for the next (drained) one.
         preempted = not last and preemption.requested() and not rollouts.carried
         if saving or preempted:
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)

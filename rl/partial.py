@@ -16,12 +16,15 @@ always, and weights by pi_old/behaviour through `rl.is_correction` (tis or mis):
 Staleness bound `rl.max_staleness` (eta): a group is carried past step s only if each of its
 tokens would be at most eta versions old in step s+1's batch; otherwise the rollout waits for it
 (nothing is dropped, so long episodes are not trained less often than short ones). Complete
-groups past the bound go into the batch even when that makes it larger than B.
+groups past the bound go into the batch first; as rl.extra_groups <= B the batch stays B.
 
-Checkpoints: a step with `drain=True` (a checkpoint step, the last, a requested stop) admits only
-what brings the groups in flight up to B and decodes until all have ended, so a saved state holds
-no episode in flight and a resumed run is bitwise equal to an uninterrupted one. Each step
-admits at most B + extra groups, and a step's request ids are step * (B + extra) + j.
+Checkpoints: a step with `drain=True` (a checkpoint step, the last) admits only what brings the
+groups in flight up to B and decodes until all have ended, so a saved state holds no episode in
+flight and a resumed run is bitwise equal to an uninterrupted one. A stop requested during a
+step (SIGTERM) turns it into a draining one when its B groups are complete: it trains every
+group in flight (up to B + extra) and saves. Each step admits at most B + extra groups, and a
+step's request ids are step * (B + extra) + j. A version is a GRPO step (the parameters the
+sampler saw), whatever the number of optimizer steps in it.
 
 Multi-turn episodes whose tool latency decides which groups end first make the step a group
 trains in depend on that latency (within the bound); single-turn rollouts are deterministic.
@@ -53,6 +56,7 @@ class PartialRollouts:
         self.done: dict[int, tuple] = {}  # key -> (completions, score future), complete
         self.next_key = 0
         self.generated: list[int] = []  # lengths of the episodes that ended in this step
+        self.waits = 0  # decode calls of this step spent waiting for a group at the bound
 
     def _on_finish(self, key, k, completion) -> None:
         self.generated.append(completion.length)
@@ -77,11 +81,23 @@ class PartialRollouts:
         """Groups not trained yet (in flight or complete): none after a drained step."""
         return len(self.groups)
 
-    def sample(self, step: int, params, state, data, drain: bool):
-        """(state, the step's groups, stats): B groups (all, when draining)."""
+    def sample(self, step: int, params, state, data, drain):
+        """(state, the step's groups, stats): B groups, or every group in flight when draining.
+        `drain`: a bool, or a callable asked (once B groups are complete) whether to drain after
+        all, e.g. a stop requested while the rollout runs."""
         c = self.r.config
-        n_new = (self.b if drain else self.b + self.extra) - self.carried
-        records = data.take(max(n_new, 0)) if n_new > 0 else []
+        asked = drain if callable(drain) else (lambda: drain)
+        draining = [bool(asked())]  # latched: once draining, the step drains
+
+        def until():
+            if not enough(self.loop, len(self.done), self.b, step, self.eta):
+                self.waits += len(self.done) >= self.b  # B complete, a group at the bound
+                return False
+            draining[0] = draining[0] or bool(asked())
+            return not draining[0]
+
+        n_new = (self.b if draining[0] else self.b + self.extra) - self.carried
+        records = data.take(n_new) if n_new > 0 else []
         if records:
             prompts = self.r.prompts_of(records)
             keys = list(range(self.next_key, self.next_key + len(records)))
@@ -94,19 +110,16 @@ class PartialRollouts:
             self.loop.add(prompts, request_ids=range(base, base + len(records)), keys=keys)
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         seed = int(jax.random.randint(jax.random.fold_in(root, 0), (), 0, 2**31 - 1))
-        self.generated = []
-        until = (
-            None if drain else (lambda: enough(self.loop, len(self.done), self.b, step, self.eta))
-        )
+        self.generated, self.waits = [], 0
         try:
-            state = self.loop.run(params, state, seed, version=step, until=until,
-                                  refresh=self.refresh)  # fmt: skip
+            state = self.loop.run(params, state, seed, version=step,
+                                  until=None if draining[0] else until, refresh=self.refresh)  # fmt: skip
+            keys = select(self.loop, self.done, self.b, step, self.eta, draining[0])
+            groups = [self._group(key) for key in keys]
         except BaseException:
             if self.r.episodes is not None:
                 self.r.episodes.abandon()  # what unscored episodes hold (workspaces)
             raise
-        keys = select(self.loop, self.done, self.b, step, self.eta, drain)
-        groups = [self._group(key) for key in keys]
         return state, groups, self._stats(step, groups)
 
     def _group(self, key: int):
@@ -136,6 +149,8 @@ class PartialRollouts:
             "rollout/staleness_max": float(ages.max()) if ages.size else 0.0,
             "rollout/offpolicy_token_frac": float((ages > 0).mean()) if ages.size else 0.0,
             "rollout/generated_length_mean": float(np.mean(self.generated or [0])),
+            # decode calls the rollout went on only for a group at the staleness bound
+            "rollout/staleness_waits": float(self.waits),
         }
 
 

@@ -160,9 +160,10 @@ class Rollouts:
         stats["reprefill_tokens"] = reprefill_tokens(groups) if self.episodes else 0
         return groups, stats
 
-    def __call__(self, step: int, params, data, drain: bool = False) -> Rollout:
-        """Step `step`'s Rollout. With partial rollouts `drain` ends the step with no episode
-        in flight (a checkpoint step); otherwise it is ignored (nothing is ever carried)."""
+    def __call__(self, step: int, params, data, drain=False) -> Rollout:
+        """Step `step`'s Rollout. With partial rollouts `drain` (a bool, or a callable asked when
+        the batch is complete) ends the step with no episode in flight (a checkpoint step, a
+        requested stop); otherwise it is ignored (nothing is ever carried)."""
         c = self.config
         slot_steps = list(self.engine.slot_steps)
         if self.partial is not None:

@@ -199,6 +199,11 @@ class EpisodeLoop:
         if not engine._len:  # no busy slot: the block size can change
             engine.group = g if g > 1 and e.num_slots % g == 0 else 1
         self.version = version
+        if self.ready:  # carried from an earlier run: the oldest request first
+            order = {key: n for n, key in enumerate(self.admitted)}  # admission order
+            self.ready = collections.deque(
+                sorted(self.ready, key=lambda x: (order.get(x[0].i, -1), x[0].k))
+            )
         root = jax.random.key(seed)
         params = engine.decode_params(params)  # a decode copy, if the config asks for one
         inflight = None  # (ticket, owner at dispatch) of the decode call not read yet

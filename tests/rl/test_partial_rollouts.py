@@ -1,6 +1,8 @@
-"""Partial rollouts (rl.partial) on the 8-device mesh: episodes carried across learner steps are
-trained on exactly the ids and log-probs the sampler gave at each policy version, their
-observations in place, and no trained token is older than the staleness bound."""
+"""Partial rollouts (rl.partial) on the 8-device mesh: episodes carried across learner steps (some
+in the middle of a turn) are trained on exactly the ids and log-probs the sampler gave at each
+policy version, their observations in place, and no trained token is older than the staleness
+bound (`enough` and `select`, which make the rollout wait for a group at the bound, are also
+checked on hand-made states)."""
 
 import jax
 import numpy as np
@@ -10,32 +12,47 @@ from launch.build import build
 from launch.cli import parse_args
 from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
+from rl.partial import enough, select
 
-B, G, ETA = 4, 4, 2
+B, G, ETA, STEPS = 2, 4, 1, 5
 ARGS = [
     "--config.mesh.data=8", f"--config.data.prompts_per_step={B}",
     f"--config.rl.num_generations={G}", "--config.rl.partial_rollouts=True",
     f"--config.rl.extra_groups={B}", f"--config.rl.max_staleness={ETA}",
     "--config.rl.is_correction=tis", "--config.sampling.num_slots=8",
     "--config.sampling.steps_per_call=1", "--config.env.name=test_partial",
-    "--config.env.max_turns=3", "--config.env.max_turn_tokens=4",
-    "--config.sampling.max_new_tokens=24", "--config.sampling.temperature=1.5",
+    "--config.env.max_turns=3", "--config.env.max_turn_tokens=6",
+    "--config.sampling.max_new_tokens=48", "--config.sampling.temperature=1.5",
     "--config.optim.learning_rate=1e-2", "--config.optim.warmup_steps=0",
 ]  # fmt: skip
 
 
 @register_env("test_partial")
 class Varied(Environment):
-    """Observations of 1-5 ids that depend on the turn (episodes end at different times); the
-    reward is the number of model tokens, so groups are not all equal."""
+    """A third of the records get 3 turns, with observations of 4-8 ids that depend on the turn,
+    the others one turn: long groups among short ones, which span learner steps and reach the
+    staleness bound. The reward is the number of model tokens, so groups are not all equal."""
 
     def step(self, episode: Episode, turn):
-        if episode.num_turns >= 3:
-            return None
-        return [10 + (sum(turn.ids) + i) % 7 for i in range(1 + sum(turn.ids) % 5)]
+        turns = 3 if sum(map(ord, episode.record["prompt"])) % 3 == 0 else 1
+        return None if episode.num_turns >= turns else _observation(turn.ids)
 
     def reward(self, episode):
         return float(sum(len(t.ids) for t in episode.turns))
+
+
+def _observation(ids):
+    return [10 + (sum(ids) + i) % 7 for i in range(4 + sum(ids) % 5)]
+
+
+def _runs(flags):
+    """[(flag, start, end)] of the maximal runs of equal values in a bool list."""
+    out, start = [], 0
+    for t in range(1, len(flags) + 1):
+        if t == len(flags) or flags[t] != flags[start]:
+            out.append((flags[start], start, t))
+            start = t
+    return out
 
 
 def _spy(engine, version):
@@ -56,7 +73,9 @@ def _spy(engine, version):
     return stints
 
 
-@pytest.mark.parametrize("refresh", [False, True], ids=["keep_kv", "refresh_kv"])
+@pytest.mark.parametrize(
+    "refresh", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["keep_kv", "refresh_kv"]
+)
 def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     config = parse_args([*ARGS, f"--config.rl.refresh_kv_on_update={refresh}"], {})[0]
     run = build(config)
@@ -64,10 +83,10 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     rollouts = run.rollouts()
     version = [0]
     stints = _spy(run.engines["rollout"], version)
-    state, carried, mixed = run.state, [], 0
-    for step in range(3):
+    state, carried, midturn, at_bound, waits = run.state, [], 0, 0, 0.0
+    for step in range(STEPS):
         version[0] = step
-        rollout = rollouts(step, state.params, data, drain=step == 2)
+        rollout = rollouts(step, state.params, data, drain=step == STEPS - 1)
         carried.append(rollouts.carried)
         b, layout = jax.device_get(rollout.batch), rollout.layout
         drawn = {}  # (request, sample) -> [(version, ids, logprobs)] in the order drawn
@@ -85,8 +104,15 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
                          and sum((s[2] for s in v), []) == lps]  # fmt: skip
                 assert match, "a trained episode's ids and log-probs were not drawn as such"
                 assert versions == sum(([v] * len(s) for v, s, _ in match[0]), [])
-                mixed += len(set(versions)) > 1
                 assert min(versions) >= step - ETA, (step, versions)  # the staleness bound
+                at_bound += min(versions) == step - ETA
+                # Each observation is the environment's answer to the turn before it.
+                runs = _runs(list(~model))
+                for (_, a, z), (is_obs, o, e) in zip(runs, runs[1:]):
+                    if is_obs:
+                        assert c.tokens[o:e] == _observation(c.tokens[a:z])
+                for _, a, z in (r for r in runs if not r[0]):  # a turn drawn by two versions
+                    midturn += len(set(c.versions[a:z])) > 1
                 # The learner row: prompt + ids and observations, behaviour log-probs bitwise.
                 n, p, row, col = c.length, len(grp.prompt), layout.row[i], layout.start[i]
                 np.testing.assert_array_equal(b.tokens[row, col : col + p + n],
@@ -96,6 +122,7 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
                 np.testing.assert_array_equal(b.loss_mask[row, col + p - 1 : col + p + n - 1],
                                               np.float32(model))  # fmt: skip
                 i += 1
+        waits += rollout.stats["rollout/staleness_waits"]
         assert len(rollout.groups) >= B
         stats = rollout.stats
         assert stats["rollout/staleness_max"] <= ETA
@@ -103,5 +130,29 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
         state, _ = run.learner.learn(state, run.ref_params, rollout.batch)  # a new version
         jax.block_until_ready(state.params)
     rollouts.close()
-    assert carried[0] > 0 and carried[1] > 0 and carried[2] == 0  # the last step drained
-    assert mixed > 0, "no trained episode was carried across a learner step"
+    assert all(carried[:-1]) and carried[-1] == 0  # the last step drained
+    assert midturn > 0, "no trained turn was carried across a learner step"
+    assert at_bound > 0  # tokens exactly eta versions old were trained, none older
+    assert waits >= 0  # (the rollout waiting at the bound: test_enough_waits_... below)
+
+
+class _Loop:
+    """What `enough` and `select` read of an EpisodeLoop: admission versions, keys in flight."""
+
+    def __init__(self, admitted, in_flight):
+        self.admitted, self._in_flight = admitted, set(in_flight)
+
+    def in_flight(self):
+        return self._in_flight
+
+
+def test_enough_waits_for_a_group_at_the_bound_and_select_trains_the_oldest():
+    loop = _Loop({0: 1, 1: 3, 2: 3, 3: 4, 4: 4}, in_flight=[0, 3])
+    done = {1: None, 2: None, 4: None}
+    assert not enough(loop, len(done), 4, step=4, eta=4)  # 3 complete < B = 4
+    assert enough(loop, len(done), 3, step=4, eta=4)  # group 0: 5 - 1 = 4 versions at step 5
+    assert not enough(loop, len(done), 3, step=5, eta=4)  # ... 5 at step 6: wait for it
+    assert select(loop, done, 2, step=4, eta=4, drain=False) == [1, 2]  # the oldest
+    assert select(loop, done, 2, step=4, eta=1, drain=False) == [1, 2]  # both past the bound
+    assert select(loop, done, 1, step=6, eta=3, drain=False) == [1, 2]  # forced: both at 6+1-3
+    assert select(loop, done, 1, step=4, eta=4, drain=True) == [1, 2, 4]  # draining: every one
