@@ -64,15 +64,9 @@ class PartialRollouts:
         if any(c is None for c in results):
             return
         record, prompt = self.groups[key]
-        sampler, c = self.r.episodes, self.r.config
+        sampler = self.r.episodes
         if sampler is None:
-            from rl.rollout import score_group
-
-            fut = self.r.pool.submit(
-                score_group, record, prompt, results, self.r.tokenizer, c.rl,
-                c.sampling.max_new_tokens, c.data.train.prompt_field,
-            )  # fmt: skip
-            self.done[key] = (results, fut)
+            self.done[key] = (results, self.r.score(record, prompt, results))
         else:
             self.done[key] = (results, sampler.score(key))
 
@@ -123,16 +117,13 @@ class PartialRollouts:
         return state, groups, self._stats(step, groups)
 
     def _group(self, key: int):
-        from rl.rollout import episode_group
-
         completions, scored = self.done.pop(key)
         record, prompt = self.groups.pop(key)
         self.loop.forget(key)
         if self.r.episodes is None:
             return scored.result()
         episodes, rewards = scored
-        return episode_group(record, prompt, episodes, completions, rewards.result(),
-                             self.r.tokenizer)  # fmt: skip
+        return self.r.episode_group(record, prompt, episodes, completions, rewards.result())
 
     def _stats(self, step: int, groups) -> dict[str, float]:
         ages, generated = [], [c for grp in groups for c in grp.completions]

@@ -148,6 +148,17 @@ class Rollouts:
         return env_prompts(self.episodes.env, records, c.sampling.max_prompt_len,
                            c.data.train.prompt_field)  # fmt: skip
 
+    def score(self, record, prompt, completions):
+        """Future of a single-turn group's `Group`, scored on the reward worker."""
+        c = self.config
+        return self.pool.submit(
+            score_group, record, prompt, completions, self.tokenizer, c.rl,
+            c.sampling.max_new_tokens, c.data.train.prompt_field,
+        )  # fmt: skip
+
+    def episode_group(self, record, prompt, episodes, completions, rewards) -> Group:
+        return episode_group(record, prompt, episodes, completions, rewards, self.tokenizer)
+
     def _sample_partial(self, step, params, data, drain):
         prefill_before = self.engine.prefill_tokens
         state = self.engine.init_state() if self.decode_state is None else self.decode_state
@@ -259,10 +270,7 @@ class Rollouts:
             done[i][k] = completion
             left[i] -= 1
             if not left[i]:
-                futures[i] = self.pool.submit(
-                    score_group, records[i], prompts[i], done[i], self.tokenizer, c.rl,
-                    c.sampling.max_new_tokens, c.data.train.prompt_field,
-                )  # fmt: skip
+                futures[i] = self.score(records[i], prompts[i], done[i])
 
         state = self.engine.init_state() if self.decode_state is None else self.decode_state
         self.decode_state = None  # donated below; kept again only once the call has returned
