@@ -15,7 +15,13 @@ split into rollout, reference log-probs and learning, for each workload and layo
     python -m launch.bench_plots --only_memory --memory_dense bench_memory_dense.json --memory bench_memory.json
 
 it writes memory_tokens.png (per-device temporaries of the learner step and the prefill
-against the row length, dense against blockwise; log-log).
+against the row length, dense against blockwise; log-log). With
+
+    python -m launch.bench loop --lengths skewed --partial_rollouts --reps 7 --output bench_partial.json
+    python -m launch.bench_plots --only_partial --partial bench_partial.json
+
+it writes partial_utilization.png (each decode call's slot utilization over one rollout,
+synchronous against partial rollouts).
 """
 
 from __future__ import annotations
@@ -149,13 +155,15 @@ def main(argv=None) -> int:
     p.add_argument("--memory_dense", default=None, help="bench memory JSON, --attention dense")
     p.add_argument("--memory", default=None, help="bench memory JSON, --attention blockwise")
     p.add_argument("--only_memory", action="store_true", help="draw memory_tokens.png alone")
-    p.add_argument("--partial", default=None, help="bench loop --partial_rollouts JSON: draw "
-                   "partial_utilization.png alone")  # fmt: skip
+    p.add_argument("--partial", default=None,
+                   help="bench loop --partial_rollouts JSON: draw partial_utilization.png")  # fmt: skip
+    p.add_argument("--only_partial", action="store_true",
+                   help="draw partial_utilization.png alone")  # fmt: skip
     a = p.parse_args(argv)
     paths = []
     if a.partial:
         paths.append(plot_partial(_load(a.partial), a.out))
-    elif not a.only_memory:
+    if not (a.only_memory or a.only_partial):
         paths += plot(*(_load(f) for f in (a.sampler, a.learn, a.loop, a.loop_skewed)), a.out)
     if a.memory_dense and a.memory:
         paths.append(plot_memory(_load(a.memory_dense), _load(a.memory), a.out))

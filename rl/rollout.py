@@ -159,8 +159,13 @@ class Rollouts:
     def episode_group(self, record, prompt, episodes, completions, rewards) -> Group:
         return episode_group(record, prompt, episodes, completions, rewards, self.tokenizer)
 
+    def _utilization(self, before) -> float:
+        """Tokens decoded over slot-steps of the decode calls since `before` (engine.slot_steps)."""
+        active, total = (a - b for a, b in zip(self.engine.slot_steps, before))
+        return active / max(total, 1)
+
     def _sample_partial(self, step, params, data, drain):
-        prefill_before = self.engine.prefill_tokens
+        prefill_before, slot_steps = self.engine.prefill_tokens, list(self.engine.slot_steps)
         state = self.engine.init_state() if self.decode_state is None else self.decode_state
         self.decode_state = None  # donated below; kept again only once the call has returned
         state, groups, stats = self.partial.sample(step, params, state, data, drain)
@@ -169,6 +174,7 @@ class Rollouts:
             self.decode_state = state  # episodes in flight keep their pages across the step
         stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
         stats["reprefill_tokens"] = reprefill_tokens(groups) if self.episodes else 0
+        stats["rollout/slot_utilization"] = self._utilization(slot_steps)
         return groups, stats
 
     def __call__(self, step: int, params, data, drain=False) -> Rollout:
@@ -176,13 +182,10 @@ class Rollouts:
         the batch is complete) ends the step with no episode in flight (a checkpoint step, a
         requested stop); otherwise it is ignored (nothing is ever carried)."""
         c = self.config
-        slot_steps = list(self.engine.slot_steps)
         if self.partial is not None:
             groups, stats = self._sample_partial(step, params, data, drain)
         else:
             groups, stats = self._sample(step, params, data)
-        active, total = (a - b for a, b in zip(self.engine.slot_steps, slot_steps))
-        stats["rollout/slot_utilization"] = active / max(total, 1)
         s = c.sampling
         batch, layout = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
                                     s.min_new_tokens, c.rl.pack, self.row_multiple,
@@ -239,6 +242,7 @@ class Rollouts:
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         rounds = []
         prefill_before, self.reprefill = self.engine.prefill_tokens, 0
+        slot_steps = list(self.engine.slot_steps)
 
         def sample_round(n):
             records = data.take(n)  # a rl.data.PromptStream: leftovers carry to the next draw
@@ -256,6 +260,7 @@ class Rollouts:
             groups, _, stats = fill_groups(sample_round, b, g, max_tries)
         stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
         stats["reprefill_tokens"] = self.reprefill
+        stats["rollout/slot_utilization"] = self._utilization(slot_steps)
         return groups, stats
 
     def sample_groups(self, params, records, prompts, seed, request_ids) -> list[Group]:

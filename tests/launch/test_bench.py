@@ -84,9 +84,11 @@ def test_plots(results, tmp_path):
     pytest.importorskip("matplotlib")
     from launch.bench_plots import main as plots
 
-    files = [f"--{name}={results[name][0]}" for name in results]
+    files = [f"--{name}={results[name][0]}" for name in results if name != "loop_partial"]
+    files.append(f"--partial={results['loop_partial'][0]}")
     assert plots([*files, f"--out={tmp_path}"]) == 0
-    for name in ("sampler_batch.png", "learner_packing.png", "iteration_split.png"):
+    for name in ("sampler_batch.png", "learner_packing.png", "iteration_split.png",
+                 "partial_utilization.png"):  # fmt: skip
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name
 
 

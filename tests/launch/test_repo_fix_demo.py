@@ -16,8 +16,9 @@ def test_repo_fix_config_trains_a_step(tmp_path):
     workdir = tmp_path / "run"
     args = [
         f"--config={ROOT}/configs/repo_fix.py", "--config.mesh.data=8", "--config.num_steps=1",
-        "--config.data.prompts_per_step=4", "--config.sampling.num_slots=32",
-        "--config.data.eval.num=16", f"--workdir={workdir}",
+        "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+        "--config.sampling.num_slots=8", "--config.sampling.num_pages=80",
+        "--config.data.eval.num=8", f"--workdir={workdir}",
     ]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
