@@ -120,9 +120,7 @@ class Engine(Turns):
         self.allocator = PageAllocator(ecfg.num_pages)
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
         self.prefill_tokens = 0  # tokens computed by prefill (prompts, resumed turns), ever
-        # Decode calls' [tokens decoded, slot-steps run] (slots x steps of each call), ever:
-        # their ratio is the slot utilization (`sampling.episodes`).
-        self.slot_steps = [0, 0]
+        self.slot_steps = [0, 0]  # decode calls' [tokens, slots x steps], ever: utilization
         self.slot_trace: list | None = None  # a list: each call's (tokens, slot-steps) appended
         self._reset_host()
 
