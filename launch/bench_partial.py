@@ -21,6 +21,12 @@ Per loop: medians over --reps of `iteration_seconds`, `rollout_seconds` and `slo
 completion tokens of the learner batches over the seconds of all timed iterations; and
 `utilization_trace`, each decode call's utilization over the last timed rollout
 (docs/performance.md's figure).
+
+Ceilings, from the same run: if a slot-step cost the same in both loops, the rollout speedup would
+be `slot_step_speedup` (partial utilization / synchronous; 1 / synchronous at full utilization),
+and partial rollouts leave the learner's seconds as they are, so learned tokens/s can gain at most
+`learned_tokens_ceiling` = (learner + sync rollout) / (learner + sync rollout x sync utilization):
+the gain of a partial loop at utilization 1 with the synchronous loop's cost per slot-step.
 """
 
 from __future__ import annotations
@@ -150,6 +156,14 @@ def bench_partial(args) -> dict:
     r["learned_tokens_speedup"] = (
         r["partial"]["learned_tokens_per_s"] / r["sync"]["learned_tokens_per_s"]
     )
+    sync = r["sync"]
+    learner = statistics.median(
+        it["iteration_seconds"] - it["rollout_seconds"] for it in runs["sync"]
+    )
+    r["slot_step_speedup"] = r["partial"]["slot_utilization"] / sync["slot_utilization"]
+    r["learned_tokens_ceiling"] = (learner + sync["rollout_seconds"]) / (
+        learner + sync["rollout_seconds"] * sync["slot_utilization"]
+    )
     return r
 
 
@@ -159,5 +173,9 @@ def table(r: dict) -> str:
         rows.append((k.replace("_", " "), *(f"{r[m][k]:.3f}" for m in ("sync", "partial"))))
     rows.append(("rollout speedup", "", f"{r['rollout_speedup']:.2f}x"))
     rows.append(("learned tokens/s speedup", "", f"{r['learned_tokens_speedup']:.2f}x"))
+    rows.append(("rollout speedup at equal slot-step cost", "", f"{r['slot_step_speedup']:.2f}x"))
+    rows.append(
+        ("learned tokens/s ceiling (utilization 1)", "", f"{r['learned_tokens_ceiling']:.2f}x")
+    )
     w = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in rows)

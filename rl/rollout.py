@@ -160,7 +160,8 @@ class Rollouts:
         return episode_group(record, prompt, episodes, completions, rewards, self.tokenizer)
 
     def _utilization(self, before) -> float:
-        """Tokens decoded over slot-steps of the decode calls since `before` (engine.slot_steps)."""
+        """Tokens decoded over slot-steps of the decode calls since `before` (engine.slot_steps);
+        0 without a decode call (partial rollouts: B groups completed in earlier steps)."""
         active, total = (a - b for a, b in zip(self.engine.slot_steps, before))
         return active / max(total, 1)
 

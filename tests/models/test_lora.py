@@ -17,6 +17,9 @@ from models.sharding import base_graphdef, flatten, make_mesh
 from tests.conftest import FIXTURES
 from tests.models.test_hf import NAMES, _hf_logits, _our_logits, _reference
 
+# qwen2 in the fast tier, the other families in the full suite.
+FAMILIES = [pytest.param(n, marks=() if n == "qwen2" else pytest.mark.slow) for n in NAMES]
+
 LORA = dict(lora_rank=4, lora_alpha=8.0)
 
 
@@ -41,7 +44,7 @@ def _lora_model(name, mesh, targets=lora.TARGETS):
     return cfg, graphdef, _randomised(params), ids
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_adapted_forward_is_the_folded_weights_and_adapters_off_is_the_base(name, mesh):
     ref = _reference(name)
     valid = ref["attention_mask"].astype(bool)
@@ -74,7 +77,7 @@ def test_fresh_adapters_change_nothing_and_are_sharded(mesh):
     assert a.sharding.spec[0] == "fsdp"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_merged_export_loads_in_transformers(name, mesh, tmp_path):
     pytest.importorskip("transformers")
     ref = _reference(name)
@@ -85,7 +88,7 @@ def test_merged_export_loads_in_transformers(name, mesh, tmp_path):
     assert np.abs(ours[valid] - _hf_logits(str(tmp_path), ref)[valid]).max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
+@pytest.mark.parametrize("name", ["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_adapter_export_loads_through_peft(name, mesh, tmp_path):
     pytest.importorskip("peft")
     import torch

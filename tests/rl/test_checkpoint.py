@@ -95,7 +95,14 @@ CORRUPTIONS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", CORRUPTIONS)
+# Three of the corruptions that cost a full restore attempt (~3.5 s each) run in the full suite only.
+SLOW_CORRUPTIONS = ("deleted array file", "garbled b-tree", "deleted meta")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow if n in SLOW_CORRUPTIONS else ()) for n in CORRUPTIONS],
+)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(name, saved, mesh, tmp_path):
     damage, reason = CORRUPTIONS[name]
     workdir = _copy(saved, tmp_path)

@@ -70,7 +70,11 @@ def _setup(model, mesh, batch):
     return graphdef, shardings, params, batch
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+# token_mean (one token count over all micro-batches) in the fast tier, the rest in the full suite.
+@pytest.mark.parametrize(
+    "aggregation",
+    [pytest.param(a, marks=() if a == "token_mean" else pytest.mark.slow) for a in AGGREGATIONS],
+)
 def test_accumulation_and_data_parallel_are_exact(model, aggregation):
     loss = LossConfig(aggregation=aggregation, max_new_tokens=17, is_correction="tis")
     batch = _batch()

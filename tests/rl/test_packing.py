@@ -65,7 +65,12 @@ LOSSES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("loss", LOSSES, ids=lambda d: d["aggregation"])
+# The most per-sequence of them (GSPO, sequence-level MIS) in the fast tier, the rest in the full suite.
+@pytest.mark.parametrize(
+    "loss",
+    [pytest.param(d, id=d["aggregation"], marks=() if d is LOSSES[1] else pytest.mark.slow)
+     for d in LOSSES],
+)  # fmt: skip
 def test_packed_and_padded_give_the_same_gradient(setup, loss):
     graphdef, shardings, params, (padded, packed) = setup
     cfg = LearnerConfig(micro_batches=2, loss=LossConfig(kl_coef=0.04, max_new_tokens=300, **loss))

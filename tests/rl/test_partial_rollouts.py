@@ -1,8 +1,8 @@
 """Partial rollouts (rl.partial) on the 8-device mesh: episodes carried across learner steps (some
 in the middle of a turn) are trained on exactly the ids and log-probs the sampler gave at each
-policy version, their observations in place, and no trained token is older than the staleness
-bound (`enough` and `select`, which make the rollout wait for a group at the bound, are also
-checked on hand-made states)."""
+policy version, their observations in place, no trained token is older than the staleness
+bound, and rollouts do wait for a group at the bound (`enough` and `select` are also checked on
+hand-made states)."""
 
 import jax
 import numpy as np
@@ -21,7 +21,7 @@ ARGS = [
     f"--config.rl.extra_groups={B}", f"--config.rl.max_staleness={ETA}",
     "--config.rl.is_correction=tis", "--config.sampling.num_slots=8",
     "--config.sampling.steps_per_call=1", "--config.env.name=test_partial",
-    "--config.env.max_turns=3", "--config.env.max_turn_tokens=6",
+    "--config.env.max_turns=5", "--config.env.max_turn_tokens=6",
     "--config.sampling.max_new_tokens=48", "--config.sampling.temperature=1.5",
     "--config.optim.learning_rate=1e-2", "--config.optim.warmup_steps=0",
 ]  # fmt: skip
@@ -29,12 +29,12 @@ ARGS = [
 
 @register_env("test_partial")
 class Varied(Environment):
-    """A third of the records get 3 turns, with observations of 4-8 ids that depend on the turn,
-    the others one turn: long groups among short ones, which span learner steps and reach the
-    staleness bound. The reward is the number of model tokens, so groups are not all equal."""
+    """A third of the records get 5 turns (or what the 48-token budget holds), with observations
+    of 4-8 ids that depend on the turn, the others one turn: long groups among short ones, which
+    span learner steps, reach the staleness bound and make rollouts wait for them. The reward is the number of model tokens, so groups are not all equal."""
 
     def step(self, episode: Episode, turn):
-        turns = 3 if sum(map(ord, episode.record["prompt"])) % 3 == 0 else 1
+        turns = 5 if sum(map(ord, episode.record["prompt"])) % 3 == 0 else 1
         return None if episode.num_turns >= turns else _observation(turn.ids)
 
     def reward(self, episode):
@@ -125,14 +125,14 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
         assert len(rollout.groups) >= B
         stats = rollout.stats
         assert stats["rollout/staleness_max"] <= ETA
-        assert 0 < stats["rollout/slot_utilization"] <= 1
+        assert 0 <= stats["rollout/slot_utilization"] <= 1  # 0: B groups were complete already
         state, _ = run.learner.learn(state, run.ref_params, rollout.batch)  # a new version
         jax.block_until_ready(state.params)
     rollouts.close()
     assert all(carried[:-1]) and carried[-1] == 0  # the last step drained
     assert midturn > 0, "no trained turn was carried across a learner step"
     assert at_bound > 0  # tokens exactly eta versions old were trained, none older
-    assert waits >= 0  # (the rollout waiting at the bound: test_enough_waits_... below)
+    assert waits > 0, "no rollout had to wait for a group at the staleness bound"
 
 
 class _Loop:

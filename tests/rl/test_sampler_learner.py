@@ -62,10 +62,12 @@ def _copy(params):
 
 @pytest.mark.parametrize(
     "temperature, top_p, vocab, n_prompts, g",
-    [(0.6, 0.8, 64, 2, 4), (1.0, 0.95, 64, 4, 2), (1.3, 0.8, 64, 2, 4),
-     # the vocabulary of 211 (not a multiple of any block) in the full suite only
+    [(0.6, 0.8, 64, 2, 4),
+     # the other temperatures, and the vocabulary of 211 (not a multiple of any block), in the
+     # full suite only
      *(pytest.param(*p, marks=pytest.mark.slow) for p in
-       [(0.6, 0.95, 211, 3, 4), (1.0, 0.8, 211, 1, 8), (1.3, 0.95, 211, 3, 2)])],
+       [(1.0, 0.95, 64, 4, 2), (1.3, 0.8, 64, 2, 4),
+        (0.6, 0.95, 211, 3, 4), (1.0, 0.8, 211, 1, 8), (1.3, 0.95, 211, 3, 2)])],
 )  # fmt: skip
 def test_top_p_learner_equals_sampler_and_steps_stay_finite(
     models, temperature, top_p, vocab, n_prompts, g
@@ -134,6 +136,7 @@ def test_reference_and_kl_use_the_full_softmax_and_stay_finite(models):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow  # a finiteness check over several updates; CISPO's numerics: tests/rl/test_losses
 def test_cispo_with_several_updates_per_rollout_stays_finite(models):
     """μ = 4 large CISPO steps with top-k 3: the policy moves, sampled tokens may leave its top-k
     set, and every ratio, weight and parameter must stay finite."""

@@ -67,7 +67,9 @@ def _prefilled_pages(graphdef, params, chunk, mesh=None):
     return [x.pages for x in prefixes], jax.device_get((state.k_pages, state.v_pages))
 
 
-@pytest.mark.parametrize("on_mesh", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize(
+    "on_mesh", [pytest.param(False, marks=pytest.mark.slow), True], ids=["one_device", "mesh"]
+)
 def test_chunked_prefill_writes_the_unchunked_cache(on_mesh, tiny):
     graphdef, params = tiny
     mesh = None
@@ -82,7 +84,7 @@ def test_chunked_prefill_writes_the_unchunked_cache(on_mesh, tiny):
         np.testing.assert_allclose(g[:, used], w[:, used], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_chunked_prefill_then_decoding_equals_unchunked(tiny, temperature):
     graphdef, params = tiny
     out = {}
@@ -124,7 +126,9 @@ def _prefill_temp(length, chunk, resume=False):
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("resume", [False, True], ids=["prompt", "observation"])
+@pytest.mark.parametrize(
+    "resume", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["prompt", "observation"]
+)
 def test_chunked_prefill_memory_is_flat_in_the_prompt_length(resume):
     """XLA's memory analysis: unchunked, the temporaries of a 2048-token prefill hold [T,T] or
     [T,S] f32 scores (4 heads x 2048^2 x 4 B = 64 MiB); in chunks of 128 they are about those

@@ -24,7 +24,9 @@ def _run(engine, params):
     return [c.tokens for r in results for c in r], [c.logprobs for r in results for c in r]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+@pytest.mark.parametrize(
+    "temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0], ids=["greedy", "t1"]
+)
 def test_decode_copy_gives_the_same_bits(temperature):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     graphdef, params = init_params(BF16, mesh, seed=5)

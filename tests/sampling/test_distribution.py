@@ -72,9 +72,9 @@ def _logits(rng, rows, vocab, top_p):
 
 @pytest.mark.parametrize(
     "vocab, top_p",
-    [(5, 1.0), (5, 0.5), (5, 0.8), (5, 0.95), (50, 1.0), (50, 0.95),
-     # the same checks at vocabulary 50: full suite only (fast tier < 5 min)
-     pytest.param(50, 0.5, marks=pytest.mark.slow), pytest.param(50, 0.8, marks=pytest.mark.slow)],
+    [(5, 1.0), (5, 0.8), (50, 1.0), (50, 0.95),
+     # the other top_p at each vocabulary: full suite only (fast tier < 5 min)
+     *(pytest.param(*p, marks=pytest.mark.slow) for p in [(5, 0.5), (5, 0.95), (50, 0.5), (50, 0.8)])],
 )  # fmt: skip
 def test_matches_numpy_reference(vocab, top_p):
     rng = np.random.default_rng(vocab)
@@ -111,8 +111,17 @@ def test_keep_forces_the_target_into_the_set():
     np.testing.assert_allclose(np.exp(lp[0]), [0.5 / 0.7, 0, 0.2 / 0.7], atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 64), (8, 37, 151), (4, 128)])
-@pytest.mark.parametrize("temperature,top_p", [(0.6, 0.95), (1.0, 0.8), (1.3, 0.8)])
+SETTINGS = [(0.6, 0.95), (1.0, 0.8), (1.3, 0.8)]  # (temperature, top_p)
+
+
+def _grid(shapes):
+    """Every (shape, temperature, top_p); the fast tier runs the diagonal (each shape once, each
+    setting once), the full suite all nine."""
+    return [pytest.param(s, t, p, marks=() if i == j else pytest.mark.slow)
+            for i, s in enumerate(shapes) for j, (t, p) in enumerate(SETTINGS)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,temperature,top_p", _grid([(2, 3, 64), (8, 37, 151), (4, 128)]))
 def test_jit_never_drops_the_whole_set(shape, temperature, top_p):
     """Under jit every row keeps at least its most likely token, whatever fusion XLA picks."""
     x = jax.random.normal(jax.random.key(sum(shape)), shape) * 4
@@ -241,8 +250,7 @@ def test_top_k_without_sort_is_kepts_set():
     assert kept.tolist() == [True, True, True, False, False]
 
 
-@pytest.mark.parametrize("shape", [(8, 151), (4, 128), (32, 1024)])
-@pytest.mark.parametrize("temperature,top_p", [(0.6, 0.95), (1.0, 0.8), (1.3, 0.8)])
+@pytest.mark.parametrize("shape,temperature,top_p", _grid([(8, 151), (4, 128), (32, 1024)]))
 def test_sample_top_p_under_jit_is_finite(shape, temperature, top_p):
     """Under jit (logits from a matmul, as in the model), the token is one log_probs keeps and
     its log-prob is finite: the kept set cannot come out empty."""

@@ -59,10 +59,10 @@ _teacher_forced = jax.jit(
 
 @pytest.mark.parametrize(
     "sampling",
-    [
-        SamplingParams(1.0),
-        SamplingParams(0.7),
-        SamplingParams(0.7, top_k=20),
+    [  # top-p (the most involved) in the fast tier, the rest in the full suite
+        pytest.param(SamplingParams(1.0), marks=pytest.mark.slow),
+        pytest.param(SamplingParams(0.7), marks=pytest.mark.slow),
+        pytest.param(SamplingParams(0.7, top_k=20), marks=pytest.mark.slow),
         SamplingParams(1.0, top_p=0.9),
     ],
     ids=["t1", "t0.7", "t0.7_top20", "t1_top0.9"],

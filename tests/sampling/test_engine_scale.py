@@ -43,7 +43,9 @@ def _shardings_equal(compiled, own):
     )
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+@pytest.mark.parametrize(
+    "temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0], ids=["greedy", "t1"]
+)
 def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     # CFG (tests/conftest.py) shards every parameter dimension and the KV heads on this mesh.
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -136,6 +138,7 @@ def test_skewed_lengths_use_few_pages():
     assert engine.allocator.num_used == 0
 
 
+@pytest.mark.slow  # at scale; test_engine.py's test_continuous_batching_matches_alone is the fast one
 def test_100_requests_in_16_slots_match_solo_runs():
     """Continuous batching with mixed prompt lengths, per-request max_new and stop ids."""
     mesh = make_mesh({}, devices=jax.devices()[:1])

@@ -34,7 +34,7 @@ def _scripted(history):
     return respond
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_multi_turn_equals_reprefill_and_prefills_only_new_tokens(tiny, temperature):
     graphdef, params = tiny
     engine = Engine(CFG, graphdef, MCFG, SamplingParams(temperature))
