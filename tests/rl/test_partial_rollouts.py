@@ -83,9 +83,15 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     version = [0]
     stints = _spy(run.engines["rollout"], version)
     state, carried, midturn, at_bound, waits = run.state, [], 0, 0, 0.0
+    asked = []  # the last step: a stop requested while its rollout runs (launch.train's SIGTERM)
+
+    def stop():
+        asked.append(len(rollouts.partial.done))
+        return len(asked) > 1  # no at the start of the step, yes once its batch is complete
+
     for step in range(STEPS):
         version[0] = step
-        rollout = rollouts(step, state.params, data, drain=step == STEPS - 1)
+        rollout = rollouts(step, state.params, data, drain=stop if step == STEPS - 1 else False)
         carried.append(rollouts.carried)
         b, layout = jax.device_get(rollout.batch), rollout.layout
         drawn = {}  # (request, sample) -> [(version, ids, logprobs)] in the order drawn
@@ -129,7 +135,8 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
         state, _ = run.learner.learn(state, run.ref_params, rollout.batch)  # a new version
         jax.block_until_ready(state.params)
     rollouts.close()
-    assert all(carried[:-1]) and carried[-1] == 0  # the last step drained
+    assert all(carried[:-1]) and carried[-1] == 0  # the last step drained ...
+    assert len(asked) == 2 and asked[1] >= B  # ... asked again once B groups were complete
     assert midturn > 0, "no trained turn was carried across a learner step"
     assert at_bound > 0  # tokens exactly eta versions old were trained, none older
     assert waits > 0, "no rollout had to wait for a group at the staleness bound"
