@@ -1,7 +1,8 @@
 """Semantic validation of a training config, before anything is built or written.
 
 Every check names the config field and the reason in one line (a `UsageError`), so a bad run
-fails in a second instead of after compiling, and never touches an existing workdir.
+fails in a second instead of after compiling, and never touches an existing workdir. Which
+config changes a resumed run may make is `launch/resume_compat.py` (`prepare_workdir` calls it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import ml_collections
 import numpy as np
 
 from launch.cli import UsageError, config_json
+from launch.resume_compat import (  # noqa: F401  (re-exported: tests and callers import them here)
+    PARTIAL_DEFAULTS,
+    REPO_ENV_DEFAULTS,
+    RESUMABLE_CHANGES,
+    changed_fields,
+    check_resumable,
+)
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
 from models.lora import TARGETS as LORA_TARGETS
@@ -32,30 +40,13 @@ from sampling.page_allocator import group_pages
 BUILTIN_SOURCES = ("arithmetic", "repo_fix")
 DTYPES = ("float32", "bfloat16", "float16")
 
-# Fields that cannot change the trajectory of a run: a resumed run may change them.
-RESUMABLE_CHANGES = (
-    "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
-    "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
-)  # fmt: skip
-
-
 # The repo environment's fields (configs/default.py) and the least value each may take; their
-# defaults are the values rl/envs/repo.py used before they were config fields, so a run saved
-# without them resumes when they still hold those values (check_resumable).
+# defaults, launch.resume_compat.REPO_ENV_DEFAULTS, let a run saved without them resume.
 REPO_ENV_MINIMA = {
     "command_timeout_s": 0.1, "max_tool_calls": 1, "workspace_bytes": 1 << 20,
     "test_timeout_s": 1.0, "per_test_timeout_s": 1, "setup_timeout_s": 1.0,
     "sandbox_memory_bytes": 64 << 20, "sandbox_processes": 1,
 }  # fmt: skip
-REPO_ENV_DEFAULTS = {
-    "command_timeout_s": 30.0, "max_tool_calls": 40, "workspace_bytes": 256 << 20,
-    "test_timeout_s": 300.0, "per_test_timeout_s": 30, "setup_timeout_s": 300.0,
-    "sandbox_memory_bytes": 4 << 30, "sandbox_processes": 64, "sandbox_bwrap": None,
-}  # fmt: skip
-
-
-PARTIAL_DEFAULTS = {"partial_rollouts": False, "extra_groups": 4, "max_staleness": 4,
-                    "refresh_kv_on_update": False}  # fmt: skip
 
 
 def _need(cond: bool, field: str, value, reason: str) -> None:
@@ -324,57 +315,6 @@ def check_rewards(c: ml_collections.ConfigDict) -> None:
             got = f"a {type(raw).__name__}" if shape is None else f"shape {shape}"
             _need(shape == (g,), field, name, f"returned {got} for {g} completions of the "
                   f"first data.{split} record; a reward returns one number per completion")  # fmt: skip
-
-
-def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Dotted names of the fields that differ between two config dicts."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        name = f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += changed_fields(a, b, name + ".")
-        elif a != b:
-            out.append(name)
-    return out
-
-
-def check_resumable(old: dict, new: dict) -> None:
-    """Refuses a resume whose config changes a field that can change the trajectory. A run
-    saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
-    config.model.attention existed ran dense attention: it resumes with the attention asked for
-    (the same function; "auto" may round differently on rows over one block). Likewise one
-    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked. One
-    saved before the partial-rollout fields existed resumes with them at their defaults
-    (partial rollouts off)."""
-    if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
-        new = _without(new, "model", "lora")
-    for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):
-        if field not in old.get(section, {}):
-            new = _without(new, section, field)
-    for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
-        if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
-            new = _without(new, "rl", field)
-    for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
-        if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
-            new = _without(new, "env", field)
-    diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
-    if diff:
-        details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
-        raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir")
-
-
-def _without(config: dict, section: str, field: str) -> dict:
-    """config (a nested dict) without config[section][field], if there is one."""
-    if field not in config.get(section, {}):
-        return config
-    return {**config, section: {k: v for k, v in config[section].items() if k != field}}
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return d
 
 
 def check_writable_dir(flag: str, path: str) -> None:

@@ -1,0 +1,81 @@
+"""Whether a saved run may resume under a new config: which fields may change, and the defaults
+that stand in for fields a run saved before they existed never had.
+
+`launch.validate.prepare_workdir` calls `check_resumable` with the workdir's config.json and the
+run's config; a field that can change the trajectory and differs refuses the resume, naming it.
+"""
+
+from __future__ import annotations
+
+from launch.cli import UsageError
+
+# Fields that cannot change the trajectory of a run: a resumed run may change them.
+RESUMABLE_CHANGES = (
+    "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
+    "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
+)  # fmt: skip
+
+
+# The repo environment's fields' defaults (configs/default.py): the values rl/envs/repo.py used
+# before they were config fields, so a run saved without them resumes when they still hold those
+# values (check_resumable). Their least values are launch.validate.REPO_ENV_MINIMA.
+REPO_ENV_DEFAULTS = {
+    "command_timeout_s": 30.0, "max_tool_calls": 40, "workspace_bytes": 256 << 20,
+    "test_timeout_s": 300.0, "per_test_timeout_s": 30, "setup_timeout_s": 300.0,
+    "sandbox_memory_bytes": 4 << 30, "sandbox_processes": 64, "sandbox_bwrap": None,
+}  # fmt: skip
+
+
+PARTIAL_DEFAULTS = {"partial_rollouts": False, "extra_groups": 4, "max_staleness": 4,
+                    "refresh_kv_on_update": False}  # fmt: skip
+
+
+def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two config dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_fields(a, b, name + ".")
+        elif a != b:
+            out.append(name)
+    return out
+
+
+def check_resumable(old: dict, new: dict) -> None:
+    """Refuses a resume whose config changes a field that can change the trajectory. A run
+    saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
+    config.model.attention existed ran dense attention: it resumes with the attention asked for
+    (the same function; "auto" may round differently on rows over one block). Likewise one
+    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked. One
+    saved before the partial-rollout fields existed resumes with them at their defaults
+    (partial rollouts off)."""
+    if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
+        new = _without(new, "model", "lora")
+    for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):
+        if field not in old.get(section, {}):
+            new = _without(new, section, field)
+    for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
+        if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
+            new = _without(new, "rl", field)
+    for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
+        if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
+            new = _without(new, "env", field)
+    diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
+    if diff:
+        details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
+        raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir")
+
+
+def _without(config: dict, section: str, field: str) -> dict:
+    """config (a nested dict) without config[section][field], if there is one."""
+    if field not in config.get(section, {}):
+        return config
+    return {**config, section: {k: v for k, v in config[section].items() if k != field}}
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
