@@ -24,7 +24,8 @@ A malformed call, or a turn without any, gets an error observation and counts in
 `episode.tool_errors`. Schemas (`TOOLS`, OpenAI function format) go to the chat template's `tools`
 argument, so the prompt is the one the model was tuned on (Qwen's "# Tools ... <tools>" system
 block); a template that ignores `tools` (its rendering does not change) or a tokenizer that takes
-none gets them described in a system message in Qwen's wording instead.
+none gets them described in a system message in Qwen's wording instead. The schemas, the
+instructions and the parsing of calls are `rl/envs/repo_tools.py`.
 
 Reward, after submit or when a limit ends the episode: the original test files are put back and
 FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
@@ -50,53 +51,24 @@ import dataclasses
 import json
 import os
 import posixpath
-import re
 import tarfile
 import time
 
 from models.chat import message_delta_ids
 from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.envs.repo_tools import (  # re-exported: tests import TOOLS, cut, parse_calls from here
+    CALL_CLOSE,
+    CALL_OPEN,
+    INSTRUCTIONS,
+    NO_CALL,
+    TOOLS,
+    cut,
+    parse_calls,
+)
 from rl.sandbox import Limits
 
 GRACE_S = 3.0  # a graded run killed this long past an alarm, in the model's code: its fault
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
-
-
-def _fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    params = {"type": "object", "properties": properties, "required": required}
-    return {"type": "function",
-            "function": {"name": name, "description": description, "parameters": params}}  # fmt: skip
-
-
-TOOLS = [
-    _fn("bash", "Run a bash command in the repository (cwd). Long output is cut in the middle.",
-        {"command": {"type": "string", "description": "The command to run."}}, ["command"]),
-    _fn("str_replace_editor",
-        "View, create and edit files. `view` shows a file with line numbers (or a directory "
-        "two levels deep); `create` writes a new file; `str_replace` replaces `old_str`, which "
-        "must occur exactly once, by `new_str`; `insert` puts `new_str` after line "
-        "`insert_line`; `undo_edit` reverts the last edit of `path`.",
-        {"command": {"type": "string",
-                     "enum": ["view", "create", "str_replace", "insert", "undo_edit"]},
-         "path": {"type": "string", "description": "Absolute path, or relative to the repo."},
-         "file_text": {"type": "string"}, "old_str": {"type": "string"},
-         "new_str": {"type": "string"}, "insert_line": {"type": "integer"},
-         "view_range": {"type": "array", "items": {"type": "integer"}}},
-        ["command", "path"]),
-    _fn("submit", "Submit the repository as it is now; ends the episode.", {}, []),
-]  # fmt: skip
-INSTRUCTIONS = (
-    "The Python repository at {root} has an issue. Find the cause and fix it by editing the "
-    "code, so that its tests pass. Use the tools: bash to run commands (e.g. `python -m pytest "
-    "tests`), str_replace_editor to view and edit files, and submit when you are done.\n\n"
-    "<issue>\n{problem}\n</issue>"
-)
-NO_CALL = (
-    "No tool call found. Call a tool in the format <tool_call>{\"name\": ..., \"arguments\": "
-    "{...}}</tool_call>, or submit when you are done."
-)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -108,39 +80,6 @@ class RepoEpisode(Episode):
     history: dict = dataclasses.field(default_factory=dict)  # path -> [(real path, old text)]
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
-
-
-def parse_calls(text: str) -> list[tuple[str, dict] | str]:
-    """The tool calls of a turn in order: (name, arguments) each, or an error message for a
-    malformed one. Qwen `<tool_call>` blocks, else a turn that is one JSON object (Llama 3)."""
-    blocks = _CALL.findall(text)
-    if not blocks:
-        s = text.strip()
-        if not (s.startswith("{") and '"name"' in s):
-            return []
-        blocks = [s]
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block.strip())
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise ValueError('a call is a JSON object with a string "name"')
-            args = call.get("arguments", call.get("parameters", {}))
-            args = json.loads(args) if isinstance(args, str) else args
-            if not isinstance(args, dict):
-                raise ValueError('"arguments" must be a JSON object')
-            calls.append((call["name"], args))
-        except ValueError as err:
-            calls.append(f"error: malformed tool call ({err})")
-    return calls
-
-
-def cut(text: str, limit: int) -> str:
-    """`text`, or its head and tail around a marker saying how much was left out."""
-    if len(text) <= limit:
-        return text
-    half = max(1, limit // 2)
-    return f"{text[:half]}\n<... {len(text) - 2 * half} characters elided ...>\n{text[-half:]}"
 
 
 def _read_pristine(repo: str, rel: str) -> str:
