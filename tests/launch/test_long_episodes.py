@@ -1,6 +1,6 @@
 """End to end at 4k tokens: `launch.train` with the CPU demo's tiny model, prompts of 300 to 4,007
 tokens (so episodes up to 4,071 tokens), blockwise learner attention and chunked prefill, trains
-two steps with finite metrics and a non-zero gradient, two sequences packed per learner row on
+a step with finite metrics and a non-zero gradient, two sequences packed per learner row on
 average."""
 
 import json
@@ -48,15 +48,15 @@ def test_4k_token_episodes_train_blockwise_and_packed(tmp_path, monkeypatch):
         "--config.sampling.num_slots=16", "--config.sampling.page_size=16",
         "--config.sampling.num_pages=4200", "--config.sampling.steps_per_call=16",
         "--config.sampling.prefill_chunk=512", "--config.eval_every=0", "--config.eval.pass_k=0",
-        "--config.num_steps=2", "--config.checkpoint_every=2", f"--workdir={workdir}",
+        "--config.num_steps=1", "--config.checkpoint_every=1", f"--workdir={workdir}",
     ]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1]
     for r in steps:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
         assert r["grad_norm"] > 0 and r["adv_std"] > 0, r
-        # All 8 prompts x 2 samples each step, 300-4,071 tokens each (20.6k in all), in rows of
+        # All 8 prompts x 2 samples, 300-4,071 tokens each (20.6k in all), in rows of
         # 4,096 tokens: packed into 8 rows, one per data shard.
         assert r["learn/rows"] == 8 and r["rollout/length_max"] <= 64, r
