@@ -25,9 +25,10 @@ completion tokens of the learner batches over the seconds of all timed iteration
 What the utilization allows, from the same run: if a slot-step cost the same in both loops, the
 rollout speedup would be `slot_step_speedup` (partial utilization / synchronous), and partial
 rollouts leave the learner's seconds as they are, so a partial loop at utilization 1 with the
-synchronous loop's cost per slot-step would gain `learned_tokens_at_utilization_1` = (learner +
-sync rollout) / (learner + sync rollout x sync utilization) in learned tokens/s (an estimate:
-the timed partial batches hold more or fewer tokens than the synchronous ones).
+synchronous loop's cost per slot-step would gain `learned_tokens_speedup_at_utilization_1` =
+(learner + sync rollout) / (learner + sync rollout x sync utilization). A generous estimate: it
+scales the whole synchronous rollout, its prompts' prefill included, and the timed partial
+batches hold more or fewer tokens than the synchronous ones, so a run can measure above it.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def bench_partial(args) -> dict:
         it["iteration_seconds"] - it["rollout_seconds"] for it in runs["sync"]
     )
     r["slot_step_speedup"] = r["partial"]["slot_utilization"] / sync["slot_utilization"]
-    r["learned_tokens_at_utilization_1"] = (learner + sync["rollout_seconds"]) / (
+    r["learned_tokens_speedup_at_utilization_1"] = (learner + sync["rollout_seconds"]) / (
         learner + sync["rollout_seconds"] * sync["slot_utilization"]
     )
     return r
@@ -175,7 +176,7 @@ def table(r: dict) -> str:
     rows.append(("rollout speedup", "", f"{r['rollout_speedup']:.2f}x"))
     rows.append(("learned tokens/s speedup", "", f"{r['learned_tokens_speedup']:.2f}x"))
     rows.append(("rollout speedup at equal slot-step cost", "", f"{r['slot_step_speedup']:.2f}x"))
-    u1 = r["learned_tokens_at_utilization_1"]
+    u1 = r["learned_tokens_speedup_at_utilization_1"]
     rows.append(("learned tokens/s speedup at utilization 1", "", f"{u1:.2f}x"))
     w = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in rows)

@@ -140,7 +140,8 @@ class PartialRollouts:
             "rollout/staleness_max": float(ages.max()) if ages.size else 0.0,
             "rollout/offpolicy_token_frac": float((ages > 0).mean()) if ages.size else 0.0,
             "rollout/generated_length_mean": float(np.mean(self.generated or [0])),
-            # decode calls the rollout went on only for a group at the staleness bound
+            # passes of the rollout loop (decode calls, waits on tools) past a complete batch,
+            # made only for a group at the staleness bound
             "rollout/staleness_waits": float(self.waits),
         }
 

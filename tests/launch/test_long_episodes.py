@@ -1,7 +1,8 @@
 """End to end at 4k tokens: `launch.train` with the CPU demo's tiny model, prompts of 300 to 4,007
 tokens (so episodes up to 4,071 tokens), blockwise learner attention and chunked prefill, trains
 a step with finite metrics and a non-zero gradient, two sequences packed per learner row on
-average."""
+average. (One step, for the suite's time: a second rollout under the updated weights and a second
+optimizer step on the same row shapes are not checked here at 4k tokens.)"""
 
 import json
 import math

@@ -70,10 +70,14 @@ def _setup(model, mesh, batch):
     return graphdef, shardings, params, batch
 
 
-# token_mean (one token count over all micro-batches) in the fast tier, the rest in the full suite.
+# token_mean (one token count over all micro-batches) and seq_mean_token_mean (one sequence count)
+# in the fast tier, the rest in the full suite.
+FAST = ("token_mean", "seq_mean_token_mean")
+
+
 @pytest.mark.parametrize(
     "aggregation",
-    [pytest.param(a, marks=() if a == "token_mean" else pytest.mark.slow) for a in AGGREGATIONS],
+    [pytest.param(a, marks=() if a in FAST else pytest.mark.slow) for a in AGGREGATIONS],
 )
 def test_accumulation_and_data_parallel_are_exact(model, aggregation):
     loss = LossConfig(aggregation=aggregation, max_new_tokens=17, is_correction="tis")

@@ -117,7 +117,8 @@ SETTINGS = [(0.6, 0.95), (1.0, 0.8), (1.3, 0.8)]  # (temperature, top_p)
 def _grid(shapes):
     """Every (shape, temperature, top_p); the fast tier runs the diagonal (each shape once, each
     setting once), the full suite all nine."""
-    return [pytest.param(s, t, p, marks=() if i == j else pytest.mark.slow)
+    return [pytest.param(s, t, p, marks=() if i == j else pytest.mark.slow,
+                         id=f"{'x'.join(map(str, s))}-{t}-{p}")
             for i, s in enumerate(shapes) for j, (t, p) in enumerate(SETTINGS)]  # fmt: skip
 
 
