@@ -1,60 +1,22 @@
 """The `repo` environment (rl/envs/repo.py): a scripted policy fixes generated repositories through
 the env's step/reward API and through the engine's episode loop; tool semantics and errors;
-infrastructure errors are flagged, not scored; isolation of bubblewrap-mode episodes against
-hostile commands, each with a host-side check."""
+infrastructure errors are flagged, not scored. Isolation against hostile commands:
+tests/rl/test_repo_isolation.py; shared fixtures and helpers: tests/rl/repo_env_helpers.py."""
 
 import json
 import os
-import socket
-import string
-import subprocess
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
-from launch.make_repo_tasks import make_tasks
-from models.tokenizer import CharTokenizer
 from rl.envs.base import Turn
 from rl.envs.repo import RepoEnv, cut, parse_calls
-from rl.sandbox import _live
+from tests.rl import repo_env_helpers
+from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
-TOK = CharTokenizer(string.printable)
-
-
-def make_config(**env):
-    env = {"max_observation_chars": 2000, "command_timeout_s": 4.0, "tool_workers": 8,
-           "workspace_bytes": 32 << 20, "max_tool_seconds": 120.0, **env}  # fmt: skip
-    data = {"use_chat_template": False, "system_prompt": "", "chat_template_kwargs": {}}
-    return ml_collections.ConfigDict({"data": data, "env": env})
-
-
-@pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    return make_tasks(str(tmp_path_factory.mktemp("repo_tasks")), 10, seed=1)
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = RepoEnv(TOK, make_config())
-    yield e
-    e.shutdown()
-
-
-def call(name, **args):
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
-
-
-def act(env, ep, text):
-    """One scripted turn: the observation text, or None when the episode ended."""
-    turn = Turn(TOK.encode(text), text, "stop")
-    ep.turns.append(turn)
-    obs = env.step(ep, turn)
-    return None if obs is None else TOK.decode(obs)
+env, tasks = repo_env_helpers.env, repo_env_helpers.tasks  # the module fixtures
 
 
 def fix_script(task, wrong=False):
@@ -348,121 +310,6 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
         assert text.startswith("<|im_start|>system\n# Tools") and json.dumps(TOOLS[1]) in text
     finally:
         env.shutdown()
-
-
-# ----- isolation (bubblewrap mode) -----
-
-
-def needs_bwrap(env):
-    if env.tools.mode != "bwrap":
-        pytest.skip(f"isolation checks need bubblewrap (mode {env.tools.mode!r})")
-
-
-def bash(env, ep, command):
-    return act(env, ep, call("bash", command=command))
-
-
-def no_process_left(uids):
-    return not any(_live(uid, "") for uid in uids if uid >= 0)
-
-
-def test_32_concurrent_episodes_are_isolated(env, tasks, tmp_path):
-    """Each of 32 concurrent episodes writes a secret, then tries to read and overwrite every
-    other workspace (by its host path and through /proc), reach a host socket and the host's
-    files; host side: every secret intact, no connection, canary intact, no process left."""
-    needs_bwrap(env)
-    canary = tmp_path / "canary"
-    canary.write_text("host")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    eps = [env.start(tasks[i % len(tasks)]) for i in range(32)]
-    for i, ep in enumerate(eps):
-        assert env._ready(ep)
-        with open(os.path.join(ep.workspace.path, "secret"), "w") as f:
-            f.write(f"SECRET<{i}>")
-    paths = [ep.workspace.path for ep in eps]
-    probe = "; ".join(
-        [f"cat {p}/secret; echo pwned > {p}/secret" for p in paths]
-        + [f"cat {canary}; echo pwned > {canary}", "cat /proc/*/root/testbed/secret",
-           "ls /tmp /root /work 2>&1 | head -3",
-           f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 1)\"",
-           "python -c \"import socket; socket.create_connection(('1.1.1.1', 53), 1)\""]
-    )  # fmt: skip
-
-    def attack(i):
-        return bash(env, eps[i], probe + "; cat /testbed/secret")
-
-    with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(attack, range(32)))
-    for i, out in enumerate(outs):
-        others = [f"SECRET<{j}>" for j in range(32) if j != i]
-        assert not any(s in out for s in others), (i, out[:300])
-        assert f"SECRET<{i}>" in out  # its own, through /testbed
-        assert "host" not in out.split("\n")
-    for i, ep in enumerate(eps):
-        assert open(os.path.join(ep.workspace.path, "secret")).read() == f"SECRET<{i}>"
-    assert canary.read_text() == "host"
-    with pytest.raises(TimeoutError):
-        server.accept()  # nobody connected
-    server.close()
-    uids = [ep.workspace.uid for ep in eps]
-    for ep in eps:
-        env.close(ep)
-    assert no_process_left(uids) and not any(os.path.exists(p) for p in paths)
-
-
-HOSTILE = {
-    "rm_rf_root": "rm -rf --no-preserve-root / 2>/dev/null; echo done",
-    "fork_bomb": "bomb() { bomb | bomb & }; bomb; sleep 2; echo done",
-    "kill_all": "kill -9 -1; echo done",
-    "fill_disk": "for i in $(seq 100); do head -c 1M /dev/zero > f$i || break; done; echo done",
-    "alloc_10gb": "python -c 'b = bytearray(10 * 2**30)'; echo done",
-    "background": "(sleep 1234 &) ; nohup sleep 1235 > /dev/null 2>&1 & echo done",
-}
-
-
-@pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
-@pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_commands_are_contained(env, tasks, tmp_path, name):
-    needs_bwrap(env)
-    canary = tmp_path / "canary"
-    canary.write_text("host")
-    sentinel = subprocess.Popen(["sleep", "60"])  # a host process of ours, as kill's target
-    ep = env.start(tasks[4])
-    assert env._ready(ep)
-    uid, ws = ep.workspace.uid, ep.workspace.path
-    free = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
-    t0 = time.monotonic()
-    out = bash(env, ep, HOSTILE[name])
-    seconds = time.monotonic() - t0
-    assert out is not None and seconds < 15, (name, seconds)
-    assert not env.masked(ep), ep.infra_error
-    # The workspace still works afterwards (the next call is a fresh process).
-    assert "alive" in bash(env, ep, "echo alive")
-    if name == "rm_rf_root":
-        assert canary.read_text() == "host" and os.path.exists("/usr/bin/env")
-        assert os.path.exists(os.path.join(tasks[5]["repo"], tasks[5]["fix"]["path"]))
-    if name == "fork_bomb":
-        assert "Resource temporarily unavailable" in out or "timed out" in out
-    if name == "kill_all":
-        assert sentinel.poll() is None  # the host's process survived
-    if name == "fill_disk":
-        st = os.statvfs(ws)
-        used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        assert used <= 32 << 20 and "No space left" in out, out[-300:]
-        after = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
-        assert free - after < 16 << 20  # the host's disk did not take it
-    if name == "alloc_10gb":
-        assert "MemoryError" in out
-    if name == "background":
-        assert seconds < 5 and "done" in out
-        assert not _live(-1, "1234") and not _live(-1, "1235") and not _live(uid, "")
-    env.close(ep)
-    sentinel.kill()
-    assert no_process_left([uid]) and not os.path.exists(ws)
 
 
 # ----- through the engine's episode loop (8-device mesh) -----
