@@ -18,13 +18,7 @@ import ml_collections
 import numpy as np
 
 from launch.cli import UsageError, config_json
-from launch.resume_compat import (  # noqa: F401  (re-exported: tests and callers import them here)
-    PARTIAL_DEFAULTS,
-    REPO_ENV_DEFAULTS,
-    RESUMABLE_CHANGES,
-    changed_fields,
-    check_resumable,
-)
+from launch.resume_compat import check_resumable
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
 from models.lora import TARGETS as LORA_TARGETS

@@ -129,7 +129,7 @@ def test_partial_rollout_settings_are_checked(overrides, message):
 
 
 def test_a_run_saved_before_partial_rollouts_resumes():
-    from launch.validate import PARTIAL_DEFAULTS, check_resumable
+    from launch.resume_compat import PARTIAL_DEFAULTS, check_resumable
 
     new = config_json(parse_args([], {})[0])
     old = {**new, "rl": {k: v for k, v in new["rl"].items() if k not in PARTIAL_DEFAULTS}}
@@ -143,7 +143,7 @@ def test_repo_env_fields_are_documented_read_validated_and_resumable():
     """The repo environment's fields: set with a comment in configs/default.py to the defaults
     rl/envs/repo.py reads them with, checked at start-up, and a run saved before they existed
     resumes while they keep those values."""
-    from launch.validate import REPO_ENV_DEFAULTS, check_resumable
+    from launch.resume_compat import REPO_ENV_DEFAULTS, check_resumable
 
     with open(DEFAULT_CONFIG) as f:
         lines = f.read().splitlines()

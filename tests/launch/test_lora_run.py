@@ -12,8 +12,9 @@ import safetensors.numpy
 from launch.build import load_run
 from launch.cli import UsageError, parse_args
 from launch.export import main as export
+from launch.resume_compat import check_resumable
 from launch.train import main
-from launch.validate import check_resumable, engine_config, model_overrides, validate
+from launch.validate import engine_config, model_overrides, validate
 from models import lora
 from models.hf import load_hf
 from models.sharding import flatten

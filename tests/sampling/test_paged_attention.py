@@ -291,9 +291,9 @@ def _bf16(x):
     return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-@pytest.mark.parametrize(
-    "n,k", GQA + [(8, 1)]
-)  # 8 q heads per kv head: the kernel's other q layout
+@pytest.mark.parametrize(  # (8, 1): 8 q heads per kv head, the kernel's other q layout
+    "n,k", [pytest.param(*GQA[0], marks=pytest.mark.slow), GQA[1], (8, 1)]
+)  # (2, 2), GQA ratio 1, in the full suite only: the fast tier keeps ratios 4 and 8
 def test_tpu_kernel_interpret_matches_bf16_reference(n, k):
     q, kp, vp, lengths, table = _cache(7, n, k, [0] + _lengths(7))
     with pltpu.force_tpu_interpret_mode():
