@@ -199,6 +199,7 @@ class EpisodeLoop:
         if not engine._len:  # no busy slot: the block size can change
             engine.group = g if g > 1 and e.num_slots % g == 0 else 1
         self.version = version
+        self._fresh = set()  # pages refreshed under this run's parameters (Engine.refresh)
         if self.ready:  # carried from an earlier run: the oldest request first
             order = {key: n for n, key in enumerate(self.admitted)}  # admission order
             self.ready = collections.deque(
@@ -250,7 +251,7 @@ class EpisodeLoop:
             self.owner[items[-1][2]] = ep
             ep.parked, ep.seen = None, 0
         if stale:  # the whole cached history again, under the parameters of this run
-            state = engine.refresh(params, state, stale)
+            state = engine.refresh(params, state, stale, self._fresh)
         if items:
             state = engine.resume(params, state, items)
             self.mine.update(it[2] for it in items)

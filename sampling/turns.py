@@ -41,16 +41,42 @@ class Turns:
             self._parked.remove(parked)
             self.allocator.free(parked.pages)
 
-    def refresh(self, params, state, items) -> DecodeState:
+    def refresh(self, params, state, items, fresh: set | None = None) -> DecodeState:
         """Recomputes the KV of parked sequences under `params`: items are (parked, history),
         history the tokens its pages cache plus its last (uncached) token. Their pages are
-        overwritten in place (a chunked prefill from position 0); nothing else changes."""
+        overwritten in place (a chunked prefill); nothing else changes.
+
+        `fresh`: ids of full pages already recomputed under these `params` (updated in place;
+        the caller empties it when the parameters change). A sequence's leading pages found
+        there are not recomputed: its prefill starts after them. Siblings sharing their prompt's
+        full pages then compute the prompt once, and a page that a sibling decoding under
+        `params` reads is not rewritten. Within one call, an item whose pages another item is
+        writing waits for the next batch (usually two: one sibling, then the others)."""
         for p, history in items:
             if p not in self._parked or len(history) - 1 != p.cached_len:
                 raise ValueError("refresh needs a parked sequence and its whole history")
-        starts = [Parked(p.pages, 0, 0, p.cap, 0, 0) for p, _ in items]  # cached from 0
-        histories = [list(h) for _, h in items]
-        return self._prefill_pages(params, state, histories, starts, extend=histories)
+        fresh = set() if fresh is None else fresh
+        size, todo = self.ecfg.page_size, list(items)
+        while todo:
+            batch, claimed, later = [], set(), []
+            for p, history in todo:
+                full = p.cached_len // size  # pages wholly cached: the ones siblings share
+                k = 0
+                while k < full and p.pages[k] in fresh:
+                    k += 1
+                writes = set(p.pages[k : full + 1])  # with the partial page, if any
+                if writes & claimed:
+                    later.append((p, history))
+                    continue
+                claimed |= writes
+                batch.append((p, k * size, list(history[k * size :])))
+            starts = [Parked(p.pages, k, 0, p.cap, 0, 0) for p, k, _ in batch]  # cached up to k
+            rest = [h for *_, h in batch]
+            state = self._prefill_pages(params, state, rest, starts, extend=rest)
+            for p, *_ in batch:
+                fresh.update(p.pages[: p.cached_len // size])
+            todo = later
+        return state
 
     def resume(self, params, state, items) -> DecodeState:
         """Continues parked sequences: items are (parked, new_tokens, slot, max_new). The
