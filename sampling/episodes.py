@@ -132,6 +132,7 @@ class EpisodeLoop:
         self.version = 0
         self._last = None  # the Results of the last call read
         self._next = 0  # the next default request key
+        self._refreshed_pages: set[int] = set()  # emptied by each run
 
     def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None) -> list:
         """Queues requests (G samples each); returns their keys (default 0..n-1 after the last)."""
@@ -199,7 +200,7 @@ class EpisodeLoop:
         if not engine._len:  # no busy slot: the block size can change
             engine.group = g if g > 1 and e.num_slots % g == 0 else 1
         self.version = version
-        self._fresh = set()  # pages refreshed under this run's parameters (Engine.refresh)
+        self._refreshed_pages = set()  # under this run's parameters (Engine.refresh's `fresh`)
         if self.ready:  # carried from an earlier run: the oldest request first
             order = {key: n for n, key in enumerate(self.admitted)}  # admission order
             self.ready = collections.deque(
@@ -251,7 +252,7 @@ class EpisodeLoop:
             self.owner[items[-1][2]] = ep
             ep.parked, ep.seen = None, 0
         if stale:  # the whole cached history again, under the parameters of this run
-            state = engine.refresh(params, state, stale, self._fresh)
+            state = engine.refresh(params, state, stale, self._refreshed_pages)
         if items:
             state = engine.resume(params, state, items)
             self.mine.update(it[2] for it in items)

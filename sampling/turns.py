@@ -46,12 +46,13 @@ class Turns:
         history the tokens its pages cache plus its last (uncached) token. Their pages are
         overwritten in place (a chunked prefill); nothing else changes.
 
-        `fresh`: ids of full pages already recomputed under these `params` (updated in place;
-        the caller empties it when the parameters change). A sequence's leading pages found
-        there are not recomputed: its prefill starts after them. Siblings sharing their prompt's
-        full pages then compute the prompt once, and a page that a sibling decoding under
-        `params` reads is not rewritten. Within one call, an item whose pages another item is
-        writing waits for the next batch (usually two: one sibling, then the others)."""
+        `fresh`: ids of full pages already recomputed under these `params` (updated in place).
+        A sequence's leading pages found there are not recomputed: its prefill starts after
+        them, so siblings sharing their prompt's full pages compute the prompt once (a saving of
+        compute; the values written are the same). Within one call, an item whose pages another
+        item is writing waits for the next batch (usually two: one sibling, then the others).
+        The caller empties the set when the parameters change, and keeps it only while every
+        sequence resumed under these parameters was refreshed (`sampling.episodes`: per run)."""
         for p, history in items:
             if p not in self._parked or len(history) - 1 != p.cached_len:
                 raise ValueError("refresh needs a parked sequence and its whole history")
@@ -61,16 +62,16 @@ class Turns:
             batch, claimed, later = [], set(), []
             for p, history in todo:
                 full = p.cached_len // size  # pages wholly cached: the ones siblings share
-                k = 0
-                while k < full and p.pages[k] in fresh:
-                    k += 1
-                writes = set(p.pages[k : full + 1])  # with the partial page, if any
+                n = 0  # leading pages fresh
+                while n < full and p.pages[n] in fresh:
+                    n += 1
+                writes = set(p.pages[n : full + 1])  # with the partial page, if any
                 if writes & claimed:
                     later.append((p, history))
                     continue
                 claimed |= writes
-                batch.append((p, k * size, list(history[k * size :])))
-            starts = [Parked(p.pages, k, 0, p.cap, 0, 0) for p, k, _ in batch]  # cached up to k
+                batch.append((p, n * size, list(history[n * size :])))
+            starts = [Parked(p.pages, t, 0, p.cap, 0, 0) for p, t, _ in batch]  # cached up to t
             rest = [h for *_, h in batch]
             state = self._prefill_pages(params, state, rest, starts, extend=rest)
             for p, *_ in batch:
