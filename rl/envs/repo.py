@@ -57,7 +57,7 @@ import time
 from models.chat import message_delta_ids
 from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
-from rl.envs.repo_tools import (  # re-exported: tests import TOOLS, cut, parse_calls from here
+from rl.envs.repo_tools import (
     CALL_CLOSE,
     CALL_OPEN,
     INSTRUCTIONS,

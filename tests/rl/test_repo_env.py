@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from rl.envs.base import Turn
-from rl.envs.repo import RepoEnv, cut, parse_calls
+from rl.envs.repo import RepoEnv
+from rl.envs.repo_tools import cut, parse_calls
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
@@ -278,7 +279,7 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
     """Qwen2.5's published template renders the schemas from its `tools` argument (its own
     "# Tools" system block); a template that ignores `tools` gets them in a system message."""
     from models.tokenizer import load_tokenizer
-    from rl.envs.repo import TOOLS
+    from rl.envs.repo_tools import TOOLS
     from tests.models.test_chat import _write_stand_in
 
     _write_stand_in("qwen2", str(tmp_path))
