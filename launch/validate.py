@@ -172,6 +172,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
     _need(c.rl.is_correction == "none" or c.rl.old_logp == "recompute", "rl.is_correction",
           c.rl.is_correction, "corrects pi_old against the sampler, which old_logp='sampler' "
           "makes the same distribution: use old_logp='recompute'")  # fmt: skip
+    _need(c.rl.partial_rollouts or not c.rl.refresh_kv_on_update, "rl.refresh_kv_on_update",
+          True, "re-prefills carried episodes: set rl.partial_rollouts=True too")  # fmt: skip
     if c.rl.partial_rollouts:
         from rl.partial import check_partial
 

@@ -118,6 +118,7 @@ CATALOGUE = [
     Case("unknown-reward", "`--config.rl.rewards={'nope': 1.0}`", "config.rl.rewards='nope': no such reward; registered:", EIGHT + ["--config.rl.rewards={'nope': 1.0}"]),
     Case("unknown-eval-reward", "`--config.eval.reward=nope`", "config.eval.reward='nope': no such reward; registered:", EIGHT + ["--config.eval.reward=nope"]),
     Case("reward-wrong-count", "`--config.rl.rewards={'bad_count': 1.0}`, a registered reward that returns one value for any number of completions", "config.rl.rewards='bad_count': returned shape (1,) for 8 completions of the first data.train record", EIGHT + ["--config.rl.rewards={'bad_count': 1.0}"], bad_count_reward),
+    Case("refresh-without-partial", "`--config.rl.refresh_kv_on_update=True` (partial rollouts off)", "config.rl.refresh_kv_on_update=True: re-prefills carried episodes: set rl.partial_rollouts=True too", EIGHT + ["--config.rl.refresh_kv_on_update=True"]),
     Case("unknown-env", "`--config.env.name=nope`", "config.env.name='nope': no such environment", EIGHT + ["--config.env.name=nope"]),
     Case("env-zero-turns", "`--config.env.name=calculator --config.env.max_turns=0`", "config.env.max_turns=0: must be >= 1", ENV + ["--config.env.max_turns=0"]),
     Case("env-turn-over-budget", "`--config.env.name=calculator --config.env.max_turn_tokens=6`", "config.env.max_turn_tokens=6: must be in [0, sampling.max_new_tokens = 5]", ENV + ["--config.env.max_turn_tokens=6"]),
