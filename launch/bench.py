@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--partial_rollouts", action="store_true",
                    help="loop --lengths skewed: synchronous against partial rollouts")  # fmt: skip
     p.add_argument("--extra_groups", type=int, default=None,
-                   help="loop --partial_rollouts: sequences in flight beyond B (default B)")  # fmt: skip
+                   help="loop --partial_rollouts: groups in flight beyond B (default B)")  # fmt: skip
     p.add_argument("--max_staleness", type=int, default=4, help="loop --partial_rollouts: eta")
     p.add_argument("--rows", type=int, default=4, help="learn: rows of 512 tokens per step")
     p.add_argument("--skewed_seqs", type=int, default=16, help="learn: long-tailed sequences")

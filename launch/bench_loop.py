@@ -7,8 +7,8 @@ One iteration = rollout (`Engine.generate_all` on the policy's own arrays) + ref
 
 - `--lengths fixed`: exactly 128 new tokens per sample (no stop ids), 64 slots.
 - `--lengths skewed`: each sample's length drawn from a seeded long-tailed distribution over
-  8..512 (`launch.bench_learn.skewed_lengths`; each sample is its own request with that budget),
-  16 slots. Also timed: the same rollout as a static batch (`static_rollout_seconds`: the
+  8..512 (`launch.bench_learn.skewed_lengths`; each sample gets that budget, its group's prompt
+  prefilled once), 16 slots. Also timed: the same rollout as a static batch (`static_rollout_seconds`: the
   sequences in fixed batches of 16, each decoding until its longest sequence ends, so a finished
   row idles), and the learner step on padded rather than packed rows (`padded_learn_seconds`).
   Continuous batching is a policy for a fixed number of slots; with every sequence in its own
@@ -78,37 +78,28 @@ class Loop:
         self.times = {k: [] for k in ("rollout", "reference", "learn", "iteration",
                                       "static_rollout", "padded_reference", "padded_learn")}  # fmt: skip
 
-    def _generate(self, requests, budgets):
-        """Completions of (prompt index, sample) requests, each its own PRNG stream."""
-        prompts = [self.prompts[i] for i, _ in requests]
-        ids = [i * self.g + k for i, k in requests]
-        self.decode_state, out = self.engine.generate_all(
-            self.state.params, self.decode_state, prompts, 1, [int(b) for b in budgets],
-            request_ids=ids,
-        )  # fmt: skip
-        return [r[0] for r in out]
-
     def rollout(self) -> list[Group]:
-        if self.skewed:  # every sample its own request, with its own length
-            requests = [(i, k) for i in range(len(self.prompts)) for k in range(self.g)]
-            flat = self._generate(requests, self.lengths)
-            completions = [flat[i * self.g : (i + 1) * self.g] for i in range(len(self.prompts))]
-        else:
-            self.decode_state, completions = self.engine.generate_all(
-                self.state.params, self.decode_state, self.prompts, self.g, self.max_new
-            )
+        """The G samples of each prompt, one request (the prompt prefilled once); skewed: each
+        sample with its own budget (`lengths`, prompt-major)."""
+        budgets = self.lengths.reshape(len(self.prompts), self.g).tolist()
+        self.decode_state, completions = self.engine.generate_all(
+            self.state.params, self.decode_state, self.prompts, self.g,
+            budgets if self.skewed else self.max_new,
+        )  # fmt: skip
         for c, n in zip((c for cs in completions for c in cs), self.lengths):
             assert c.length == n, (c.length, n)  # exact lengths: no stop ids
         return [Group({}, p, cs, [], np.zeros(self.g, np.float32), {})
                 for p, cs in zip(self.prompts, completions)]  # fmt: skip
 
     def static_rollout(self) -> None:
-        """The same sequences in fixed batches of num_slots, each decoding to its longest."""
-        slots = self.engine.ecfg.num_slots
-        requests = [(i, k) for i in range(len(self.prompts)) for k in range(self.g)]
-        for s in range(0, len(requests), slots):
-            batch = requests[s : s + slots]
-            self._generate(batch, [max(self.lengths[s : s + slots])] * len(batch))
+        """The same groups in fixed batches of num_slots samples, each decoding to its longest."""
+        per = self.engine.ecfg.num_slots // self.g  # groups per batch
+        lengths = self.lengths.reshape(len(self.prompts), self.g)
+        for s in range(0, len(self.prompts), per):
+            self.decode_state, _ = self.engine.generate_all(
+                self.state.params, self.decode_state, self.prompts[s : s + per], self.g,
+                int(lengths[s : s + per].max()), request_ids=range(s, s + per),
+            )  # fmt: skip
 
     def batch(self, groups, pack: bool):
         batch, layout = build_batch(groups, self.width, 0, pack=pack)

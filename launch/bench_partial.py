@@ -1,20 +1,23 @@
 """Partial rollouts against synchronous ones: `python -m launch.bench loop --lengths skewed
 --partial_rollouts [--extra_groups N] [--max_staleness ETA]`.
 
-Both loops run in one process on bench-small (`launch.bench_loop.Loop`: 8 prompts x 8 samples,
-each sample its own request with a long-tailed length over 8..512, 16 slots, no stop ids; decode
-calls of `--steps_per_call` 4 steps, so that a slot whose sequence ended is refilled within a
-few steps: the loop reads call n while call n+1 runs, so such a slot idles for the rest of call n
-and all of n+1), with the same learner step (reference log-probs + one AdamW step on the packed batch of B = 64
+Both loops run in one process on bench-small (`launch.bench_loop.Loop`: B = 8 prompts x G = 8
+samples, each group one request whose prompt is prefilled once, each sample with its own
+long-tailed length over 8..512, 16 slots, no stop ids; decode calls of `--steps_per_call` 4
+steps, so that a slot whose sequence ended is refilled within a few steps: the loop reads call n
+while call n+1 runs, so such a slot idles for the rest of call n and all of n+1), with the same
+learner step (reference log-probs + one AdamW step on the packed batch of the B groups' 64
 sequences), alternating iteration by iteration:
 
-- `sync`: the rollout decodes all B sequences, then the learner steps (`Engine.generate_all`);
-- `partial`: one `sampling.episodes.EpisodeLoop` on its own engine keeps up to B + extra
-  sequences in flight; each rollout decodes until B are complete (`rl.partial.enough`, staleness
+- `sync`: the rollout decodes all B groups, then the learner steps (`Engine.generate_all`);
+- `partial`: one `sampling.episodes.EpisodeLoop` on its own engine keeps up to B + extra groups
+  in flight; each rollout decodes until B groups are complete (`rl.partial.enough`, staleness
   bound eta), trains the B oldest complete (`rl.partial.select`) and carries the rest, parked
-  mid-sequence, into the next iteration. New sequence j gets the synchronous batch's length
-  j mod B, so both loops generate the same lengths. Timed in steady state, after the carry-over
-  has filled up (eta + 2 warm-up iterations).
+  mid-sequence, into the next iteration. New group j gets the prompt and the lengths of the
+  synchronous batch's group j mod B, so both loops generate the same lengths. Timed in steady
+  state, after the carry-over has filled up (eta + 2 warm-up iterations).
+
+Both loops admit a group sample by sample, as slots free up (`EpisodeLoop._admit`).
 
 Per loop: medians over --reps of `iteration_seconds`, `rollout_seconds` and `slot_utilization`
 (tokens decoded / slot-steps of the rollout's decode calls); `learned_tokens_per_s`, the prompt +
@@ -52,33 +55,36 @@ def _trace(engine) -> list[float]:
 
 
 class Partial:
-    """The partial loop of the benchmark: an EpisodeLoop carried across iterations."""
+    """The partial loop of the benchmark: an EpisodeLoop of G-sample groups carried across
+    iterations."""
 
     def __init__(self, loop: Loop, extra: int, eta: int):
         e = loop.engine
         self.engine = Engine(e.cfg, e.graphdef, e.ecfg, e.sampling)  # its own slots and pages
         self.state = self.engine.init_state()
-        self.loop, self.b, self.extra, self.eta = loop, len(loop.lengths), extra, eta
-        self.done: dict[int, object] = {}  # key -> Completion, complete and not trained
-        self.episodes = EpisodeLoop(self.engine, 1, on_finish=self._finish)
+        self.loop, self.b, self.extra, self.eta = loop, len(loop.prompts), extra, eta
+        self.budgets = loop.lengths.reshape(self.b, loop.g).tolist()
+        self.done: dict[int, list] = {}  # key -> the group's Completions, complete, not trained
+        self.episodes = EpisodeLoop(self.engine, loop.g, on_finish=self._finish)
         self.next, self.version = 0, 0
 
     def _finish(self, key, k, completion) -> None:
-        self.done[key] = completion
+        results = self.episodes.results[key]
+        if all(c is not None for c in results):
+            self.done[key] = results
 
     @property
     def carried(self) -> int:
         return len(self.episodes.in_flight()) + len(self.episodes.pending) + len(self.done)
 
     def rollout(self) -> list[Group]:
-        """One rollout: new sequences in, B trained out, the rest carried."""
+        """One rollout: new groups in, B trained out, the rest carried."""
         n = self.b + self.extra - self.carried
         if n > 0:
-            prompts, lengths = self.loop.prompts, self.loop.lengths
             keys = list(range(self.next, self.next + n))
             self.next += n
-            self.episodes.add([prompts[k % len(prompts)] for k in keys],
-                              [int(lengths[k % self.b]) for k in keys], request_ids=keys,
+            self.episodes.add([self.loop.prompts[k % self.b] for k in keys],
+                              [self.budgets[k % self.b] for k in keys], request_ids=keys,
                               keys=keys)  # fmt: skip
         v = self.version
         until = lambda: enough(self.episodes, len(self.done), self.b, v, self.eta)  # noqa: E731
@@ -87,8 +93,9 @@ class Partial:
         keys = select(self.episodes, self.done, self.b, v, self.eta, drain=False)
         groups = []
         for key in keys:
-            c = self.done.pop(key)
-            groups.append(Group({}, self.episodes._req[key][0], [c], [], np.zeros(1), {}))
+            completions = self.done.pop(key)
+            prompt = self.episodes._req[key][0]
+            groups.append(Group({}, prompt, completions, [], np.zeros(len(completions)), {}))
             self.episodes.forget(key)
         self.version += 1
         return groups
@@ -101,7 +108,7 @@ def _warm_learner(loop: Loop, groups) -> None:
     batch, layout = build_batch(groups, loop.width, 0, pack=True)
     batch = batch.replace(advantages=layout.spread(np.zeros(len(layout.row), np.float32)))
     n = batch.tokens.shape[0]
-    cap = len(loop.lengths)
+    cap = len(loop.lengths)  # rows: at most one per sequence
     for rows in sorted({bucket_rows(k, 1, cap) for k in range(max(n // 2, 1), 2 * n + 1)}):
         tiled = jax.tree.map(lambda x, r=rows: np.resize(x, (r, *x.shape[1:])), batch)
         loop.learn(loop.with_reference(jax.device_put(tiled, loop.sharding)))
@@ -114,7 +121,8 @@ def _iteration(loop: Loop, engine, rollout) -> dict:
     t0 = time.perf_counter()
     groups = rollout()
     t1 = time.perf_counter()
-    loop.adv = np.random.default_rng(0).normal(size=len(groups)).astype(np.float32)
+    n = sum(len(g.completions) for g in groups)
+    loop.adv = np.random.default_rng(0).normal(size=n).astype(np.float32)
     loop.learn(loop.with_reference(loop.batch(groups, pack=True)))
     t2 = time.perf_counter()
     active, total = (a - b for a, b in zip(engine.slot_steps, before))
@@ -128,7 +136,7 @@ def bench_partial(args) -> dict:
     loop = Loop(args)
     if not loop.skewed:
         raise SystemExit("--partial_rollouts needs --lengths skewed")
-    extra = len(loop.lengths) if args.extra_groups is None else args.extra_groups
+    extra = len(loop.prompts) if args.extra_groups is None else args.extra_groups
     partial = Partial(loop, extra, args.max_staleness)
 
     def sync():

@@ -8,10 +8,13 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
   tokens but the last, the slot's `last_token`, fed by the first decode step: every token is
   sampled in one place (`steps.generate`) with one key schedule (JetStream's prefill returns the
   first token instead; this costs one batched decode step per request).
-- `bulk_insert`: one prefilled prompt (a single-use `Prefix`) into G idle slots. Full prompt
-  pages are shared (refcount G); the partial last page is copied on device for samples 1..G-1
-  (`PageAllocator.fork_for_group`). A group goes on an aligned block of G slots when one is free,
-  which lets the blockwise backend read the shared pages once per block (`shared_len`).
+- `bulk_insert`: one prefilled prompt (a `Prefix`) into idle slots, as some or all of its G
+  samples. Full prompt pages are shared (refcount G); the partial last page is copied on device
+  for all samples but the last inserted (`PageAllocator.fork_for_group`). With `keep` the prefix
+  stays live for the later samples, else it is consumed. A whole group goes on an aligned block
+  of G slots when one is free, which lets the blockwise backend read the shared pages once per
+  block (`shared_len`); `sampling.episodes` inserts a group sample by sample when fewer slots
+  are free, rather than idle them.
 - `generate`: up to `num_steps` decode steps in one `lax.while_loop`; `dispatch` and `collect`
   are its two halves, so that the batch loop queues call n+1 before it reads call n.
 - `park` / `resume`: a sequence between two turns of an episode frees its slot but keeps its pages
@@ -65,6 +68,7 @@ from sampling.requests import (
     Prefix,
     Results,
     Ticket,
+    check_insert,
     check_prompt,
     check_slots,
     take_slots,
@@ -139,6 +143,9 @@ class Engine(Turns):
         self._len: dict[int, int] = {}
         self._epoch = object()  # Prefixes made before the last reset are stale
         self._parked: list[Parked] = []  # sequences between turns: pages kept, no slot
+        # Pages a caller promised to samples not inserted yet (`EpisodeLoop`: a group partly
+        # in its slots), by caller.
+        self.promised: dict[object, int] = {}
         # Per slot: (request id, sample id) of its sequence, and a serial number bumped whenever
         # the slot's sequence changes or finishes (`collect` ignores calls that predate it).
         self._ids: dict[int, tuple[int, int]] = {}
@@ -235,54 +242,50 @@ class Engine(Turns):
         return check_slots(self.ecfg.num_slots, slots, unique)
 
     def bulk_insert(
-        self, state, prefix: Prefix, slots, request_id: int, max_new: int, reserve: int = 0
-    ):
-        """Puts one prefix into len(slots) = G idle slots sharing its full pages, and consumes
-        the prefix (its page references pass to the slots). Each slot may cache up to
-        max(max_new, reserve) tokens after the prompt (a multi-turn episode reserves its whole
-        budget). A consumed or stale prefix, slots out of range, repeated or busy, or a bad
-        max_new raise ValueError before anything changes."""
+        self, state, prefix: Prefix, slots, request_id: int, max_new, reserve=0, *,
+        samples=None, keep: bool = False,
+    ):  # fmt: skip
+        """Puts one prefix into len(slots) idle slots sharing its full pages, as samples `samples`
+        of the request (default 0..len-1: each sample's PRNG stream). Each slot may cache up to
+        max(max_new, reserve) tokens after the prompt (one int or one per slot; a multi-turn
+        episode reserves its whole budget). The prefix is consumed (its page references pass to
+        the slots), or with `keep` stays live for the request's later samples (a later call). A
+        consumed or stale prefix, slots out of range, repeated or busy, or a bad max_new raise
+        ValueError before anything changes."""
         e = self.ecfg
         slots = self._check_slots(slots)
         g = len(slots)
-        if not slots:
-            raise ValueError("bulk_insert needs at least one slot")
-        if prefix.consumed:
-            raise ValueError("prefix already inserted (bulk_insert consumes it): prefill again")
-        if prefix.epoch is not self._epoch:
-            raise ValueError("prefix was not prefilled by this engine since its last init_state")
-        busy = [s for s in slots if s in self._cap]
-        if busy:
-            raise ValueError(f"slot(s) {busy} busy: free_resource them first")
-        if not 1 <= max_new <= e.max_new_tokens:
-            raise ValueError(f"max_new_tokens={max_new}: need 1..{e.max_new_tokens}")
+        max_new, cap, samples = check_insert(e, prefix, self._epoch, slots, self._cap, max_new,
+                                             reserve, samples)  # fmt: skip
         rows, copies = self.allocator.fork_for_group(
-            prefix.pages, prefix.cached_len, e.page_size, g
+            prefix.pages, prefix.cached_len, e.page_size, g + keep
         )
-        prefix.consumed = True
+        rows = rows[1:] if keep else rows  # rows[0]: the prefix's own references, kept
+        prefix.consumed = not keep
         self.free_slots = [s for s in self.free_slots if s not in slots]
-        copies = copies + [(0, 0)] * (g - 1 - len(copies))
+        copies = copies + [(0, 0)] * (g - len(copies))
         src = np.array([c[0] for c in copies], np.int32)
         dst = np.array([c[1] for c in copies], np.int32)
-        for k, (s, r) in enumerate(zip(slots, rows)):
+        for k, s, r, c in zip(samples, slots, rows, cap):
             self.table.set_row(s, r)
-            self._ids[s] = (request_id, k)
+            self._ids[s] = (request_id, int(k))
             self._serial[s] += 1
             self._len[s] = prefix.cached_len
             # Decode step j caches the token it is fed at position cached_len + j, j < max_new
             # (the last sampled token is never cached, but the last prompt token is).
-            self._cap[s] = prefix.cached_len + max(max_new, reserve)
-        slots_arr = np.asarray(slots, np.int32)
+            self._cap[s] = prefix.cached_len + c
         aligned = (
             g == self.group > 1
+            and not keep
+            and list(samples) == list(range(g))
             and slots[0] % g == 0
             and list(slots) == list(range(slots[0], slots[0] + g))
         )
         shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
         return steps.insert(
-            state, slots_arr, np.arange(g, dtype=np.int32), np.int32(prefix.cached_len),
-            np.int32(prefix.last_token), np.int32(request_id), np.int32(max_new),
-            np.int32(shared), src, dst, self.layout,
+            state, np.asarray(slots, np.int32), samples, np.int32(prefix.cached_len),
+            np.int32(prefix.last_token), np.int32(request_id), max_new, np.int32(shared), src,
+            dst, self.layout,
         )  # fmt: skip
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -379,9 +382,11 @@ class Engine(Turns):
         return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
     def _reserved(self) -> int:
-        """Pages promised to busy slots and parked episodes but not yet allocated."""
+        """Pages promised to busy slots, parked episodes and samples not inserted yet, but not
+        yet allocated."""
         busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
-        return busy + sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked)
+        parked = sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked)
+        return busy + parked + sum(self.promised.values())
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,

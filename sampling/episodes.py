@@ -133,6 +133,7 @@ class EpisodeLoop:
         self._last = None  # the Results of the last call read
         self._next = 0  # the next default request key
         self._refreshed_pages: set[int] = set()  # emptied by each run
+        self._open = None  # (key, next sample, live prefix or None): a group partly inserted
 
     def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None) -> list:
         """Queues requests (G samples each); returns their keys (default 0..n-1 after the last)."""
@@ -154,7 +155,7 @@ class EpisodeLoop:
     @property
     def idle(self) -> bool:
         """Nothing queued, decoding, parked or waiting."""
-        return not (self.pending or self.owner or self.waiting or self.ready)
+        return not (self.pending or self.owner or self.waiting or self.ready or self._open)
 
     def in_flight(self) -> set:
         """Keys admitted whose G episodes have not all ended."""
@@ -263,37 +264,84 @@ class EpisodeLoop:
         return self._req[ep.i][0] + ep.tokens
 
     def _admit(self, params, state):
-        """Admits what fits (slots, and worst-case pages counted together), prefills it in
-        batches, then puts each prompt into its G slots."""
+        """Admits what fits (a free slot, and the group's worst-case pages), prefills it in
+        batches, then puts each prompt's samples into free slots: all G together when G are
+        free, else as many as are, the rest (`_open`) as slots free up, before anything new."""
         engine, g = self.engine, self.g
+        free = len(engine.free_slots)
+        if self.ready:  # parked episodes first: they hold pages already
+            return state
         admit, need_total = [], 0
         free_pages = engine.allocator.num_free - engine._reserved()
-        while self.pending and not self.ready and len(engine.free_slots) - g * len(admit) >= g:
+        while self.pending and self._open is None and free - g * len(admit) > 0:
             need = self._req[self.pending[0]][3]
             if need_total + need > free_pages:
                 break
             need_total += need
             admit.append(self.pending.pop(0))
-        if self.pending and not admit and not (self.owner or self.waiting or self.ready):
-            key = self.pending[0]
+        waiting_for = self._open[0] if self._open else self.pending[0] if self.pending else None
+        if (
+            waiting_for is not None
+            and not (admit or self.owner or self.waiting)
+            and not (free and self._open)
+        ):
             raise ValueError(
-                f"request {key} needs {g} slots and {self._req[key][3]} KV pages; "
-                f"{len(engine.free_slots)} slots and {free_pages} pages are free, the rest "
-                "is held by slots or prefixes from outside this loop"
+                f"request {waiting_for} needs a free slot and {self._req[waiting_for][3]} KV pages;"
+                f" {free} slots and {free_pages} pages are free, the rest is held by slots or "
+                "prefixes from outside this loop"
             )
-        if not admit:
+        if not free:
             return state
-        state, self.prefixes = engine.prefill_many(params, state, [self._req[k][0] for k in admit])
-        for key, prefix in zip(admit, self.prefixes):
-            _, budget, rid, _ = self._req[key]
-            slots = engine._take_slots(g)
-            turn = min(self.turn_cap, budget)
-            state = engine.bulk_insert(state, prefix, slots, rid, turn, budget)
-            self.mine.update(slots)
-            self.admitted[key] = self.version
-            eps = [_Episode(key, k, budget, kv_version=self.version) for k in range(g)]
-            self.owner.update(zip(slots, eps))
+        todo = [(key, 0, None) for key in admit]
+        if self._open is not None:  # first; its prefix is prefilled again if a stop dropped it
+            todo.insert(0, self._open)
+        again = [key for key, _, prefix in todo if prefix is None]
+        if again:
+            state, self.prefixes = engine.prefill_many(params, state,
+                                                       [self._req[k][0] for k in again])  # fmt: skip
+            fresh = iter(self.prefixes)
+            todo = [(key, k, next(fresh) if p is None else p) for key, k, p in todo]
+        self._set_open(None)
+        for key, k, prefix in todo:
+            if k == 0:
+                self.admitted[key] = self.version
+            state = self._insert(state, key, k, prefix)
         return state
+
+    def _insert(self, state, key, k0: int, prefix):
+        """Samples k0.. of request `key` into free slots; those that do not fit stay `_open`."""
+        engine, g = self.engine, self.g
+        _, budget, rid, _ = self._req[key]
+        n = min(g - k0, len(engine.free_slots))
+        slots = engine._take_slots(g) if n == g else engine.free_slots[:n]
+        ks = list(range(k0, k0 + n))
+        turns = [min(self.turn_cap, budget[k]) for k in ks]
+        state = engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
+                                   samples=ks, keep=k0 + n < g)  # fmt: skip
+        self.mine.update(slots)
+        self.owner.update((s, _Episode(key, k, budget[k], kv_version=self.version))
+                          for s, k in zip(slots, ks))  # fmt: skip
+        if k0 + n < g:
+            self._set_open((key, k0 + n, prefix))
+        return state
+
+    def _set_open(self, value) -> None:
+        """`_open` (key, next sample, live prefix or None) or None, and the pages its samples not
+        inserted yet may still take from the pool, promised at the engine (`Engine._reserved`):
+        no admission elsewhere takes them, across runs too."""
+        self._open = value
+        self.engine.promised.pop(self, None)
+        if value is None:
+            return
+        key, k0, prefix = value
+        prompt, budget = self._req[key][:2]
+        page, cached = self.engine.ecfg.page_size, len(prompt) - 1
+        shared = cached // page
+        own = sum(-(-(cached + b) // page) - shared for b in budget[k0:])
+        if prefix is None:  # prefilled again: the prompt's pages too
+            self.engine.promised[self] = shared + own
+        else:  # the last sample takes the prefix's partial page
+            self.engine.promised[self] = own - (cached % page > 0)
 
     def _collect(self, state, ticket, owners):
         """Reads a decode call: its tokens go to their episodes; ended turns are answered."""
@@ -349,9 +397,14 @@ class EpisodeLoop:
         ep.turn_len += m
 
     def _stop(self, state, inflight):
-        """Reads the call in flight, then parks every episode still decoding, mid-turn."""
+        """Reads the call in flight, then parks every episode still decoding, mid-turn. A group
+        partly inserted gives back its prefix: the next run prefills it under its parameters."""
         if inflight is not None:
             state = self._collect(state, *inflight)
+        if self._open is not None:
+            key, k, prefix = self._open
+            self._release(prefix)
+            self._set_open((key, k, None))
         if not self.owner:
             return state
         slots = list(self.owner)  # all decoded by the call just read: its buffers are exact
@@ -365,6 +418,12 @@ class EpisodeLoop:
         self.ready.extendleft((ep, []) for ep in reversed(eps))  # first in line at the next run
         return state
 
+    def _release(self, prefix) -> None:
+        """Frees a prefix not inserted for good (none: a no-op)."""
+        if prefix is not None and not prefix.consumed and prefix.epoch is self.engine._epoch:
+            self.engine.allocator.free(prefix.pages)
+            prefix.consumed = True
+
     def _abort(self) -> None:
         """Releases what this loop holds on the host side after an exception."""
         engine = self.engine
@@ -372,11 +431,10 @@ class EpisodeLoop:
             engine._free_host(s)
         for p in self.parked_here:  # a no-op for those already resumed or dropped
             engine.drop(p)
-        for x in self.prefixes:
-            if not x.consumed and x.epoch is engine._epoch:
-                engine.allocator.free(x.pages)
-                x.consumed = True
+        for x in [*self.prefixes, *(self._open or [None])[2:]]:
+            self._release(x)
         self.pending, self.owner, self.waiting = [], {}, {}
+        self._set_open(None)
         self.ready = collections.deque()
 
 

@@ -37,22 +37,30 @@ class OutOfPagesError(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 
 
-def group_pages(prompt_len: int, max_new: int, page_size: int, g: int) -> int:
+def group_pages(prompt_len: int, max_new, page_size: int, g: int) -> int:
     """KV pages a group of g samples of one prompt holds at its longest, as the engine allocates.
+    max_new: every sample's budget, or one per sample (g of them).
 
     The engine caches the prompt's first prompt_len - 1 tokens (the first decode step feeds the
-    last one) and each sample at most max_new more (`sampling.engine`). The full pages of the
+    last one) and each sample at most its max_new more (`sampling.engine`). The full pages of the
     cached prompt are shared by the g samples, so they count once; each sample owns the rest of
     its pages: a copy of the partial last prompt page, if any, and its decode pages.
     """
-    if prompt_len < 1 or max_new < 0 or page_size < 1 or g < 1:
+    budgets = [max_new] * g if np.ndim(max_new) == 0 else list(max_new)
+    if (
+        prompt_len < 1
+        or min(budgets, default=-1) < 0
+        or page_size < 1
+        or g < 1
+        or len(budgets) != g
+    ):
         raise ValueError(
             f"group_pages(prompt_len={prompt_len}, max_new={max_new}, page_size={page_size}, "
-            f"g={g}): need prompt_len >= 1, max_new >= 0, page_size >= 1, g >= 1"
+            f"g={g}): need prompt_len >= 1, max_new >= 0 (one or g), page_size >= 1, g >= 1"
         )
     cached = prompt_len - 1
     shared = cached // page_size
-    return shared + g * (-(-(cached + max_new) // page_size) - shared)
+    return shared + sum(-(-(cached + m) // page_size) - shared for m in budgets)
 
 
 class PageAllocator:

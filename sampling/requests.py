@@ -143,6 +143,38 @@ def check_slots(num_slots: int, slots, unique: bool = True) -> list[int]:
     return slots
 
 
+def _per_slot(x, g: int, name: str) -> list[int]:
+    if np.ndim(x) == 0:
+        return [int(x)] * g
+    if len(x) != g:
+        raise ValueError(f"{name} has {len(x)} entries for {g} slots")
+    return [int(v) for v in x]
+
+
+def check_insert(ecfg: EngineConfig, prefix, epoch, slots, busy, max_new, reserve, samples):
+    """(max_new int32[G], cap per slot: tokens it may cache after the prompt, sample ids
+    int32[G]) of a `bulk_insert` into slots, or ValueError before anything changes."""
+    g = len(slots)
+    if not g:
+        raise ValueError("bulk_insert needs at least one slot")
+    if prefix.consumed:
+        raise ValueError("prefix already inserted (bulk_insert consumes it): prefill again")
+    if prefix.epoch is not epoch:
+        raise ValueError("prefix was not prefilled by this engine since its last init_state")
+    taken = [s for s in slots if s in busy]
+    if taken:
+        raise ValueError(f"slot(s) {taken} busy: free_resource them first")
+    max_new, reserve = _per_slot(max_new, g, "max_new"), _per_slot(reserve, g, "reserve")
+    bad = [m for m in max_new if not 1 <= m <= ecfg.max_new_tokens]
+    if bad:
+        raise ValueError(f"max_new_tokens={bad[0]}: need 1..{ecfg.max_new_tokens}")
+    samples = np.arange(g) if samples is None else np.asarray(samples)
+    if samples.shape != (g,):
+        raise ValueError(f"samples {samples.tolist()}: need one per slot ({g})")
+    cap = [max(m, r) for m, r in zip(max_new, reserve)]
+    return np.asarray(max_new, np.int32), cap, samples.astype(np.int32)
+
+
 def check_resume(parked: Parked, new_tokens, max_new: int) -> None:
     """ValueError when a parked sequence's new tokens and next turn exceed its reservation."""
     if max_new < 1 or parked.cached_len + len(new_tokens) + max_new > parked.cap:
@@ -158,19 +190,19 @@ def check_prompt(ecfg: EngineConfig, prompt) -> None:
 
 
 def check_requests(ecfg: EngineConfig, prompts, g: int, max_new_tokens, request_ids):
-    """(max_new per request, request ids, worst-case KV pages per request) of a `generate_all`
-    call, or ValueError naming the bad argument. max_new_tokens: None (the config's), one int,
-    or one per prompt; request_ids: None (0..n-1) or one per prompt."""
+    """(max_new per request: a list of its G samples' budgets, request ids, worst-case KV pages
+    per request) of a `generate_all` call, or ValueError naming the bad argument.
+    max_new_tokens: None (the config's), one int, or one per prompt (an int, or G ints: one per
+    sample); request_ids: None (0..n-1) or one per prompt."""
     n = len(prompts)
-    if np.ndim(max_new_tokens) == 0:
-        max_new = [int(max_new_tokens or ecfg.max_new_tokens)] * n
-    else:
-        max_new = [int(m) for m in max_new_tokens]
-        if len(max_new) != n:
-            raise ValueError(f"max_new_tokens has {len(max_new)} entries for {n} prompts")
     if not 1 <= g <= ecfg.num_slots:
         raise ValueError(f"num_samples={g}: need 1..num_slots={ecfg.num_slots}")
-    bad = [m for m in max_new if not 1 <= m <= ecfg.max_new_tokens]
+    if np.ndim(max_new_tokens) == 0:
+        max_new_tokens = [max_new_tokens or ecfg.max_new_tokens] * n
+    elif len(max_new_tokens) != n:
+        raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {n} prompts")
+    max_new = [_per_slot(m, g, "max_new_tokens of a request") for m in max_new_tokens]
+    bad = [m for ms in max_new for m in ms if not 1 <= m <= ecfg.max_new_tokens]
     if bad:
         raise ValueError(f"max_new_tokens={bad[0]}: need 1..{ecfg.max_new_tokens}")
     ids = list(range(n)) if request_ids is None else list(request_ids)

@@ -177,11 +177,11 @@ def test_generate_all_cleans_up_after_insert_raises(tiny):
     engine = _engine(graphdef)
     insert, count = engine.bulk_insert, []
 
-    def bulk_insert(*args):
+    def bulk_insert(*args, **kwargs):
         count.append(1)
         if len(count) == 3:
             raise Boom
-        return insert(*args)
+        return insert(*args, **kwargs)
 
     engine.bulk_insert = bulk_insert
     with pytest.raises(Boom):
