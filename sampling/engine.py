@@ -257,15 +257,12 @@ class Engine(Turns):
         g = len(slots)
         max_new, cap, samples = check_insert(e, prefix, self._epoch, slots, self._cap, max_new,
                                              reserve, samples)  # fmt: skip
-        rows, copies = self.allocator.fork_for_group(
-            prefix.pages, prefix.cached_len, e.page_size, g + keep
-        )
+        rows, copies = self.allocator.fork_for_group(prefix.pages, prefix.cached_len, e.page_size,
+                                                     g + keep)  # fmt: skip
         rows = rows[1:] if keep else rows  # rows[0]: the prefix's own references, kept
         prefix.consumed = not keep
         self.free_slots = [s for s in self.free_slots if s not in slots]
-        copies = copies + [(0, 0)] * (g - len(copies))
-        src = np.array([c[0] for c in copies], np.int32)
-        dst = np.array([c[1] for c in copies], np.int32)
+        src, dst = np.array(copies + [(0, 0)] * (g - len(copies)), np.int32).T  # (0, 0): unused
         for k, s, r, c in zip(samples, slots, rows, cap):
             self.table.set_row(s, r)
             self._ids[s] = (request_id, int(k))
@@ -274,12 +271,9 @@ class Engine(Turns):
             # Decode step j caches the token it is fed at position cached_len + j, j < max_new
             # (the last sampled token is never cached, but the last prompt token is).
             self._cap[s] = prefix.cached_len + c
+        # An aligned block of slots holding one prefix (its full pages) reads them once.
         aligned = (
-            g == self.group > 1
-            and not keep
-            and list(samples) == list(range(g))
-            and slots[0] % g == 0
-            and list(slots) == list(range(slots[0], slots[0] + g))
+            g == self.group > 1 and slots[0] % g == 0 and slots == [*range(slots[0], slots[0] + g)]
         )
         shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
         return steps.insert(

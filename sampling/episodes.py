@@ -29,9 +29,13 @@ next `run`, with new parameters, resumes them first (oldest first) and then admi
 resumes, instead of keeping the KV the old parameters computed.
 
 Multi-process runs: every process runs the same loop on the same host values, so a future counts
-as done only once it is done on every process (`_agreed_done`), and environments must give every
+as done only once it is done on every process (`sampling.agreement`), and environments must give every
 process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
+
+Admission: a group goes in once a slot is free and the pool holds its worst-case pages. Its
+prompt is prefilled once; samples that find no slot yet go in as slots free up, before anything
+new, their pages promised at the engine meanwhile (`Engine.promised`).
 
 Determinism: a token is drawn with a key of (run seed, request, sample, cache position), so an
 episode's tokens depend neither on its slot nor on when its tool answered (within one `run`).
@@ -41,67 +45,13 @@ Resumed episodes go first, then new groups are admitted; the admission order is 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import operator
-import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
-from sampling.requests import Completion, Parked, check_requests
-
-
-def _agreed_done(futures: list[Future]) -> list[Future]:
-    """The futures that are done, on every process of a multi-process run: each process decides
-    the same resumes and admissions, as SPMD needs (`futures` is in the same order everywhere)."""
-    done = np.array([f.done() for f in futures], bool)
-    if jax.process_count() == 1 or not futures:
-        return [f for f, d in zip(futures, done) if d]
-    done = multihost_utils.process_allgather(done).reshape(-1, len(futures)).all(axis=0)
-    agreed = [f for f, d in zip(futures, done) if d]
-    # Every process must append the same ids: a mismatch fails here instead of hanging later.
-    digest = np.array([_digest(f) for f in agreed], np.int64)
-    if agreed:
-        all_digests = multihost_utils.process_allgather(digest).reshape(-1, len(agreed))
-        if (all_digests != digest).any():
-            raise RuntimeError(
-                "an environment gave different observations on different processes; "
-                "multi-process runs need deterministic tools"
-            )
-    return agreed
-
-
-def _digest(future: Future) -> int:
-    """A process-independent digest of a future's answer (-1: None, -2: it raised)."""
-    if future.exception() is not None:
-        return -2
-    answer = future.result()
-    if answer is None:
-        return -1
-    return zlib.crc32(np.asarray(list(answer), np.int64).tobytes())
-
-
-@dataclasses.dataclass
-class _Episode:
-    i: int  # request key
-    k: int  # sample in its group
-    budget: int  # tokens after the prompt
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    observation: list[bool] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)  # run version of each token
-    turns: int = 0
-    turn_len: int = 0  # model tokens of the turn in progress (parked mid-turn: > 0)
-    seen: int = 0  # tokens of this slot stint already read (for slot utilization)
-    kv_version: int = 0  # the version whose parameters computed the cached KV (refresh)
-    finish: str = "stop"
-    parked: Parked | None = None
-
-    @property
-    def left(self) -> int:
-        return self.budget - len(self.tokens)
+from sampling.agreement import agreed_done
+from sampling.requests import Completion, Episode, Parked, check_requests
 
 
 class EpisodeLoop:
@@ -123,8 +73,8 @@ class EpisodeLoop:
         self.admitted: dict = {}  # key -> version of the run that admitted it
         self._req: dict = {}  # key -> (prompt, budget, request id, worst-case pages)
         self.pending: list = []  # keys not admitted yet, in order
-        self.owner: dict[int, _Episode] = {}  # busy slot -> its episode
-        self.waiting: dict[Future, _Episode] = {}  # parked, the observation being computed
+        self.owner: dict[int, Episode] = {}  # busy slot -> its episode
+        self.waiting: dict[Future, Episode] = {}  # parked, the observation being computed
         self.ready: collections.deque = collections.deque()  # (episode, ids), parked
         self.mine: set[int] = set()  # every slot this loop inserted into
         self.parked_here: list[Parked] = []  # every sequence this loop parked
@@ -168,7 +118,7 @@ class EpisodeLoop:
         for d in (self.results, self.admitted, self._req):
             d.pop(key, None)
 
-    def _finish(self, ep: _Episode, reason: str | None = None) -> None:
+    def _finish(self, ep: Episode, reason: str | None = None) -> None:
         if ep.parked is not None:
             self.engine.drop(ep.parked)
             ep.parked = None
@@ -180,7 +130,7 @@ class EpisodeLoop:
         if self.on_finish is not None:
             self.on_finish(ep.i, ep.k, done)
 
-    def _answered(self, ep: _Episode, obs) -> None:
+    def _answered(self, ep: Episode, obs) -> None:
         if obs is None:
             return self._finish(ep)
         obs = [operator.index(t) for t in obs]
@@ -212,7 +162,7 @@ class EpisodeLoop:
         inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
         try:
             while not self.idle:
-                for fut in _agreed_done(list(self.waiting)):
+                for fut in agreed_done(list(self.waiting)):
                     self._answered(self.waiting.pop(fut), fut.result())
                 if until is not None and until():
                     state = self._stop(state, inflight)
@@ -259,7 +209,7 @@ class EpisodeLoop:
             self.mine.update(it[2] for it in items)
         return state
 
-    def _history(self, ep: _Episode) -> list[int]:
+    def _history(self, ep: Episode) -> list[int]:
         """The tokens a parked episode's pages cache, plus its last (uncached) token."""
         return self._req[ep.i][0] + ep.tokens
 
@@ -279,16 +229,13 @@ class EpisodeLoop:
                 break
             need_total += need
             admit.append(self.pending.pop(0))
-        waiting_for = self._open[0] if self._open else self.pending[0] if self.pending else None
-        if (
-            waiting_for is not None
-            and not (admit or self.owner or self.waiting)
-            and not (free and self._open)
-        ):
+        blocked = self.pending if self._open is None else not free
+        if blocked and not (admit or self.owner or self.waiting):
+            key = self._open[0] if self._open else self.pending[0]
             raise ValueError(
-                f"request {waiting_for} needs a free slot and {self._req[waiting_for][3]} KV pages;"
-                f" {free} slots and {free_pages} pages are free, the rest is held by slots or "
-                "prefixes from outside this loop"
+                f"request {key} needs a free slot and {self._req[key][3]} KV pages; {free} slots "
+                f"and {free_pages} pages are free, the rest is held by slots or prefixes from "
+                "outside this loop"
             )
         if not free:
             return state
@@ -319,7 +266,7 @@ class EpisodeLoop:
         state = engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
                                    samples=ks, keep=k0 + n < g)  # fmt: skip
         self.mine.update(slots)
-        self.owner.update((s, _Episode(key, k, budget[k], kv_version=self.version))
+        self.owner.update((s, Episode(key, k, budget[k], kv_version=self.version))
                           for s, k in zip(slots, ks))  # fmt: skip
         if k0 + n < g:
             self._set_open((key, k0 + n, prefix))
@@ -386,7 +333,7 @@ class EpisodeLoop:
                     self._answered(ep, answer)
         return state
 
-    def _take(self, ep: _Episode, r, s: int) -> None:
+    def _take(self, ep: Episode, r, s: int) -> None:
         """Appends the tokens slot s drew since its episode's last insert or resume."""
         m = int(r.num_generated[s])
         toks, lps = r.tokens[s, :m].tolist(), r.logprobs[s, :m].tolist()

@@ -1,6 +1,6 @@
 """What the sampler engine takes and gives: its config (`EngineConfig`), a dispatched decode call
 and its results (`Ticket`, `Results`), a prefilled prompt (`Prefix`), a finished sample
-(`Completion`), and the checks a batch of requests passes before
+(`Completion`) and one in progress (`Episode`), and the checks a batch of requests passes before
 the engine changes anything (`check_requests`), so a bad argument never leaves pages or slots
 half taken.
 """
@@ -129,6 +129,29 @@ class Completion:
     turns: int = 1
     observation: list[bool] | None = None  # None: every token is the model's
     versions: list[int] | None = None  # per token: the version of the sampler run that drew it
+
+
+@dataclasses.dataclass
+class Episode:
+    """An episode in progress in `sampling.episodes.EpisodeLoop`."""
+
+    i: int  # request key
+    k: int  # sample in its group
+    budget: int  # tokens after the prompt
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    observation: list[bool] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # run version of each token
+    turns: int = 0
+    turn_len: int = 0  # model tokens of the turn in progress (parked mid-turn: > 0)
+    seen: int = 0  # tokens of this slot stint already read (for slot utilization)
+    kv_version: int = 0  # the version whose parameters computed the cached KV (refresh)
+    finish: str = "stop"
+    parked: Parked | None = None
+
+    @property
+    def left(self) -> int:
+        return self.budget - len(self.tokens)
 
 
 def check_slots(num_slots: int, slots, unique: bool = True) -> list[int]:

@@ -72,8 +72,8 @@ def insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
     copy_dst, layout,
 ):  # fmt: skip
-    """Resets slots int32[G] for one request (samples sample_ids int32[G]); copies pages
-    copy_src -> copy_dst int32[G-1]."""
+    """Resets slots int32[G] for one request (samples sample_ids int32[G], budgets max_new
+    int32[G]); copies pages copy_src -> copy_dst int32[G]."""
     # Unused copy entries are (0, 0): the null page copied onto itself.
     copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
     state = state.replace(
