@@ -98,7 +98,7 @@ class Loop:
         for s in range(0, len(self.prompts), per):
             self.decode_state, _ = self.engine.generate_all(
                 self.state.params, self.decode_state, self.prompts[s : s + per], self.g,
-                int(lengths[s : s + per].max()), request_ids=range(s, s + per),
+                int(lengths[s : s + per].max()), request_ids=range(s, min(s + per, len(lengths))),
             )  # fmt: skip
 
     def batch(self, groups, pack: bool):

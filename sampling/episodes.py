@@ -35,7 +35,8 @@ Observation ids outside the vocabulary raise ValueError (they would write NaN in
 
 Admission: a group goes in once a slot is free and the pool holds its worst-case pages. Its
 prompt is prefilled once; samples that find no slot yet go in as slots free up, before anything
-new, their pages promised at the engine meanwhile (`Engine.promised`).
+new, their pages promised at the engine meanwhile (`Engine.promised`). A stop keeps the prefix of
+such a group; with `refresh` its prompt is recomputed under the new parameters before use.
 
 Determinism: a token is drawn with a key of (run seed, request, sample, cache position), so an
 episode's tokens depend neither on its slot nor on when its tool answered (within one `run`).
@@ -83,7 +84,7 @@ class EpisodeLoop:
         self._last = None  # the Results of the last call read
         self._next = 0  # the next default request key
         self._refreshed_pages: set[int] = set()  # emptied by each run
-        self._open = None  # (key, next sample, live prefix or None): a group partly inserted
+        self._open = None  # (key, next sample, live prefix, its KV's version): a group partly in
 
     def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None) -> list:
         """Queues requests (G samples each); returns their keys (default 0..n-1 after the last)."""
@@ -150,7 +151,7 @@ class EpisodeLoop:
         engine, e, g = self.engine, self.engine.ecfg, self.g
         if not engine._len:  # no busy slot: the block size can change
             engine.group = g if g > 1 and e.num_slots % g == 0 else 1
-        self.version = version
+        self.version, self._refresh = version, refresh
         self._refreshed_pages = set()  # under this run's parameters (Engine.refresh's `fresh`)
         if self.ready:  # carried from an earlier run: the oldest request first
             order = {key: n for n, key in enumerate(self.admitted)}  # admission order
@@ -240,54 +241,53 @@ class EpisodeLoop:
         if not free:
             return state
         todo = [(key, 0, None) for key in admit]
-        if self._open is not None:  # first; its prefix is prefilled again if a stop dropped it
-            todo.insert(0, self._open)
-        again = [key for key, _, prefix in todo if prefix is None]
-        if again:
+        if admit:
             state, self.prefixes = engine.prefill_many(params, state,
-                                                       [self._req[k][0] for k in again])  # fmt: skip
-            fresh = iter(self.prefixes)
-            todo = [(key, k, next(fresh) if p is None else p) for key, k, p in todo]
+                                                       [self._req[k][0] for k in admit])  # fmt: skip
+        todo = [(key, 0, x, self.version) for key, x in zip(admit, self.prefixes if admit else [])]
+        if self._open is not None:  # first
+            key, k, prefix, kv = self._open
+            if self._refresh and kv != self.version:  # its prompt under this run's parameters
+                state = engine.refresh_prefix(params, state, prefix, self._req[key][0],
+                                              self._refreshed_pages)  # fmt: skip
+                kv = self.version
+            todo.insert(0, (key, k, prefix, kv))
         self._set_open(None)
-        for key, k, prefix in todo:
+        for key, k, prefix, kv in todo:
             if k == 0:
                 self.admitted[key] = self.version
-            state = self._insert(state, key, k, prefix)
+            state = self._insert(state, key, k, prefix, kv)
         return state
 
-    def _insert(self, state, key, k0: int, prefix):
+    def _insert(self, state, key, k0: int, prefix, kv: int):
         """Samples k0.. of request `key` into free slots; those that do not fit stay `_open`."""
         engine, g = self.engine, self.g
         _, budget, rid, _ = self._req[key]
         n = min(g - k0, len(engine.free_slots))
-        slots = engine._take_slots(g) if n == g else engine.free_slots[:n]
+        slots = engine._take_slots(n)  # an aligned block for a whole group, if one is free
         ks = list(range(k0, k0 + n))
         turns = [min(self.turn_cap, budget[k]) for k in ks]
         state = engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
                                    samples=ks, keep=k0 + n < g)  # fmt: skip
         self.mine.update(slots)
-        self.owner.update((s, Episode(key, k, budget[k], kv_version=self.version))
+        self.owner.update((s, Episode(key, k, budget[k], kv_version=kv))
                           for s, k in zip(slots, ks))  # fmt: skip
         if k0 + n < g:
-            self._set_open((key, k0 + n, prefix))
+            self._set_open((key, k0 + n, prefix, kv))
         return state
 
     def _set_open(self, value) -> None:
-        """`_open` (key, next sample, live prefix or None) or None, and the pages its samples not
-        inserted yet may still take from the pool, promised at the engine (`Engine._reserved`):
-        no admission elsewhere takes them, across runs too."""
+        """`_open` (key, next sample, live prefix, the version its KV is of) or None, and the pages
+        its samples not inserted yet may still take from the pool, promised at the engine
+        (`Engine._reserved`): no admission elsewhere takes them, across runs too."""
         self._open = value
         self.engine.promised.pop(self, None)
-        if value is None:
-            return
-        key, k0, prefix = value
-        prompt, budget = self._req[key][:2]
-        page, cached = self.engine.ecfg.page_size, len(prompt) - 1
-        shared = cached // page
-        own = sum(-(-(cached + b) // page) - shared for b in budget[k0:])
-        if prefix is None:  # prefilled again: the prompt's pages too
-            self.engine.promised[self] = shared + own
-        else:  # the last sample takes the prefix's partial page
+        if value is not None:
+            key, k0, prefix, _ = value
+            prompt, budget = self._req[key][:2]
+            page, cached = self.engine.ecfg.page_size, len(prompt) - 1
+            own = sum(-(-(cached + b) // page) - cached // page for b in budget[k0:])
+            # the prefix's pages are allocated: the last sample takes its partial page, if any
             self.engine.promised[self] = own - (cached % page > 0)
 
     def _collect(self, state, ticket, owners):
@@ -345,13 +345,9 @@ class EpisodeLoop:
 
     def _stop(self, state, inflight):
         """Reads the call in flight, then parks every episode still decoding, mid-turn. A group
-        partly inserted gives back its prefix: the next run prefills it under its parameters."""
+        partly inserted keeps its prefix (with `refresh`, recomputed before its next insert)."""
         if inflight is not None:
             state = self._collect(state, *inflight)
-        if self._open is not None:
-            key, k, prefix = self._open
-            self._release(prefix)
-            self._set_open((key, k, None))
         if not self.owner:
             return state
         slots = list(self.owner)  # all decoded by the call just read: its buffers are exact
@@ -365,12 +361,6 @@ class EpisodeLoop:
         self.ready.extendleft((ep, []) for ep in reversed(eps))  # first in line at the next run
         return state
 
-    def _release(self, prefix) -> None:
-        """Frees a prefix not inserted for good (none: a no-op)."""
-        if prefix is not None and not prefix.consumed and prefix.epoch is self.engine._epoch:
-            self.engine.allocator.free(prefix.pages)
-            prefix.consumed = True
-
     def _abort(self) -> None:
         """Releases what this loop holds on the host side after an exception."""
         engine = self.engine
@@ -378,8 +368,10 @@ class EpisodeLoop:
             engine._free_host(s)
         for p in self.parked_here:  # a no-op for those already resumed or dropped
             engine.drop(p)
-        for x in [*self.prefixes, *(self._open or [None])[2:]]:
-            self._release(x)
+        for x in self.prefixes:  # the open group's prefix among them
+            if not x.consumed and x.epoch is engine._epoch:
+                engine.allocator.free(x.pages)
+                x.consumed = True
         self.pending, self.owner, self.waiting = [], {}, {}
         self._set_open(None)
         self.ready = collections.deque()

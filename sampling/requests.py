@@ -170,7 +170,7 @@ def _per_slot(x, g: int, name: str) -> list[int]:
     if np.ndim(x) == 0:
         return [int(x)] * g
     if len(x) != g:
-        raise ValueError(f"{name} has {len(x)} entries for {g} slots")
+        raise ValueError(f"{name} has {len(x)} entries, need {g}")
     return [int(v) for v in x]
 
 
@@ -192,8 +192,8 @@ def check_insert(ecfg: EngineConfig, prefix, epoch, slots, busy, max_new, reserv
     if bad:
         raise ValueError(f"max_new_tokens={bad[0]}: need 1..{ecfg.max_new_tokens}")
     samples = np.arange(g) if samples is None else np.asarray(samples)
-    if samples.shape != (g,):
-        raise ValueError(f"samples {samples.tolist()}: need one per slot ({g})")
+    if samples.shape != (g,) or len(set(samples.tolist())) != g or samples.min() < 0:
+        raise ValueError(f"samples {samples.tolist()}: need {g} distinct sample ids >= 0")
     cap = [max(m, r) for m, r in zip(max_new, reserve)]
     return np.asarray(max_new, np.int32), cap, samples.astype(np.int32)
 
@@ -244,14 +244,14 @@ def check_requests(ecfg: EngineConfig, prompts, g: int, max_new_tokens, request_
 
 
 def take_slots(free_slots: list[int], g: int, group: int, num_slots: int) -> list[int]:
-    """g of the free slots for one group: an aligned block of g when one is free and the engine
-    runs cascade attention with blocks of `group` = g, else the free slots of partly used
-    blocks first, keeping whole blocks for later groups."""
+    """g of the free slots for a group or part of one: an aligned block when g = `group` (the
+    engine's cascade block) and one is free, else the free slots of partly used blocks first,
+    keeping whole blocks for later groups."""
     free = set(free_slots)
-    if not g == group > 1:
+    if group <= 1:
         return free_slots[:g]
-    for b0 in range(0, num_slots, g):
+    for b0 in range(0, num_slots, group) if g == group else ():
         if all(s in free for s in range(b0, b0 + g)):
             return list(range(b0, b0 + g))
-    whole = lambda s: all(t in free for t in range(s - s % g, s - s % g + g))
+    whole = lambda s: all(t in free for t in range(s - s % group, s - s % group + group))
     return sorted(free_slots, key=whole)[:g]

@@ -79,6 +79,19 @@ class Turns:
             todo = later
         return state
 
+    def refresh_prefix(self, params, state, prefix, prompt, fresh: set) -> DecodeState:
+        """Recomputes a live prefix's KV under `params` in place (a group partly inserted when
+        the parameters changed: `sampling.episodes`); its full pages join `fresh`."""
+        if (
+            prefix.consumed
+            or prefix.epoch is not self._epoch
+            or len(prompt) - 1 != prefix.cached_len
+        ):
+            raise ValueError("refresh_prefix needs a live prefix of this engine and its prompt")
+        state = self._prefill_pages(params, state, [prompt], [prefix])
+        fresh.update(prefix.pages[: prefix.cached_len // self.ecfg.page_size])
+        return state
+
     def resume(self, params, state, items) -> DecodeState:
         """Continues parked sequences: items are (parked, new_tokens, slot, max_new). The
         parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after

@@ -6,6 +6,7 @@ request decoded alone."""
 
 import dataclasses
 
+import jax
 import pytest
 
 from sampling.distribution import SamplingParams
@@ -59,34 +60,43 @@ def test_a_group_goes_in_sample_by_sample_with_the_tokens_of_each_request_alone(
     assert engine.allocator.num_used == 0 and engine.promised == {}
 
 
-def test_a_stop_gives_back_the_prefix_and_promises_the_pages_of_the_samples_left(tiny):
-    """`run(until=...)` with a group partly inserted: its prefix is freed, the pages its samples
-    left may take are promised (a loop on the same engine cannot admit into them), and the next
-    run prefills the prompt again and ends with the tokens of one uninterrupted run."""
-    graphdef, params = tiny
-    page, cached = ECFG.page_size, len(PROMPTS[1]) - 1
+def _stopped_with_a_group_open(graphdef, params):
+    """Requests 0 and 1 (G 4) in 6 slots, a pool of exactly their worst-case pages, run until
+    request 1 is partly inserted: samples 0 and 1 of request 1 in, 2 and 3 not."""
+    page = ECFG.page_size
     need = [group_pages(len(p), b, page, 4) for p, b in zip(PROMPTS[:2], BUDGETS[:2])]
-    # A pool of exactly what the two groups and request 1's prompt prefilled twice take.
-    ecfg = dataclasses.replace(ECFG, num_slots=6, num_pages=1 + sum(need) + cached // page)
+    ecfg = dataclasses.replace(ECFG, num_slots=6, num_pages=1 + sum(need))
     engine = Engine(CFG, graphdef, ecfg, SAMPLED)
     loop = EpisodeLoop(engine, 4)
     loop.add(PROMPTS[:2], BUDGETS[:2], request_ids=[10, 11])
     state = loop.run(params, engine.init_state(), seed=5, until=lambda: loop._open is not None)
-    assert loop._open == (1, 2, None)  # samples 0 and 1 of request 1 parked, 2 and 3 not in
-    promised = group_pages(len(PROMPTS[1]), BUDGETS[1][2:], page, 2)
-    assert engine.promised == {loop: promised}
+    return engine, loop, state
+
+
+def test_a_stop_keeps_the_prefix_and_promises_the_pages_of_the_samples_left(tiny):
+    """The open group keeps its prefix across the stop, the pages its samples left may take are
+    promised (a loop on the same engine cannot admit into them, the pool never overcommits),
+    and the next run ends with the tokens of one uninterrupted run."""
+    graphdef, params = tiny
+    engine, loop, state = _stopped_with_a_group_open(graphdef, params)
+    key, k0, prefix, kv = loop._open
+    assert (key, k0, kv) == (1, 2, 0) and not prefix.consumed
+    page, cached = ECFG.page_size, len(PROMPTS[1]) - 1
+    own = group_pages(len(PROMPTS[1]), BUDGETS[1][2:], page, 2) - cached // page
+    assert engine.promised == {loop: own - (cached % page > 0)} == {loop: 3}
     # Free: the pages of samples 0 of request 0 and 1 of request 1 (budgets 3 and 2: ended).
     assert [i for i, r in loop.results.items() for c in r if c is not None] == [0, 1]
     assert engine.allocator.num_free - engine._reserved() == 2
     other = EpisodeLoop(engine, 1)  # 4 pages: free were the promise not counted
     other.add([PROMPTS[2]], [ECFG.max_new_tokens])
-    assert group_pages(len(PROMPTS[2]), ECFG.max_new_tokens, page, 1) == 4 <= 2 + promised
+    assert group_pages(len(PROMPTS[2]), ECFG.max_new_tokens, page, 1) == 4 <= 2 + 3
     with pytest.raises(ValueError, match="needs a free slot and 4 KV pages; 6 slots and 2 pages"):
         other.run(params, state)
     before = engine.prefill_tokens
-    state = loop.run(params, state, seed=5)
-    assert engine.prefill_tokens - before == cached  # the prompt again, not the histories
-    engine2 = Engine(CFG, graphdef, ecfg, SAMPLED)
+    state = loop.run(params, state, seed=5, version=1)
+    assert engine.prefill_tokens == before  # nothing prefilled again
+    assert loop.admitted == {0: 0, 1: 0}  # admitted at sample 0
+    engine2 = Engine(CFG, graphdef, engine.ecfg, SAMPLED)
     _, want = engine2.generate_all(params, engine2.init_state(), PROMPTS[:2], 4, BUDGETS[:2],
                                    seed=5, request_ids=[10, 11])  # fmt: skip
     for i in range(2):
@@ -95,8 +105,45 @@ def test_a_stop_gives_back_the_prefix_and_promises_the_pages_of_the_samples_left
     assert engine.allocator.num_used == 0 and engine.promised == {}
 
 
+@pytest.mark.parametrize("refresh", [True, False])
+def test_refresh_recomputes_the_open_groups_prompt_under_the_new_parameters(tiny, refresh):
+    """Samples 2 and 3 of request 1 start after the stop, under new parameters: with refresh
+    their tokens are those of the request decoded alone under the new parameters; without, the
+    prompt's KV is the old parameters' and they differ."""
+    graphdef, params = tiny
+    engine, loop, state = _stopped_with_a_group_open(graphdef, params)
+    new = jax.tree.map(lambda x: x * 1.25, params)
+    state = loop.run(new, state, seed=5, version=1, refresh=refresh)
+    ref = _alone(graphdef, new, PROMPTS[1], BUDGETS[1], 11)
+    for k in (2, 3):
+        got, b = loop.results[1][k], BUDGETS[1][k]
+        same = got.tokens == ref[k].tokens[:b] and got.logprobs == ref[k].logprobs[:b]
+        assert same == refresh, k
+    assert engine.allocator.num_used == 0 and engine.promised == {}
+
+
+def test_an_error_with_a_group_open_leaves_nothing_held(tiny):
+    graphdef, params = tiny
+    engine = Engine(CFG, graphdef, dataclasses.replace(ECFG, num_slots=6), SAMPLED)
+    loop, dispatch, calls = EpisodeLoop(engine, 4), engine.dispatch, []
+
+    def failing(*args, **kwargs):
+        calls.append(loop._open)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return dispatch(*args, **kwargs)
+
+    engine.dispatch = failing
+    loop.add(PROMPTS[:2], BUDGETS[:2])
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.run(params, engine.init_state(), seed=5)
+    assert calls[1] is not None  # request 1 was open
+    assert engine.promised == {} and engine.allocator.num_used == 0
+    assert sorted(engine.free_slots) == list(range(6)) and engine._cap == {}
+
+
 def test_per_sample_budgets_are_checked():
-    with pytest.raises(ValueError, match="max_new_tokens of a request has 2 entries for 4 slots"):
+    with pytest.raises(ValueError, match="max_new_tokens of a request has 2 entries, need 4"):
         from sampling.requests import check_requests
 
         check_requests(ECFG, PROMPTS[:1], 4, [[3, 4]], None)

@@ -43,7 +43,7 @@ def _assert_same(before, after):
 def _assert_empty(engine):
     assert engine.allocator.num_used == 0
     assert sorted(engine.free_slots) == list(range(ECFG.num_slots))
-    assert engine._len == engine._cap == {}
+    assert engine._len == engine._cap == engine.promised == {}
     assert not engine.table.array.any()
 
 
