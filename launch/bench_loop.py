@@ -8,9 +8,10 @@ One iteration = rollout (`Engine.generate_all` on the policy's own arrays) + ref
 - `--lengths fixed`: exactly 128 new tokens per sample (no stop ids), 64 slots.
 - `--lengths skewed`: each sample's length drawn from a seeded long-tailed distribution over
   8..512 (`launch.bench_learn.skewed_lengths`; each sample gets that budget, its group's prompt
-  prefilled once), 16 slots. Also timed: the same rollout as a static batch (`static_rollout_seconds`: the
-  sequences in fixed batches of 16, each decoding until its longest sequence ends, so a finished
-  row idles), and the learner step on padded rather than packed rows (`padded_learn_seconds`).
+  prefilled once), 16 slots. Also timed: the same rollout as static batches
+  (`static_rollout_seconds`: the groups in fixed batches of 16 samples, each decoding until its
+  longest sequence ends, so a finished row idles), and the learner step on padded rather than
+  packed rows (`padded_learn_seconds`).
   Continuous batching is a policy for a fixed number of slots; with every sequence in its own
   slot from the start, both would wait for the longest sequence alone.
 

@@ -29,8 +29,8 @@ next `run`, with new parameters, resumes them first (oldest first) and then admi
 resumes, instead of keeping the KV the old parameters computed.
 
 Multi-process runs: every process runs the same loop on the same host values, so a future counts
-as done only once it is done on every process (`sampling.agreement`), and environments must give every
-process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
+as done only once it is done on every process (`sampling.agreement`), and environments must give
+every process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
 Admission: a group goes in once a slot is free and the pool holds its worst-case pages. Its
@@ -219,10 +219,9 @@ class EpisodeLoop:
         batches, then puts each prompt's samples into free slots: all G together when G are
         free, else as many as are, the rest (`_open`) as slots free up, before anything new."""
         engine, g = self.engine, self.g
-        free = len(engine.free_slots)
         if self.ready:  # parked episodes first: they hold pages already
             return state
-        admit, need_total = [], 0
+        free, admit, need_total = len(engine.free_slots), [], 0
         free_pages = engine.allocator.num_free - engine._reserved()
         while self.pending and self._open is None and free - g * len(admit) > 0:
             need = self._req[self.pending[0]][3]
@@ -240,7 +239,6 @@ class EpisodeLoop:
             )
         if not free:
             return state
-        todo = [(key, 0, None) for key in admit]
         if admit:
             state, self.prefixes = engine.prefill_many(params, state,
                                                        [self._req[k][0] for k in admit])  # fmt: skip
