@@ -371,8 +371,9 @@ class Engine(Turns):
         """g free slots for a group (`requests.take_slots`); `bulk_insert` marks them busy."""
         return take_slots(self.free_slots, g, self.group, self.ecfg.num_slots)
 
-    def worst_case_pages(self, prompt_len: int, max_new: int, g: int) -> int:
-        """Pages a group of g samples may hold at its longest (`page_allocator.group_pages`)."""
+    def worst_case_pages(self, prompt_len: int, max_new, g: int) -> int:
+        """Pages a group of g samples (max_new: one or g budgets) may hold at its longest
+        (`page_allocator.group_pages`)."""
         return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
     def _reserved(self) -> int:

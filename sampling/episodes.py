@@ -283,10 +283,11 @@ class EpisodeLoop:
         if value is not None:
             key, k0, prefix, _ = value
             prompt, budget = self._req[key][:2]
-            page, cached = self.engine.ecfg.page_size, len(prompt) - 1
-            own = sum(-(-(cached + b) // page) - cached // page for b in budget[k0:])
-            # the prefix's pages are allocated: the last sample takes its partial page, if any
-            self.engine.promised[self] = own - (cached % page > 0)
+            left, cached = budget[k0:], len(prompt) - 1
+            # The prefix's pages are allocated (its full ones, and the partial last one that the
+            # last sample takes): the samples left need the rest of their group's pages.
+            need = self.engine.worst_case_pages(len(prompt), left, len(left))
+            self.engine.promised[self] = need - self.engine._pages_for(cached)
 
     def _collect(self, state, ticket, owners):
         """Reads a decode call: its tokens go to their episodes; ended turns are answered."""
