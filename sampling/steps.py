@@ -1,7 +1,10 @@
 """The sampler's jitted device functions over the donated `sampling.state.DecodeState`: prefill
 (prompts into their pages), insert (a prompt into its slots), release (slots idle) and generate
-(up to k decode steps in one `lax.while_loop`, which stops early once every slot is idle). `sampling.engine.Engine` is the host side that calls
-them; see its docstring for the design (key schedule, min_new_tokens, sharding).
+(up to k decode steps in one `lax.while_loop`, which stops early once every slot is idle).
+`sampling.engine.Engine` is the host side that calls them; see its docstring for the design
+(key schedule, min_new_tokens, sharding). `insert` and `release` pad their slot lists to a power
+of two (`bucket_slots`), so a loop that inserts or frees any number of slots compiles each a few
+times, not once per count.
 
 Each takes `layout`, None on a single device or (mesh, rules), and pins its output state to
 that layout, so donation keeps reusing the same buffers.
@@ -13,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sampling.distribution import banned_stop_ids, sample
@@ -67,39 +71,67 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
     return _constrain(state.replace(k_pages=pages[0], v_pages=pages[1]), layout)
 
 
-@functools.partial(jax.jit, static_argnums=10, donate_argnums=0)
+def bucket_slots(n: int) -> int:
+    """n rounded up to a power of two (0 stays 0): the slot lists of `insert` and `release` come
+    in a few sizes, one compile each, not one per count of slots a call happens to touch."""
+    return 1 << (n - 1).bit_length() if n else 0
+
+
+def _pad(x, n: int, value: int = 0) -> np.ndarray:
+    x = np.asarray(x)
+    return np.pad(x, (0, n - len(x)), constant_values=value) if x.ndim else x
+
+
 def insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
     copy_dst, layout,
 ):  # fmt: skip
-    """Resets slots int32[G] for one request (samples sample_ids int32[G], budgets max_new
-    int32[G]); copies pages copy_src -> copy_dst int32[G]."""
+    """Resets slots int32[G] for one request (samples sample_ids int32[G], budgets max_new: one
+    int32 or int32[G]); copies pages copy_src -> copy_dst int32[C]. G and C are padded to
+    `bucket_slots`: padded slots are out of range (their writes dropped), padded copies (0, 0),
+    the null page onto itself."""
+    n, c, out = bucket_slots(len(slots)), bucket_slots(len(copy_src)), state.lengths.shape[0]
+    return _insert(
+        state, _pad(slots, n, out), _pad(sample_ids, n), cached_len, last_token, request_id,
+        _pad(max_new, n), shared, _pad(copy_src, c), _pad(copy_dst, c), layout,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=10, donate_argnums=0)
+def _insert(
+    state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
+    copy_dst, layout,
+):  # fmt: skip
     # Unused copy entries are (0, 0): the null page copied onto itself.
     copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
+    put = lambda x, v: x.at[slots].set(v, mode="drop")  # out-of-range slots: padding
     state = state.replace(
         k_pages=copy(state.k_pages),
         v_pages=copy(state.v_pages),
-        lengths=state.lengths.at[slots].set(cached_len),
-        last_token=state.last_token.at[slots].set(last_token),
-        active=state.active.at[slots].set(True),
-        num_generated=state.num_generated.at[slots].set(0),
-        max_new=state.max_new.at[slots].set(max_new),
-        request_id=state.request_id.at[slots].set(request_id),
-        sample_id=state.sample_id.at[slots].set(sample_ids),
-        shared_len=state.shared_len.at[slots].set(shared),
-        stopped=state.stopped.at[slots].set(False),
-        tokens=state.tokens.at[slots].set(0),
-        logprobs=state.logprobs.at[slots].set(0.0),
+        lengths=put(state.lengths, cached_len),
+        last_token=put(state.last_token, last_token),
+        active=put(state.active, True),
+        num_generated=put(state.num_generated, 0),
+        max_new=put(state.max_new, max_new),
+        request_id=put(state.request_id, request_id),
+        sample_id=put(state.sample_id, sample_ids),
+        shared_len=put(state.shared_len, shared),
+        stopped=put(state.stopped, False),
+        tokens=put(state.tokens, 0),
+        logprobs=put(state.logprobs, 0.0),
     )
     return _constrain(state, layout)
 
 
-@functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
 def release(state, slots, layout):
-    """Marks slots int32[n] idle (their pages are freed on the host)."""
-    state = state.replace(
-        active=state.active.at[slots].set(False), shared_len=state.shared_len.at[slots].set(0)
-    )
+    """Marks slots int32[n] idle (their pages are freed on the host); n padded as in `insert`."""
+    return _release(state, _pad(slots, bucket_slots(len(slots)), state.lengths.shape[0]), layout)
+
+
+@functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
+def _release(state, slots, layout):
+    put = lambda x, v: x.at[slots].set(v, mode="drop")
+    state = state.replace(active=put(state.active, False), shared_len=put(state.shared_len, 0))
     return _constrain(state, layout)
 
 

@@ -149,3 +149,36 @@ def test_per_sample_budgets_are_checked():
         check_requests(ECFG, PROMPTS[:1], 4, [[3, 4]], None)
     assert group_pages(17, [1, 9], 8, 2) == 2 + (3 - 2) + (4 - 2)
     assert group_pages(17, [9, 9], 8, 2) == group_pages(17, 9, 8, 2)
+
+
+def test_insert_and_release_pad_slot_lists_to_a_power_of_two(tiny, monkeypatch):
+    """Split groups insert and free any count of slots: the device calls see 1, 2, 4 or 8 of
+    them (one compile each), the padding's writes are dropped, and no other slot changes."""
+    from sampling import steps
+
+    graphdef, params = tiny
+    sizes = []
+
+    def recorded(fn):
+        def call(state, slots, *args):
+            sizes.append(len(slots))
+            return fn(state, slots, *args)
+
+        return call
+
+    for name in ("_insert", "_release"):
+        monkeypatch.setattr(steps, name, recorded(getattr(steps, name)))
+    engine = Engine(CFG, graphdef, ECFG, SAMPLED)  # 8 slots: slot 7 is the last, next to the pad
+    state, prefix = engine.prefill(params, engine.init_state(), PROMPTS[0])
+    state = engine.bulk_insert(state, prefix, [7, 1, 4], 3, [5, 6, 7], samples=[0, 1, 2],
+                               keep=True)  # fmt: skip
+    state = engine.bulk_insert(state, prefix, [0, 2, 3, 5, 6], 3, 4, samples=[3, 4, 5, 6, 7])
+    lengths, sample, max_new = jax.device_get((state.lengths, state.sample_id, state.max_new))
+    cached = len(PROMPTS[0]) - 1
+    assert lengths.tolist() == [cached] * 8
+    assert sample.tolist() == [3, 1, 4, 5, 2, 6, 7, 0]
+    assert max_new.tolist() == [4, 6, 4, 4, 7, 4, 4, 5]
+    state = engine.free_slots_of(state, [7, 0, 3])
+    active = [s not in (7, 0, 3) for s in range(8)]
+    assert jax.device_get(state.active).tolist() == active
+    assert sizes == [4, 8, 4]  # 3 -> 4, 5 -> 8, 3 -> 4 slots
