@@ -7,6 +7,10 @@ task gradient (only the KL and entropy terms; with kl_in="reward" its centred KL
 when they run out, the batch is topped up with the zero-variance groups already drawn (they stay
 harmless: zero task advantage) and the shortfall is reported, so a step never stalls.
 
+With partial rollouts (`rl.partial`) the refill is per group instead of per round: a complete
+group found zero-variance is replaced by a fresh prompt at once (`informative`), within the same
+budget of B x (max_tries - 1) replacements per step.
+
 `sample_groups(n)` is the caller's rollout: it samples n prompts x G completions and returns a list
 of n group records plus their rewards f32[n*G]. This module knows nothing about what a record is.
 """
@@ -61,3 +65,20 @@ def fill_groups(
         "dynamic_sampling_shortfall": float(shortfall),
     }
     return kept, np.concatenate(kept_rewards), stats
+
+
+def selection_rewards(groups) -> np.ndarray:
+    """f32 [n*G] rewards for the zero-variance test of groups (`rl.rollout.Group`): a masked
+    sample takes the value of its group's first kept sample, so it neither makes nor hides a
+    spread."""
+    out = []
+    for grp in groups:
+        r, keep = np.array(grp.rewards, np.float32), grp.keep()
+        r[~keep] = r[keep][0] if keep.any() else 0.0
+        out.append(r)
+    return np.concatenate(out)
+
+
+def informative(group) -> bool:
+    """Whether a group's rewards differ (DAPO keeps it)."""
+    return len(select_groups(selection_rewards([group]), len(group.rewards))) > 0

@@ -22,9 +22,16 @@ Checkpoints: a step with `drain=True` (a checkpoint step, the last) admits only 
 groups in flight up to B and decodes until all have ended, so a saved state holds no episode in
 flight and a resumed run is bitwise equal to an uninterrupted one. A stop requested during a
 step (SIGTERM) turns it into a draining one when its B groups are complete: it trains every
-group in flight (up to B + extra) and saves. Each step admits at most B + extra groups, and a
-step's request ids are step * (B + extra) + j. A version is a GRPO step (the parameters the
-sampler saw), whatever the number of optimizer steps in it.
+group in flight (up to B + extra) and saves. Each step admits at most B + extra groups (plus
+the replacements of dynamic sampling, below), and a step's request ids are
+step * (B + extra + replacements) + j. A version is a GRPO step (the parameters the sampler
+saw), whatever the number of optimizer steps in it.
+
+Dynamic sampling (`rl.dynamic_sampling`): each group is judged as it completes (its score waited
+for, so every process decides alike); a zero-variance one stops counting towards B and, while
+the step's B x (max_tries - 1) replacements last, a fresh prompt is queued in its place (request
+ids after the step's first B + extra). Once they are spent, zero-variance groups count and
+top the batch up after the informative ones; those not trained are dropped at the step's end.
 
 Multi-turn episodes whose tool latency decides which groups end first make the step a group
 trains in depend on that latency (within the bound); single-turn rollouts are deterministic.
@@ -35,6 +42,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from rl.dynamic_sampling import informative
 from sampling.episodes import EpisodeLoop
 
 
@@ -47,6 +55,9 @@ class PartialRollouts:
         self.b, self.g = c.data.prompts_per_step, c.rl.num_generations
         self.extra, self.eta = c.rl.extra_groups, c.rl.max_staleness
         self.refresh = c.rl.refresh_kv_on_update
+        self.ds = bool(c.rl.dynamic_sampling)
+        # Dynamic sampling: zero-variance groups replaced per step at most.
+        self.budget = self.b * (c.rl.dynamic_sampling_max_tries - 1) if self.ds else 0
         sampler = rollouts.episodes
         if sampler is None:
             self.loop = EpisodeLoop(rollouts.engine, self.g, on_finish=self._on_finish)
@@ -54,9 +65,12 @@ class PartialRollouts:
             self.loop = sampler.loop(self.g, self._on_finish)
         self.groups: dict[int, tuple] = {}  # key -> (record, prompt), until trained
         self.done: dict[int, tuple] = {}  # key -> (completions, score future), complete
+        self.scored: dict = {}  # key -> rl.rollout.Group, once its score was waited for
+        self.zero: set[int] = set()  # keys in `done` judged zero-variance (dynamic sampling)
         self.next_key = 0
         self.generated: list[int] = []  # lengths of the episodes that ended in this step
         self.waits = 0  # decode calls of this step spent waiting for a group at the bound
+        self.replaced = 0  # zero-variance groups replaced in this step
 
     def _on_finish(self, key, k, completion) -> None:
         self.generated.append(completion.length)
@@ -75,6 +89,52 @@ class PartialRollouts:
         """Groups not trained yet (in flight or complete): none after a drained step."""
         return len(self.groups)
 
+    def _add(self, step: int, records, first: int) -> None:
+        """Queues records as new groups, with request ids step * stride + first + j, unique over
+        steps and replacements (stride: the most groups a step admits)."""
+        prompts = self.r.prompts_of(records)
+        keys = list(range(self.next_key, self.next_key + len(records)))
+        self.next_key += len(records)
+        for key, record, prompt in zip(keys, records, prompts):
+            self.groups[key] = (record, prompt)
+            if self.r.episodes is not None:
+                self.r.episodes.begin(key, record, self.g)
+        base = step * (self.b + self.extra + self.budget) + first
+        self.loop.add(prompts, request_ids=range(base, base + len(records)), keys=keys)
+
+    def _judge(self, step: int, data) -> None:
+        """Dynamic sampling: each group complete since the last call is scored (waited for, so
+        that every process decides alike); a zero-variance one joins `zero` and, while the
+        step's budget lasts, a fresh prompt is queued in its place."""
+        if not self.ds:
+            return
+        new = [k for k in self.done if k not in self.scored]
+        zero = [k for k in new if not informative(self._scored(k))]
+        self.zero.update(zero)
+        n = min(len(zero), self.budget - self.replaced)
+        if n > 0:
+            self._add(step, data.take(n), self.b + self.extra + self.replaced)
+            self.replaced += n
+
+    def _scored(self, key):
+        """The `rl.rollout.Group` of a complete group (waits for its score)."""
+        if key not in self.scored:
+            completions, scored = self.done[key]
+            if self.r.episodes is None:
+                self.scored[key] = scored.result()
+            else:
+                record, prompt = self.groups[key]
+                episodes, rewards = scored
+                self.scored[key] = self.r.episode_group(
+                    record, prompt, episodes, completions, rewards.result()
+                )
+        return self.scored[key]
+
+    def _complete(self) -> int:
+        """Complete groups that count towards the batch: with dynamic sampling the informative
+        ones, and the zero-variance ones too once the step's replacements are spent."""
+        return len(self.done) - (len(self.zero) if self.replaced < self.budget else 0)
+
     def sample(self, step: int, params, state, data, drain):
         """(state, the step's groups, stats): B groups, or every group in flight when draining.
         `drain`: a bool, or a callable asked (once B groups are complete) whether to drain after
@@ -82,48 +142,54 @@ class PartialRollouts:
         c = self.r.config
         asked = drain if callable(drain) else (lambda: drain)
         draining = [bool(asked())]  # latched: once draining, the step drains
+        self.generated, self.waits, self.replaced = [], 0, 0
 
         def until():
-            if not enough(self.loop, len(self.done), self.b, step, self.eta):
-                self.waits += len(self.done) >= self.b  # B complete, a group at the bound
+            self._judge(step, data)
+            if not enough(self.loop, self._complete(), self.b, step, self.eta):
+                self.waits += self._complete() >= self.b  # B complete, a group at the bound
                 return False
             draining[0] = draining[0] or bool(asked())
             return not draining[0]
 
         n_new = (self.b if draining[0] else self.b + self.extra) - self.carried
-        records = data.take(n_new) if n_new > 0 else []
-        if records:
-            prompts = self.r.prompts_of(records)
-            keys = list(range(self.next_key, self.next_key + len(records)))
-            self.next_key += len(records)
-            for key, record, prompt in zip(keys, records, prompts):
-                self.groups[key] = (record, prompt)
-                if self.r.episodes is not None:
-                    self.r.episodes.begin(key, record, self.g)
-            base = step * (self.b + self.extra)
-            self.loop.add(prompts, request_ids=range(base, base + len(records)), keys=keys)
+        if n_new > 0:
+            self._add(step, data.take(n_new), 0)
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         seed = int(jax.random.randint(jax.random.fold_in(root, 0), (), 0, 2**31 - 1))
-        self.generated, self.waits = [], 0
         try:
-            state = self.loop.run(params, state, seed, version=step,
-                                  until=None if draining[0] else until, refresh=self.refresh)  # fmt: skip
-            keys = select(self.loop, self.done, self.b, step, self.eta, draining[0])
-            groups = [self._group(key) for key in keys]
+            while True:  # again only for replacements queued after the loop ran dry
+                state = self.loop.run(params, state, seed, version=step,
+                                      until=None if draining[0] else until, refresh=self.refresh)  # fmt: skip
+                stopped = not self.loop.idle  # `until` ended the run, groups still in flight
+                self._judge(step, data)
+                if stopped or not self.loop.pending:
+                    break
+            keys = select(self.loop, [k for k in self.done if k not in self.zero], self.b, step,
+                          self.eta, draining[0])  # fmt: skip
+            spare = sorted(self.zero, key=lambda k: (self.loop.admitted[k], k))
+            top_up = spare[: max(self.b - len(keys), 0)]  # zero-variance groups fill the batch
+            groups = [self._group(key) for key in keys + top_up]
+            dropped = [self._group(key) for key in spare[len(top_up) :]]  # never trained
         except BaseException:
             if self.r.episodes is not None:
                 self.r.episodes.abandon()  # what unscored episodes hold (workspaces)
             raise
-        return state, groups, self._stats(step, groups)
+        stats = self._stats(step, groups)
+        if self.ds:
+            stats["dynamic_sampling_replacements"] = float(self.replaced)
+            stats["dynamic_sampling_dropped_groups"] = float(len(dropped))
+            stats["dynamic_sampling_shortfall"] = float(len(top_up))
+        return state, groups, stats
 
     def _group(self, key: int):
-        completions, scored = self.done.pop(key)
-        record, prompt = self.groups.pop(key)
+        """A complete group's `rl.rollout.Group`, forgotten here (trained or dropped)."""
+        grp = self._scored(key)
+        for d in (self.done, self.groups, self.scored):
+            d.pop(key)
+        self.zero.discard(key)
         self.loop.forget(key)
-        if self.r.episodes is None:
-            return scored.result()
-        episodes, rewards = scored
-        return self.r.episode_group(record, prompt, episodes, completions, rewards.result())
+        return grp
 
     def _stats(self, step: int, groups) -> dict[str, float]:
         ages, generated = [], [c for grp in groups for c in grp.completions]
@@ -172,8 +238,6 @@ def check_partial(c) -> list[tuple[str, object, str]]:
     if c.rl.old_logp != "recompute":
         bad.append(("rl.old_logp", c.rl.old_logp, "partial rollouts need the proximal policy "
                     "pi_old recomputed by the learner ('recompute')"))  # fmt: skip
-    if c.rl.dynamic_sampling:
-        bad.append(("rl.dynamic_sampling", True, "not supported with partial rollouts"))
     if c.sampling.min_new_tokens:
         bad.append(("sampling.min_new_tokens", c.sampling.min_new_tokens,
                     "must be 0 with partial rollouts (a resumed turn would ban stop ids again)"))  # fmt: skip

@@ -39,7 +39,7 @@ import numpy as np
 
 from rl.advantages import compute_advantages
 from rl.data import reward_inputs, tokenize_prompts
-from rl.dynamic_sampling import fill_groups
+from rl.dynamic_sampling import fill_groups, selection_rewards
 from rl.learner import Batch
 from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
 from rl.packing import Layout, build_batch
@@ -302,17 +302,6 @@ class Rollouts:
         self.pool.shutdown()
         if self.episodes is not None:
             self.episodes.close()
-
-
-def selection_rewards(groups: list[Group]) -> np.ndarray:
-    """f32 [n*G] rewards for dynamic sampling's zero-variance test: a masked sample takes the value
-    of its group's first kept sample, so it neither makes nor hides a spread."""
-    out = []
-    for grp in groups:
-        r, keep = np.array(grp.rewards, np.float32), grp.keep()
-        r[~keep] = r[keep][0] if keep.any() else 0.0
-        out.append(r)
-    return np.concatenate(out)
 
 
 def env_prompts(env, records, max_prompt_len: int, prompt_field: str) -> list[list[int]]:

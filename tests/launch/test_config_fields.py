@@ -117,7 +117,6 @@ def test_bad_values_name_the_config_field(override, message):
         ([], "config.rl.is_correction='none': partial rollouts train on tokens of older policies"),
         (["rl.is_correction=tis", "rl.extra_groups=0"], "config.rl.extra_groups=0: must be in [1, data.prompts_per_step=16]"),
         (["rl.is_correction=mis", "rl.max_staleness=0"], "config.rl.max_staleness=0: must be >= 1"),
-        (["rl.is_correction=tis", "rl.dynamic_sampling=True"], "config.rl.dynamic_sampling=True: not supported"),
         (["rl.is_correction=tis", "sampling.min_new_tokens=1"], "config.sampling.min_new_tokens=1: must be 0"),
     ],
 )  # fmt: skip

@@ -4,7 +4,8 @@ process is killed mid-step and both are restarted. The KL is folded into the rew
 (kl_in="reward"), so the rollout's gather of the shaped rewards from every process is on the
 path. Partial rollouts are on (rl/partial.py; its loop is the synchronous one's, plus the
 carry-over): episodes carried across steps, so every process must make the same carry-over
-decisions, and the kill lands in a step that carries episodes."""
+decisions, and the kill lands in a step that carries episodes. DAPO's dynamic sampling replaces
+zero-variance groups as they complete, a decision every process makes alike."""
 
 import json
 import os
@@ -30,6 +31,7 @@ TINY = [
     "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1", "--config.rl.partial_rollouts=True",
     "--config.rl.extra_groups=4", "--config.rl.is_correction=tis",
     "--config.sampling.steps_per_call=1", "--config.sampling.temperature=1.5",
+    "--config.rl.dynamic_sampling=True",
 ]  # fmt: skip
 
 
@@ -92,6 +94,7 @@ def test_two_processes_equal_one_even_after_one_dies(tmp_path):
     rows = [json.loads(x) for x in open(single / "metrics.jsonl") if '"loss"' in x]
     assert rows[0]["rollout/carried_episodes"] + rows[2]["rollout/carried_episodes"] > 0
     assert rows[1]["rollout/carried_groups"] == rows[3]["rollout/carried_groups"] == 0  # drained
+    assert sum(r["dynamic_sampling_replacements"] for r in rows) > 0
     for step in a:
         got, want = list(b[step].values()), list(a[step].values())
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"step {step}")

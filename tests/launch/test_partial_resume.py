@@ -1,6 +1,7 @@
 """Partial rollouts survive kill -9: a run whose steps carry episodes across learner steps, killed
 mid-run and restarted with the same command, ends bitwise equal to the uninterrupted run
-(checkpoint steps drain their carried episodes, so a saved state holds none)."""
+(checkpoint steps drain their carried episodes, so a saved state holds none), with DAPO's
+dynamic sampling replacing zero-variance groups as they complete."""
 
 import json
 import random
@@ -22,6 +23,7 @@ ARGS = [
     "--config.sampling.num_slots=8", "--config.sampling.steps_per_call=1",
     "--config.sampling.temperature=1.5", "--config.checkpoint_every=4", "--config.eval_every=0",
     "--config.data.eval.num=8", "--config.eval.pass_k=0", "--config.rl.kl_coef=0.04",
+    "--config.rl.dynamic_sampling=True",  # zero-variance groups replaced mid-rollout
 ]  # fmt: skip
 
 
@@ -58,6 +60,7 @@ def test_partial_rollouts_kill9_then_resume_is_exact(tmp_path):
     assert any(r["rollout/carried_episodes"] > 0 for r in rows)  # episodes parked mid-decode
     assert any(r["rollout/offpolicy_token_frac"] > 0 for r in rows)  # ... and trained later
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+    assert any(r["dynamic_sampling_replacements"] > 0 for r in rows)
     _kill_after_commit(killed, rng.uniform(0.0, 0.3), tmp_path / "kill.log")
     assert 0 < _latest(killed) < STEPS
     out = subprocess.run(_cmd(killed), cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -13,6 +13,7 @@ from launch.cli import parse_args
 from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
 from rl.partial import enough, select
+from rl.reward_registry import register_reward
 
 B, G, ETA, STEPS = 2, 4, 1, 5
 ARGS = [
@@ -165,3 +166,61 @@ def test_enough_waits_for_a_group_at_the_bound_and_select_trains_the_oldest():
     assert select(loop, done, 2, step=4, eta=1, drain=False) == [1, 2]  # both past the bound
     assert select(loop, done, 1, step=6, eta=3, drain=False) == [1, 2]  # forced: both at 6+1-3
     assert select(loop, done, 1, step=4, eta=4, drain=True) == [1, 2, 4]  # draining: every one
+
+
+@register_reward("test_partial_ds")
+def _ds_reward(prompts, completions, **_):
+    """Zero-variance for every other prompt (all 0), else each completion's own text hash."""
+    return [0.0 if sum(map(ord, p)) % 2 else float(sum(map(ord, c)) % 97 + 1)
+            for p, c in zip(prompts, completions)]  # fmt: skip
+
+
+def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete():
+    """With rl.dynamic_sampling, a complete zero-variance group is replaced by a fresh prompt at
+    once (within B x (max_tries - 1) per step) and never trained unless the budget ran out
+    (`dynamic_sampling_shortfall`); every record drawn is trained or dropped exactly once, with
+    request ids unique over steps and replacements, and the drained last step leaves nothing."""
+    b, tries, steps = 4, 2, 4
+    config = parse_args([
+        "--config.mesh.data=8", f"--config.data.prompts_per_step={b}",
+        "--config.rl.num_generations=4",
+        "--config.rl.partial_rollouts=True", "--config.rl.is_correction=tis",
+        "--config.rl.dynamic_sampling=True", f"--config.rl.dynamic_sampling_max_tries={tries}",
+        "--config.rl.extra_groups=2", "--config.sampling.num_slots=8",
+        "--config.sampling.max_new_tokens=6", "--config.sampling.steps_per_call=1",
+        "--config.sampling.temperature=4.0",
+    ], {})[0]  # fmt: skip
+    config.rl.rewards = {"test_partial_ds": 1.0}
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=b, seed=0))
+    drawn, ids = [], []
+    take, rollouts = data.take, run.rollouts()
+    data.take = lambda n: drawn.extend(take(n)) or drawn[-n:]
+    add = rollouts.partial.loop.add
+
+    def spy_add(prompts, request_ids=None, keys=None):
+        ids.extend(request_ids)
+        return add(prompts, request_ids=request_ids, keys=keys)
+
+    rollouts.partial.loop.add = spy_add
+    trained, totals = [], {"replacements": 0, "dropped": 0, "shortfall": 0}
+    for step in range(steps):
+        rollout = rollouts(step, run.state.params, data, drain=step == steps - 1)
+        zero = [np.ptp(grp.rewards) == 0 for grp in rollout.groups]
+        assert len(rollout.groups) == b if step < steps - 1 else len(rollout.groups) >= b
+        stats = rollout.stats
+        assert sum(zero) == stats["dynamic_sampling_shortfall"]
+        assert stats["dynamic_sampling_replacements"] <= b * (tries - 1)
+        if stats["dynamic_sampling_shortfall"]:  # only once the replacements are spent
+            assert stats["dynamic_sampling_replacements"] == b * (tries - 1)
+        for key in totals:
+            totals[key] += stats[
+                f"dynamic_sampling_{'dropped_groups' if key == 'dropped' else key}"
+            ]
+        trained += [grp.record["prompt"] for grp in rollout.groups]
+    rollouts.close()
+    assert rollouts.carried == 0 and rollouts.partial.loop.idle
+    assert totals["replacements"] > 0 and totals["dropped"] > 0
+    assert len(trained) + totals["dropped"] == len(drawn)  # each record once: trained or dropped
+    assert sorted(trained) == sorted(set(trained))
+    assert len(set(ids)) == len(ids) == len(drawn)
