@@ -15,23 +15,28 @@ always, and weights by pi_old/behaviour through `rl.is_correction` (tis or mis):
 
 Staleness bound `rl.max_staleness` (eta): a group is carried past step s only if each of its
 tokens would be at most eta versions old in step s+1's batch; otherwise the rollout waits for it
-(nothing is dropped, so long episodes are not trained less often than short ones). Complete
-groups past the bound go into the batch first; as rl.extra_groups <= B the batch stays B.
+(nothing is dropped for its length, so long episodes are not trained less often than short
+ones). Complete groups past the bound go into the batch first; as rl.extra_groups <= B the batch
+stays B (with dynamic sampling's shortfalls, below, more than extra groups can be carried, and a
+later step may have to train more than B of them).
 
 Checkpoints: a step with `drain=True` (a checkpoint step, the last) admits only what brings the
 groups in flight up to B and decodes until all have ended, so a saved state holds no episode in
 flight and a resumed run is bitwise equal to an uninterrupted one. A stop requested during a
 step (SIGTERM) turns it into a draining one when its B groups are complete: it trains every
-group in flight (up to B + extra) and saves. Each step admits at most B + extra groups (plus
-the replacements of dynamic sampling, below), and a step's request ids are
-step * (B + extra + replacements) + j. A version is a GRPO step (the parameters the sampler
+group in flight (up to B + extra) and saves. Each step admits at most B + extra groups plus
+dynamic sampling's replacements (R = B x (max_tries - 1), below; 0 without it), and a step's
+request ids are step * (B + extra + R) + j. A version is a GRPO step (the parameters the sampler
 saw), whatever the number of optimizer steps in it.
 
-Dynamic sampling (`rl.dynamic_sampling`): each group is judged as it completes (its score waited
-for, so every process decides alike); a zero-variance one stops counting towards B and, while
-the step's B x (max_tries - 1) replacements last, a fresh prompt is queued in its place (request
-ids after the step's first B + extra). Once they are spent, zero-variance groups count and
-top the batch up after the informative ones; those not trained are dropped at the step's end.
+Dynamic sampling (`rl.dynamic_sampling`): complete groups are judged (their scores waited for)
+once they could complete the batch, so that rewards are computed behind decoding and yet every
+process, and a resumed run, decides alike. A zero-variance group does not count towards B and,
+while the step's R replacements last, a fresh prompt is queued in its place (request ids after
+the step's first B + extra). Once the R are spent and have all completed (as the synchronous
+refill waits for its last round), zero-variance groups count and top the batch up after the
+informative ones (`dynamic_sampling_shortfall`); the others are dropped at the step's end,
+dropped for their reward, not their length. A stop requested mid-step queues no replacement.
 
 Multi-turn episodes whose tool latency decides which groups end first make the step a group
 trains in depend on that latency (within the bound); single-turn rollouts are deterministic.
@@ -70,7 +75,7 @@ class PartialRollouts:
         self.next_key = 0
         self.generated: list[int] = []  # lengths of the episodes that ended in this step
         self.waits = 0  # decode calls of this step spent waiting for a group at the bound
-        self.replaced = 0  # zero-variance groups replaced in this step
+        self.replacements: set[int] = set()  # keys of this step's replacement groups
 
     def _on_finish(self, key, k, completion) -> None:
         self.generated.append(completion.length)
@@ -89,7 +94,7 @@ class PartialRollouts:
         """Groups not trained yet (in flight or complete): none after a drained step."""
         return len(self.groups)
 
-    def _add(self, step: int, records, first: int) -> None:
+    def _add(self, step: int, records, first: int) -> list[int]:
         """Queues records as new groups, with request ids step * stride + first + j, unique over
         steps and replacements (stride: the most groups a step admits)."""
         prompts = self.r.prompts_of(records)
@@ -101,20 +106,23 @@ class PartialRollouts:
                 self.r.episodes.begin(key, record, self.g)
         base = step * (self.b + self.extra + self.budget) + first
         self.loop.add(prompts, request_ids=range(base, base + len(records)), keys=keys)
+        return keys
 
-    def _judge(self, step: int, data) -> None:
-        """Dynamic sampling: each group complete since the last call is scored (waited for, so
-        that every process decides alike); a zero-variance one joins `zero` and, while the
-        step's budget lasts, a fresh prompt is queued in its place."""
-        if not self.ds:
-            return
+    def _judge(self, step: int, data, force: bool, replace: bool) -> None:
+        """Dynamic sampling: scores the groups complete since the last judgement (waiting for
+        them) once they could complete the batch, or with `force`, and not before, so slow
+        rewards run behind decoding yet every process, and a resumed run, decides alike. A
+        zero-variance group joins `zero`; with `replace`, while the step's budget lasts, a fresh
+        prompt is queued in its place."""
         new = [k for k in self.done if k not in self.scored]
+        if not (self.ds and new) or (not force and self._informative() + len(new) < self.b):
+            return
         zero = [k for k in new if not informative(self._scored(k))]
         self.zero.update(zero)
-        n = min(len(zero), self.budget - self.replaced)
+        n = min(len(zero), self.budget - len(self.replacements)) if replace else 0
         if n > 0:
-            self._add(step, data.take(n), self.b + self.extra + self.replaced)
-            self.replaced += n
+            first = self.b + self.extra + len(self.replacements)
+            self.replacements.update(self._add(step, data.take(n), first))
 
     def _scored(self, key):
         """The `rl.rollout.Group` of a complete group (waits for its score)."""
@@ -130,10 +138,19 @@ class PartialRollouts:
                 )
         return self.scored[key]
 
+    def _informative(self) -> int:
+        """Complete groups judged informative."""
+        return sum(k in self.scored and k not in self.zero for k in self.done)
+
     def _complete(self) -> int:
-        """Complete groups that count towards the batch: with dynamic sampling the informative
-        ones, and the zero-variance ones too once the step's replacements are spent."""
-        return len(self.done) - (len(self.zero) if self.replaced < self.budget else 0)
+        """Complete groups that count towards the batch: without dynamic sampling every one;
+        with it the informative ones, and the zero-variance ones too once the step's
+        replacements are spent and have all completed (as the synchronous refill waits for its
+        last round before it tops the batch up)."""
+        if not self.ds:
+            return len(self.done)
+        spent = len(self.replacements) >= self.budget and self.replacements <= self.done.keys()
+        return self._informative() + (len(self.zero) if spent else 0)
 
     def sample(self, step: int, params, state, data, drain):
         """(state, the step's groups, stats): B groups, or every group in flight when draining.
@@ -142,14 +159,16 @@ class PartialRollouts:
         c = self.r.config
         asked = drain if callable(drain) else (lambda: drain)
         draining = [bool(asked())]  # latched: once draining, the step drains
-        self.generated, self.waits, self.replaced = [], 0, 0
+        stopping = [False]  # a drain asked for mid-step (a stop): no more replacements
+        self.generated, self.waits, self.replacements = [], 0, set()
 
         def until():
-            self._judge(step, data)
+            self._judge(step, data, force=False, replace=not stopping[0])
             if not enough(self.loop, self._complete(), self.b, step, self.eta):
                 self.waits += self._complete() >= self.b  # B complete, a group at the bound
                 return False
-            draining[0] = draining[0] or bool(asked())
+            stopping[0] = stopping[0] or (not draining[0] and bool(asked()))
+            draining[0] = draining[0] or stopping[0]
             return not draining[0]
 
         n_new = (self.b if draining[0] else self.b + self.extra) - self.carried
@@ -162,7 +181,7 @@ class PartialRollouts:
                 state = self.loop.run(params, state, seed, version=step,
                                       until=None if draining[0] else until, refresh=self.refresh)  # fmt: skip
                 stopped = not self.loop.idle  # `until` ended the run, groups still in flight
-                self._judge(step, data)
+                self._judge(step, data, force=True, replace=not stopping[0])
                 if stopped or not self.loop.pending:
                     break
             keys = select(self.loop, [k for k in self.done if k not in self.zero], self.b, step,
@@ -170,16 +189,17 @@ class PartialRollouts:
             spare = sorted(self.zero, key=lambda k: (self.loop.admitted[k], k))
             top_up = spare[: max(self.b - len(keys), 0)]  # zero-variance groups fill the batch
             groups = [self._group(key) for key in keys + top_up]
-            dropped = [self._group(key) for key in spare[len(top_up) :]]  # never trained
+            for key in spare[len(top_up) :]:  # dropped: never trained
+                self._group(key)
         except BaseException:
             if self.r.episodes is not None:
                 self.r.episodes.abandon()  # what unscored episodes hold (workspaces)
             raise
         stats = self._stats(step, groups)
         if self.ds:
-            stats["dynamic_sampling_replacements"] = float(self.replaced)
-            stats["dynamic_sampling_dropped_groups"] = float(len(dropped))
-            stats["dynamic_sampling_shortfall"] = float(len(top_up))
+            stats["dynamic_sampling_replacements"] = float(len(self.replacements))
+            stats["dynamic_sampling_dropped_groups"] = float(len(spare))  # found (as synchronous)
+            stats["dynamic_sampling_shortfall"] = float(len(top_up))  # ... and trained anyway
         return state, groups, stats
 
     def _group(self, key: int):

@@ -170,17 +170,20 @@ def test_enough_waits_for_a_group_at_the_bound_and_select_trains_the_oldest():
 
 @register_reward("test_partial_ds")
 def _ds_reward(prompts, completions, **_):
-    """Zero-variance for every other prompt (all 0), else each completion's own text hash."""
-    return [0.0 if sum(map(ord, p)) % 2 else float(sum(map(ord, c)) % 97 + 1)
+    """Zero-variance for two prompts in three (all 0), else each completion's own text hash."""
+    return [0.0 if sum(map(ord, p)) % 3 else float(sum(map(ord, c)) % 97 + 1)
             for p, c in zip(prompts, completions)]  # fmt: skip
 
 
-def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete():
-    """With rl.dynamic_sampling, a complete zero-variance group is replaced by a fresh prompt at
-    once (within B x (max_tries - 1) per step) and never trained unless the budget ran out
-    (`dynamic_sampling_shortfall`); every record drawn is trained or dropped exactly once, with
-    request ids unique over steps and replacements, and the drained last step leaves nothing."""
-    b, tries, steps = 4, 2, 4
+@pytest.mark.parametrize("tries", [1, 2])
+def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
+    """With rl.dynamic_sampling, a complete zero-variance group is replaced by a fresh prompt
+    (within B x (max_tries - 1) per step) and trained only to top the batch up once the
+    replacements are spent and all complete (`dynamic_sampling_shortfall`; at once with
+    max_tries 1); every record drawn is trained or dropped exactly once, with request ids unique
+    over steps and replacements, and the last step, asked to stop once its batch is complete
+    (a SIGTERM), queues no more replacements and drains."""
+    b, steps = 4, 4
     config = parse_args([
         "--config.mesh.data=8", f"--config.data.prompts_per_step={b}",
         "--config.rl.num_generations=4",
@@ -196,31 +199,39 @@ def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete():
     drawn, ids = [], []
     take, rollouts = data.take, run.rollouts()
     data.take = lambda n: drawn.extend(take(n)) or drawn[-n:]
-    add = rollouts.partial.loop.add
+    partial = rollouts.partial
+    add = partial.loop.add
 
     def spy_add(prompts, request_ids=None, keys=None):
         ids.extend(request_ids)
         return add(prompts, request_ids=request_ids, keys=keys)
 
-    rollouts.partial.loop.add = spy_add
-    trained, totals = [], {"replacements": 0, "dropped": 0, "shortfall": 0}
+    partial.loop.add = spy_add
+    trained, totals = [], {"replacements": 0, "dropped_groups": 0, "shortfall": 0}
+    asked = []  # ids queued when asked whether to stop
+
+    def stop():
+        asked.append(len(ids))
+        return len(asked) > 1  # no at the start of the step, yes once its batch is complete
+
     for step in range(steps):
-        rollout = rollouts(step, run.state.params, data, drain=step == steps - 1)
+        rollout = rollouts(step, run.state.params, data, drain=stop if step == steps - 1 else False)
         zero = [np.ptp(grp.rewards) == 0 for grp in rollout.groups]
         assert len(rollout.groups) == b if step < steps - 1 else len(rollout.groups) >= b
-        stats = rollout.stats
-        assert sum(zero) == stats["dynamic_sampling_shortfall"]
-        assert stats["dynamic_sampling_replacements"] <= b * (tries - 1)
-        if stats["dynamic_sampling_shortfall"]:  # only once the replacements are spent
-            assert stats["dynamic_sampling_replacements"] == b * (tries - 1)
-        for key in totals:
-            totals[key] += stats[
-                f"dynamic_sampling_{'dropped_groups' if key == 'dropped' else key}"
-            ]
+        stats = {k: rollout.stats[f"dynamic_sampling_{k}"] for k in totals}
+        assert sum(zero) == stats["shortfall"] <= stats["dropped_groups"]
+        assert stats["replacements"] <= b * (tries - 1)
+        if stats["shortfall"] and step < steps - 1:  # once replacements are spent and ended
+            assert stats["replacements"] == b * (tries - 1)
+            assert partial.replacements.isdisjoint(partial.groups)
+        totals = {k: v + stats[k] for k, v in totals.items()}
         trained += [grp.record["prompt"] for grp in rollout.groups]
     rollouts.close()
-    assert rollouts.carried == 0 and rollouts.partial.loop.idle
-    assert totals["replacements"] > 0 and totals["dropped"] > 0
-    assert len(trained) + totals["dropped"] == len(drawn)  # each record once: trained or dropped
+    assert rollouts.carried == 0 and partial.loop.idle
+    assert len(asked) == 2 and len(ids) == asked[-1]  # nothing queued once asked to stop
+    assert totals["dropped_groups"] > 0
+    assert totals["replacements"] > 0 if tries > 1 else totals["shortfall"] > 0
+    # Each record drawn once, then trained or dropped (found zero-variance and not trained).
+    assert len(trained) + totals["dropped_groups"] - totals["shortfall"] == len(drawn)
     assert sorted(trained) == sorted(set(trained))
     assert len(set(ids)) == len(ids) == len(drawn)
