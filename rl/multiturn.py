@@ -155,7 +155,10 @@ class EpisodeSampler:
         return state, [(scored[i][0], done[i], scored[i][1]) for i in range(len(records))]
 
     def close(self) -> None:
+        """Waits for the tool calls running, then releases what episodes still live hold
+        (a run stopped with groups in flight, e.g. after non-finite steps)."""
         self.pool.shutdown()
+        self.abandon()
 
 
 def reprefill_tokens(groups) -> int:

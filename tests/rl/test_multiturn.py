@@ -135,3 +135,33 @@ def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
         assert run.engines["rollout"].allocator.num_used == 0 or not (
             config.sampling.release_kv_between_phases
         )
+
+
+def test_closing_the_sampler_releases_the_episodes_still_live():
+    """A run stopped with groups in flight (non-finite steps, partial rollouts carrying some)
+    closes its sampler: every episode begun and not scored is closed once, after the tool
+    calls running have returned."""
+    from types import SimpleNamespace
+
+    from rl.multiturn import EpisodeSampler
+
+    closed = []
+
+    class Counting(Scripted):
+        def __init__(self):  # no tokenizer: nothing here is decoded
+            pass
+
+        def close(self, episode):
+            closed.append(episode)
+
+    env = Counting()
+    cfg = SimpleNamespace(max_turns=3, max_turn_tokens=0, max_tool_seconds=60.0, tool_workers=2)
+    sampler = EpisodeSampler(env, SimpleNamespace(cfg=SimpleNamespace(vocab_size=16)), None, cfg)
+    for key in range(3):
+        sampler.begin(key, {"prompt": str(key)}, 2)
+    episodes, rewards = sampler.score(1)  # scored: closed by the scoring
+    rewards.result()
+    live = [ep for eps in sampler.live.values() for ep in eps]
+    sampler.close()
+    assert len(closed) == 6 and {id(e) for e in closed} == {id(e) for e in live + episodes}
+    assert sampler.live == {}
