@@ -85,6 +85,7 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     version = [0]
     stints = _spy(run.engines["rollout"], version)
     state, carried, midturn, at_bound, waits, utils = run.state, [], 0, 0, 0.0, []
+    generated, trained = [], []  # episode lengths, as they end and as they are trained
     asked = []  # the last step: a stop requested while its rollout runs (launch.train's SIGTERM)
 
     def stop():
@@ -130,6 +131,8 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
                                               np.float32(model))  # fmt: skip
                 i += 1
         waits += rollout.stats["rollout/staleness_waits"]
+        generated += rollouts.partial.generated
+        trained += [c.length for grp in rollout.groups for c in grp.completions]
         assert len(rollout.groups) >= B
         stats = rollout.stats
         assert stats["rollout/staleness_max"] <= ETA
@@ -144,6 +147,7 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     assert midturn > 0, "no trained turn was carried across a learner step"
     assert at_bound > 0  # tokens exactly eta versions old were trained, none older
     assert waits > 0, "no rollout had to wait for a group at the staleness bound"
+    assert sorted(trained) == sorted(generated)  # over the run: the lengths generated, trained
 
 
 class _Loop:
