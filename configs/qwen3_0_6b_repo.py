@@ -59,4 +59,7 @@ def get_config():
     c.sampling.page_size = 32
     c.sampling.num_pages = 64 * 512 + 1
     c.sampling.steps_per_call = 64
+    # Episodes here are long-tailed (a few run 10x the median, or wait on slow test runs). To
+    # keep the slots busy through the tail, carry the unfinished ones across learner steps:
+    # --config.rl.partial_rollouts=True --config.rl.is_correction=tis (README: Partial rollouts).
     return c
