@@ -4,6 +4,8 @@ policy version, their observations in place, no trained token is older than the 
 bound, and rollouts do wait for a group at the bound (`enough` and `select` are also checked on
 hand-made states)."""
 
+from collections import Counter
+
 import jax
 import numpy as np
 import pytest
@@ -76,9 +78,11 @@ def _spy(engine, version):
 
 
 @pytest.mark.slow  # 5 rollouts and learner steps on the mesh (~30 s each cold); fast: the unit test
-@pytest.mark.parametrize("refresh", [False, True], ids=["keep_kv", "refresh_kv"])
-def test_carried_episodes_train_on_what_each_version_sampled(refresh):
-    config = parse_args([*ARGS, f"--config.rl.refresh_kv_on_update={refresh}"], {})[0]
+@pytest.mark.parametrize("refresh, dynamic", [(False, False), (True, False), (False, True)],
+                         ids=["keep_kv", "refresh_kv", "dynamic_sampling"])  # fmt: skip
+def test_carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
+    config = parse_args([*ARGS, f"--config.rl.refresh_kv_on_update={refresh}",
+                         f"--config.rl.dynamic_sampling={dynamic}"], {})[0]  # fmt: skip
     run = build(config)
     data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
     rollouts = run.rollouts()
@@ -86,6 +90,7 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     stints = _spy(run.engines["rollout"], version)
     state, carried, midturn, at_bound, waits, utils = run.state, [], 0, 0, 0.0, []
     generated, trained = [], []  # episode lengths, as they end and as they are trained
+    replaced = 0  # zero-variance groups replaced (dynamic sampling)
     asked = []  # the last step: a stop requested while its rollout runs (launch.train's SIGTERM)
 
     def stop():
@@ -132,6 +137,7 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
                 i += 1
         waits += rollout.stats["rollout/staleness_waits"]
         generated += rollouts.partial.generated
+        replaced += rollout.stats.get("dynamic_sampling_replacements", 0)
         trained += [c.length for grp in rollout.groups for c in grp.completions]
         assert len(rollout.groups) >= B
         stats = rollout.stats
@@ -147,7 +153,10 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh):
     assert midturn > 0, "no trained turn was carried across a learner step"
     assert at_bound > 0  # tokens exactly eta versions old were trained, none older
     assert waits > 0, "no rollout had to wait for a group at the staleness bound"
-    assert sorted(trained) == sorted(generated)  # over the run: the lengths generated, trained
+    if dynamic:  # episodes of zero-variance groups are dropped: trained ones are generated ones
+        assert replaced > 0 and not Counter(trained) - Counter(generated)
+    else:  # over the run: the lengths generated, trained
+        assert sorted(trained) == sorted(generated)
 
 
 class _Loop:
