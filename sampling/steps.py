@@ -82,6 +82,11 @@ def _pad(x, n: int, value: int = 0) -> np.ndarray:
     return np.pad(x, (0, n - len(x)), constant_values=value) if x.ndim else x
 
 
+def _put(slots, x, value):
+    """x with rows `slots` set to value; out-of-range slots (the padding) write nothing."""
+    return x.at[slots].set(value, mode="drop")
+
+
 def insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
     copy_dst, layout,
@@ -104,7 +109,7 @@ def _insert(
 ):  # fmt: skip
     # Unused copy entries are (0, 0): the null page copied onto itself.
     copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
-    put = lambda x, v: x.at[slots].set(v, mode="drop")  # out-of-range slots: padding
+    put = functools.partial(_put, slots)
     state = state.replace(
         k_pages=copy(state.k_pages),
         v_pages=copy(state.v_pages),
@@ -130,7 +135,7 @@ def release(state, slots, layout):
 
 @functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
 def _release(state, slots, layout):
-    put = lambda x, v: x.at[slots].set(v, mode="drop")
+    put = functools.partial(_put, slots)
     state = state.replace(active=put(state.active, False), shared_len=put(state.shared_len, 0))
     return _constrain(state, layout)
 
