@@ -109,8 +109,8 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         saving = last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
         # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py), and
         # so does one during which a stop is requested.
-        drain = lambda saving=bool(saving): saving or preemption.requested()  # noqa: E731
-        rollout = rollouts(step, state.params, data, drain)  # on the learner's own arrays
+        rollout = rollouts(step, state.params, data, drain=bool(saving),
+                           stop=preemption.requested)  # on the learner's own arrays  # fmt: skip
         t1 = time.perf_counter()
         state, history = learner.learn(state, run.ref_params, rollout.batch)
         t2 = time.perf_counter()

@@ -8,8 +8,9 @@ when they run out, the batch is topped up with the zero-variance groups already 
 harmless: zero task advantage) and the shortfall is reported, so a step never stalls.
 
 With partial rollouts (`rl.partial`) the refill is per group instead of per round: a complete
-group found zero-variance is replaced by a fresh prompt at once (`informative`), within the same
-budget of B x (max_tries - 1) replacements per step.
+group found zero-variance (`informative`; judged once the complete groups could fill the batch
+or a slot idles) is replaced by a fresh prompt, within the same budget of B x (max_tries - 1)
+replacements per step.
 
 `sample_groups(n)` is the caller's rollout: it samples n prompts x G completions and returns a list
 of n group records plus their rewards f32[n*G]. This module knows nothing about what a record is.

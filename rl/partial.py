@@ -22,21 +22,23 @@ later step may have to train more than B of them).
 
 Checkpoints: a step with `drain=True` (a checkpoint step, the last) admits only what brings the
 groups in flight up to B and decodes until all have ended, so a saved state holds no episode in
-flight and a resumed run is bitwise equal to an uninterrupted one. A stop requested during a
-step (SIGTERM) turns it into a draining one when its B groups are complete: it trains every
-group in flight (up to B + extra) and saves. Each step admits at most B + extra groups plus
+flight and a resumed run is bitwise equal to an uninterrupted one. A stop requested (SIGTERM;
+`stop`, asked at the start of a step and when its B groups are complete) turns the step into a
+draining one: it trains every group in flight (B + extra, or more with dynamic sampling's
+replacements and shortfalls) and saves. Each step admits at most B + extra groups plus
 dynamic sampling's replacements (R = B x (max_tries - 1), below; 0 without it), and a step's
 request ids are step * (B + extra + R) + j. A version is a GRPO step (the parameters the sampler
 saw), whatever the number of optimizer steps in it.
 
 Dynamic sampling (`rl.dynamic_sampling`): complete groups are judged (their scores waited for)
-once they could complete the batch, so that rewards are computed behind decoding and yet every
-process, and a resumed run, decides alike. A zero-variance group does not count towards B and,
+once they could complete the batch or a slot has nothing to decode, so that rewards are computed
+behind decoding and yet every process, and a resumed run, decides alike (rewards must then be
+deterministic, as in synchronous steps). A zero-variance group does not count towards B and,
 while the step's R replacements last, a fresh prompt is queued in its place (request ids after
 the step's first B + extra). Once the R are spent and have all completed (as the synchronous
 refill waits for its last round), zero-variance groups count and top the batch up after the
 informative ones (`dynamic_sampling_shortfall`); the others are dropped at the step's end,
-dropped for their reward, not their length. A stop requested mid-step queues no replacement.
+dropped for their reward, not their length. Once a stop is requested no replacement is queued.
 
 Multi-turn episodes whose tool latency decides which groups end first make the step a group
 trains in depend on that latency (within the bound); single-turn rollouts are deterministic.
@@ -110,12 +112,14 @@ class PartialRollouts:
 
     def _judge(self, step: int, data, force: bool, replace: bool) -> None:
         """Dynamic sampling: scores the groups complete since the last judgement (waiting for
-        them) once they could complete the batch, or with `force`, and not before, so slow
-        rewards run behind decoding yet every process, and a resumed run, decides alike. A
-        zero-variance group joins `zero`; with `replace`, while the step's budget lasts, a fresh
-        prompt is queued in its place."""
+        them) once they could complete the batch, or a slot has nothing to decode (the loop is
+        `starved`), or with `force`, and not before: slow rewards run behind decoding, yet every
+        process, and a resumed run, decides alike. A zero-variance group joins `zero`; with
+        `replace`, while the step's budget lasts, a fresh prompt is queued in its place."""
         new = [k for k in self.done if k not in self.scored]
-        if not (self.ds and new) or (not force and self._informative() + len(new) < self.b):
+        if not (self.ds and new):
+            return
+        if not (force or self.loop.starved or self._informative() + len(new) >= self.b):
             return
         zero = [k for k in new if not informative(self._scored(k))]
         self.zero.update(zero)
@@ -152,23 +156,25 @@ class PartialRollouts:
         spent = len(self.replacements) >= self.budget and self.replacements <= self.done.keys()
         return self._informative() + (len(self.zero) if spent else 0)
 
-    def sample(self, step: int, params, state, data, drain):
+    def sample(self, step: int, params, state, data, drain: bool, stop=None):
         """(state, the step's groups, stats): B groups, or every group in flight when draining.
-        `drain`: a bool, or a callable asked (once B groups are complete) whether to drain after
-        all, e.g. a stop requested while the rollout runs."""
+        `drain`: a checkpoint step. `stop`: None, or a callable asked at the start and once B
+        groups are complete whether a stop was requested (SIGTERM); then the step drains too,
+        and queues no more replacements."""
         c = self.r.config
-        asked = drain if callable(drain) else (lambda: drain)
-        draining = [bool(asked())]  # latched: once draining, the step drains
-        stopping = [False]  # a drain asked for mid-step (a stop): no more replacements
+        stop = stop or (lambda: False)
+        stopping = [bool(stop())]  # latched, as is draining: once draining, the step drains
+        draining = [bool(drain) or stopping[0]]
         self.generated, self.waits, self.replacements = [], 0, set()
 
-        def until():
+        def until():  # asked by the loop before each decode call: whether to stop here
             self._judge(step, data, force=False, replace=not stopping[0])
+            if draining[0]:
+                return False  # on until every group has ended
             if not enough(self.loop, self._complete(), self.b, step, self.eta):
                 self.waits += self._complete() >= self.b  # B complete, a group at the bound
                 return False
-            stopping[0] = stopping[0] or (not draining[0] and bool(asked()))
-            draining[0] = draining[0] or stopping[0]
+            stopping[0] = draining[0] = bool(stop())  # asked once the batch is complete
             return not draining[0]
 
         n_new = (self.b if draining[0] else self.b + self.extra) - self.carried
@@ -178,8 +184,8 @@ class PartialRollouts:
         seed = int(jax.random.randint(jax.random.fold_in(root, 0), (), 0, 2**31 - 1))
         try:
             while True:  # again only for replacements queued after the loop ran dry
-                state = self.loop.run(params, state, seed, version=step,
-                                      until=None if draining[0] else until, refresh=self.refresh)  # fmt: skip
+                state = self.loop.run(params, state, seed, version=step, until=until,
+                                      refresh=self.refresh)  # fmt: skip
                 stopped = not self.loop.idle  # `until` ended the run, groups still in flight
                 self._judge(step, data, force=True, replace=not stopping[0])
                 if stopped or not self.loop.pending:

@@ -165,11 +165,11 @@ class Rollouts:
         active, total = (a - b for a, b in zip(self.engine.slot_steps, before))
         return active / max(total, 1)
 
-    def _sample_partial(self, step, params, data, drain):
+    def _sample_partial(self, step, params, data, drain, stop):
         prefill_before, slot_steps = self.engine.prefill_tokens, list(self.engine.slot_steps)
         state = self.engine.init_state() if self.decode_state is None else self.decode_state
         self.decode_state = None  # donated below; kept again only once the call has returned
-        state, groups, stats = self.partial.sample(step, params, state, data, drain)
+        state, groups, stats = self.partial.sample(step, params, state, data, drain, stop)
         idle = self.partial.loop.idle
         if not (idle and self.config.sampling.release_kv_between_phases):
             self.decode_state = state  # episodes in flight keep their pages across the step
@@ -178,13 +178,14 @@ class Rollouts:
         stats["rollout/slot_utilization"] = self._utilization(slot_steps)
         return groups, stats
 
-    def __call__(self, step: int, params, data, drain=False) -> Rollout:
-        """Step `step`'s Rollout. With partial rollouts `drain` (a bool, or a callable asked when
-        the batch is complete) ends the step with no episode in flight (a checkpoint step, a
-        requested stop); otherwise it is ignored (nothing is ever carried)."""
+    def __call__(self, step: int, params, data, drain=False, stop=None) -> Rollout:
+        """Step `step`'s Rollout. With partial rollouts `drain` (a checkpoint step) ends the step
+        with no episode in flight, and so does `stop` (None, or a callable asked at the start of
+        the step and once its batch is complete whether a stop was requested); otherwise both
+        are ignored (nothing is ever carried)."""
         c = self.config
         if self.partial is not None:
-            groups, stats = self._sample_partial(step, params, data, drain)
+            groups, stats = self._sample_partial(step, params, data, drain, stop)
         else:
             groups, stats = self._sample(step, params, data)
         s = c.sampling

@@ -108,6 +108,12 @@ class EpisodeLoop:
         """Nothing queued, decoding, parked or waiting."""
         return not (self.pending or self.owner or self.waiting or self.ready or self._open)
 
+    @property
+    def starved(self) -> bool:
+        """A slot of the engine is free and nothing of this loop is there to take it (nothing
+        queued, parked ready or partly inserted)."""
+        return bool(self.engine.free_slots) and not (self.pending or self.ready or self._open)
+
     def in_flight(self) -> set:
         """Keys admitted whose G episodes have not all ended."""
         return {k for k in self.admitted if any(c is None for c in self.results[k])}

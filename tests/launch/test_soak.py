@@ -68,9 +68,9 @@ def soak(steps: int, workdir) -> list[dict]:
         rows.append(dict(step=step, lowerings=lowerings[0], rss=_rss_bytes(),
                          live=len(jax.live_arrays())))  # fmt: skip
 
-    def rollout(self, step, params, data, drain=False):
+    def rollout(self, step, params, data, drain=False, stop=None):
         snapshot(step + 1)
-        return original(self, step, params, data, drain)
+        return original(self, step, params, data, drain, stop)
 
     def final_evaluate(run, state, records, log, step):
         if step == steps:

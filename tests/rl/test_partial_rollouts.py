@@ -99,7 +99,7 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
 
     for step in range(STEPS):
         version[0] = step
-        rollout = rollouts(step, state.params, data, drain=stop if step == STEPS - 1 else False)
+        rollout = rollouts(step, state.params, data, stop=stop if step == STEPS - 1 else None)
         carried.append(rollouts.carried)
         b, layout = jax.device_get(rollout.batch), rollout.layout
         drawn = {}  # (request, sample) -> [(version, ids, logprobs)] in the order drawn
@@ -228,7 +228,7 @@ def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
         return len(asked) > 1  # no at the start of the step, yes once its batch is complete
 
     for step in range(steps):
-        rollout = rollouts(step, run.state.params, data, drain=stop if step == steps - 1 else False)
+        rollout = rollouts(step, run.state.params, data, stop=stop if step == steps - 1 else None)
         zero = [np.ptp(grp.rewards) == 0 for grp in rollout.groups]
         assert len(rollout.groups) == b if step < steps - 1 else len(rollout.groups) >= b
         stats = {k: rollout.stats[f"dynamic_sampling_{k}"] for k in totals}
