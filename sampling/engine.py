@@ -262,7 +262,8 @@ class Engine(Turns):
         rows = rows[1:] if keep else rows  # rows[0]: the prefix's own references, kept
         prefix.consumed = not keep
         self.free_slots = [s for s in self.free_slots if s not in slots]
-        src, dst = np.array(copies + [(0, 0)] * (g - len(copies)), np.int32).T  # (0, 0): unused
+        # (0, 0) unused: padded to g, the copies come in the slots' (power-of-two) sizes.
+        src, dst = np.array(copies + [(0, 0)] * (g - len(copies)), np.int32).T
         for k, s, r, c in zip(samples, slots, rows, cap):
             self.table.set_row(s, r)
             self._ids[s] = (request_id, int(k))
