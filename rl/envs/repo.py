@@ -340,7 +340,11 @@ class RepoEnv(Environment):
             # the alarm (e.g. ignored SIGALRM), so it scores 0. Anywhere else (before collection,
             # between tests, or a phase younger than its alarm: a slow machine): masked.
             where = rs.last_phase(run.stdout)
-            if where and where[0] != "run" and run.seconds - where[1] > self.per_test + GRACE_S:
+            if (
+                where
+                and where[0] in ("collect", "test")
+                and run.seconds - where[1] > self.per_test + GRACE_S
+            ):
                 ep.grade_timeout = where[0]
                 ep.metrics = {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
                 return 0.0

@@ -219,10 +219,11 @@ except (OSError, UnicodeError) as e:
 
 # The graded run: the pristine test files are put back (a model cannot pass by editing its
 # tests), then pytest runs the node ids in this process with an alarm over collection (importing
-# the model's code: conftest.py, the package, the test modules) and one per test. It reports its
-# phase on a copy of the real stdout (pytest captures fd 1): `PHASE <collect|test|run> <seconds
-# since start>`, so that when the whole run passes its wall limit the environment can tell the
-# model's code outliving its alarm (its fault) from the harness being slow (masked).
+# the model's code: conftest.py, the package, the test modules; pytest's own start-up is not
+# timed) and one per test. It reports its phase on a copy of the real stdout (pytest captures
+# fd 1): `PHASE <start|collect|test|run> <seconds since start>`, so that when the whole run passes
+# its wall limit the environment can tell the model's code outliving its alarm (its fault) from
+# the harness being slow (masked).
 GRADE = (
     _HEAD
     + r"""
@@ -261,6 +262,14 @@ def collect_alarm(*_):
 
 
 class Collect:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_load_initial_conftests(self):
+        # pytest has started (its own imports, installed plugins): collection's alarm starts
+        # here, before the first conftest.py, so that it times the model's code only.
+        phase("collect")
+        signal.signal(signal.SIGALRM, collect_alarm)
+        signal.alarm(A["per_test"])
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item):
         phase("test")
@@ -294,9 +303,7 @@ class Collect:
 # stop the run before the other files' tests ran ("not found").
 wanted = set(A["nodes"])
 files = sorted({n.split("::")[0] for n in wanted})
-phase("collect")
-signal.signal(signal.SIGALRM, collect_alarm)
-signal.alarm(A["per_test"])
+phase("start")
 code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider",
                     "--continue-on-collection-errors", *files], plugins=[Collect()])
 passed = {n: ("call", "passed") in r and not any(o == "failed" for _, o in r)

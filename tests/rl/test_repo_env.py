@@ -173,7 +173,7 @@ def _hang_at_import(env, task, code):
 def test_a_hang_at_import_scores_0_not_masked(tasks):
     """Collecting the tests imports the model's code under an alarm of env.per_test_timeout_s:
     a fixed module that then sleeps at import is a collection error, reward 0, not masked."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=1))
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=2))
     try:
         reward, ep = _hang_at_import(env, tasks[0], "\\nimport time\\ntime.sleep(60)\\n")
     finally:
@@ -187,7 +187,7 @@ def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
     """Code that ignores SIGALRM and hangs at import is killed with the whole graded run at
     env.test_timeout_s; it was in collection (the model's code) for longer than its alarm, so it
     scores 0 unmasked (a harness timeout elsewhere stays masked)."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=7.0, per_test_timeout_s=1))
+    env = RepoEnv(TOK, make_config(test_timeout_s=8.0, per_test_timeout_s=2))
     code = (
         "\\nimport signal, time\\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\\ntime.sleep(60)\\n"
     )
