@@ -262,13 +262,18 @@ def collect_alarm(*_):
 
 
 class Collect:
-    @pytest.hookimpl(tryfirst=True)
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_load_initial_conftests(self):
         # pytest has started (its own imports, installed plugins): collection's alarm starts
         # here, before the first conftest.py, so that it times the model's code only.
         phase("collect")
         signal.signal(signal.SIGALRM, collect_alarm)
         signal.alarm(A["per_test"])
+        try:
+            return (yield)
+        except Exception as e:  # the model's conftest.py failed (or hung) at import
+            broken.append(os.path.relpath(str(getattr(e, "path", "conftest.py")), root))
+            raise
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item):
