@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from rl.shaping import select_groups
+from sampling.agreement import check_agreed
 
 
 def fill_groups(
@@ -78,6 +79,15 @@ def selection_rewards(groups) -> np.ndarray:
         r[~keep] = r[keep][0] if keep.any() else 0.0
         out.append(r)
     return np.concatenate(out)
+
+
+def check_rewards_agree(groups) -> None:
+    """Multi-process runs: the groups' rewards and masks must be the same on every process
+    before anything is decided from them (`sampling.agreement.check_agreed`)."""
+    values = [np.asarray(grp.rewards, np.float64) for grp in groups]
+    values += [grp.keep().astype(np.float64) for grp in groups]
+    need = "deterministic rewards, and infrastructure errors (masked episodes) seen everywhere"
+    check_agreed(np.concatenate(values) if values else np.zeros(0), "rewards", need)
 
 
 def informative(group) -> bool:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from rl.dynamic_sampling import informative
+from rl.dynamic_sampling import check_rewards_agree, informative
 from sampling.episodes import EpisodeLoop
 
 
@@ -121,6 +121,7 @@ class PartialRollouts:
             return
         if not (force or self.loop.starved or self._informative() + len(new) >= self.b):
             return
+        check_rewards_agree([self._scored(k) for k in new])  # before deciding from them
         zero = [k for k in new if not informative(self._scored(k))]
         self.zero.update(zero)
         n = min(len(zero), self.budget - len(self.replacements)) if replace else 0
@@ -159,8 +160,8 @@ class PartialRollouts:
     def sample(self, step: int, params, state, data, drain: bool, stop=None):
         """(state, the step's groups, stats): B groups, or every group in flight when draining.
         `drain`: a checkpoint step. `stop`: None, or a callable asked at the start and once B
-        groups are complete whether a stop was requested (SIGTERM); then the step drains too,
-        and queues no more replacements."""
+        groups are complete (or, if the loop ran dry first, once all have ended) whether a stop
+        was requested (SIGTERM); then the step drains too, and queues no more replacements."""
         c = self.r.config
         stop = stop or (lambda: False)
         stopping = [bool(stop())]  # latched, as is draining: once draining, the step drains
@@ -190,11 +191,14 @@ class PartialRollouts:
                 self._judge(step, data, force=True, replace=not stopping[0])
                 if stopped or not self.loop.pending:
                     break
+            if not (stopped or draining[0]):  # ran dry before `until` saw the batch complete
+                stopping[0] = draining[0] = bool(stop())  # all ended: draining trains them all
             keys = select(self.loop, [k for k in self.done if k not in self.zero], self.b, step,
                           self.eta, draining[0])  # fmt: skip
             spare = sorted(self.zero, key=lambda k: (self.loop.admitted[k], k))
             top_up = spare[: max(self.b - len(keys), 0)]  # zero-variance groups fill the batch
             groups = [self._group(key) for key in keys + top_up]
+            check_rewards_agree(groups)
             for key in spare[len(top_up) :]:  # dropped: never trained
                 self._group(key)
         except BaseException:

@@ -39,7 +39,7 @@ import numpy as np
 
 from rl.advantages import compute_advantages
 from rl.data import reward_inputs, tokenize_prompts
-from rl.dynamic_sampling import fill_groups, selection_rewards
+from rl.dynamic_sampling import check_rewards_agree, fill_groups, selection_rewards
 from rl.learner import Batch
 from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
 from rl.packing import Layout, build_batch
@@ -254,6 +254,7 @@ class Rollouts:
             base = (step * max_tries + len(rounds)) * b
             rounds.append(n)
             groups = self.sample_groups(params, records, prompts, seed, range(base, base + n))
+            check_rewards_agree(groups)  # a refill round is decided from them
             return groups, selection_rewards(groups)
 
         if not c.rl.dynamic_sampling:

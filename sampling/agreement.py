@@ -1,6 +1,8 @@
-"""Multi-process agreement on tool answers: every process of a run runs the same episode loop on
-the same host values, so an answer counts once it is done everywhere, and must be the same
-everywhere (`sampling.episodes`)."""
+"""Multi-process agreement: every process of a run runs the same episode loop on the same host
+values, so a tool's answer counts once it is done everywhere, and must be the same everywhere
+(`sampling.episodes`); and host values that decide what is sampled or trained next (the
+rewards: dynamic sampling's replacements, the learner batch) must agree (`check_agreed`), or the
+processes would part ways and wait in different collectives forever."""
 
 from __future__ import annotations
 
@@ -20,16 +22,25 @@ def agreed_done(futures: list[Future]) -> list[Future]:
         return [f for f, d in zip(futures, done) if d]
     done = multihost_utils.process_allgather(done).reshape(-1, len(futures)).all(axis=0)
     agreed = [f for f, d in zip(futures, done) if d]
-    # Every process must append the same ids: a mismatch fails here instead of hanging later.
-    digest = np.array([_digest(f) for f in agreed], np.int64)
-    if agreed:
-        all_digests = multihost_utils.process_allgather(digest).reshape(-1, len(agreed))
-        if (all_digests != digest).any():
-            raise RuntimeError(
-                "an environment gave different observations on different processes; "
-                "multi-process runs need deterministic tools"
-            )
+    if agreed:  # every process must append the same ids: a mismatch fails here, not later
+        digests = np.array([_digest(f) for f in agreed], np.int32)
+        check_agreed(digests, "an environment's observations", "deterministic tools")
     return agreed
+
+
+def check_agreed(values: np.ndarray, what: str, need: str) -> None:
+    """Raises (naming `what`, and `need`: what a multi-process run needs) unless `values` are
+    the same on every process of a multi-process run. One small collective; none with one
+    process."""
+    if jax.process_count() == 1:
+        return
+    digest = np.array([_crc(np.ascontiguousarray(values).tobytes())], np.int32)
+    everywhere = multihost_utils.process_allgather(digest).reshape(-1)
+    if (everywhere != digest[0]).any():
+        raise RuntimeError(
+            f"{what} differ between processes (process {jax.process_index()} of "
+            f"{jax.process_count()}); multi-process runs need {need}"
+        )
 
 
 def _digest(future: Future) -> int:
@@ -39,4 +50,10 @@ def _digest(future: Future) -> int:
     answer = future.result()
     if answer is None:
         return -1
-    return zlib.crc32(np.asarray(list(answer), np.int64).tobytes())
+    return _crc(np.asarray(list(answer), np.int64).tobytes())
+
+
+def _crc(data: bytes) -> int:
+    """CRC-32 as a signed 32-bit int: collectives carry int32 (int64 only with jax_enable_x64),
+    and a crc of 2**31 or more would come back changed and differ from the process's own."""
+    return int(np.array(zlib.crc32(data), np.uint32).view(np.int32))

@@ -181,6 +181,31 @@ def test_enough_waits_for_a_group_at_the_bound_and_select_trains_the_oldest():
     assert select(loop, done, 1, step=4, eta=4, drain=True) == [1, 2, 4]  # draining: every one
 
 
+def test_a_stop_asked_when_every_group_ended_at_once_drains_the_step():
+    """Every sequence ends in the first decode call (3 tokens, calls of 8 steps, a slot for
+    each), so the loop runs dry before it could see a complete batch: a stop requested during
+    the step is still asked for once all have ended, and the step then trains every group
+    instead of carrying the extra ones (nothing is left to drain)."""
+    config = parse_args([
+        "--config.mesh.data=8", "--config.data.prompts_per_step=2",
+        "--config.rl.num_generations=4", "--config.rl.partial_rollouts=True",
+        "--config.rl.is_correction=tis", "--config.rl.extra_groups=2",
+        "--config.sampling.num_slots=16", "--config.sampling.max_new_tokens=3",
+        "--config.sampling.steps_per_call=8",
+    ], {})[0]  # fmt: skip
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
+    rollouts, asked = run.rollouts(), []
+
+    def stop():
+        asked.append(rollouts.carried)
+        return len(asked) > 1  # no at the start of the step, yes when asked again
+
+    rollout = rollouts(0, run.state.params, data, stop=stop)
+    rollouts.close()
+    assert asked == [0, 4] and len(rollout.groups) == 4 and rollouts.carried == 0
+
+
 @register_reward("test_partial_ds")
 def _ds_reward(prompts, completions, **_):
     """Zero-variance for two prompts in three (all 0), else each completion's own text hash."""
