@@ -345,8 +345,7 @@ class Engine(Turns):
         return r
 
     def _cascade_group(self) -> int:
-        """The block size the decode loop is compiled for: only the blockwise backend uses it,
-        so other backends always get 1 and are not recompiled per group size."""
+        """The decode loop's block size: blockwise only (others get 1, not one per group size)."""
         return self.group if self.backend == "blockwise" else 1
 
     def free_resource(self, state, slot: int) -> DecodeState:
@@ -373,8 +372,7 @@ class Engine(Turns):
         return take_slots(self.free_slots, g, self.group, self.ecfg.num_slots)
 
     def worst_case_pages(self, prompt_len: int, max_new, g: int) -> int:
-        """Pages a group of g samples (max_new: one or g budgets) may hold at its longest
-        (`page_allocator.group_pages`)."""
+        """Pages a group of g samples (max_new: one or g budgets) may hold (`group_pages`)."""
         return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
     def _reserved(self) -> int:

@@ -31,8 +31,9 @@ Reward, after submit or when a limit ends the episode: the original test files a
 FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
 else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails on its own alarm
 (`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (collection
-has the same alarm, from the first conftest.py on; a conftest.py or module that fails to import
-scores 0 too, and so does a run killed in collection or a test past its alarm); the whole run
+has the same alarm, from the first conftest.py on; a conftest.py or module that fails to import,
+or a pytest configuration pytest refuses, scores 0 too, as does a run killed in collection or a
+test past its alarm); the whole run
 passing `env.test_timeout_s` elsewhere, a
 sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
 infrastructure errors: `episode.infra_error` says which, `masked(episode)` is True and the reward
@@ -351,9 +352,11 @@ class RepoEnv(Environment):
                 return 0.0
             ep.infra_error = f"harness timeout ({run.reason}, {run.seconds:.1f} s, phase {where})"
             return 0.0
-        if not r.get("broken") and (r.get("exit") in (3, 4) or r.get("missing")):
-            # pytest's internal or usage error, or a node id the pristine tests do not define;
-            # not when the model's code broke collection (a conftest.py, a module): scored
+        # Exit status 4, a usage error: our arguments are fixed, so the workspace's pytest
+        # configuration (an ini file, a conftest.py) is at fault, as is a broken import: scored.
+        if not (r.get("broken") or r.get("exit") == 4) and (r.get("exit") == 3 or r.get("missing")):
+            # pytest's internal error (e.g. an alarm inside pytest: a slow machine), or a node
+            # id the pristine tests do not define: masked
             missing = r.get("missing", [])[:3]
             ep.infra_error = (
                 f"pytest exit status {r['exit']}, missing {missing}: {run.stdout[-300:]}"

@@ -183,26 +183,30 @@ def test_a_hang_at_import_scores_0_not_masked(tasks):
 
 
 @pytest.mark.slow  # a regression test; the fast tier has the alarm at import above
-def test_a_conftest_that_fails_or_hangs_at_import_scores_0_not_masked(tasks):
+def test_a_conftest_or_ini_that_breaks_pytest_scores_0_not_masked(tasks):
     """The model's conftest.py at the root is imported before collection (pytest's initial
-    conftests): raising there, or sleeping past the alarm, is its fault (pytest's exit status 4,
-    a usage error otherwise masked), so the fixed task scores 0, not masked."""
+    conftests): raising there, or sleeping past the alarm, is its fault, and so is an ini file
+    pytest refuses (both were pytest exit status 4, a usage error, and masked), so the fixed task
+    scores 0, not masked."""
     env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=2))
     fix = tasks[0]["fix"]
+    breaks = [("conftest.py", 'raise ImportError("mine")\\n'),
+              ("conftest.py", "import time\\ntime.sleep(60)\\n"),
+              ("pytest.ini", "[pytest]\\naddopts = --no-such-option\\n")]  # fmt: skip
     try:
-        for code in ('raise ImportError("mine")\\n', "import time\\ntime.sleep(60)\\n"):
+        for name, code in breaks:
             ep = env.start(tasks[0])
             edit = call("str_replace_editor", command="str_replace", path=fix["path"],
                         old_str=fix["old"], new_str=fix["new"])  # fmt: skip
             act(env, ep, edit)
-            act(env, ep, call("bash", command=f"printf '{code}' > conftest.py"))
+            act(env, ep, call("bash", command=f"printf '{code}' > {name}"))
             try:
                 reward = env.reward(ep)
             finally:
                 env.close(ep)
             assert reward == 0.0 and not env.masked(ep), (code, ep.infra_error)
             assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
-            assert not ep.grade_timeout  # its import failed (or its alarm fired): no hang
+            assert not ep.grade_timeout  # it failed (or its alarm fired): no hang
     finally:
         env.shutdown()
 
