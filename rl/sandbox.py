@@ -230,8 +230,23 @@ class Sandbox:
         if not self._bwrap:
             return "bwrap not found"
         if self.as_root not in _probed:
-            r = self.run("print('ok')")
-            _probed[self.as_root] = "" if r.stdout == "ok\n" else f"{r.reason}: {r.stderr[-300:]}"
+            # Generous limits: a slow start (a cold or loaded machine) must not turn bwrap off.
+            limits, self.limits = (
+                self.limits,
+                dataclasses.replace(
+                    self.limits,
+                    wall_s=max(self.limits.wall_s, 60.0),
+                    cpu_s=max(self.limits.cpu_s, 30),
+                ),
+            )
+            try:
+                r = self.run("print('ok')")
+            finally:
+                self.limits = limits
+            why = "" if r.stdout == "ok\n" else f"{r.reason}: {r.stderr[-300:]}"
+            if r.reason == "timeout":
+                return why  # not remembered: the next sandbox tries again
+            _probed[self.as_root] = why
         return _probed[self.as_root]
 
     def workspace(self) -> Workspace:

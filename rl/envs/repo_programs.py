@@ -262,10 +262,10 @@ def collect_alarm(*_):
 
 
 class Collect:
+    # Collection's alarm times the model's code only: the root conftest.py's import (once
+    # pytest itself has started: its imports, installed plugins), then collection proper.
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_load_initial_conftests(self):
-        # pytest has started (its own imports, installed plugins): collection's alarm starts
-        # here, before the first conftest.py, so that it times the model's code only.
         phase("collect")
         signal.signal(signal.SIGALRM, collect_alarm)
         signal.alarm(A["per_test"])
@@ -274,6 +274,12 @@ class Collect:
         except Exception as e:  # the model's conftest.py failed (or hung) at import
             broken.append(os.path.relpath(str(getattr(e, "path", "conftest.py")), root))
             raise
+        finally:
+            signal.alarm(0)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session):
+        signal.alarm(A["per_test"])
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item):

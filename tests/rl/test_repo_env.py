@@ -127,26 +127,30 @@ def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
     )
     slow = {"repo": str(repo), "problem": "p", "fail_to_pass": ["tests/test_slow.py::test_slow"],
             "pass_to_pass": []}  # fmt: skip
-    env = RepoEnv(TOK, make_config(test_timeout_s=3.0, per_test_timeout_s=60))
+    # The slow test's run passes the 3 s limit; the others are graded under 60 s (a slow
+    # machine must not time the control episode out as well).
+    harsh = RepoEnv(TOK, make_config(test_timeout_s=3.0, per_test_timeout_s=60))
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=60))
     try:
         group = [slow, {**tasks[0], "setup": "exit 1"}, {**tasks[0], "repo": str(tmp_path / "no")}]
         group += [tasks[0]]
         rewards, eps = [], []
-        for rec in group:
-            ep = env.start(rec)
-            act(env, ep, call("bash", command="true"))
-            rewards.append(env.reward(ep))
+        for rec, e in zip(group, [harsh, env, env, env]):
+            ep = e.start(rec)
+            act(e, ep, call("bash", command="true"))
+            rewards.append(e.reward(ep))
             eps.append(ep)
-            env.close(ep)
+            e.close(ep)
         assert [env.masked(ep) for ep in eps] == [True, True, True, False]
         assert eps[0].infra_error.startswith("harness timeout")
         assert eps[1].infra_error.startswith("setup failed")
         assert eps[2].infra_error.startswith("workspace: FileNotFoundError")
         assert rewards[3] == 0.0 and eps[3].metrics["pass_to_pass_frac"] == 1.0  # scored
     finally:
+        harsh.shutdown()
         env.shutdown()
     # A test that hangs on its own is the model's fault: it fails on the per-test alarm.
-    env = RepoEnv(TOK, make_config(test_timeout_s=30.0, per_test_timeout_s=1))
+    env = RepoEnv(TOK, make_config(test_timeout_s=30.0, per_test_timeout_s=2))
     try:
         ep = env.start(slow)
         assert env.reward(ep) == 0.0 and not env.masked(ep)
@@ -216,7 +220,7 @@ def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
     """Code that ignores SIGALRM and hangs at import is killed with the whole graded run at
     env.test_timeout_s; it was in collection (the model's code) for longer than its alarm, so it
     scores 0 unmasked (a harness timeout elsewhere stays masked)."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=8.0, per_test_timeout_s=2))
+    env = RepoEnv(TOK, make_config(test_timeout_s=10.0, per_test_timeout_s=2))
     code = (
         "\\nimport signal, time\\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\\ntime.sleep(60)\\n"
     )

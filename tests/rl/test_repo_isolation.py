@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from rl.envs.repo import RepoEnv
 from rl.sandbox import _live
 from tests.rl import repo_env_helpers
-from tests.rl.repo_env_helpers import act, call
+from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
 env, tasks = repo_env_helpers.env, repo_env_helpers.tasks  # the module fixtures
 
@@ -35,6 +36,14 @@ def test_32_concurrent_episodes_are_isolated(env, tasks, tmp_path):
     other workspace (by its host path and through /proc), reach a host socket and the host's
     files; host side: every secret intact, no connection, canary intact, no process left."""
     needs_bwrap(env)
+    env = RepoEnv(TOK, make_config(command_timeout_s=60.0))  # 8 probes at once on a slow host
+    try:
+        _attack_each_other(env, tasks, tmp_path)
+    finally:
+        env.shutdown()
+
+
+def _attack_each_other(env, tasks, tmp_path):
     canary = tmp_path / "canary"
     canary.write_text("host")
     server = socket.socket()

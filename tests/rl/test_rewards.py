@@ -197,7 +197,7 @@ def test_config_mistakes_still_raise(monkeypatch):
 
 def test_reward_timeout(monkeypatch):
     def slow(prompts, completions, **_):
-        time.sleep(1.0)
+        time.sleep(5.0)
         return [1.0] * len(completions)
 
     monkeypatch.setitem(rewards.REWARDS, "slow_test", slow)
@@ -208,9 +208,9 @@ def test_reward_timeout(monkeypatch):
         RuntimeWarning, match="'slow_test' failed \\(RewardTimeout: no result within"
     ):
         total, per = combined_rewards(
-            {"arithmetic_exact": 1.0, "slow_test": 1.0}, ["", ""], ["2", "4"], fields, timeout_s=0.2
+            {"arithmetic_exact": 1.0, "slow_test": 1.0}, ["", ""], ["2", "4"], fields, timeout_s=1.0
         )
-    assert time.monotonic() - start < 0.9  # the slow call was abandoned, not waited for
+    assert time.monotonic() - start < 4.0  # the slow call was abandoned, not waited for
     np.testing.assert_array_equal(total, [1.0, 1.0])
     np.testing.assert_array_equal(per["slow_test"], [0.0, 0.0])
     np.testing.assert_array_equal(per["slow_test_failed"], [1.0, 1.0])
