@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from rl.dynamic_sampling import check_rewards_agree, informative
+from sampling.agreement import agreed_done
 from sampling.episodes import EpisodeLoop
 
 
@@ -114,13 +115,20 @@ class PartialRollouts:
         """Dynamic sampling: scores the groups complete since the last judgement (waiting for
         them) once they could complete the batch, or a slot has nothing to decode (the loop is
         `starved`), or with `force`, and not before: slow rewards run behind decoding, yet every
-        process, and a resumed run, decides alike. A zero-variance group joins `zero`; with
-        `replace`, while the step's budget lasts, a fresh prompt is queued in its place."""
+        process, and a resumed run, decides alike. Multi-turn episodes (whose step already
+        follows tool latency) are judged without `force` only once scored on every process:
+        decoding never stops for an environment's grading. A zero-variance group joins `zero`;
+        with `replace`, while the step's budget lasts, a fresh prompt is queued in its place."""
         new = [k for k in self.done if k not in self.scored]
         if not (self.ds and new):
             return
         if not (force or self.loop.starved or self._informative() + len(new) >= self.b):
             return
+        if self.r.episodes is not None and not force:
+            scored = {id(f) for f in agreed_done([self.done[k][1][1] for k in new])}
+            new = [k for k in new if id(self.done[k][1][1]) in scored]
+            if not new:
+                return
         check_rewards_agree([self._scored(k) for k in new])  # before deciding from them
         zero = [k for k in new if not informative(self._scored(k))]
         self.zero.update(zero)

@@ -4,6 +4,7 @@ policy version, their observations in place, no trained token is older than the 
 bound, and rollouts do wait for a group at the bound (`enough` and `select` are also checked on
 hand-made states)."""
 
+import time
 from collections import Counter
 from concurrent.futures import Executor, Future
 
@@ -289,3 +290,53 @@ def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
     assert len(trained) + totals["dropped_groups"] - totals["shortfall"] == len(drawn)
     assert sorted(trained) == sorted(set(trained))
     assert len(set(ids)) == len(ids) == len(drawn)
+
+
+@register_env("test_partial_slow_grading")
+class SlowGrading(Varied):
+    """Varied, whose grading of an episode returns only once the rollout has made 3 more decode
+    calls, or has no sequence left to decode (`watch`, set by the test; 10 s at most)."""
+
+    watch = None  # (engine, dispatch counter [n]), set by the test
+    outcomes: list = []  # per graded episode: "decoded", "idle" or "timeout"
+
+    def reward(self, episode):
+        engine, calls = self.watch
+        start, deadline = calls[0], time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if calls[0] >= start + 3:
+                SlowGrading.outcomes.append("decoded")
+                break
+            if not engine._len:  # no busy slot: nothing the loop could decode meanwhile
+                SlowGrading.outcomes.append("idle")
+                break
+            time.sleep(0.002)
+        else:
+            SlowGrading.outcomes.append("timeout")
+        return super().reward(episode)
+
+
+@pytest.mark.slow  # two multi-turn rollouts on the mesh; a regression test
+def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
+    """Multi-turn groups are judged by dynamic sampling only once their grading has finished:
+    a grading that needs the loop to go on decoding (3 more decode calls) gets them; a loop
+    that waited for it would stall until the 10 s timeout."""
+    config = parse_args([*ARGS, "--config.env.name=test_partial_slow_grading",
+                         "--config.rl.dynamic_sampling=True"], {})[0]  # fmt: skip
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    rollouts = run.rollouts()
+    engine, calls = run.engines["rollout"], [0]
+    dispatch = engine.dispatch
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return dispatch(*args, **kwargs)
+
+    engine.dispatch = counting
+    SlowGrading.watch, SlowGrading.outcomes = (engine, calls), []
+    for step in range(2):
+        rollouts(step, run.state.params, data)
+    rollouts.close()
+    assert "timeout" not in SlowGrading.outcomes, SlowGrading.outcomes
+    assert "decoded" in SlowGrading.outcomes  # decoding went on while an episode was graded
