@@ -23,7 +23,8 @@ later step may have to train more than B of them).
 Checkpoints: a step with `drain=True` (a checkpoint step, the last) admits only what brings the
 groups in flight up to B and decodes until all have ended, so a saved state holds no episode in
 flight and a resumed run is bitwise equal to an uninterrupted one. A stop requested (SIGTERM;
-`stop`, asked at the start of a step and when its B groups are complete) turns the step into a
+`stop`, asked at the start of a step and when its B groups are complete, or when every group
+has ended if the loop ran dry first) turns the step into a
 draining one: it trains every group in flight (B + extra, or more with dynamic sampling's
 replacements and shortfalls) and saves. Each step admits at most B + extra groups plus
 dynamic sampling's replacements (R = B x (max_tries - 1), below; 0 without it), and a step's
@@ -33,7 +34,9 @@ saw), whatever the number of optimizer steps in it.
 Dynamic sampling (`rl.dynamic_sampling`): complete groups are judged (their scores waited for)
 once they could complete the batch or a slot has nothing to decode, so that rewards are computed
 behind decoding and yet every process, and a resumed run, decides alike (rewards must then be
-deterministic, as in synchronous steps). A zero-variance group does not count towards B and,
+deterministic, as in synchronous steps; multi-process runs check that they agree). Multi-turn
+groups are judged while slots decode only once scored (decoding does not wait for grading),
+which makes those decisions follow the grading's timing, as the step already follows the tools'. A zero-variance group does not count towards B and,
 while the step's R replacements last, a fresh prompt is queued in its place (request ids after
 the step's first B + extra). Once the R are spent and have all completed (as the synchronous
 refill waits for its last round), zero-variance groups count and top the batch up after the
@@ -115,17 +118,18 @@ class PartialRollouts:
         """Dynamic sampling: scores the groups complete since the last judgement (waiting for
         them) once they could complete the batch, or a slot has nothing to decode (the loop is
         `starved`), or with `force`, and not before: slow rewards run behind decoding, yet every
-        process, and a resumed run, decides alike. Multi-turn episodes (whose step already
-        follows tool latency) are judged without `force` only once scored on every process:
-        decoding never stops for an environment's grading. A zero-variance group joins `zero`;
+        process, and a resumed run, decides alike. Multi-turn groups (whose step already
+        follows tool latency) are judged without `force`, while slots decode, only once scored
+        on every process: decoding never stops for an environment's grading. A zero-variance group joins `zero`;
         with `replace`, while the step's budget lasts, a fresh prompt is queued in its place."""
         new = [k for k in self.done if k not in self.scored]
         if not (self.ds and new):
             return
         if not (force or self.loop.starved or self._informative() + len(new) >= self.b):
             return
-        if self.r.episodes is not None and not force:
-            scored = {id(f) for f in agreed_done([self.done[k][1][1] for k in new])}
+        if self.r.episodes is not None and not force and self.loop.owner:  # while decoding
+            futures = [self.done[k][1][1] for k in new]
+            scored = {id(f) for f in agreed_done(futures, "rewards", "deterministic rewards")}
             new = [k for k in new if id(self.done[k][1][1]) in scored]
             if not new:
                 return

@@ -243,10 +243,8 @@ class Sandbox:
                 r = self.run("print('ok')")
             finally:
                 self.limits = limits
-            why = "" if r.stdout == "ok\n" else f"{r.reason}: {r.stderr[-300:]}"
-            if r.reason == "timeout":
-                return why  # not remembered: the next sandbox tries again
-            _probed[self.as_root] = why
+            # Remembered, even a timeout: every sandbox of the process runs in the same mode.
+            _probed[self.as_root] = "" if r.stdout == "ok\n" else f"{r.reason}: {r.stderr[-300:]}"
         return _probed[self.as_root]
 
     def workspace(self) -> Workspace:

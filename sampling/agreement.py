@@ -14,9 +14,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-def agreed_done(futures: list[Future]) -> list[Future]:
+def agreed_done(
+    futures: list[Future], what="an environment's observations", need="deterministic tools"
+) -> list[Future]:
     """The futures that are done, on every process of a multi-process run: each process decides
-    the same resumes and admissions, as SPMD needs (`futures` is in the same order everywhere)."""
+    the same resumes and admissions, as SPMD needs (`futures` is in the same order everywhere).
+    Their answers must agree too (`check_agreed` with `what` and `need`)."""
     done = np.array([f.done() for f in futures], bool)
     if jax.process_count() == 1 or not futures:
         return [f for f, d in zip(futures, done) if d]
@@ -24,7 +27,7 @@ def agreed_done(futures: list[Future]) -> list[Future]:
     agreed = [f for f, d in zip(futures, done) if d]
     if agreed:  # every process must append the same ids: a mismatch fails here, not later
         digests = np.array([_digest(f) for f in agreed], np.int32)
-        check_agreed(digests, "an environment's observations", "deterministic tools")
+        check_agreed(digests, what, need)
     return agreed
 
 
@@ -50,7 +53,8 @@ def _digest(future: Future) -> int:
     answer = future.result()
     if answer is None:
         return -1
-    return _crc(np.asarray(list(answer), np.int64).tobytes())
+    values = np.asarray(list(answer))  # ids (tools) or floats (rewards), compared exactly
+    return _crc(values.dtype.str.encode() + values.tobytes())
 
 
 def _crc(data: bytes) -> int:

@@ -27,14 +27,14 @@ block); a template that ignores `tools` (its rendering does not change) or a tok
 none gets them described in a system message in Qwen's wording instead. The schemas, the
 instructions and the parsing of calls are `rl/envs/repo_tools.py`.
 
-Reward, after submit or when a limit ends the episode: the original test files are put back and
+Reward, after submit or when a limit ends the episode: the original test files, conftest.py files
+and pytest configuration files (HARNESS) are put back, any other files of those names deleted, and
 FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
 else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails on its own alarm
-(`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (collection
-has the same alarm, from the first conftest.py on; a conftest.py or module that fails to import,
-or a pytest configuration pytest refuses, scores 0 too, as does a run killed in collection or a
-test past its alarm); the whole run
-passing `env.test_timeout_s` elsewhere, a
+(`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (importing
+the root conftest.py and collecting have the same alarm; a module that fails to import, also
+through a conftest.py, scores 0 too, as does a run killed in collection or a test past its
+alarm); the whole run passing `env.test_timeout_s` elsewhere, a
 sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
 infrastructure errors: `episode.infra_error` says which, `masked(episode)` is True and the reward
 is 0.0 only because the caller needs a number: the rollout leaves such an episode out of the loss
@@ -50,6 +50,7 @@ Limits per episode (config `env`, read with defaults): `max_tool_calls` (40), `c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import posixpath
@@ -70,6 +71,7 @@ from rl.envs.repo_tools import (
 )
 from rl.sandbox import Limits
 
+HARNESS = ("conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 GRACE_S = 3.0  # a graded run killed this long past an alarm, in the model's code: its fault
 
 
@@ -95,6 +97,20 @@ def _read_pristine(repo: str, rel: str) -> str:
             except KeyError:
                 continue
     raise FileNotFoundError(f"{rel} is not in {repo}")
+
+
+@functools.lru_cache(maxsize=64)
+def _pristine_harness(repo: str) -> tuple[tuple[str, str], ...]:
+    """((path, text), ...): the repository's own conftest.py and pytest configuration files
+    (HARNESS names), which grading puts back as it does the tests."""
+    if os.path.isdir(repo):
+        rels = [os.path.relpath(os.path.join(d, n), repo)
+                for d, _, names in os.walk(repo) for n in names if n in HARNESS]  # fmt: skip
+    else:
+        with tarfile.open(repo) as tar:
+            rels = [m.name.removeprefix("./") for m in tar.getmembers()
+                    if m.isfile() and posixpath.basename(m.name) in HARNESS]  # fmt: skip
+    return tuple((rel, _read_pristine(repo, rel)) for rel in sorted(rels))
 
 
 def check_record(record: dict) -> dict:
@@ -327,10 +343,11 @@ class RepoEnv(Environment):
         try:
             files = sorted({n.split("::")[0] for n in f2p + p2p})
             tests = {f: _read_pristine(rec["repo"], f) for f in files}
+            tests.update(_pristine_harness(rec["repo"]))
         except (OSError, KeyError, UnicodeError, tarfile.TarError) as err:
             ep.infra_error = f"test files: {err}"
             return 0.0
-        args = {"nodes": f2p + p2p, "tests": tests, "per_test": self.per_test}
+        args = {"nodes": f2p + p2p, "tests": tests, "per_test": self.per_test, "harness": HARNESS}
         r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": self.grader.site})
         run = r["_run"]
         if not r["_started"]:
@@ -339,8 +356,9 @@ class RepoEnv(Environment):
         if run.reason == "timeout":
             # Killed at env.test_timeout_s. Inside the model's code (collecting = importing it,
             # or a test) for longer than its alarm allows: the model's code evaded or outlived
-            # the alarm (e.g. ignored SIGALRM), so it scores 0. Anywhere else (before collection,
-            # between tests, or a phase younger than its alarm: a slow machine): masked.
+            # the alarm (e.g. ignored SIGALRM), so it scores 0. Anywhere else (pytest starting or
+            # configuring, between tests, or a phase younger than its alarm: a slow machine):
+            # masked.
             where = rs.last_phase(run.stdout)
             if (
                 where
@@ -359,7 +377,7 @@ class RepoEnv(Environment):
             # id the pristine tests do not define: masked
             missing = r.get("missing", [])[:3]
             ep.infra_error = (
-                f"pytest exit status {r['exit']}, missing {missing}: {run.stdout[-300:]}"
+                f"pytest exit status {r.get('exit')}, missing {missing}: {run.stdout[-300:]}"
             )
             return 0.0
         passed = r.get("passed", {})  # missing (the run died after READY): all fail

@@ -217,13 +217,15 @@ except (OSError, UnicodeError) as e:
 """
 )
 
-# The graded run: the pristine test files are put back (a model cannot pass by editing its
-# tests), then pytest runs the node ids in this process with an alarm over collection (importing
-# the model's code: conftest.py, the package, the test modules; pytest's own start-up is not
-# timed) and one per test. It reports its phase on a copy of the real stdout (pytest captures
-# fd 1): `PHASE <start|collect|test|run> <seconds since start>`, so that when the whole run passes
-# its wall limit the environment can tell the model's code outliving its alarm (its fault) from
-# the harness being slow (masked).
+# The graded run: the pristine test files, conftest.py files and pytest configuration files are
+# put back and any others of those names deleted (a model cannot pass by editing its tests or
+# how pytest runs them), then pytest runs the node ids in this process with an alarm over each
+# part of collection that imports the model's code (the root conftest.py; then the package and
+# the test modules; pytest's own start-up and configuration are not timed) and one per test. It
+# reports its phase on a copy of the real stdout (pytest captures fd 1): `PHASE <start|collect|
+# configure|test|run> <seconds since start>`, so that when the whole run passes its wall limit
+# the environment can tell the model's code outliving its alarm (its fault) from the harness
+# being slow (masked).
 GRADE = (
     _HEAD
     + r"""
@@ -242,6 +244,10 @@ for rel, text in A["tests"].items():
         os.unlink(p)
     with open(p, "w") as f:
         f.write(text)
+for d, _, names in os.walk(root):  # pytest's configuration and conftest.py files: pristine only
+    for name in set(names) & set(A["harness"]):
+        if os.path.relpath(os.path.join(d, name), root) not in A["tests"]:
+            os.unlink(os.path.join(d, name))
 os.chdir(root)
 sys.path[:0] = [root, A["site"]]
 import pytest
@@ -262,23 +268,22 @@ def collect_alarm(*_):
 
 
 class Collect:
-    # Collection's alarm times the model's code only: the root conftest.py's import (once
-    # pytest itself has started: its imports, installed plugins), then collection proper.
+    # Collection's alarms time the code that imports the model's: the root conftest.py's import
+    # (once pytest itself has started: its imports, installed plugins), then collection proper.
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_load_initial_conftests(self):
         phase("collect")
         signal.signal(signal.SIGALRM, collect_alarm)
         signal.alarm(A["per_test"])
         try:
-            return (yield)
-        except Exception as e:  # the model's conftest.py failed (or hung) at import
-            broken.append(os.path.relpath(str(getattr(e, "path", "conftest.py")), root))
-            raise
+            return (yield)  # a failure here (the alarm included) is pytest's exit status 4
         finally:
             signal.alarm(0)
+            phase("configure")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session):
+        phase("collect")
         signal.alarm(A["per_test"])
 
     @pytest.hookimpl(hookwrapper=True)

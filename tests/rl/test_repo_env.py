@@ -186,33 +186,63 @@ def test_a_hang_at_import_scores_0_not_masked(tasks):
     assert ep.metrics["fail_to_pass_frac"] == 0.0 and not ep.grade_timeout  # its alarm fired
 
 
-@pytest.mark.slow  # a regression test; the fast tier has the alarm at import above
-def test_a_conftest_or_ini_that_breaks_pytest_scores_0_not_masked(tasks):
-    """The model's conftest.py at the root is imported before collection (pytest's initial
-    conftests): raising there, or sleeping past the alarm, is its fault, and so is an ini file
-    pytest refuses (both were pytest exit status 4, a usage error, and masked), so the fixed task
-    scores 0, not masked."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=2))
-    fix = tasks[0]["fix"]
-    breaks = [("conftest.py", 'raise ImportError("mine")\\n'),
-              ("conftest.py", "import time\\ntime.sleep(60)\\n"),
-              ("pytest.ini", "[pytest]\\naddopts = --no-such-option\\n")]  # fmt: skip
+FORGE = """import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    out = yield
+    out.get_result().outcome = "passed"
+"""
+
+
+def _graded(env, task, commands, fix=True):
+    """The reward and episode of `task` after its fix (with `fix`) and bash `commands`."""
+    ep = env.start(task)
+    if fix:
+        f = task["fix"]
+        act(env, ep, call("str_replace_editor", command="str_replace", path=f["path"],
+                          old_str=f["old"], new_str=f["new"]))  # fmt: skip
+    for command in commands:
+        act(env, ep, call("bash", command=command))
     try:
-        for name, code in breaks:
-            ep = env.start(tasks[0])
-            edit = call("str_replace_editor", command="str_replace", path=fix["path"],
-                        old_str=fix["old"], new_str=fix["new"])  # fmt: skip
-            act(env, ep, edit)
-            act(env, ep, call("bash", command=f"printf '{code}' > {name}"))
-            try:
-                reward = env.reward(ep)
-            finally:
-                env.close(ep)
-            assert reward == 0.0 and not env.masked(ep), (code, ep.infra_error)
-            assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
-            assert not ep.grade_timeout  # it failed (or its alarm fired): no hang
+        return env.reward(ep), ep
+    finally:
+        env.close(ep)
+
+
+@pytest.mark.slow  # five graded runs; a regression test (a conftest.py hook passed every test)
+def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(tasks, tmp_path):
+    """The model's conftest.py and pytest configuration files are deleted before grading (the
+    repository's own are put back): a conftest.py hook that reports every test passed does not
+    pass an unfixed task, and a broken conftest.py or ini file does not fail a fixed one. The
+    repository's own conftest.py runs, under the collection alarm: a module it imports that
+    fails or hangs at import is the model's fault (pytest's exit status 4), scored 0."""
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=2))
+    forge = f"cat > conftest.py <<'EOF'\n{FORGE}EOF\ncp conftest.py tests/conftest.py"
+    broken = ["printf 'raise ImportError(1)\\n' > conftest.py",
+              "printf '[pytest]\\naddopts = --no-such-option\\n' | tee pytest.ini tests/pytest.ini",
+              "printf '[tool.pytest.ini_options]\\naddopts = \"-p nope\"\\n' > pyproject.toml"]  # fmt: skip
+    repo = tmp_path / "own_conftest"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "conftest.py").write_text("import mod\n")
+    (repo / "mod.py").write_text("def f():\n    return 1\n")
+    (repo / "tests" / "test_mod.py").write_text(
+        "import mod\n\n\ndef test_f():\n    assert mod.f() == 1\n"
+    )
+    own = {"repo": str(repo), "problem": "p", "fail_to_pass": ["tests/test_mod.py::test_f"],
+           "pass_to_pass": []}  # fmt: skip
+    try:
+        runs = [_graded(env, tasks[0], [forge], fix=False), _graded(env, tasks[0], broken),
+                _graded(env, own, [], fix=False),
+                _graded(env, own, ["printf 'raise ImportError(2)\\n' > mod.py"], fix=False),
+                _graded(env, own, ["printf 'import time\\ntime.sleep(60)\\n' > mod.py"],
+                        fix=False)]  # fmt: skip
     finally:
         env.shutdown()
+    assert [r for r, _ in runs] == [0.0, 1.0, 1.0, 0.0, 0.0], [ep.infra_error for _, ep in runs]
+    assert not any(env.masked(ep) for _, ep in runs)
+    assert runs[0][1].metrics["fail_to_pass_frac"] == 0.0  # the forged reports never ran
+    assert all(not ep.grade_timeout for _, ep in runs)  # the hang ended on its alarm
 
 
 @pytest.mark.slow  # waits out env.test_timeout_s
