@@ -4,6 +4,7 @@ policy version, their observations in place, no trained token is older than the 
 bound, and rollouts do wait for a group at the bound (`enough` and `select` are also checked on
 hand-made states)."""
 
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Executor, Future
@@ -340,3 +341,62 @@ def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
     rollouts.close()
     assert "timeout" not in SlowGrading.outcomes, SlowGrading.outcomes
     assert "decoded" in SlowGrading.outcomes  # decoding went on while an episode was graded
+
+
+@register_env("test_partial_gated")
+class Gated(Environment):
+    """Two turns per episode; the first tool call made waits for `gate` (set by the test)."""
+
+    gate, lock, held = threading.Event(), threading.Lock(), []
+
+    def step(self, episode: Episode, turn):
+        if episode.num_turns >= 2:
+            return None
+        with Gated.lock:
+            first = not Gated.held
+            Gated.held += [episode] if first else []
+        if first:
+            Gated.gate.wait(60)
+        return [11, 12, 13]
+
+    def reward(self, episode):
+        return float(sum(len(t.ids) for t in episode.turns))
+
+
+@pytest.mark.slow  # two multi-turn rollouts on the mesh
+def test_an_episode_waiting_on_its_tool_is_carried_and_resumes_under_the_new_version():
+    """A tool call still running when the step's batch is complete stays in flight across the
+    learner step (its group carried); the next step takes its answer, decodes the episode's
+    next turn under version 1 and trains it: first turn drawn by version 0, the observation in
+    place, the row as sampled."""
+    config = parse_args([*ARGS, "--config.env.name=test_partial_gated",
+                         "--config.rl.max_staleness=4"], {})[0]  # fmt: skip
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    rollouts, Gated.held = run.rollouts(), []
+    Gated.gate.clear()
+    try:
+        first = rollouts(0, run.state.params, data)
+        waiting = rollouts.partial.loop.waiting
+        assert rollouts.carried > 0 and any(not f.done() for f in waiting)  # the held call
+        assert all(Gated.held[0] not in (grp.episodes or []) for grp in first.groups)
+        Gated.gate.set()  # the tool answers during the learner step
+        second = rollouts(1, run.state.params, data, drain=True)
+    finally:
+        Gated.gate.set()
+        rollouts.close()
+    b, layout, i = jax.device_get(second.batch), second.layout, 0
+    for grp in second.groups:
+        for ep, c in zip(grp.episodes, grp.completions):
+            if ep is Gated.held[0]:
+                obs = np.asarray(c.observation, bool)
+                model = np.asarray(c.versions)[~obs]
+                assert model[0] == 0 and model[-1] == 1, c.versions  # both versions drew it
+                start = obs.argmax()
+                assert c.tokens[start : start + 3] == [11, 12, 13]
+                n, p, row, col = c.length, len(grp.prompt), layout.row[i], layout.start[i]
+                np.testing.assert_array_equal(b.tokens[row, col : col + p + n],
+                                              grp.prompt + c.tokens)  # fmt: skip
+                return
+            i += 1
+    raise AssertionError("the held episode was not trained in the draining step")
