@@ -33,9 +33,9 @@ FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspac
 else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails on its own alarm
 (`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (importing
 the root conftest.py and collecting have the same alarm; a module that fails to import, also
-through a conftest.py, scores 0 too, as does a run killed in collection or a test past its
-alarm); the whole run passing `env.test_timeout_s` elsewhere, a
-sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
+through a conftest.py, scores 0 too, as does a run killed in any phase past its alarm; see
+docs/repo_env.md for pytest's exit statuses); the whole run passing `env.test_timeout_s` in a
+phase younger than that, a sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
 infrastructure errors: `episode.infra_error` says which, `masked(episode)` is True and the reward
 is 0.0 only because the caller needs a number: the rollout leaves such an episode out of the loss
 and out of its group's advantage statistics, and counts it in `episode/infra_errors`.
@@ -71,7 +71,9 @@ from rl.envs.repo_tools import (
 )
 from rl.sandbox import Limits
 
-HARNESS = ("conftest.py", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+# conftest.py and the files pytest 9 reads its configuration from (its CONFIG_LOADERS_BY_NAME)
+HARNESS = ("conftest.py", "pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini",
+           "pyproject.toml", "tox.ini", "setup.cfg")  # fmt: skip
 GRACE_S = 3.0  # a graded run killed this long past an alarm, in the model's code: its fault
 
 
@@ -354,31 +356,28 @@ class RepoEnv(Environment):
             ep.infra_error = f"sandbox did not start ({run.reason}, {run.seconds:.1f} s)"
             return 0.0
         if run.reason == "timeout":
-            # Killed at env.test_timeout_s. Inside the model's code (collecting = importing it,
-            # or a test) for longer than its alarm allows: the model's code evaded or outlived
-            # the alarm (e.g. ignored SIGALRM), so it scores 0. Anywhere else (pytest starting or
-            # configuring, between tests, or a phase younger than its alarm: a slow machine):
-            # masked.
+            # Killed at env.test_timeout_s in a phase (restoring the files, pytest starting,
+            # importing, configuring, a test, between tests) older than its alarm plus GRACE_S:
+            # the model's code evaded or outlived an alarm (e.g. ignored SIGALRM) or kept pytest
+            # busy, which pytest alone never takes that long for: it scores 0. A younger phase
+            # (a slow machine) or none: masked.
             where = rs.last_phase(run.stdout)
-            if (
-                where
-                and where[0] in ("collect", "test")
-                and run.seconds - where[1] > self.per_test + GRACE_S
-            ):
+            if where and run.seconds - where[1] > self.per_test + GRACE_S:
                 ep.grade_timeout = where[0]
                 ep.metrics = {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
                 return 0.0
             ep.infra_error = f"harness timeout ({run.reason}, {run.seconds:.1f} s, phase {where})"
             return 0.0
-        # Exit status 4, a usage error: our arguments are fixed, so the workspace's pytest
-        # configuration (an ini file, a conftest.py) is at fault, as is a broken import: scored.
-        if not (r.get("broken") or r.get("exit") == 4) and (r.get("exit") == 3 or r.get("missing")):
-            # pytest's internal error (e.g. an alarm inside pytest: a slow machine), or a node
-            # id the pristine tests do not define: masked
+        code, broken = r.get("exit"), r.get("broken")
+        alarm = code == 3 and "TimeoutError" in r.get("internal", [])  # inside pytest: slow
+        undefined = r.get("missing") and code not in (2, 3)  # ids the pristine tests lack
+        if not broken and (alarm or code == 4 or undefined):
+            # pytest's internal error from an alarm, its usage error (the configuration is
+            # pristine: the task's), or node ids the pristine tests do not define: masked. An
+            # interrupt or another internal error (the model's code raised SystemExit while
+            # collected, say) scores 0, as does any file the model broke.
             missing = r.get("missing", [])[:3]
-            ep.infra_error = (
-                f"pytest exit status {r.get('exit')}, missing {missing}: {run.stdout[-300:]}"
-            )
+            ep.infra_error = f"pytest exit status {code}, missing {missing}: {run.stdout[-300:]}"
             return 0.0
         passed = r.get("passed", {})  # missing (the run died after READY): all fail
         frac = lambda nodes: sum(bool(passed.get(n)) for n in nodes) / max(1, len(nodes))

@@ -12,7 +12,9 @@ from __future__ import annotations
 READY, RESULT = "\x00READY\n", "\x00RESULT "
 
 _HEAD = r"""
-import json, os, sys
+import os, sys  # frozen and built in: nothing in the workspace can stand in for them
+sys.path[:] = [p for p in sys.path if p not in os.environ.get("PYTHONPATH", "").split(":")]
+import json  # from the standard library, not a json.py of the model's (the workspace is off)
 A = json.loads(sys.stdin.read())
 sys.stdin = open(os.devnull)
 os.write(1, b"\x00READY\n")
@@ -229,34 +231,42 @@ except (OSError, UnicodeError) as e:
 GRADE = (
     _HEAD
     + r"""
-import signal, time
+import signal, tempfile, time
 T0 = time.monotonic()
-root = A["root"]
-for rel, text in A["tests"].items():
-    d = root
-    for part in rel.split("/")[:-1]:  # a parent the model replaced by a symlink or a file
-        d = os.path.join(d, part)
-        if os.path.islink(d) or (os.path.exists(d) and not os.path.isdir(d)):
-            os.unlink(d)
-        os.makedirs(d, exist_ok=True)
-    p = os.path.join(root, rel)
-    if os.path.islink(p) or os.path.isfile(p):
-        os.unlink(p)
-    with open(p, "w") as f:
-        f.write(text)
-for d, _, names in os.walk(root):  # pytest's configuration and conftest.py files: pristine only
-    for name in set(names) & set(A["harness"]):
-        if os.path.relpath(os.path.join(d, name), root) not in A["tests"]:
-            os.unlink(os.path.join(d, name))
-os.chdir(root)
-sys.path[:0] = [root, A["site"]]
-import pytest
-reports, broken, collected = {}, [], set()
 OUT = os.dup(1)
 
 
 def phase(name):
     os.write(OUT, ("\x00PHASE %s %.3f\n" % (name, time.monotonic() - T0)).encode())
+
+
+def unreadable(err):
+    raise err  # a directory the model made unreadable: no file of it escapes the walk
+
+
+phase("restore")
+root = A["root"]
+for rel, text in A["tests"].items():
+    d = root
+    for part in rel.split("/")[:-1]:  # a parent the model replaced by a symlink or a file
+        d = os.path.join(d, part)
+        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):
+            os.unlink(d)
+        os.makedirs(d, exist_ok=True)
+    p = os.path.join(root, rel)
+    if os.path.islink(p) or (os.path.lexists(p) and not os.path.isdir(p)):  # a FIFO too
+        os.unlink(p)
+    with open(p, "w") as f:
+        f.write(text)
+for d, _, names in os.walk(root, onerror=unreadable):  # pytest's configuration, conftest.py
+    for name in set(names) & set(A["harness"]):  # files: the pristine ones only
+        if os.path.relpath(os.path.join(d, name), root) not in A["tests"]:
+            os.unlink(os.path.join(d, name))
+os.chdir(root)
+sys.pycache_prefix = tempfile.mkdtemp()  # no bytecode of the model's stands in for a source
+sys.path[:0] = [A["site"]]  # the workspace joins once pytest has started (its plugins loaded)
+import pytest
+reports, broken, internal, collected = {}, [], [], set()
 
 
 def alarm(*_):
@@ -273,10 +283,14 @@ class Collect:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_load_initial_conftests(self):
         phase("collect")
+        sys.path.insert(0, root)
         signal.signal(signal.SIGALRM, collect_alarm)
         signal.alarm(A["per_test"])
         try:
-            return (yield)  # a failure here (the alarm included) is pytest's exit status 4
+            return (yield)
+        except Exception as e:  # the root conftest.py failed or hung at import: exit status 4
+            broken.append(os.path.relpath(str(getattr(e, "path", "conftest.py")), root))
+            raise
         finally:
             signal.alarm(0)
             phase("configure")
@@ -311,8 +325,11 @@ class Collect:
         items[:] = keep
 
     def pytest_collectreport(self, report):
-        if report.failed:  # e.g. the model broke an import: its fault, not a usage error
+        if not report.passed:  # e.g. the model broke an import (or it skips): its fault
             broken.append(report.nodeid)
+
+    def pytest_internalerror(self, excrepr, excinfo):
+        internal.append(excinfo.typename)  # TimeoutError: an alarm inside pytest
 
 
 # Whole files, deselecting the other tests: with node ids, one file that fails to import would
@@ -320,10 +337,11 @@ class Collect:
 wanted = set(A["nodes"])
 files = sorted({n.split("::")[0] for n in wanted})
 phase("start")
-code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider",
+code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider", "--rootdir", root,
                     "--continue-on-collection-errors", *files], plugins=[Collect()])
 passed = {n: ("call", "passed") in r and not any(o == "failed" for _, o in r)
           for n, r in reports.items()}
-result(exit=int(code), passed=passed, broken=broken, missing=sorted(wanted - collected))
+result(exit=int(code), passed=passed, broken=broken, internal=internal,
+       missing=sorted(wanted - collected))
 """
 )

@@ -210,7 +210,7 @@ def _graded(env, task, commands, fix=True):
         env.close(ep)
 
 
-@pytest.mark.slow  # five graded runs; a regression test (a conftest.py hook passed every test)
+@pytest.mark.slow  # ten graded runs; a regression test (a conftest.py hook passed every test)
 def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(tasks, tmp_path):
     """The model's conftest.py and pytest configuration files are deleted before grading (the
     repository's own are put back): a conftest.py hook that reports every test passed does not
@@ -231,17 +231,42 @@ def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(task
     )
     own = {"repo": str(repo), "problem": "p", "fail_to_pass": ["tests/test_mod.py::test_f"],
            "pass_to_pass": []}  # fmt: skip
+    # The same hook reached other ways: pytest 9's own pytest.toml naming a plugin module, an
+    # installed-looking distribution whose pytest11 entry point pytest autoloads, and a json.py
+    # that would stand in for the grading program's own import and print its result.
+    plugin = f"cat > forge.py <<'EOF'\n{FORGE}EOF\n"
+    toml = plugin + 'printf \'[pytest]\\naddopts = ["-p", "forge"]\\n\' > pytest.toml'
+    dist = plugin + ("mkdir forge-1.0.dist-info && printf 'Name: forge\\nVersion: 1.0\\n' > "
+                     "forge-1.0.dist-info/METADATA && printf '[pytest11]\\nforge = forge\\n' > "
+                     "forge-1.0.dist-info/entry_points.txt")  # fmt: skip
+    nodes = tasks[0]["fail_to_pass"] + tasks[0]["pass_to_pass"]
+    fake = json.dumps(
+        {"exit": 0, "passed": dict.fromkeys(nodes, True), "broken": [], "missing": []}
+    )
+    shadow = (f"cat > json.py <<'EOF'\nimport os\nos.write(1, b'\\x00READY\\n\\x00RESULT ' + "
+              f"{fake!r}.encode() + b'\\n')\nos._exit(0)\nEOF")  # fmt: skip
+    test_file = nodes[0].split("::")[0]
+    # Files pytest would stumble on: a FIFO where a test file goes, a setup.py moving rootdir.
+    stumble = [f"rm {test_file} && mkfifo {test_file}", "touch tests/setup.py"]
+    fixed = tasks[0]["fix"]["path"]
+    exits = [f"printf '\\nraise SystemExit(0)\\n' >> {fixed}"]  # collecting it ends pytest
     try:
         runs = [_graded(env, tasks[0], [forge], fix=False), _graded(env, tasks[0], broken),
                 _graded(env, own, [], fix=False),
                 _graded(env, own, ["printf 'raise ImportError(2)\\n' > mod.py"], fix=False),
                 _graded(env, own, ["printf 'import time\\ntime.sleep(60)\\n' > mod.py"],
-                        fix=False)]  # fmt: skip
+                        fix=False),
+                _graded(env, tasks[0], [toml], fix=False), _graded(env, tasks[0], [dist], fix=False),
+                _graded(env, tasks[0], [shadow], fix=False), _graded(env, tasks[0], stumble),
+                _graded(env, tasks[0], exits)]  # fmt: skip
     finally:
         env.shutdown()
-    assert [r for r, _ in runs] == [0.0, 1.0, 1.0, 0.0, 0.0], [ep.infra_error for _, ep in runs]
+    assert [r for r, _ in runs] == [0, 1, 1, 0, 0, 0, 0, 0, 1, 0], [
+        ep.infra_error for _, ep in runs
+    ]
     assert not any(env.masked(ep) for _, ep in runs)
-    assert runs[0][1].metrics["fail_to_pass_frac"] == 0.0  # the forged reports never ran
+    for i in (0, 5, 6, 7):  # the forged reports never counted
+        assert runs[i][1].metrics["fail_to_pass_frac"] == 0.0, i
     assert all(not ep.grade_timeout for _, ep in runs)  # the hang ended on its alarm
 
 
