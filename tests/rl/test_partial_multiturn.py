@@ -1,0 +1,126 @@
+"""Partial rollouts (rl.partial) with multi-turn episodes whose environment is slow on purpose:
+dynamic sampling does not stop decoding while a complete group is graded, and an episode whose
+tool call is still running when the batch is complete is carried across the learner step with
+the call in flight, then resumes under the new version."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from launch.build import build
+from launch.cli import parse_args
+from rl.data import PromptStream, make_prompt_iterator
+from rl.envs import Environment, Episode, register_env
+from tests.rl.test_partial_rollouts import ARGS, B, Varied
+
+
+@register_env("test_partial_slow_grading")
+class SlowGrading(Varied):
+    """Varied, whose grading of an episode returns only once the rollout has made 3 more decode
+    calls, or has no sequence left to decode (`watch`, set by the test; 10 s at most)."""
+
+    watch = None  # (engine, dispatch counter [n]), set by the test
+    outcomes: list = []  # per graded episode: "decoded", "idle" or "timeout"
+
+    def reward(self, episode):
+        engine, calls = self.watch
+        start, deadline = calls[0], time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if calls[0] >= start + 3:
+                SlowGrading.outcomes.append("decoded")
+                break
+            if not engine._len:  # no busy slot: nothing the loop could decode meanwhile
+                SlowGrading.outcomes.append("idle")
+                break
+            time.sleep(0.002)
+        else:
+            SlowGrading.outcomes.append("timeout")
+        return super().reward(episode)
+
+
+@pytest.mark.slow  # two multi-turn rollouts on the mesh; a regression test
+def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
+    """Multi-turn groups are judged by dynamic sampling only once their grading has finished:
+    a grading that needs the loop to go on decoding (3 more decode calls) gets them; a loop
+    that waited for it would stall until the 10 s timeout."""
+    config = parse_args([*ARGS, "--config.env.name=test_partial_slow_grading",
+                         "--config.rl.dynamic_sampling=True"], {})[0]  # fmt: skip
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    rollouts = run.rollouts()
+    engine, calls = run.engines["rollout"], [0]
+    dispatch = engine.dispatch
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return dispatch(*args, **kwargs)
+
+    engine.dispatch = counting
+    SlowGrading.watch, SlowGrading.outcomes = (engine, calls), []
+    for step in range(2):
+        rollouts(step, run.state.params, data)
+    rollouts.close()
+    assert "timeout" not in SlowGrading.outcomes, SlowGrading.outcomes
+    assert "decoded" in SlowGrading.outcomes  # decoding went on while an episode was graded
+
+
+@register_env("test_partial_gated")
+class Gated(Environment):
+    """Two turns per episode; the first tool call made waits for `gate` (set by the test)."""
+
+    gate, lock, held = threading.Event(), threading.Lock(), []
+
+    def step(self, episode: Episode, turn):
+        if episode.num_turns >= 2:
+            return None
+        with Gated.lock:
+            first = not Gated.held
+            Gated.held += [episode] if first else []
+        if first:
+            Gated.gate.wait(60)
+        return [11, 12, 13]
+
+    def reward(self, episode):
+        return float(sum(len(t.ids) for t in episode.turns))
+
+
+@pytest.mark.slow  # two multi-turn rollouts on the mesh
+def test_an_episode_waiting_on_its_tool_is_carried_and_resumes_under_the_new_version():
+    """A tool call still running when the step's batch is complete stays in flight across the
+    learner step (its group carried); the next step takes its answer, decodes the episode's
+    next turn under version 1 and trains it: first turn drawn by version 0, the observation in
+    place, the row as sampled."""
+    config = parse_args([*ARGS, "--config.env.name=test_partial_gated",
+                         "--config.rl.max_staleness=4"], {})[0]  # fmt: skip
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    rollouts, Gated.held = run.rollouts(), []
+    Gated.gate.clear()
+    try:
+        first = rollouts(0, run.state.params, data)
+        waiting = rollouts.partial.loop.waiting
+        assert rollouts.carried > 0 and any(not f.done() for f in waiting)  # the held call
+        assert all(Gated.held[0] not in (grp.episodes or []) for grp in first.groups)
+        Gated.gate.set()  # the tool answers during the learner step
+        second = rollouts(1, run.state.params, data, drain=True)
+    finally:
+        Gated.gate.set()
+        rollouts.close()
+    b, layout, i = jax.device_get(second.batch), second.layout, 0
+    for grp in second.groups:
+        for ep, c in zip(grp.episodes, grp.completions):
+            if ep is Gated.held[0]:
+                obs = np.asarray(c.observation, bool)
+                model = np.asarray(c.versions)[~obs]
+                assert model[0] == 0 and model[-1] == 1, c.versions  # both versions drew it
+                start = obs.argmax()
+                assert c.tokens[start : start + 3] == [11, 12, 13]
+                n, p, row, col = c.length, len(grp.prompt), layout.row[i], layout.start[i]
+                np.testing.assert_array_equal(b.tokens[row, col : col + p + n],
+                                              grp.prompt + c.tokens)  # fmt: skip
+                return
+            i += 1
+    raise AssertionError("the held episode was not trained in the draining step")
