@@ -20,14 +20,17 @@ from tests.rl.test_partial_rollouts import ARGS, B, Varied
 @register_env("test_partial_slow_grading")
 class SlowGrading(Varied):
     """Varied, whose grading of an episode returns only once the rollout has made 3 more decode
-    calls, or has no sequence left to decode (`watch`, set by the test; 10 s at most)."""
+    calls, or has no sequence left to decode (`watch`, set by the test). It waits 120 s at most (a
+    loop that compiles a new shape meanwhile is slow on a loaded machine); once one grading has
+    timed out the others return at once, so a loop that stalls fails in 120 s, not 120 s each."""
 
     watch = None  # (engine, dispatch counter [n]), set by the test
     outcomes: list = []  # per graded episode: "decoded", "idle" or "timeout"
 
     def reward(self, episode):
         engine, calls = self.watch
-        start, deadline = calls[0], time.monotonic() + 10
+        start = calls[0]
+        deadline = time.monotonic() + (0 if "timeout" in SlowGrading.outcomes else 120)
         while time.monotonic() < deadline:
             if calls[0] >= start + 3:
                 SlowGrading.outcomes.append("decoded")
@@ -45,7 +48,7 @@ class SlowGrading(Varied):
 def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
     """Multi-turn groups are judged by dynamic sampling only once their grading has finished:
     a grading that needs the loop to go on decoding (3 more decode calls) gets them; a loop
-    that waited for it would stall until the 10 s timeout."""
+    that waited for it would stall until the grading's timeout."""
     config = parse_args([*ARGS, "--config.env.name=test_partial_slow_grading",
                          "--config.rl.dynamic_sampling=True"], {})[0]  # fmt: skip
     run = build(config)
@@ -80,7 +83,7 @@ class Gated(Environment):
             first = not Gated.held
             Gated.held += [episode] if first else []
         if first:
-            Gated.gate.wait(60)
+            Gated.gate.wait(300)  # set by the test (also when it fails)
         return [11, 12, 13]
 
     def reward(self, episode):

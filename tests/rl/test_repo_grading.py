@@ -25,9 +25,10 @@ def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
     )
     slow = {"repo": str(repo), "problem": "p", "fail_to_pass": ["tests/test_slow.py::test_slow"],
             "pass_to_pass": []}  # fmt: skip
-    # The slow test's run passes the 3 s limit; the others are graded under 60 s (a slow
+    # The slow test's run (30 s) passes the 8 s limit, with time for the sandbox to start on a
+    # loaded machine (else: 'sandbox did not start'); the others are graded under 60 s (a slow
     # machine must not time the control episode out as well).
-    harsh = RepoEnv(TOK, make_config(test_timeout_s=3.0, per_test_timeout_s=60))
+    harsh = RepoEnv(TOK, make_config(test_timeout_s=8.0, per_test_timeout_s=60))
     env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=60))
     try:
         group = [slow, {**tasks[0], "setup": "exit 1"}, {**tasks[0], "repo": str(tmp_path / "no")}]
@@ -75,7 +76,8 @@ def _hang_at_import(env, task, code):
 def test_a_hang_at_import_scores_0_not_masked(tasks):
     """Collecting the tests imports the model's code under an alarm of env.per_test_timeout_s:
     a fixed module that then sleeps at import is a collection error, reward 0, not masked."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=2))
+    # A 4 s alarm: the collection before the hang fits in it on a loaded machine.
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=4))
     try:
         reward, ep = _hang_at_import(env, tasks[0], "\\nimport time\\ntime.sleep(60)\\n")
     finally:
@@ -115,7 +117,8 @@ def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(task
     pass an unfixed task, and a broken conftest.py or ini file does not fail a fixed one. The
     repository's own conftest.py runs, under the collection alarm: a module it imports that
     fails or hangs at import is the model's fault (pytest's exit status 4), scored 0."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=2))
+    # A 4 s alarm: the collection before the hang fits in it on a loaded machine.
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=4))
     forge = f"cat > conftest.py <<'EOF'\n{FORGE}EOF\ncp conftest.py tests/conftest.py"
     broken = ["printf 'raise ImportError(1)\\n' > conftest.py",
               "printf '[pytest]\\naddopts = --no-such-option\\n' | tee pytest.ini tests/pytest.ini",
@@ -172,10 +175,10 @@ def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(task
 def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
     """Code that ignores SIGALRM and hangs at import is killed with the whole graded run at
     env.test_timeout_s; it was in collection (the model's code) for longer than its alarm, so it
-    scores 0 unmasked (a harness timeout elsewhere stays masked). The run gets 25 s: collection
-    must start more than alarm + GRACE_S (5 s) before the kill, and on CI's loaded machine
-    pytest's own start-up took 5.5 s (a 10 s limit then masked the episode)."""
-    env = RepoEnv(TOK, make_config(test_timeout_s=25.0, per_test_timeout_s=2))
+    scores 0 unmasked (a harness timeout elsewhere stays masked). The run gets 30 s: collection
+    must start more than alarm + GRACE_S (7 s) before the kill, and on CI's loaded machine
+    pytest's own start-up took 5.5 s (a 10 s limit with a 2 s alarm masked the episode)."""
+    env = RepoEnv(TOK, make_config(test_timeout_s=30.0, per_test_timeout_s=4))
     code = (
         "\\nimport signal, time\\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\\ntime.sleep(60)\\n"
     )

@@ -36,7 +36,7 @@ def test_32_concurrent_episodes_are_isolated(env, tasks, tmp_path):
     other workspace (by its host path and through /proc), reach a host socket and the host's
     files; host side: every secret intact, no connection, canary intact, no process left."""
     needs_bwrap(env)
-    env = RepoEnv(TOK, make_config(command_timeout_s=60.0))  # 8 probes at once on a slow host
+    env = RepoEnv(TOK, make_config(command_timeout_s=300.0))  # 8 probes at once on a slow host
     try:
         _attack_each_other(env, tasks, tmp_path)
     finally:
@@ -131,7 +131,9 @@ def test_hostile_commands_are_contained(env, tasks, tmp_path, name):
     if name == "alloc_10gb":
         assert "MemoryError" in out
     if name == "background":
-        assert seconds < 5 and "done" in out
+        # The call returned without waiting for its background processes (not on the 4 s
+        # command limit, which says so), and they were killed with it.
+        assert "done" in out and "timed out" not in out, out[-300:]
         assert not _live(-1, "1234") and not _live(-1, "1235") and not _live(uid, "")
     env.close(ep)
     sentinel.kill()
