@@ -351,7 +351,7 @@ class RepoEnv(Environment):
             return 0.0
         args = {"nodes": f2p + p2p, "tests": tests, "per_test": self.per_test, "harness": HARNESS}
         r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": self.grader.site})
-        run = r["_run"]
+        run, ended = r["_run"], time.monotonic()
         if not r["_started"]:
             ep.infra_error = f"sandbox did not start ({run.reason}, {run.seconds:.1f} s)"
             return 0.0
@@ -360,13 +360,18 @@ class RepoEnv(Environment):
             # importing, configuring, a test, between tests) older than its alarm plus GRACE_S:
             # the model's code evaded or outlived an alarm (e.g. ignored SIGALRM) or kept pytest
             # busy, which pytest alone never takes that long for: it scores 0. A younger phase
-            # (a slow machine) or none: masked.
+            # (a slow machine) or none: masked. The phase's age is read on one clock, the
+            # sandbox's start-up not in it.
             where = rs.last_phase(run.stdout)
-            if where and run.seconds - where[1] > self.per_test + GRACE_S:
+            age = ended - where[1] if where else 0.0
+            if where and age > self.per_test + GRACE_S:
                 ep.grade_timeout = where[0]
                 ep.metrics = {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
                 return 0.0
-            ep.infra_error = f"harness timeout ({run.reason}, {run.seconds:.1f} s, phase {where})"
+            name = where[0] if where else None
+            ep.infra_error = (
+                f"harness timeout ({run.reason}, {run.seconds:.1f} s, phase {name} for {age:.1f} s)"
+            )
             return 0.0
         code, broken = r.get("exit"), r.get("broken")
         alarm = code == 3 and "TimeoutError" in r.get("internal", [])  # inside pytest: slow
