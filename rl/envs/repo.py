@@ -35,10 +35,11 @@ else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails o
 the root conftest.py and collecting have the same alarm; a module that fails to import, also
 through a conftest.py, scores 0 too, as does a run killed in any phase past its alarm; see
 docs/repo_env.md for pytest's exit statuses); the whole run passing `env.test_timeout_s` in a
-phase younger than that, a sandbox that does not start, a workspace that cannot be made or a `setup` that fails are
-infrastructure errors: `episode.infra_error` says which, `masked(episode)` is True and the reward
-is 0.0 only because the caller needs a number: the rollout leaves such an episode out of the loss
-and out of its group's advantage statistics, and counts it in `episode/infra_errors`.
+phase younger than that, a sandbox that does not start, a workspace that cannot be made or a
+`setup` that fails are infrastructure errors: `episode.infra_error` says which, `masked(episode)`
+is True and the reward is 0.0 only because the caller needs a number: the rollout leaves such an
+episode out of the loss and out of its group's advantage statistics, and counts it in
+`episode/infra_errors`.
 
 Limits per episode (config `env`, read with defaults): `max_tool_calls` (40), `command_timeout_s`
 (30), `max_tool_seconds` (all tool time; also checked by rl.multiturn), `workspace_bytes`

@@ -224,11 +224,11 @@ except (OSError, UnicodeError) as e:
 # how pytest runs them), then pytest runs the node ids in this process with an alarm over each
 # part of collection that imports the model's code (the root conftest.py; then the package and
 # the test modules; pytest's own start-up and configuration are not timed) and one per test. It
-# reports its phase on a copy of the real stdout (pytest captures fd 1): `PHASE <start|collect|
-# configure|test|run> <time.monotonic()>` (one clock for the host and the sandbox, which has no
-# time namespace: the host ages the phase from it, its start-up not counted), so that when the whole run passes its wall limit
-# the environment can tell the model's code outliving its alarm (its fault) from the harness
-# being slow (masked).
+# reports its phase on a copy of the real stdout (pytest captures fd 1): `PHASE <restore|start|
+# collect|configure|test|run> <time.monotonic()>` (one clock for the host and the sandbox, which
+# has no time namespace, so the host ages the phase without the sandbox's start-up). When the
+# whole run passes its wall limit the environment can then tell the model's code outliving its
+# alarm (its fault) from the harness being slow (masked).
 GRADE = (
     _HEAD
     + r"""

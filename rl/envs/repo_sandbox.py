@@ -49,8 +49,8 @@ def site_packages() -> str:
 
 
 def last_phase(stdout: str) -> tuple[str, float] | None:
-    """The graded run's last `PHASE` line: (start | collect | configure | test | run, the
-    time.monotonic() at which it began)."""
+    """The graded run's last `PHASE` line: (restore | start | collect | configure | test | run,
+    the time.monotonic() at which it began)."""
     _, found, tail = stdout.rpartition("\x00PHASE ")
     try:
         name, at = tail.split("\n", 1)[0].split()
