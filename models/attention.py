@@ -24,11 +24,13 @@ suite) spend their time on. From there on blockwise is much faster on CPU too (f
 K=2 H=64 f32: T=256 dense 14 ms, blockwise 8 ms; T=1024: 1480 ms vs 88 ms; T=128: about equal).
 The platform is that of the mesh q is traced on (jit gives every array traced from sharded inputs
 its abstract mesh). A CPU host may be lowering for TPU or GPU (jax.export, `Learner.lower_step`
-with `platforms`), which tracing cannot see, so there "auto" is a `lax.platform_dependent` over
-the three choices and lowering keeps the one of the platform it lowers for. The other branches
-are traced too (the kernels' trace, once per shape: `segment_attention` is jitted) and their
-residuals appear in the lowered module as zeros that XLA removes (checked on XLA:CPU: the same
-temp bytes as the chosen branch alone). A padding query's output differs between the
+with `platforms`), which tracing cannot see: the caller says so with `lowering_for(platforms)`
+(a jit-cache-keyed context, so nothing traced for CPU is reused), and then "auto" is a
+`lax.platform_dependent` over those platforms' choices, of which lowering keeps the one it lowers
+for. The other branches are traced too (the kernels' trace, once per shape: `segment_attention` is
+jitted) and their residuals appear in the lowered module as zeros that XLA removes (checked on
+XLA:CPU: the same temp bytes as the chosen branch alone). Outside that context a CPU trace is
+CPU's choice alone: tracing the kernels there cost the suite ~8% of the learner tests' time. A padding query's output differs between the
 implementations (dense and the kernels: finite garbage; blockwise: 0); nothing reads it.
 """
 
@@ -47,6 +49,16 @@ from models.config import ModelConfig
 from models.flash import BLOCK, block_mask, blockwise_attention
 
 AUTO_DENSE_MAX_T = 512  # "auto": dense on CPU up to this row length (see the docstring)
+# The platforms a CPU host is lowering for; part of jax.jit's cache key (see `lowering_for`).
+_LOWERING_FOR = jax.make_user_context(None)
+
+
+def lowering_for(platforms):
+    """Context manager: traces inside it are lowered for `platforms` (e.g. ("tpu",)), so that
+    "auto" on a CPU host keeps each platform's choice (`auto_attention`). Wrap the trace and
+    lowering of `jax.export(..., platforms=...)` or `.lower(lowering_platforms=...)` in it;
+    None (no platforms given) is this host's own lowering."""
+    return _LOWERING_FOR(tuple(platforms) if platforms else None)
 
 
 class Attend(Protocol):
@@ -175,7 +187,8 @@ def segment_attention(q, k, v, segments, attention: str, interpret: bool = False
     bool) -> [B,T,N,H], by `attention` (any of ATTENTION; "auto": `auto_attention`).
 
     One entry point for every implementation. Jitted so that the layers after the first (same
-    shapes) reuse its trace: "auto" on a CPU host traces the Pallas kernels too (~0.2 s a layer).
+    shapes) reuse its trace: "auto" lowered for TPU or GPU from a CPU host traces the Pallas
+    kernels (~0.2 s a layer).
     `interpret` runs the Pallas kernels in interpret mode (`models.attention_kernels.interpret`).
     """
     if attention == "auto":
@@ -196,15 +209,16 @@ def _trace_platform(q) -> str:
 
 def auto_attention(q, k, v, segments, interpret: bool = False):
     """ "auto" for q's shapes. On an accelerator the platform is the mesh's. A CPU host may be
-    lowering for TPU or GPU (jax.export, `Learner.lower_step(platforms=...)`), which tracing
-    cannot see: there `lax.platform_dependent` defers the choice to lowering, which keeps only
-    the branch of the platform lowered for (all branches are traced)."""
+    lowering for TPU or GPU (inside `lowering_for(platforms)`), which tracing cannot see: there
+    `lax.platform_dependent` defers the choice to lowering, which keeps only the branch of the
+    platform lowered for (all branches are traced)."""
     t, h = q.shape[1], q.shape[3]
     platform = _trace_platform(q)
     run = lambda a: functools.partial(segment_attention, attention=a, interpret=interpret)
-    if platform != "cpu":
+    targets = _LOWERING_FOR.value
+    if platform != "cpu" or not targets:
         return run(resolve_attention("auto", t, platform, h))(q, k, v, segments)
-    chosen = {p: resolve_attention("auto", t, p, h) for p in ("cpu", "tpu", "cuda")}
+    chosen = {p: resolve_attention("auto", t, p, h) for p in targets}
     fns = {a: run(a) for a in dict.fromkeys([*chosen.values(), "blockwise"])}
     branches = {p: fns[a] for p, a in chosen.items()}  # equal choices share one branch
     return jax.lax.platform_dependent(q, k, v, segments, **branches, default=fns["blockwise"])

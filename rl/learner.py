@@ -36,6 +36,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import lora
+from models.attention import lowering_for
 from models.sharding import DEFAULT_RULES, with_shardings
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import LossConfig, combine_metrics, grpo_loss
@@ -207,7 +208,8 @@ class Learner:
             abstract_params,
         )
         state = with_shardings(shapes, self.state_shardings)
-        return self._step.trace(state, abstract_batch).lower(lowering_platforms=platforms)
+        with lowering_for(platforms):  # "auto" attention picks the lowered platform's kernel
+            return self._step.trace(state, abstract_batch).lower(lowering_platforms=platforms)
 
     def lower_logprobs(self, abstract_params, abstract_batch: Batch, which: str = "full"):
         """The reference / π_old log-prob pass over a whole rollout, lowered: for --dry_run."""

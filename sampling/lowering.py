@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.attention import lowering_for
 from models.sharding import with_shardings
 from sampling import steps
 from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
@@ -23,11 +24,12 @@ def _abstract_state(engine: Engine):
 def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] | None = None):
     """One `generate` call of `engine` (its config's steps_per_call, its cascade group)."""
     e = engine.ecfg
-    return steps.generate.trace(
-        engine.graphdef, abstract_params, _abstract_state(engine), engine.sampling,
-        e.steps_per_call, tuple(e.stop_ids), e.min_new_tokens, engine.backend,
-        jax.random.key(0), engine.layout, engine._cascade_group(), e.interpret,
-    ).lower(lowering_platforms=platforms)  # fmt: skip
+    with lowering_for(platforms):
+        return steps.generate.trace(
+            engine.graphdef, abstract_params, _abstract_state(engine), engine.sampling,
+            e.steps_per_call, tuple(e.stop_ids), e.min_new_tokens, engine.backend,
+            jax.random.key(0), engine.layout, engine._cascade_group(), e.interpret,
+        ).lower(lowering_platforms=platforms)  # fmt: skip
 
 
 def lower_prefill(
@@ -40,8 +42,9 @@ def lower_prefill(
     e = engine.ecfg
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     length = length or bucket(e.max_prompt_len - 1)
-    return steps.prefill.trace(
-        engine.graphdef, abstract_params, _abstract_state(engine), i32(rows, length), i32(rows),
-        i32(rows, e.pages_per_seq), engine.layout, i32(rows) if resume else None,
-        e.prefill_chunk,
-    ).lower(lowering_platforms=platforms)  # fmt: skip
+    with lowering_for(platforms):
+        return steps.prefill.trace(
+            engine.graphdef, abstract_params, _abstract_state(engine), i32(rows, length),
+            i32(rows), i32(rows, e.pages_per_seq), engine.layout, i32(rows) if resume else None,
+            e.prefill_chunk,
+        ).lower(lowering_platforms=platforms)  # fmt: skip

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import attention_kernels
-from models.attention import SegmentCausal, causal_mask, dense_attention
+from models.attention import SegmentCausal, causal_mask, dense_attention, lowering_for
 from models.config import ModelConfig
 from models.sharding import (
     abstract_model,
@@ -213,7 +213,8 @@ def _export(attention, platform, mesh_name):
 
     checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)] if platform == "cuda" else []
     export = jax.export.export(jax.jit(grads), platforms=[platform], disabled_checks=checks)
-    exported = export(params, row(jnp.int32), row(jnp.int32), row(jnp.int32))
+    with lowering_for([platform]):
+        exported = export(params, row(jnp.int32), row(jnp.int32), row(jnp.int32))
     assert exported.nr_devices == mesh.size
     return exported.mlir_module()
 
@@ -235,3 +236,20 @@ def test_auto_picks_the_kernel_of_the_lowering_platform():
     assert CALL["tpu"] in texts["tpu"] and TRITON not in texts["tpu"]
     assert TRITON in texts["cuda"] and CALL["tpu"] not in texts["cuda"]
     assert not any(c in texts["cpu"] for c in CALL.values())
+
+
+def test_auto_on_a_cpu_trace_traces_cpus_choice_only():
+    """Outside `lowering_for`, a CPU trace of "auto" holds CPU's choice alone (no kernel traced,
+    no platform switch); inside it the switch is there, and the jit cache keeps the two apart."""
+    q = jnp.ones((1, 16, 4, 16), jnp.float32)
+    kv = jnp.ones((1, 16, 2, 16), jnp.float32)
+    seg = jnp.ones((1, 16), jnp.int32)
+    f = jax.jit(lambda q, k, v, s: SegmentCausal(s).attend(0, q, k, v)[0])
+    plain = str(f.trace(q, kv, kv, seg).jaxpr)
+    with lowering_for(("tpu", "cuda")):
+        lowered = str(f.trace(q, kv, kv, seg).jaxpr)
+    assert "platform_index" not in plain and "pallas_call" not in plain
+    assert "platform_index" in lowered and "pallas_call" in lowered
+    assert "platform_index" not in str(f.trace(q, kv, kv, seg).jaxpr)  # not a stale cache entry
+    want = dense_attention(q, kv, kv, causal_mask(seg))
+    np.testing.assert_allclose(f(q, kv, kv, seg), want, rtol=1e-6, atol=1e-6)
