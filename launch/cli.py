@@ -5,7 +5,9 @@
 A config file is a python file with `get_config() -> ml_collections.ConfigDict`. Overrides
 `--config.a.b=value` are parsed as python literals where possible (`3`, `1e-3`, `True`, `(1, 2)`,
 `None`) and strings otherwise, then assigned through ConfigDict, which keeps each field's type.
-A typo'd field fails with one line that names it and suggests the closest existing field.
+A typo'd field fails with one line that names it and suggests the closest existing field, and
+a config file that fails to load (any exception while it runs) with one line naming the file, the
+line in it and the error.
 
 absl's config_flags does the same job but answers a typo with a traceback; this module is small
 enough to own.
@@ -16,10 +18,12 @@ from __future__ import annotations
 import ast
 import datetime
 import difflib
+import importlib.machinery
 import importlib.util
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 import ml_collections
@@ -32,20 +36,53 @@ class UsageError(ValueError):
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """The ConfigDict of `path`'s get_config(). Whatever goes wrong, from a missing file to an
+    exception raised while the file runs, is one UsageError naming the file (and its line)."""
     if not os.path.exists(path):
         raise UsageError(f"--config: {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                       if f.endswith(".py") and not f.startswith("_"))  # fmt: skip
+        hint = f" (it holds {', '.join(files[:3])}{', ...' * (len(files) > 3)})" if files else ""
+        raise UsageError(f"--config: {path} is a directory, not a config file{hint}")
+    # An explicit loader, so that a name without .py loads too (importlib finds none for it).
+    loader = importlib.machinery.SourceFileLoader(f"_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     try:
-        spec.loader.exec_module(module)
+        loader.exec_module(module)
     except SyntaxError as e:  # the file's own line, not a traceback through importlib
         # A syntax error in a module the config imports names that module, not the config.
         other = e.filename and os.path.exists(e.filename) and not os.path.samefile(e.filename, path)
         bad = e.filename if other else path
         raise UsageError(f"--config: {bad}:{e.lineno}: {e.msg}") from None
-    if not hasattr(module, "get_config"):
+    except Exception as e:  # noqa: BLE001 (a config is user code: any error is the user's)
+        raise _config_error(path, e) from None
+    if not callable(getattr(module, "get_config", None)):
         raise UsageError(f"--config: {path} defines no get_config()")
-    return module.get_config()
+    try:
+        config = module.get_config()
+    except Exception as e:  # noqa: BLE001
+        raise _config_error(path, e) from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise UsageError(f"--config: {path}: get_config() returned a {type(config).__name__}, "
+                         "not an ml_collections.ConfigDict")  # fmt: skip
+    return config
+
+
+def _config_error(path: str, e: Exception) -> UsageError:
+    """`--config: path:line: Type: message`, the line of the innermost frame in the config file
+    (an error raised in a module it imports points at the import or the call)."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if _same(f.filename, path)]
+    where = f"{path}:{lines[-1]}" if lines else path
+    what = " ".join(str(e).split())  # one line, whatever the message
+    return UsageError(f"--config: {where}: {type(e).__name__}" + (f": {what}" if what else ""))
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # e.g. "<string>"
+        return False
 
 
 def _all_fields(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:

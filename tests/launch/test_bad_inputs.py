@@ -41,6 +41,7 @@ class Case(NamedTuple):
 
 def write(name: str, data: str | bytes):
     def setup(_):
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
         with open(name, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
 
@@ -92,6 +93,11 @@ CATALOGUE = [
     Case("unknown-field", "`--config.rl.num_generation=4` (a typo)", "--config.rl.num_generation: no such config field; did you mean 'rl.num_generations'?", ["--config.rl.num_generation=4"]),
     Case("config-file-missing", "`--config=/nope.py`", "--config: /nope.py does not exist", ["--config=/nope.py"]),
     Case("config-file-syntax-error", "`--config=bad.py`, a config file with a syntax error on line 3", "--config: bad.py:3: invalid syntax", ["--config=bad.py"], write("bad.py", "def get_config():\n    c = {}\n    return c c\n")),
+    Case("config-file-name-error", "`--config=bad.py`, whose get_config() uses an undefined name on line 5", "--config: bad.py:5: NameError: name 'foo' is not defined", ["--config=bad.py"], write("bad.py", "import ml_collections\n\n\ndef get_config():\n    return ml_collections.ConfigDict(dict(x=foo))\n")),
+    Case("config-file-import-error", "`--config=bad.py`, which imports a module that does not exist", "--config: bad.py:1: ModuleNotFoundError: No module named 'nope'", ["--config=bad.py"], write("bad.py", "import nope\n")),
+    Case("config-file-raises", "`--config=bad.py`, which divides by zero on line 2 when it is imported", "--config: bad.py:2: ZeroDivisionError: division by zero", ["--config=bad.py"], write("bad.py", "import ml_collections\nSTEPS = 1 / 0\n")),
+    Case("config-not-a-configdict", "`--config=bad.py`, whose get_config() returns a dict", "--config: bad.py: get_config() returned a dict, not an ml_collections.ConfigDict", ["--config=bad.py"], write("bad.py", "def get_config():\n    return {'num_steps': 1}\n")),
+    Case("config-is-a-directory", "`--config=cfgs`, a directory of config files", "--config: cfgs is a directory, not a config file (it holds cfgs/a.py)", ["--config=cfgs"], write("cfgs/a.py", "")),
     Case("wrong-type", "`--config.num_steps=abc`", "--config.num_steps=abc: expected int, got str 'abc'", ["--config.num_steps=abc"]),
     Case("float-for-int", "`--config.num_steps=1.5`", "--config.num_steps=1.5: expected int, got float 1.5", ["--config.num_steps=1.5"]),
     Case("negative-num-steps", "`--config.num_steps=-1`", "config.num_steps=-1: must be >= 0", EIGHT + ["--config.num_steps=-1"]),
