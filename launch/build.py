@@ -105,17 +105,42 @@ def check_base(run: Run, meta: dict, base: dict | None) -> None:
     )
 
 
-def restore_latest(run: Run, ckpt: Checkpointer, base: dict | None) -> tuple[TrainState, dict]:
-    """(train state, meta) of the latest usable checkpoint, for a resume. Later steps that cannot
-    be read are set aside, each named in one line on stderr; raises CheckpointError when no step
-    is usable and UsageError when a LoRA run's base weights changed (`check_base`)."""
+def restore_latest(
+    run: Run, ckpt: Checkpointer, base: dict | None, data
+) -> tuple[TrainState, int, dict]:
+    """(train state, step, summary) of the latest usable checkpoint, with the data iterator
+    `data` set back to where that step left it. Later steps that cannot be read are set aside,
+    each named in one line on stderr; raises CheckpointError when no step is usable and
+    UsageError when a LoRA run's base weights changed (`check_base`) or the checkpoint was
+    written under another seed (`check_seed`)."""
     saved, meta, skipped = ckpt.restore_latest(run.learner.checkpointed(run.state), set_aside=True)
     check_base(run, meta, base)
+    check_seed(run.config.seed, meta, ckpt.directory)
     state = run.learner.restored(run.state, saved)
     for bad, why in skipped:
         print(f"checkpoint step {bad} in {ckpt.directory} is unusable ({why}); resuming from "
               f"step {meta['step']}", file=sys.stderr)  # fmt: skip
-    return state, meta
+    data.set_state(meta["data"])
+    return state, meta["step"], meta["summary"]
+
+
+def seed_key(seed: int) -> list[int]:
+    """The key data of the root key of config.seed, as a checkpoint's meta holds it."""
+    return jax.random.key_data(jax.random.key(seed)).tolist()
+
+
+def check_seed(seed: int, meta: dict, directory: str) -> None:
+    """Refuses (UsageError) a checkpoint written under another seed: the resumed steps would draw
+    from another root key (fold_in(seed, step)), so the run would be neither run. The saved seed
+    is named when the key data gives it back (a threefry key holds the seed itself)."""
+    if meta["key"] == seed_key(seed):
+        return
+    old = meta["key"][-1] if meta["key"] else None  # config.seed is in [0, 2**31)
+    if isinstance(old, int) and 0 <= old < 2**31 and seed_key(old) == meta["key"]:
+        raise UsageError(f"config.seed={seed}: the checkpoint in {directory} was written with "
+                         f"seed {old}; resume with --config.seed={old} or use a new --workdir")  # fmt: skip
+    raise UsageError(f"config.seed={seed}: the checkpoint in {directory} was written with another "
+                     "seed; resume with that run's seed or use a new --workdir")  # fmt: skip
 
 
 def base_checksums(run: Run) -> dict | None:

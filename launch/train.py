@@ -33,7 +33,7 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from launch.build import Run, base_checksums, build, restore_latest
+from launch.build import Run, base_checksums, build, restore_latest, seed_key
 from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
 from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
@@ -71,26 +71,21 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     # Every process has checked the workdir (main) before the first one writes to it.
     multihost_utils.sync_global_devices("workdir checked")
     os.makedirs(workdir, exist_ok=True)
+    learner, state = run.learner, run.state
+    ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
+    base = base_checksums(run)  # LoRA: the frozen base weights the adapters belong to
+    start, summary = 0, {}
+    if resume:
+        try:  # a refused resume leaves the workdir as it was, its config.json too
+            state, start, summary = restore_latest(run, ckpt, base, data)
+        except (CheckpointError, UsageError) as e:  # one line, the files left to inspect
+            ckpt.close()
+            return fail(str(e))
+        print(f"resumed from step {start} in {workdir}", file=sys.stderr)
     if main_process:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_json(config), f, indent=2)
         print(config)
-    learner, state = run.learner, run.state
-    ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
-    key_data = jax.random.key_data(jax.random.key(config.seed)).tolist()
-    base = base_checksums(run)  # LoRA: the frozen base weights the adapters belong to
-    start, summary = 0, {}
-    if resume:
-        try:
-            state, meta = restore_latest(run, ckpt, base)
-        except (CheckpointError, UsageError) as e:  # one line, the files left to inspect
-            ckpt.close()
-            return fail(str(e))
-        data.set_state(meta["data"])
-        if meta["key"] != key_data:
-            raise UsageError("checkpoint PRNG key differs from config.seed")
-        start, summary = meta["step"], meta["summary"]
-        print(f"resumed from step {start} in {workdir}", file=sys.stderr)
     log = RunLogger(workdir, enabled=main_process)
     if start == 0:
         summary["accuracy_before"] = _evaluate(run, state, eval_records, log, 0)["accuracy"]
@@ -151,7 +146,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         if saving or preempted:
             summary.update(totals, wall_seconds=time.perf_counter() - wall0)
             meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
-                    "key": key_data, "base": base}  # fmt: skip
+                    "key": seed_key(config.seed), "base": base}  # fmt: skip
             ckpt.save(step + 1, learner.checkpointed(state), meta)
         if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
             bar.close()

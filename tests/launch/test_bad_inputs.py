@@ -78,6 +78,14 @@ def hf_config(**changes):
     return make
 
 
+def checkpoints_only(_):
+    """other/: a workdir holding the finished run's checkpoints and no config.json (copied there)."""
+    os.mkdir("other")
+    os.symlink(
+        os.path.realpath(os.path.join("run", "checkpoints")), os.path.join("other", "checkpoints")
+    )
+
+
 def bad_count_reward(monkeypatch):
     from rl import rewards
 
@@ -147,6 +155,8 @@ CATALOGUE = [
     Case("char-tokenizer-no-alphabet", "`--config.model.hf_checkpoint=ckpt`, its char_tokenizer.json `{\"type\": \"char\"}`", "ckpt/char_tokenizer.json: not a valid char tokenizer (KeyError('alphabet'))", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"char_tokenizer.json": '{"type": "char"}'}), workdir="new"),
     Case("hf-tokenizer-garbled", "`--config.model.hf_checkpoint=ckpt`, a broken tokenizer.json in place of char_tokenizer.json", "ckpt/tokenizer.json: not a valid tokenizer file", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt("char_tokenizer.json", {"tokenizer.json": '{"version": "1.0"}'}), workdir="new"),
     Case("safetensors-truncated", "`--config.model.hf_checkpoint=ckpt`, its model.safetensors cut to half its size", "ckpt/model.safetensors: unreadable safetensors file", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"model.safetensors": half}), workdir="new"),
+    # Resuming: launch.build.restore_latest, once the run is built.
+    Case("seed-differs-on-resume", "`--config.seed=1` resuming `other`, a workdir holding `run`'s checkpoints (seed 0) and no config.json", "config.seed=1: the checkpoint in <cwd>/other/checkpoints was written with seed 0; resume with --config.seed=0 or use a new --workdir", EIGHT + RUN + ["--config.seed=1"], checkpoints_only, workdir="other"),
     # launch.eval and launch.export on the finished run.
     Case("eval-no-such-step", "`python -m launch.eval --workdir run --step 99`", "--workdir run: no checkpoint at step 99 (have [1])", ["--workdir", "run", "--step", "99"], entry="eval"),
     Case("eval-not-a-run", "`python -m launch.eval --workdir nope`", "--workdir nope: no config.json (not a training run)", ["--workdir", "nope"], entry="eval"),
@@ -189,7 +199,7 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and "Traceback" not in err, err
-    assert lines[-1].startswith(f"error: {case.message}"), err
+    assert lines[-1].startswith(f"error: {case.message.replace('<cwd>', os.getcwd())}"), err
     assert len(lines) == 1, err
     assert snapshot(".") == before
 
