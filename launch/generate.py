@@ -4,10 +4,12 @@
         --num_samples 4 --temperature 0.7 --max_new_tokens 64
 
 Each input line holds `prompt` (text; needs tokenizer.json or char_tokenizer.json in the
-checkpoint directory) or `prompt_ids` (token ids). Each output line holds `prompt_index`,
-`sample_index`, `token_ids`, `logprobs` (the sampler's, under the distribution the token was drawn
-from), `finish_reason` ("stop" or "length"), and `text` where a tokenizer is present. Parameters
-are sharded over all local devices on the data axis; a progress bar goes to stderr.
+checkpoint directory) or `prompt_ids` (token ids). Prompt text is data: special-token strings in it
+such as "<|im_start|>" are encoded as text, not as their ids (`models/special_text.py`); give a
+prompt with chat markup as `prompt_ids`. Each output line holds `prompt_index`, `sample_index`,
+`token_ids`, `logprobs` (the sampler's, under the distribution the token was drawn from),
+`finish_reason` ("stop" or "length"), and `text` where a tokenizer is present. Parameters are
+sharded over all local devices on the data axis; a progress bar goes to stderr.
 
 To sample from a training run, export it first (`python -m launch.export --workdir W --out DIR`):
 the exported directory is an HF checkpoint with its tokenizer files.

@@ -157,7 +157,7 @@ def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed:
     """Held-out tool use and accuracy of a calc warm start (see the module docstring); episodes
     are decoded as the RL environment runs them: a turn that ends on ">" gets the observation."""
     cfg = nnx.merge(graphdef, params).cfg
-    eos, close = tok.eos_ids[0], tok.encode(CALL_CLOSE)[0]
+    eos, close = tok.eos_ids[0], tok.encode(CALL_CLOSE, special=True)[0]
     turn = 2 * digits + 3  # the longest model turn: "<a*b>"
     ecfg = EngineConfig(num_slots=128, page_size=8, num_pages=1024, max_prompt_len=8 * digits + 8,
                         max_new_tokens=turn, steps_per_call=turn, stop_ids=(eos, close))  # fmt: skip

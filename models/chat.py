@@ -24,6 +24,11 @@ starts with plain text after the sampled text (a template without end-of-turn to
 endings of sampled text, and raises UnstableDeltaError when any of them merges across. The checks
 cost less than encoding the delta, so nothing is cached.
 
+Message contents are data (`models/special_text.py`): the template renders them escaped
+(`Tokenizer.render_chat`) and the delta is encoded with `encode_rendered`, so a tool result that
+prints "<|im_end|>" gets the ids of that text while the template's own markup around it gets its
+special ids; for contents without special-token strings the ids are those of the rendering.
+
 `turn_closed` says whether the sampled turn already ends with the template's end-of-turn token
 (`end_of_turn_id`): True when the model stopped on it, False when it stopped on something else
 (e.g. `</tool_call>`, a stop id that is not the end-of-turn token), and then the delta first closes
@@ -36,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from models.special_text import ESCAPE
 from models.tokenizer import CharTokenizer, Tokenizer
 
 # Plain ASCII without surrounding whitespace: no template trims, splits or escapes it.
@@ -64,10 +70,10 @@ def _as_messages(message: Mapping | Sequence[Mapping]) -> list[dict]:
 def _after_assistant(
     tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict
 ) -> tuple[str, int]:
-    """The rendering of [user, assistant, *messages] and the index just after the assistant's
-    content in it."""
+    """The rendering of [user, assistant, *messages], message contents escaped
+    (`Tokenizer.render_chat`), and the index just after the assistant's content in it."""
     dummy = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-    text = tokenizer.apply_chat_template(
+    text = tokenizer.render_chat(
         dummy + messages, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     i = text.find(_ASSISTANT)
@@ -85,7 +91,7 @@ def _end_of_turn(tokenizer: Tokenizer, template_kwargs: dict) -> tuple[int, str]
     closing = text[cut:]
     if not closing:
         return None
-    first = tokenizer.encode(closing)[0]
+    first = tokenizer.encode_rendered(closing)[0]  # the template's markup alone
     token_text = tokenizer.decode([first], skip_special=False)
     if not closing.startswith(token_text) or not _is_special(tokenizer, first):
         return None
@@ -118,9 +124,9 @@ def _is_special(tokenizer: Tokenizer, token_id: int) -> bool:
 
 def _check_stable(tokenizer: Tokenizer, before: Sequence[str], delta_text: str):
     """Raises unless `delta_text` tokenises the same after each text of `before` as alone."""
-    ids = tokenizer.encode(delta_text)
+    ids = tokenizer.encode_rendered(delta_text)
     for text in before:
-        if tokenizer.encode(text + delta_text) != tokenizer.encode(text) + ids:
+        if tokenizer.encode_rendered(text + delta_text) != tokenizer.encode_rendered(text) + ids:
             raise UnstableDeltaError(
                 f"the chat template's delta {delta_text[:40]!r} tokenises differently after "
                 f"{text[-20:]!r} than alone (a BPE merge crosses the split), so its ids would "
@@ -145,13 +151,14 @@ def message_delta_ids(
     `template_kwargs` are template variables, as for `apply_chat_template` (Qwen3's
     `enable_thinking=False`, Llama 3's `date_string`); pass the ones the prompt was rendered with.
 
-    CharTokenizer (whose template concatenates contents) gets the encoded contents, whatever
-    `turn_closed`. Raises UnstableDeltaError when the ids of the delta would depend on the sampled
-    text before it.
+    Contents are encoded as text: their special-token strings never become special ids (unless
+    a content is `models.special_text.Trusted`). CharTokenizer (whose template concatenates
+    contents) gets the encoded contents, whatever `turn_closed`. Raises UnstableDeltaError when
+    the ids of the delta would depend on the sampled text before it.
     """
     messages = _as_messages(message)
     if isinstance(tokenizer, CharTokenizer):
-        return tokenizer.encode("".join(m["content"] for m in messages))
+        return tokenizer.encode_chat(messages)
     text, cut = _after_assistant(tokenizer, messages, add_generation_prompt, template_kwargs)
     if turn_closed:
         eot = _end_of_turn(tokenizer, template_kwargs)
@@ -169,12 +176,14 @@ def message_delta_ids(
             )
         cut += len(eot_text)  # after a special token: stable whatever follows
     delta = text[cut:]
-    ids = tokenizer.encode(delta)
+    ids = tokenizer.encode_rendered(delta)
     if not turn_closed and ids and not _is_special(tokenizer, ids[0]):
         # The delta starts with plain text right after the sampled text. Merges happen within a
         # pre-token, and the pre-tokens after the first one that starts inside the delta line up
         # whatever precedes it, so the delta's first characters decide: check them after the
         # dummy's assistant content and after typical endings of sampled text.
         head = delta[:_HEAD_CHARS]
+        if head.count(ESCAPE) % 2:  # escapes come in pairs of ESCAPE: do not cut one in two
+            head = delta[: delta.index(ESCAPE, _HEAD_CHARS) + 1]
         _check_stable(tokenizer, [text[:cut], *_PROBE_ENDINGS], head)
     return ids

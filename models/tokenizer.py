@@ -1,7 +1,8 @@
 """Tokenizers: one small interface, a character tokenizer for synthetic tasks, and HF tokenizers.
 
-`Tokenizer` is what the rest of the code sees: encode / decode / apply_chat_template plus the
-special ids the sampler needs (`pad_id`, `bos_id`, `eos_ids`). Two implementations:
+`Tokenizer` is what the rest of the code sees: encode / decode / apply_chat_template /
+encode_chat plus the special ids the sampler needs (`pad_id`, `bos_id`, `eos_ids`). Two
+implementations:
 
 - `CharTokenizer`: one id per character of a fixed alphabet, for synthetic tasks (arithmetic) with
   tiny models, so tests and the CPU demo need no downloaded files. Like tokenizer.json for an HF
@@ -19,11 +20,17 @@ Choices a reader may question:
   <|end_of_text|>). `generation_config.json` overrides it: HF keeps the full stop list there.
 - Templates get no `strftime_now` (transformers has one), so they fall back to their fixed default
   date and the same config renders the same prompts on every day of a run.
+
+Untrusted text cannot forge special tokens (`models/special_text.py`): `encode` encodes text as
+data unless `special=True`, and `encode_chat` gives a chat template's markup its special ids and
+the messages inserted into it none. Added tokens are matched by their exact text in markup too
+(an added token with normalized=True is matched unnormalised), so that escaping sees each match.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -33,6 +40,8 @@ import jinja2.ext
 import numpy as np
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from models.special_text import SpecialStrings, escape_messages
 
 
 class Tokenizer(abc.ABC):
@@ -45,8 +54,16 @@ class Tokenizer(abc.ABC):
     add_bos_token: bool = False  # whether the checkpoint expects BOS in front of raw text
 
     @abc.abstractmethod
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings inside `text` map to their ids."""
+    def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
+        """Token ids of `text`. `special=False` (the default, for any text that is data: tool
+        output, file contents, prompts): special-token strings in it are encoded as the text they
+        are, never as their own ids. `special=True`: they map to their ids, for markup the caller
+        wrote itself (a stop string such as `</tool_call>`, template output without messages)."""
+
+    @abc.abstractmethod
+    def special_strings(self) -> tuple[str, ...]:
+        """The strings that `encode(..., special=True)` maps to ids of their own (HF: every added
+        token, special or not; CharTokenizer: <pad>, <bos>, <eos>)."""
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
@@ -56,11 +73,50 @@ class Tokenizer(abc.ABC):
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
-        """Prompt text for a conversation of {"role": ..., "content": ...} messages."""
+        """Prompt text for a conversation of {"role": ..., "content": ...} messages, to read;
+        its ids come from `encode_chat`."""
 
     @abc.abstractmethod
     def to_dict(self) -> dict:
         """A json-able description that `load_tokenizer` turns back into this tokenizer."""
+
+    # ----- untrusted text inside markup (models/special_text.py)
+
+    @functools.cached_property
+    def _specials(self) -> SpecialStrings:
+        return SpecialStrings(self.special_strings(), getattr(self, "path", type(self).__name__))
+
+    def escape(self, text: str) -> str:
+        """`text` as data inside trusted markup: its special-token strings as escapes, which
+        `encode_rendered` encodes as the text they are."""
+        return self._specials.escape(text)
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """`apply_chat_template` with every message string escaped except `Trusted` ones: text
+        to cut (`models.chat`) and encode with `encode_rendered`. Template arguments (`tools`,
+        `enable_thinking`) are the caller's and stay markup."""
+        return self.apply_chat_template(
+            escape_messages(messages, self.escape),
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+
+    def encode_rendered(self, text: str, add_bos: bool = False) -> list[int]:
+        """Ids of `render_chat` output, a piece of it, or trusted markup with `escape`d data in
+        it: special-token strings get their ids, the escaped data is encoded as text. Text
+        without escapes: `encode(text, special=True)`."""
+        return self.encode("", add_bos) + self._specials.encode_rendered(text, self.encode)
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
+        """Prompt ids of a conversation: the chat template's markup with its special ids, the
+        message strings (except `Trusted` ones) as text."""
+        return self.encode_rendered(
+            self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        )
 
 
 def _as_id_list(ids: Sequence[int] | np.ndarray) -> list[int]:
@@ -80,6 +136,8 @@ class CharTokenizer(Tokenizer):
     The chat template concatenates the message contents in order, without roles or separators;
     `add_generation_prompt` and template keyword arguments change nothing. Synthetic tasks put the
     whole prompt in one user message and the model learns the answer format from the reward.
+    "<eos>" in text is five characters, as it always was here; `encode(..., special=True)` (and
+    `Trusted` message strings) map "<pad>", "<bos>", "<eos>" to their ids, as for HF tokenizers.
     """
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -95,13 +153,22 @@ class CharTokenizer(Tokenizer):
         self.vocab_size = len(self.SPECIALS) + len(alphabet)
         self.pad_id, self.bos_id, self.eos_ids = 0, 1, (2,)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
         ids = [self.bos_id] if add_bos else []
-        for c in text:
-            if c not in self._ids:
-                raise ValueError(f"character {c!r} is not in the CharTokenizer alphabet")
-            ids.append(self._ids[c])
+        cuts = list(self._specials.pattern.finditer(text)) if special else []
+        start = 0
+        for m in [*cuts, None]:
+            for c in text[start : len(text) if m is None else m.start()]:
+                if c not in self._ids:
+                    raise ValueError(f"character {c!r} is not in the CharTokenizer alphabet")
+                ids.append(self._ids[c])
+            if m is not None:
+                ids.append(self.SPECIALS.index(m.group()))
+                start = m.end()
         return ids
+
+    def special_strings(self) -> tuple[str, ...]:
+        return self.SPECIALS
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
         out = []
@@ -158,6 +225,7 @@ class HFTokenizer(Tokenizer):
             self._tok = tokenizers.Tokenizer.from_file(tok_file)
         except Exception as e:  # the Rust library raises a bare Exception
             raise ValueError(f"{tok_file}: not a valid tokenizer file ({e})") from None
+        self._tok, self._plain = _markup_and_plain(self._tok)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._config_file = os.path.join(self.path, "tokenizer_config.json")
         config = _read_json(self._config_file)
@@ -205,8 +273,8 @@ class HFTokenizer(Tokenizer):
             t = {d["name"]: d["template"] for d in t}.get("default")
         return t
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
+        ids = (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
                 raise ValueError(f"add_bos=True but {self._config_file} defines no bos_token")
@@ -215,6 +283,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special: bool = True) -> str:
         return self._tok.decode(_as_id_list(ids), skip_special_tokens=skip_special)
+
+    def special_strings(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
 
     def apply_chat_template(
         self,
@@ -226,7 +297,8 @@ class HFTokenizer(Tokenizer):
         """Renders as transformers' `apply_chat_template(..., tokenize=False)`; `tools` (JSON
         schemas, OpenAI function format) is the template's `tools` variable, as in transformers;
         extra keyword arguments (e.g. Qwen3's `enable_thinking=False`) become template
-        variables."""
+        variables. The text is for reading: ids come from `encode_chat` (or `render_chat` and
+        `encode_rendered`), which keep the messages' special-token strings text."""
         if self._template_src is None:
             raise ValueError(
                 f"{self._config_file} has no chat_template (nor is there a chat_template.jinja "
@@ -250,6 +322,27 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> HFTokenizer:
         return cls(os.fspath(path))
+
+
+def _markup_and_plain(
+    tok: tokenizers.Tokenizer,
+) -> tuple[tokenizers.Tokenizer, tokenizers.Tokenizer]:
+    """Two copies of `tok`: for markup, with added tokens matched by their exact text (where a
+    normalizer could map other text onto a normalized=True one, `escape` would miss it); and for
+    data, with every added token marked special and `encode_special_tokens` on, so that none of
+    them is matched (that flag alone skips only the special ones). Two objects rather than one
+    flag toggled per call: rewards and tools encode on worker threads."""
+    spec = json.loads(tok.to_str())
+    added = spec.get("added_tokens") or []
+    if spec.get("normalizer") is not None and any(t.get("normalized") for t in added):
+        for t in added:
+            t["normalized"] = False
+        tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    for t in added:
+        t["special"] = True
+    plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    plain.encode_special_tokens = True
+    return tok, plain
 
 
 def _compile_template(source: str):

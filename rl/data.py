@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from models.special_text import Trusted
 from models.tokenizer import Tokenizer
 from rl.tasks import arithmetic_records
 
@@ -273,6 +274,10 @@ def format_prompt(
     template), encoded without extra BOS (the template text has it). Without:
     `system_prompt + prompt` verbatim (bring your own separator), with BOS only when the tokenizer
     asks for it on raw text. A prompt that is already a message list needs the chat template.
+
+    The record's prompt is data: special-token strings in it ("<|im_end|>") are encoded as text
+    (`models/special_text.py`). The system prompt is the config's own text, like the template:
+    its special-token strings (a `<tool_call>` in a described call format) keep their ids.
     """
     prompt = record[prompt_field]
     if use_chat_template:
@@ -280,17 +285,17 @@ def format_prompt(
             [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         )
         if system_prompt:
-            messages = [{"role": "system", "content": system_prompt}, *messages]
-        text = tokenizer.apply_chat_template(
+            messages = [{"role": "system", "content": Trusted(system_prompt)}, *messages]
+        return tokenizer.encode_chat(
             messages, add_generation_prompt=True, **dict(template_kwargs or {})
         )
-        return tokenizer.encode(text)
     if not isinstance(prompt, str):
         raise ValueError(
             f"prompt field {prompt_field!r} holds {type(prompt).__name__}, not text; "
             "message lists need use_chat_template=True"
         )
-    return tokenizer.encode((system_prompt or "") + prompt, add_bos=tokenizer.add_bos_token)
+    text = (system_prompt or "") + tokenizer.escape(prompt)
+    return tokenizer.encode_rendered(text, add_bos=tokenizer.add_bos_token)
 
 
 def tokenize_prompts(records: Sequence[Mapping], tokenizer: Tokenizer, config, prompt_field: str):

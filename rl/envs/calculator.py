@@ -23,7 +23,7 @@ from rl.tasks import CALL_CLOSE, CALL_OPEN, calc_observation
 @register_env("calculator")
 class CalculatorEnv(Environment):
     def stop_ids(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(CALL_CLOSE))
+        return tuple(self.tokenizer.encode(CALL_CLOSE, special=True))
 
     def step(self, episode: Episode, turn: Turn) -> list[int] | None:
         if turn.finish_reason != "stop" or not turn.text.endswith(CALL_CLOSE):

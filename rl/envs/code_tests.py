@@ -43,7 +43,7 @@ class CodeTestsEnv(Environment):
         self.max_chars = config.env.max_observation_chars
 
     def stop_ids(self) -> tuple[int, ...]:
-        ids = self.tokenizer.encode(CALL_CLOSE)
+        ids = self.tokenizer.encode(CALL_CLOSE, special=True)  # the added token where there is one
         return tuple(ids) if len(ids) == 1 else ()
 
     def start(self, record: dict) -> Episode:

@@ -59,6 +59,7 @@ import tarfile
 import time
 
 from models.chat import message_delta_ids
+from models.special_text import Trusted
 from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
 from rl.envs.repo_tools import (
@@ -160,9 +161,10 @@ class RepoEnv(Environment):
         problem = check_record(record)["problem"] if "problem" in record else record[prompt_field]
         user = INSTRUCTIONS.format(root=self.tools.shown_root(), problem=problem)
         if not d.use_chat_template:
-            return self.tokenizer.encode((d.system_prompt or "") + user,
-                                         add_bos=self.tokenizer.add_bos_token)  # fmt: skip
-        system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+            return self.tokenizer.encode_rendered((d.system_prompt or "") + self.tokenizer.escape(
+                user), add_bos=self.tokenizer.add_bos_token)  # fmt: skip
+        own = Trusted(d.system_prompt or "")  # the config's text: special-token strings stay
+        system = [{"role": "system", "content": own}] if own else []
         msgs, kw = system + [{"role": "user", "content": user}], self._template_kwargs()
         try:
             text = self.tokenizer.apply_chat_template(msgs, True, tools=TOOLS, **kw)
@@ -175,13 +177,15 @@ class RepoEnv(Environment):
                      f"\n\nFor each call, write {CALL_OPEN}\n{{\"name\": <function-name>, "
                      f"\"arguments\": <args-json-object>}}\n{CALL_CLOSE}")  # fmt: skip
             sys_text = (d.system_prompt + "\n\n" if d.system_prompt else "") + tools
-            msgs = [{"role": "system", "content": sys_text}, {"role": "user", "content": user}]
-            text = self.tokenizer.apply_chat_template(msgs, True, **kw)
-        return self.tokenizer.encode(text)
+            msgs = [{"role": "system", "content": Trusted(sys_text)},
+                    {"role": "user", "content": user}]  # fmt: skip
+        # The problem is data: its special-token strings stay text (models/special_text.py).
+        return self.tokenizer.encode_chat(msgs, True, **kw, **(
+            {"tools": TOOLS} if self.tools_in_template else {}))  # fmt: skip
 
     def stop_ids(self) -> tuple[int, ...]:
         try:
-            ids = self.tokenizer.encode(CALL_CLOSE)
+            ids = self.tokenizer.encode(CALL_CLOSE, special=True)  # the added token, if any
         except ValueError:  # a character-level alphabet without "<"
             return ()
         return tuple(ids) if len(ids) == 1 else ()

@@ -57,7 +57,7 @@ class RepoFixEpisode(Episode):
 @register_env("repo_fix")
 class RepoFixEnv(Environment):
     def stop_ids(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(CALL_CLOSE))
+        return tuple(self.tokenizer.encode(CALL_CLOSE, special=True))
 
     def start(self, record: dict) -> RepoFixEpisode:
         return RepoFixEpisode(record, source=record["files"][MODULE])

@@ -11,8 +11,8 @@ import shutil
 import jinja2
 import numpy as np
 import pytest
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from models.tokenizer import (
     CHAR_TOKENIZER_FILE,
@@ -181,11 +181,14 @@ def test_hf_special_ids(tmp_path, tokenizer_json):
     assert tok.pad_id == 2  # no pad_token: falls back to eos[0]
     assert tok.bos_id is None
     assert tok.add_bos_token is False
-    # Special-token strings in text become their single ids; decode can drop or keep them.
-    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    # With special=True (markup), special-token strings become their single ids; decode can
+    # drop or keep them. By default (data) they are text.
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>", special=True)
     assert ids[0] == 1 and ids[-1] == 2
     assert tok.decode(ids) == "user\nhi"
     assert tok.decode(ids, skip_special=False) == "<|im_start|>user\nhi<|im_end|>"
+    plain = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert not {0, 1, 2} & set(plain) and tok.decode(plain) == "<|im_start|>user\nhi<|im_end|>"
     with pytest.raises(ValueError, match="bos_token"):
         tok.encode("hi", add_bos=True)
 
@@ -209,8 +212,9 @@ def test_hf_chat_template(tmp_path, tokenizer_json):
     )
     no_gen = tok.apply_chat_template(msgs, add_generation_prompt=False)
     assert no_gen == expected.removesuffix("<|im_start|>assistant\n")
-    ids = tok.encode(expected)
+    ids = tok.encode(expected, special=True)
     assert ids.count(1) == 3 and ids.count(2) == 2  # specials map to single ids
+    assert tok.encode_chat(msgs) == ids  # the same ids: no message holds a special-token string
     with pytest.raises(ValueError, match="unknown role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -266,3 +270,21 @@ def test_hf_errors(tmp_path, tokenizer_json):
     (d / "tokenizer_config.json").unlink()
     with pytest.raises(ValueError, match="no EOS token"):
         HFTokenizer.from_dir(d)
+
+
+def test_hf_normalized_added_token_matches_its_exact_text_only(tmp_path, tokenizer_json):
+    """A normalized=True added token under a lowercasing normalizer: `tokenizers` would match
+    "<|IM_END|>" as <|im_end|>, which escaping (exact text) cannot see. Matched by its exact
+    text, markup keeps its id and data cannot forge it."""
+    raw = RawTokenizer.from_file(str(tokenizer_json))
+    raw.normalizer = normalizers.Lowercase()
+    raw.add_special_tokens([AddedToken("<|tool|>", normalized=True, special=True)])
+    assert raw.token_to_id("<|tool|>") in raw.encode("a<|TOOL|>").ids  # the risk
+    (tmp_path / "tokenizer.json").write_text(raw.to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(QWEN_CONFIG))
+    tok = HFTokenizer.from_dir(tmp_path)
+    tool = raw.token_to_id("<|tool|>")
+    assert tool in tok.encode("a<|tool|>", special=True)
+    assert tool not in tok.encode("a<|TOOL|>", special=True) + tok.encode("a<|tool|>")
+    msgs = [{"role": "user", "content": "a<|TOOL|> <|tool|>"}]
+    assert tool not in tok.encode_chat(msgs) and 1 in tok.encode_chat(msgs)  # <|im_start|>

@@ -210,7 +210,7 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
         assert env.tools_in_template
         user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
         msgs = [{"role": "user", "content": user}]
-        assert ids == tok.encode(tok.apply_chat_template(msgs, True, tools=TOOLS))
+        assert ids == tok.encode(tok.apply_chat_template(msgs, True, tools=TOOLS), special=True)
         assert "You may call one or more functions to assist" in text  # Qwen's own wording
         assert json.dumps(TOOLS[1], ensure_ascii=False) in text
         assert "# Tools" not in tok.apply_chat_template(msgs, True)  # default: no tools, as before
