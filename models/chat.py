@@ -41,7 +41,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from models.special_text import ESCAPE
 from models.tokenizer import CharTokenizer, Tokenizer
 
 # Plain ASCII without surrounding whitespace: no template trims, splits or escapes it.
@@ -183,7 +182,5 @@ def message_delta_ids(
         # whatever precedes it, so the delta's first characters decide: check them after the
         # dummy's assistant content and after typical endings of sampled text.
         head = delta[:_HEAD_CHARS]
-        if head.count(ESCAPE) % 2:  # escapes come in pairs of ESCAPE: do not cut one in two
-            head = delta[: delta.index(ESCAPE, _HEAD_CHARS) + 1]
         _check_stable(tokenizer, [text[:cut], *_PROBE_ENDINGS], head)
     return ids
