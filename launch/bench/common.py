@@ -1,19 +1,30 @@
-"""What the benchmarks share (`launch.bench` and the bench_learn / bench_loop / bench_roofline
-modules it dispatches to): model shapes, interleaved timing, random prompts, an engine runner.
+"""What the benchmarks of `launch.bench` share: model shapes, interleaved timing, random prompts,
+an engine runner, and the command line (a parser whose errors are one line, the flag types, the
+JSON output).
 
-A module of its own so that the benchmarks import it and `launch.bench` imports them, one way.
+A module of its own so that the benchmarks import it and nothing here imports them, one way.
+A bad flag is one `UsageError` line naming the flag, the value and what is allowed
+(`--tokens=128,128: 128 is given twice (comma-separated integers >= 1, each once)`), which
+`launch.bench.main` prints as `error: ...` with exit status 2, as the other entry points do
+(launch/cli.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import json
+import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch.cli import UsageError
+from models.config import RopeScaling
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.page_allocator import group_pages
@@ -22,6 +33,30 @@ SMALL = dict(vocab_size=4096, d_model=256, d_ff=1024, num_layers=4, num_heads=8)
 SMALL.update(num_kv_heads=2, head_dim=32)
 TINY = dict(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_heads=4)
 TINY.update(num_kv_heads=2, head_dim=8)
+
+_BENCH = dict(family="qwen2", qkv_bias=True, tie_embeddings=True)  # bench-small's family
+# The registered model shapes (--shape of the roofline and memory benchmarks): ModelConfig
+# kwargs by name (the real ones as in tests/sampling/test_tpu_export.py).
+SHAPES = {
+    "tiny": dict(_BENCH, **TINY),
+    "small": dict(_BENCH, **SMALL),
+    "qwen2_5_0_5b": dict(
+        family="qwen2", vocab_size=151936, d_model=896, d_ff=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, qkv_bias=True,
+        tie_embeddings=True, max_position_embeddings=32768,
+    ),
+    "qwen3_0_6b": dict(
+        family="qwen3", vocab_size=151936, d_model=1024, d_ff=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
+        tie_embeddings=True, max_position_embeddings=40960,
+    ),
+    "llama3_2_1b": dict(
+        family="llama", vocab_size=128256, d_model=2048, d_ff=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_embeddings=True, norm_eps=1e-5,
+        max_position_embeddings=131072,
+    ),
+}  # fmt: skip
 
 
 def interleaved(runs: dict, reps: int) -> dict:
@@ -71,3 +106,121 @@ def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None,
         assert all(c.length == new_tokens for r in results for c in r)
 
     return run, engine
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors raise one UsageError line instead of printing usage and exiting.
+    The flag types below word their messages "=value: expected ..." (joined to the flag's name);
+    argparse's own (a flag without its value, an unknown flag) keep its words."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            message += f" ({self.prog} --help lists the flags)"
+        elif message.startswith("argument "):
+            name, _, why = message[len("argument ") :].partition(": ")
+            message = name + why if why.startswith("=") else f"{name}: {why}"
+        raise UsageError(message)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the module docstring as written, each flag with its default."""
+
+
+def parser(what: str, doc: str) -> Parser:
+    """The parser of benchmark `what`, with the flag they all have: --output."""
+    p = Parser(prog=f"python -m launch.bench {what}", description=doc,
+               formatter_class=HelpFormatter)  # fmt: skip
+    p.add_argument("--output", default=f"bench_{what}.json", help="JSON results file")
+    return p
+
+
+def parse(p: Parser, argv) -> argparse.Namespace:
+    """p's flags from argv; an --output in a directory that does not exist fails now, not after
+    the benchmark has run."""
+    args = p.parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        p.error(f"--output={args.output}: {out_dir} is not a directory")
+    return args
+
+
+def finish(args, r: dict, table: str) -> int:
+    """Prints the table and writes the results to --output."""
+    print(table)
+    with open(args.output, "w") as f:
+        json.dump(r, f, indent=2)
+        f.write("\n")
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def integer(low: int = 1):
+    """Flag type: an integer >= low."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"={text}: expected an integer >= {low}")
+        return value
+
+    return convert
+
+
+def integers(low: int = 1, empty: bool = False):
+    """Flag type: comma-separated distinct integers >= low (none at all only when `empty`)."""
+    allowed = f"comma-separated integers >= {low}, each once"
+
+    def convert(text: str) -> list[int]:
+        out = []
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            try:
+                value = int(item)
+            except ValueError:
+                value = None
+            if value is None or value < low:
+                raise argparse.ArgumentTypeError(f"={text}: {item!r} is not an integer >= {low} "
+                                                 f"(expected {allowed})")  # fmt: skip
+            if value in out:
+                raise argparse.ArgumentTypeError(f"={text}: {value} is given twice ({allowed})")
+            out.append(value)
+        if not out and not empty:
+            raise argparse.ArgumentTypeError(f"={text}: expected {allowed}, at least one")
+        return out
+
+    return convert
+
+
+def one_of(names):
+    """Flag type: one of `names`."""
+    names = tuple(names)
+
+    def convert(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"={text}: expected one of {', '.join(names)}")
+        return text
+
+    return convert
+
+
+def some_of(names, empty: bool = False):
+    """Flag type: a comma-separated list of distinct `names` (none at all only when `empty`)."""
+    names = tuple(names)
+    allowed = f"comma-separated, each once, of {', '.join(names)}"
+
+    def convert(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        for i, item in enumerate(out):
+            if item not in names:
+                raise argparse.ArgumentTypeError(
+                    f"={text}: {item!r} is not one of them ({allowed})"
+                )
+            if item in out[:i]:
+                raise argparse.ArgumentTypeError(f"={text}: {item!r} is given twice ({allowed})")
+        if not out and not empty:
+            raise argparse.ArgumentTypeError(f"={text}: expected {allowed}, at least one")
+        return out
+
+    return convert

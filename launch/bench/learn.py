@@ -24,7 +24,7 @@ import functools
 import jax
 import numpy as np
 
-from launch.bench_common import TINY, interleaved, square_matmuls
+from launch.bench.common import TINY, finish, integer, interleaved, parse, parser, square_matmuls
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, param_count, state_shardings
 from rl.learner import Learner, LearnerConfig, batch_sharding
@@ -131,3 +131,15 @@ def table(r: dict) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main(argv) -> int:
+    p = parser("learn", __doc__)
+    p.add_argument("--quick", action="store_true", help="tiny model and workload (tests)")
+    p.add_argument("--rows", type=integer(), default=4, help="rows of 512 tokens per step")
+    p.add_argument("--skewed_seqs", type=integer(), default=16, help="long-tailed sequences")
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the lengths")
+    p.add_argument("--reps", type=integer(), default=3, help="timed repetitions (median)")
+    args = parse(p, argv)
+    r = bench_learn(args)
+    return finish(args, r, table(r))

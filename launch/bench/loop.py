@@ -2,12 +2,12 @@
 
 One iteration = rollout (`Engine.generate_all` on the policy's own arrays) + reference log-probs
 (`Learner.logprobs` of the reference model, full softmax) + one AdamW step (`Learner.step`, μ 1,
-π_old from the same forward), on bench-small (`launch.bench`), one device:
-8 prompts x 8 samples, prompts of 64 tokens, temperature 1, no top-k / top-p, KL β 0.04.
+π_old from the same forward) on bench-small, one device (`launch.bench.iteration.Loop`): 8 prompts
+x 8 samples, prompts of 64 tokens, temperature 1, no top-k / top-p, KL β 0.04.
 
 - `--lengths fixed`: exactly 128 new tokens per sample (no stop ids), 64 slots.
 - `--lengths skewed`: each sample's length drawn from a seeded long-tailed distribution over
-  8..512 (`launch.bench_learn.skewed_lengths`; each sample gets that budget, its group's prompt
+  8..512 (`launch.bench.learn.skewed_lengths`; each sample gets that budget, its group's prompt
   prefilled once), 16 slots. Also timed: the same rollout as static batches
   (`static_rollout_seconds`: the groups in fixed batches of 16 samples, each decoding until its
   longest sequence ends, so a finished row idles), and the learner step on padded rather than
@@ -16,128 +16,18 @@ One iteration = rollout (`Engine.generate_all` on the policy's own arrays) + ref
   slot from the start, both would wait for the longest sequence alone.
 
 Each key is the median of `--reps` iterations after a warm-up iteration (compilation).
+With `--partial_rollouts` (and `--lengths skewed`) the command runs partial.py instead.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
-import numpy as np
 
-from launch.bench_common import SMALL, TINY, random_prompts
-from launch.bench_learn import skewed_lengths
-from models.config import ModelConfig
-from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
-from rl.learner import Learner, LearnerConfig, batch_sharding
-from rl.losses import LossConfig
-from rl.packing import build_batch
-from rl.rollout import Group
-from sampling.distribution import SamplingParams
-from sampling.engine import Engine, EngineConfig
-from sampling.page_allocator import group_pages
-
-
-class Loop:
-    """The engine, learner and reference of the benchmark, and one timed GRPO iteration."""
-
-    def __init__(self, args):
-        quick = args.quick
-        cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True,
-                          **(TINY if quick else SMALL))  # fmt: skip
-        mesh = make_mesh({}, devices=jax.devices()[:1])
-        graphdef, params = init_params(cfg, mesh, seed=0)
-        self.ref_params = jax.tree.map(lambda x: x.copy(), params)
-        g, n_prompts, plen = (2, 2, 8) if quick else (8, 8, 64)
-        self.prompts = random_prompts(n_prompts, plen, cfg.vocab_size)
-        self.g, self.skewed = g, args.lengths == "skewed"
-        n = n_prompts * g
-        if self.skewed:
-            self.lengths = skewed_lengths(n, 2 if quick else 8, 16 if quick else 512, args.seed)
-            slots = min(n, 4 if quick else 16)
-        else:
-            self.lengths = np.full(n, 8 if quick else 128)
-            slots = n
-        self.max_new = int(self.lengths.max())
-        page = 4 if quick else 16
-        sampling = SamplingParams(temperature=1.0)
-        ecfg = EngineConfig(
-            num_slots=slots, page_size=page, max_prompt_len=plen, max_new_tokens=self.max_new,
-            num_pages=slots * group_pages(plen, self.max_new, page, 1) + 1,
-            steps_per_call=4 if quick else args.steps_per_call,
-        )  # fmt: skip
-        self.engine = Engine(cfg, graphdef, ecfg, sampling)
-        self.decode_state = self.engine.init_state()
-        lcfg = LearnerConfig(learning_rate=1e-6, sampling=sampling,
-                             loss=LossConfig(kl_coef=0.04))  # fmt: skip
-        self.learner = Learner(lcfg, graphdef, state_shardings(params, mesh, DEFAULT_RULES))
-        self.state = self.learner.init_state(params)
-        self.sharding = batch_sharding(mesh, DEFAULT_RULES)
-        self.width = plen + self.max_new
-        self.adv = np.random.default_rng(0).normal(size=n).astype(np.float32)
-        self.times = {k: [] for k in ("rollout", "reference", "learn", "iteration",
-                                      "static_rollout", "padded_reference", "padded_learn")}  # fmt: skip
-
-    def rollout(self) -> list[Group]:
-        """The G samples of each prompt, one request (the prompt prefilled once); skewed: each
-        sample with its own budget (`lengths`, prompt-major)."""
-        budgets = self.lengths.reshape(len(self.prompts), self.g).tolist()
-        self.decode_state, completions = self.engine.generate_all(
-            self.state.params, self.decode_state, self.prompts, self.g,
-            budgets if self.skewed else self.max_new,
-        )  # fmt: skip
-        for c, n in zip((c for cs in completions for c in cs), self.lengths):
-            assert c.length == n, (c.length, n)  # exact lengths: no stop ids
-        return [Group({}, p, cs, [], np.zeros(self.g, np.float32), {})
-                for p, cs in zip(self.prompts, completions)]  # fmt: skip
-
-    def static_rollout(self) -> None:
-        """The same groups in fixed batches of num_slots samples, each decoding to its longest."""
-        per = self.engine.ecfg.num_slots // self.g  # groups per batch
-        lengths = self.lengths.reshape(len(self.prompts), self.g)
-        for s in range(0, len(self.prompts), per):
-            self.decode_state, _ = self.engine.generate_all(
-                self.state.params, self.decode_state, self.prompts[s : s + per], self.g,
-                int(lengths[s : s + per].max()), request_ids=range(s, min(s + per, len(lengths))),
-            )  # fmt: skip
-
-    def batch(self, groups, pack: bool):
-        batch, layout = build_batch(groups, self.width, 0, pack=pack)
-        batch = batch.replace(advantages=layout.spread(self.adv))
-        return jax.device_put(batch, self.sharding)
-
-    def with_reference(self, batch):
-        """The batch with the reference model's log-probs (waited for)."""
-        ref = self.learner.logprobs(self.ref_params, batch, "full")
-        return batch.replace(ref_logp=jax.block_until_ready(ref))
-
-    def learn(self, batch):
-        self.state, metrics = self.learner.step(self.state, batch)
-        jax.device_get(metrics["loss"])
-
-    def iteration(self) -> None:
-        t0 = time.perf_counter()
-        groups = self.rollout()
-        t1 = time.perf_counter()
-        batch = self.with_reference(self.batch(groups, pack=True))
-        t2 = time.perf_counter()
-        self.learn(batch)
-        t3 = time.perf_counter()
-        for key, dt in (("rollout", t1 - t0), ("reference", t2 - t1), ("learn", t3 - t2),
-                        ("iteration", t3 - t0)):  # fmt: skip
-            self.times[key].append(dt)
-        if self.skewed:
-            t4 = time.perf_counter()
-            self.static_rollout()
-            t5 = time.perf_counter()
-            padded = self.with_reference(self.batch(groups, pack=False))
-            t6 = time.perf_counter()
-            self.learn(padded)
-            t7 = time.perf_counter()
-            self.times["static_rollout"].append(t5 - t4)
-            self.times["padded_reference"].append(t6 - t5)
-            self.times["padded_learn"].append(t7 - t6)
+from launch.bench import partial
+from launch.bench.common import finish, integer, one_of, parse, parser
+from launch.bench.iteration import Loop
 
 
 def bench_loop(args) -> dict:
@@ -169,3 +59,30 @@ def table(r: dict) -> str:
             rows.append((k.replace("_", " "), f"{r[k]:.2f}x"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main(argv) -> int:
+    p = parser("loop", __doc__)
+    p.add_argument("--quick", action="store_true", help="tiny model and workload (tests)")
+    p.add_argument("--lengths", type=one_of(("fixed", "skewed")), default="fixed",
+                   help="fixed (128 tokens each) or skewed (long-tailed over 8..512)")  # fmt: skip
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the lengths")
+    p.add_argument("--reps", type=integer(), default=3, help="timed iterations (median)")
+    p.add_argument("--steps_per_call", type=integer(), default=None,
+                   help="EngineConfig.steps_per_call (default 32, partial 4)")  # fmt: skip
+    p.add_argument("--partial_rollouts", action="store_true",
+                   help="--lengths skewed: sync against partial rollouts")  # fmt: skip
+    p.add_argument("--extra_groups", type=integer(0), default=None,
+                   help="--partial_rollouts: groups in flight beyond B (default B)")  # fmt: skip
+    p.add_argument("--max_staleness", type=integer(0), default=4,
+                   help="--partial_rollouts: eta")  # fmt: skip
+    args = parse(p, argv)
+    if args.steps_per_call is None:
+        args.steps_per_call = 4 if args.partial_rollouts else 32
+    if not args.partial_rollouts:
+        r = bench_loop(args)
+        return finish(args, r, table(r))
+    if args.lengths != "skewed":
+        p.error(f"--partial_rollouts: needs --lengths=skewed (got --lengths={args.lengths})")
+    r = partial.bench_partial(args)
+    return finish(args, r, partial.table(r))

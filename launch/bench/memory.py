@@ -2,7 +2,7 @@
 --shape qwen2_5_0_5b --tokens 4096,8192,16384,32768 [--attention auto|dense|blockwise]
 [--output F.json]`.
 
-For each T, a registered model shape (`launch.bench_roofline.SHAPES`) with bf16 compute, f32
+For each T, a registered model shape (`launch.bench.common.SHAPES`) with bf16 compute, f32
 master weights and remat on, sharded FSDP over 8 CPU devices (mesh fsdp=8, as the 0.5B config's
 `--dry_run` runs it), is lowered with abstract shapes (ShapeDtypeStructs: nothing is allocated)
 and compiled, and XLA's per-device temporaries (`memory_analysis().temp_size_in_bytes`) are read
@@ -29,7 +29,7 @@ import time
 
 import jax
 
-from launch.bench_roofline import SHAPES
+from launch.bench.common import SHAPES, finish, integers, one_of, parse, parser, some_of
 from launch.dry_run import abstract_batch
 from models.config import ModelConfig
 from models.sharding import (
@@ -49,6 +49,7 @@ DEVICES = 8  # the CPU devices of the mesh (fsdp=8)
 PAGE_SIZE = 128  # prefill KV pages (bf16)
 PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk's default; --attention dense: 0 (the reference)
 GIB = 2**30
+PHASES = ("learn", "logprobs", "prefill")  # what --phases may compile
 
 
 def cpu_devices(n: int = DEVICES) -> list:
@@ -75,7 +76,7 @@ def _compile(lowered) -> tuple[int, float]:
     return _temp(compiled), time.perf_counter() - start
 
 
-def measure(cfg: ModelConfig, t: int, mesh, phases=("learn", "logprobs", "prefill")) -> dict:
+def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES) -> dict:
     """Per-device temp bytes (and compile seconds) of each phase at T = t."""
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, DEFAULT_RULES)
@@ -116,10 +117,10 @@ def exponent(rows: list[dict], key: str) -> float | None:
 
 def bench_memory(args) -> dict:
     mesh = make_mesh({"fsdp": DEVICES}, devices=cpu_devices())
-    shape = dict(SHAPES[args.shape or "qwen2_5_0_5b"])
+    shape = dict(SHAPES[args.shape])
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), *args.tokens)
     cfg = ModelConfig(**shape, dtype="bfloat16", remat=True, attention=args.attention)
-    r = {"shape": args.shape or "qwen2_5_0_5b", "attention": args.attention, "devices": DEVICES}
+    r = {"shape": args.shape, "attention": args.attention, "devices": DEVICES}
     r["rows"] = []
     for t in args.tokens:
         r["rows"].append(measure(cfg, t, mesh, args.phases))
@@ -147,3 +148,18 @@ def table(r: dict) -> str:
     lines.append(f"growth exponent (two longest T): learn {fmt(r['learn_exponent'])}, "
                  f"logprobs {fmt(r['logprobs_exponent'])}, prefill {fmt(r['prefill_exponent'])}")  # fmt: skip
     return "\n".join(lines)
+
+
+def main(argv) -> int:
+    p = parser("memory", __doc__)
+    p.add_argument("--shape", type=one_of(SHAPES), default="qwen2_5_0_5b",
+                   help=f"model shape: {', '.join(SHAPES)}")  # fmt: skip
+    p.add_argument("--tokens", type=integers(), default="4096,8192,16384,32768",
+                   help="comma-separated lengths T")  # fmt: skip
+    p.add_argument("--attention", type=one_of(("auto", "dense", "blockwise")), default="auto",
+                   help="learner attention: auto, dense or blockwise")  # fmt: skip
+    p.add_argument("--phases", type=some_of(PHASES), default=",".join(PHASES),
+                   help=f"comma-separated phases to compile: {', '.join(PHASES)}")  # fmt: skip
+    args = parse(p, argv)
+    r = bench_memory(args)
+    return finish(args, r, table(r))

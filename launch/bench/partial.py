@@ -1,7 +1,7 @@
 """Partial rollouts against synchronous ones: `python -m launch.bench loop --lengths skewed
 --partial_rollouts [--extra_groups N] [--max_staleness ETA]`.
 
-Both loops run in one process on bench-small (`launch.bench_loop.Loop`: B = 8 prompts x G = 8
+Both loops run in one process on bench-small (`launch.bench.iteration.Loop`: B = 8 prompts x G = 8
 samples, each group one request whose prompt is prefilled once, each sample with its own
 long-tailed length over 8..512, 16 slots, no stop ids; decode calls of `--steps_per_call` 4
 steps, so that a slot whose sequence ended is refilled within a few steps: the loop reads call n
@@ -42,7 +42,7 @@ import time
 import jax
 import numpy as np
 
-from launch.bench_loop import Loop
+from launch.bench.iteration import Loop
 from rl.packing import bucket_rows, build_batch
 from rl.partial import enough, select
 from rl.rollout import Group
@@ -133,9 +133,7 @@ def _iteration(loop: Loop, engine, rollout) -> dict:
 
 
 def bench_partial(args) -> dict:
-    loop = Loop(args)
-    if not loop.skewed:
-        raise SystemExit("--partial_rollouts needs --lengths skewed")
+    loop = Loop(args)  # --lengths skewed (launch.bench.loop checks)
     extra = len(loop.prompts) if args.extra_groups is None else args.extra_groups
     partial = Partial(loop, extra, args.max_staleness)
 

@@ -4,7 +4,7 @@
     python -m launch.bench learn --output bench_learn.json
     python -m launch.bench loop --output bench_loop.json
     python -m launch.bench loop --lengths skewed --output bench_loop_skewed.json
-    python -m launch.bench_plots --out docs/img
+    python -m launch.bench plots --out docs/img
 
 writes sampler_batch.png (sampler tokens/s against the number of sequences), learner_packing.png
 (learner real tokens/s, packed against padded) and iteration_split.png (a GRPO iteration's time
@@ -12,29 +12,60 @@ split into rollout, reference log-probs and learning, for each workload and layo
 
     python -m launch.bench memory --attention dense --tokens 1024,2048,4096,8192 --output bench_memory_dense.json
     python -m launch.bench memory --attention blockwise --tokens 1024,2048,4096,8192,16384,32768 --output bench_memory.json
-    python -m launch.bench_plots --only_memory --memory_dense bench_memory_dense.json --memory bench_memory.json
+    python -m launch.bench plots --only_memory --memory_dense bench_memory_dense.json --memory bench_memory.json
 
 it writes memory_tokens.png (per-device temporaries of the learner step and the prefill
 against the row length, dense against blockwise; log-log). With
 
     python -m launch.bench loop --lengths skewed --partial_rollouts --reps 7 --output bench_partial.json
-    python -m launch.bench_plots --only_partial --partial bench_partial.json
+    python -m launch.bench plots --only_partial --partial bench_partial.json
 
 it writes partial_utilization.png (each decode call's slot utilization over one rollout,
 synchronous against partial rollouts).
+
+A file that is missing, not JSON or not the JSON of its benchmark (a key the plot needs is not
+there) is one `error:` line naming the flag and the command that writes it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
+
+from launch.bench.common import HelpFormatter, Parser
+from launch.cli import UsageError
+
+# What each file flag reads: the command that writes it and the keys the plots need.
+FILES = {
+    "sampler": ("sampler --batch_sweep 8,16,32", ("device", "batch_sweep")),
+    "learn": ("learn", ("device", "padded_rows", "packed_rows", "padded_tokens_per_s",
+                        "packed_tokens_per_s")),
+    "loop": ("loop", ("device", "rollout_seconds", "reference_seconds", "learn_seconds")),
+    "loop_skewed": ("loop --lengths skewed", ("rollout_seconds", "reference_seconds",
+                    "learn_seconds", "static_rollout_seconds", "padded_reference_seconds",
+                    "padded_learn_seconds")),
+    "memory_dense": ("memory --attention dense", ("shape", "attention", "devices", "rows")),
+    "memory": ("memory --attention blockwise", ("shape", "attention", "devices", "rows")),
+    "partial": ("loop --lengths skewed --partial_rollouts",
+                ("sync", "partial", "batch_sequences", "num_slots")),
+}  # fmt: skip
 
 
-def _load(path):
-    with open(path) as f:
-        return json.load(f)
+def _load(flag: str, path: str) -> dict:
+    """The JSON of --flag, or one UsageError line naming the flag and the command to run."""
+    command, keys = FILES[flag]
+    fix = f"write it with python -m launch.bench {command} --output {path}"
+    try:
+        with open(path) as f:
+            r = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--{flag}={path}: {e.strerror.lower()}; {fix}") from None
+    except ValueError as e:
+        raise UsageError(f"--{flag}={path}: not JSON ({e}); {fix}") from None
+    missing = [k for k in keys if not isinstance(r, dict) or k not in r]
+    if missing:
+        raise UsageError(f"--{flag}={path}: no {missing[0]!r} in it; {fix}")
+    return r
 
 
 def plot(sampler, learn, loop, skewed, out: str) -> list[str]:
@@ -145,12 +176,12 @@ def plot_partial(r, out: str) -> str:
     return path
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sampler", default="bench_sampler.json")
-    p.add_argument("--learn", default="bench_learn.json")
-    p.add_argument("--loop", default="bench_loop.json")
-    p.add_argument("--loop_skewed", default="bench_loop_skewed.json")
+def main(argv) -> int:
+    p = Parser(prog="python -m launch.bench plots", description=__doc__,
+               formatter_class=HelpFormatter)  # fmt: skip
+    for flag in ("sampler", "learn", "loop", "loop_skewed"):
+        p.add_argument(f"--{flag}", default=f"bench_{flag}.json",
+                       help=f"python -m launch.bench {FILES[flag][0]} JSON")  # fmt: skip
     p.add_argument("--out", default="docs/img")
     p.add_argument("--memory_dense", default=None, help="bench memory JSON, --attention dense")
     p.add_argument("--memory", default=None, help="bench memory JSON, --attention blockwise")
@@ -160,17 +191,25 @@ def main(argv=None) -> int:
     p.add_argument("--only_partial", action="store_true",
                    help="draw partial_utilization.png alone")  # fmt: skip
     a = p.parse_args(argv)
+    if bool(a.memory_dense) != bool(a.memory) or (a.only_memory and not a.memory):
+        p.error("--memory_dense and --memory: memory_tokens.png needs both JSON files")
+    if a.only_partial and not a.partial:
+        p.error("--only_partial: needs --partial, the JSON of the partial-rollout bench")
+    flags = [f for f in ("sampler", "learn", "loop", "loop_skewed")
+             if not (a.only_memory or a.only_partial)]  # fmt: skip
+    flags += ["partial"] * bool(a.partial) + ["memory_dense", "memory"] * bool(a.memory)
+    r = {flag: _load(flag, getattr(a, flag)) for flag in flags}  # all read before any is drawn
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("the plots need matplotlib: pip install -e '.[plots]'") from None
     paths = []
     if a.partial:
-        paths.append(plot_partial(_load(a.partial), a.out))
+        paths.append(plot_partial(r["partial"], a.out))
     if not (a.only_memory or a.only_partial):
-        paths += plot(*(_load(f) for f in (a.sampler, a.learn, a.loop, a.loop_skewed)), a.out)
-    if a.memory_dense and a.memory:
-        paths.append(plot_memory(_load(a.memory_dense), _load(a.memory), a.out))
+        paths += plot(r["sampler"], r["learn"], r["loop"], r["loop_skewed"], a.out)
+    if a.memory:
+        paths.append(plot_memory(r["memory_dense"], r["memory"], a.out))
     for path in paths:
         print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,14 @@
 """Sampler decode against the memory roofline: `python -m launch.bench sampler --shape NAME
-[--num_seqs B] [--prompt_len --new_tokens --num_samples --page_size ...]` (the path `launch.bench`
-takes when --shape or --num_seqs is given; default shape "small", 256 sequences).
+[--num_seqs B] [--prompt_len --new_tokens --num_samples --page_size ...]` (the path the sampler
+benchmark takes when --shape or --num_seqs is given; default shape "small", 256 sequences).
 
-A random-init model of a registered shape (`SHAPES`: the real Qwen2.5-0.5B, Qwen3-0.6B and
-Llama-3.2-1B architectures, and the bench's own "small" and "tiny") decodes B sequences at once
-(B / G prompts x G samples, every sequence in its own slot, exactly `new_tokens` each) on one
-device, in the decode dtype: weights, compute and KV cache in bfloat16 on accelerators, float32 on
-CPU (`--dtype` overrides). The weights are stored in that dtype, as a server would hold them; the
-training loop instead keeps f32 master weights and casts them inside the jitted step.
+A random-init model of a registered shape (`launch.bench.common.SHAPES`: the real Qwen2.5-0.5B,
+Qwen3-0.6B and Llama-3.2-1B architectures, and the bench's own "small" and "tiny") decodes B
+sequences at once (B / G prompts x G samples, every sequence in its own slot, exactly
+`new_tokens` each) on one device, in the decode dtype: weights, compute and KV cache in bfloat16
+on accelerators, float32 on CPU (`--dtype` overrides). The weights are stored in that dtype, as a
+server would hold them; the training loop instead keeps f32 master weights and casts them inside
+the jitted step.
 
 Reported, all measured in this one process:
 - engine tokens/s = B x new_tokens / wall seconds of `Engine.generate_all` (median of `--reps`
@@ -44,32 +45,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from launch.bench_common import SMALL, TINY, engine_runner, interleaved, random_prompts
-from models.config import ModelConfig, RopeScaling
+from launch.bench.common import SHAPES, engine_runner, interleaved, random_prompts
+from models.config import ModelConfig
 from models.sharding import init_params, make_mesh, param_count
-
-_BENCH = dict(family="qwen2", qkv_bias=True, tie_embeddings=True)  # bench-small's family
-# ModelConfig kwargs by name (the real ones as in tests/sampling/test_tpu_export.py).
-SHAPES = {
-    "tiny": dict(_BENCH, **TINY),
-    "small": dict(_BENCH, **SMALL),
-    "qwen2_5_0_5b": dict(
-        family="qwen2", vocab_size=151936, d_model=896, d_ff=4864, num_layers=24,
-        num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, qkv_bias=True,
-        tie_embeddings=True, max_position_embeddings=32768,
-    ),
-    "qwen3_0_6b": dict(
-        family="qwen3", vocab_size=151936, d_model=1024, d_ff=3072, num_layers=28,
-        num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
-        tie_embeddings=True, max_position_embeddings=40960,
-    ),
-    "llama3_2_1b": dict(
-        family="llama", vocab_size=128256, d_model=2048, d_ff=8192, num_layers=16,
-        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
-        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_embeddings=True, norm_eps=1e-5,
-        max_position_embeddings=131072,
-    ),
-}  # fmt: skip
 
 # HBM bytes/s by device_kind: the first row whose substrings all occur (lower case) wins, so
 # the more specific kinds come first. Vendor datasheet figures.
@@ -133,12 +111,8 @@ def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
 
 
 def bench_shape(args) -> dict:
-    name, b = args.shape or "small", args.num_seqs or 256
-    if name not in SHAPES:
-        raise ValueError(f"--shape={name!r}: one of {', '.join(SHAPES)}")
+    name, b = args.shape or "small", args.num_seqs or 256  # checked by the sampler's parser
     g, new, plen = args.num_samples, args.new_tokens, args.prompt_len
-    if b % g:
-        raise ValueError(f"--num_seqs={b}: must be a multiple of --num_samples={g}")
     dev = jax.devices()[0]
     dtype = (
         args.dtype if args.dtype != "auto" else "float32" if dev.platform == "cpu" else "bfloat16"

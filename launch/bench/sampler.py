@@ -1,10 +1,4 @@
-"""Benchmarks: `python -m launch.bench sampler|learn|loop|memory [--output F.json]`, each printing
-a table and writing JSON. `learn` (the learner step: tokens/s, MFU, packed against padded) is
-`launch/bench_learn.py`; `loop` (GRPO iterations and their time split) is `launch/bench_loop.py`;
-`memory` (compiled per-device temporaries of the learner, log-prob pass and prefill against the
-sequence length, nothing run) is `launch/bench_memory.py`.
-
-Sampler throughput (`python -m launch.bench sampler [--output bench_sampler.json]`):
+"""Sampler throughput: `python -m launch.bench sampler [--output bench_sampler.json]`.
 
 Runs on whatever JAX backend is present (one device) with a random-init Qwen2-style model
 ("bench-small": V 4096, D 256, 4 layers, 8 heads, 2 KV heads, H 32, F 1024, tied embeddings)
@@ -29,35 +23,43 @@ generated tokens only (prefill time is included in the engine's wall time, as a 
 
 With `--shape NAME` or `--num_seqs B` the sampler bench instead times one engine run of a
 registered model shape and sets it against the memory roofline (bytes per decode step, fraction
-of the HBM bandwidth): `launch/bench_roofline.py`.
+of the HBM bandwidth): `launch/bench/roofline.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from launch.bench_common import (
+from launch.bench import roofline
+from launch.bench.common import (
+    SHAPES,
     SMALL,
     TINY,
     engine_runner,
+    finish,
+    integer,
+    integers,
     interleaved,
+    one_of,
+    parse,
+    parser,
     random_prompts,
+    some_of,
     square_matmuls,
 )
+from launch.validate import DTYPES
 from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh, param_count
 from sampling.distribution import SamplingParams, sample
+from sampling.paged_attention import BACKENDS
 
 
 def matmul_peak_flops(sizes=(1024, 2048), reps: int = 5) -> float:
@@ -235,93 +237,45 @@ def _table(r: dict) -> str:
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["sampler", "learn", "loop", "memory"], help="what to benchmark")
-    p.add_argument("--output", default=None, help="JSON results file (bench_<what>.json)")
-    p.add_argument("--quick", action="store_true", help="learn / loop: tiny model and workload")
-    p.add_argument("--lengths", choices=["fixed", "skewed"], default="fixed",
-                   help="loop: completion lengths, 128 each or long-tailed over 8..512")  # fmt: skip
-    p.add_argument("--partial_rollouts", action="store_true",
-                   help="loop --lengths skewed: synchronous against partial rollouts")  # fmt: skip
-    p.add_argument("--extra_groups", type=int, default=None,
-                   help="loop --partial_rollouts: groups in flight beyond B (default B)")  # fmt: skip
-    p.add_argument("--max_staleness", type=int, default=4, help="loop --partial_rollouts: eta")
-    p.add_argument("--rows", type=int, default=4, help="learn: rows of 512 tokens per step")
-    p.add_argument("--skewed_seqs", type=int, default=16, help="learn: long-tailed sequences")
-    p.add_argument("--seed", type=int, default=0, help="learn / loop: seed of the lengths")
+def main(argv) -> int:
+    p = parser("sampler", __doc__)
     p.add_argument("--small_test", action="store_true", help="tiny model and workload (tests)")
     p.add_argument("--no_hf", action="store_true", help="skip HF generate even if installed")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
-    p.add_argument("--num_prompts", type=int, default=8)
-    p.add_argument("--num_prompts_256", type=int, default=32, help="prompts of the 256-seq run")
-    p.add_argument("--num_samples", type=int, default=8, help="G samples per prompt")
-    p.add_argument("--prompt_len", type=int, default=64)
-    p.add_argument("--new_tokens", type=int, default=128, help="exactly this many (no stop)")
-    p.add_argument("--steps_per_call", type=int, default=None,
-                   help="sampler / loop: EngineConfig.steps_per_call (default 32; 4 with "
-                   "--partial_rollouts)")  # fmt: skip
-    p.add_argument("--page_size", type=int, default=16)
-    p.add_argument("--backend", default="auto", help="paged attention backend")
-    p.add_argument(
-        "--compare_backends", default="", help="comma-separated backends also timed at 256 seqs"
-    )
+    p.add_argument("--reps", type=integer(), default=3, help="timed repetitions (median)")
+    p.add_argument("--num_prompts", type=integer(), default=8)
+    p.add_argument("--num_prompts_256", type=integer(), default=32,
+                   help="prompts of the 256-seq run")  # fmt: skip
+    p.add_argument("--num_samples", type=integer(), default=8, help="G samples per prompt")
+    p.add_argument("--prompt_len", type=integer(), default=64)
+    p.add_argument("--new_tokens", type=integer(), default=128, help="exactly this many (no stop)")
+    p.add_argument("--steps_per_call", type=integer(), default=32,
+                   help="EngineConfig.steps_per_call")  # fmt: skip
+    p.add_argument("--page_size", type=integer(), default=16)
+    p.add_argument("--backend", type=one_of(BACKENDS), default="auto",
+                   help=f"paged attention backend: {', '.join(BACKENDS)}")  # fmt: skip
+    p.add_argument("--compare_backends", type=some_of(BACKENDS, empty=True), default="",
+                   help="comma-separated backends also timed at 256 seqs")  # fmt: skip
     p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
-    p.add_argument("--batch_sweep", default="", help="comma-separated sequence counts to time")
-    p.add_argument("--shape", default=None, help="sampler (roofline) / memory: model shape")
-    p.add_argument("--num_seqs", type=int, default=None, help="sampler: roofline bench, B seqs")
-    p.add_argument("--dtype", default="auto", help="roofline: weights/cache dtype (auto: f32 CPU)")
-    p.add_argument("--tokens", default="4096,8192,16384,32768", help="memory: lengths T")
-    p.add_argument("--attention", default="auto", help="memory: auto | dense | blockwise")
-    p.add_argument("--phases", default="learn,logprobs,prefill", help="memory: what to compile")
+    p.add_argument("--batch_sweep", type=integers(empty=True), default="",
+                   help="comma-separated sequence counts to time")  # fmt: skip
+    p.add_argument("--shape", type=one_of(SHAPES), default=None,
+                   help=f"roofline bench of a model shape: {', '.join(SHAPES)}")  # fmt: skip
+    p.add_argument("--num_seqs", type=integer(), default=None,
+                   help="roofline bench of B seqs (default 256)")  # fmt: skip
+    p.add_argument("--dtype", type=one_of(("auto", *DTYPES)), default="auto",
+                   help="roofline: weights/cache dtype (auto: f32 on CPU, else bf16)")  # fmt: skip
     p.add_argument("--decode_copy", action="store_true",
                    help="roofline: f32 masters, with and without a decode-dtype copy")  # fmt: skip
-    args = p.parse_args(argv)
-    args.compare_backends = [b for b in args.compare_backends.split(",") if b]
-    args.batch_sweep = [int(n) for n in args.batch_sweep.split(",") if n]
-    args.tokens = [int(n) for n in args.tokens.split(",") if n]
-    args.phases = tuple(x for x in args.phases.split(",") if x)
-    args.output = args.output or f"bench_{args.what}.json"
-    if args.steps_per_call is None:
-        args.steps_per_call = 4 if args.partial_rollouts else 32
-    if args.what == "memory":
-        from launch.bench_memory import bench_memory, table
-
-        r = bench_memory(args)
-        print(table(r))
-    elif args.what == "learn":
-        from launch.bench_learn import bench_learn, table
-
-        r = bench_learn(args)
-        print(table(r))
-    elif args.what == "loop" and args.partial_rollouts:
-        from launch.bench_partial import bench_partial, table
-
-        r = bench_partial(args)
-        print(table(r))
-    elif args.what == "loop":
-        from launch.bench_loop import bench_loop, table
-
-        r = bench_loop(args)
-        print(table(r))
-    elif args.shape or args.num_seqs:
-        from launch.bench_roofline import bench_shape, table
-
-        r = bench_shape(args)
-        print(table(r))
-    else:
-        if args.small_test:
-            args.num_prompts, args.num_prompts_256, args.num_samples = 2, 4, 2
-            args.prompt_len, args.new_tokens, args.steps_per_call, args.reps = 8, 8, 4, 1
-            args.page_size = 4
-        r = bench_sampler(args)
-        print(_table(r))
-    with open(args.output, "w") as f:
-        json.dump(r, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.output}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    args = parse(p, argv)
+    if args.shape or args.num_seqs:
+        b, g = args.num_seqs or 256, args.num_samples
+        if b % g:
+            p.error(f"--num_seqs={b}: must be a multiple of --num_samples={g}")
+        r = roofline.bench_shape(args)
+        return finish(args, r, roofline.table(r))
+    if args.small_test:
+        args.num_prompts, args.num_prompts_256, args.num_samples = 2, 4, 2
+        args.prompt_len, args.new_tokens, args.steps_per_call, args.reps = 8, 8, 4, 1
+        args.page_size = 4
+    r = bench_sampler(args)
+    return finish(args, r, _table(r))

@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import pytest
 
+from launch import bench, export, train
 from launch import eval as eval_
-from launch import export, train
 from tests.conftest import ROOT  # (as a script too: the 8 fake devices)
 
 ASSET = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
@@ -35,7 +35,7 @@ class Case(NamedTuple):
     message: str  # the beginning of the error line, after "error: "
     argv: list[str]
     setup: object = None  # setup(monkeypatch) makes the bad files in the working directory
-    entry: str = "train"  # launch.train | launch.eval | launch.export
+    entry: str = "train"  # launch.train | launch.eval | launch.export | launch.bench
     workdir: str = "run"  # launch.train's --workdir: the finished run, or a new one ("new")
 
 
@@ -165,6 +165,22 @@ CATALOGUE = [
     Case("export-into-the-workdir", "`python -m launch.export --workdir run --out run`", "--out run: is the run's workdir (its config.json would be overwritten)", ["--workdir", "run", "--out", "run"], entry="export"),
     Case("export-adapter-of-a-full-run", "`python -m launch.export --workdir run --out out --adapter`, a full fine-tune", "--adapter: the run in run has no LoRA adapters", ["--workdir", "run", "--out", "out", "--adapter"], entry="export"),
     Case("export-out-under-a-file", "`python -m launch.export --workdir run --out afile/hf`, where afile is a file", "--out afile/hf: afile is not a directory", ["--workdir", "run", "--out", "afile/hf"], write("afile", "x"), entry="export"),
+    # launch.bench: a benchmark's name and flags, before anything is built or timed.
+    Case("bench-unknown", "`python -m launch.bench nope`", "'nope': no such benchmark; expected python -m launch.bench <what> [--help], <what> one of sampler, learn, loop, memory, plots", ["nope"], entry="bench"),
+    Case("bench-length-not-an-int", "`python -m launch.bench memory --tokens=abc`", "--tokens=abc: 'abc' is not an integer >= 1 (expected comma-separated integers >= 1, each once)", ["memory", "--tokens=abc"], entry="bench"),
+    Case("bench-length-twice", "`python -m launch.bench memory --tokens=128,128`", "--tokens=128,128: 128 is given twice (comma-separated integers >= 1, each once)", ["memory", "--tokens=128,128"], entry="bench"),
+    Case("bench-unknown-shape", "`python -m launch.bench memory --shape=nope`", "--shape=nope: expected one of tiny, small, qwen2_5_0_5b, qwen3_0_6b, llama3_2_1b", ["memory", "--shape=nope"], entry="bench"),
+    Case("bench-unknown-phase", "`python -m launch.bench memory --phases=learn,nope`", "--phases=learn,nope: 'nope' is not one of them (comma-separated, each once, of learn, logprobs, prefill)", ["memory", "--phases=learn,nope"], entry="bench"),
+    Case("bench-flag-of-another-bench", "`python -m launch.bench memory --quick` (a flag of learn and loop)", "unrecognized arguments: --quick (python -m launch.bench memory --help lists the flags)", ["memory", "--quick"], entry="bench"),
+    Case("bench-zero-reps", "`python -m launch.bench learn --reps=0`", "--reps=0: expected an integer >= 1", ["learn", "--reps=0"], entry="bench"),
+    Case("bench-output-dir-missing", "`python -m launch.bench learn --output=nope/r.json`", "--output=nope/r.json: <cwd>/nope is not a directory", ["learn", "--output=nope/r.json"], entry="bench"),
+    Case("bench-sweep-not-an-int", "`python -m launch.bench sampler --batch_sweep=8,x`", "--batch_sweep=8,x: 'x' is not an integer >= 1 (expected comma-separated integers >= 1, each once)", ["sampler", "--batch_sweep=8,x"], entry="bench"),
+    Case("bench-unknown-backend", "`python -m launch.bench sampler --compare_backends=nope`", "--compare_backends=nope: 'nope' is not one of them (comma-separated, each once, of auto, reference, blockwise, cpu_kernel, pallas_gpu, pallas_tpu)", ["sampler", "--compare_backends=nope"], entry="bench"),
+    Case("bench-roofline-seqs-indivisible", "`python -m launch.bench sampler --num_seqs=5` (G = 8)", "--num_seqs=5: must be a multiple of --num_samples=8", ["sampler", "--num_seqs=5"], entry="bench"),
+    Case("bench-unknown-lengths", "`python -m launch.bench loop --lengths=nope`", "--lengths=nope: expected one of fixed, skewed", ["loop", "--lengths=nope"], entry="bench"),
+    Case("bench-partial-fixed-lengths", "`python -m launch.bench loop --partial_rollouts`", "--partial_rollouts: needs --lengths=skewed (got --lengths=fixed)", ["loop", "--partial_rollouts"], entry="bench"),
+    Case("bench-plots-file-missing", "`python -m launch.bench plots --sampler=nope.json`", "--sampler=nope.json: no such file or directory; write it with python -m launch.bench sampler --batch_sweep 8,16,32 --output nope.json", ["plots", "--sampler=nope.json"], entry="bench"),
+    Case("bench-plots-wrong-json", "`python -m launch.bench plots --sampler=learn.json`, learn.json the JSON of another benchmark", "--sampler=learn.json: no 'batch_sweep' in it; write it with python -m launch.bench sampler --batch_sweep 8,16,32 --output learn.json", ["plots", "--sampler=learn.json"], write("learn.json", '{"device": "cpu", "tokens_per_s": 1.0}'), entry="bench"),
 ]  # fmt: skip
 
 
@@ -195,7 +211,7 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
         case.setup(monkeypatch)
     argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
     before = snapshot(".")
-    rc = {"train": train, "eval": eval_, "export": export}[case.entry].main(argv)
+    rc = {"train": train, "eval": eval_, "export": export, "bench": bench}[case.entry].main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and "Traceback" not in err, err

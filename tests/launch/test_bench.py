@@ -84,7 +84,7 @@ def test_bench_learn_quick(results):
 
 def test_plots(results, tmp_path):
     pytest.importorskip("matplotlib")
-    from launch.bench_plots import main as plots
+    from launch.bench.plots import main as plots
 
     files = [f"--{name}={results[name][0]}" for name in results if name != "loop_partial"]
     files.append(f"--partial={results['loop_partial'][0]}")
@@ -130,7 +130,7 @@ def test_bench_sampler_shape_tiny(roofline):
 
 
 def test_sampler_decode_step_bytes():
-    from launch.bench_roofline import decode_step_bytes, hbm_peak, mean_kv_len
+    from launch.bench.roofline import decode_step_bytes, hbm_peak, mean_kv_len
     from models.config import ModelConfig
 
     kw = dict(family="qwen2", vocab_size=10, d_model=4, d_ff=8, num_layers=2, num_heads=2,

@@ -1,0 +1,40 @@
+"""Benchmarks: `python -m launch.bench <what> [--output F.json] [flags]`, each printing a table and
+writing JSON (default bench_<what>.json); `python -m launch.bench <what> --help` lists its flags.
+
+    sampler   sampler tokens/s against HF generate, an attention-free loop and the compute floor;
+              with --shape / --num_seqs a model shape against the memory roofline (roofline.py)
+    learn     the learner step: tokens/s, MFU, packed against padded rows
+    loop      GRPO iterations and their time split; with --partial_rollouts synchronous against
+              partial rollouts (partial.py)
+    memory    compiled per-device temporaries against the sequence length (nothing runs)
+    plots     the plots of docs/performance.md, from the JSON files of the others
+
+One module per benchmark, each with `main(argv) -> int` (launch/bench/common.py holds what they
+share: shapes, timing, the parser). Adding one is a module and its name in BENCHES. A bad flag
+or benchmark name is one `error:` line, exit status 2, as for the other entry points.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from launch.cli import UsageError, fail
+
+BENCHES = ("sampler", "learn", "loop", "memory", "plots")  # modules of launch.bench
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    what = argv[0] if argv else ""
+    if what not in BENCHES:
+        given = f"{what!r}: no such benchmark" if what else "no benchmark given"
+        return fail(f"{given}; expected python -m launch.bench <what> [--help], <what> one of "
+                    f"{', '.join(BENCHES)}")  # fmt: skip
+    try:
+        return importlib.import_module(f"launch.bench.{what}").main(argv[1:])
+    except UsageError as e:
+        return fail(str(e))
