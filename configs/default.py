@@ -178,7 +178,9 @@ def get_config():
     c.env.setup_timeout_s = 300.0  # repo: a record's `setup` command; failing it is masked
     c.env.sandbox_memory_bytes = 4 << 30  # repo: address space per sandboxed process
     c.env.sandbox_processes = 64  # repo: processes per sandbox (a fork bomb stops here)
-    c.env.sandbox_bwrap = None  # repo: None = bubblewrap if it works, True = require, False = off
+    # Model-written code (code_tests, repo, python_tests; docs/sandbox.md): auto = bubblewrap or
+    # refuse to start, bwrap = the same, rlimits = the weak mode without namespaces (uid as root)
+    c.env.isolation = "auto"  # auto | bwrap | rlimits
     # sampling.max_new_tokens is the episode's budget after the prompt: model + observation tokens.
 
     c.eval = ml_collections.ConfigDict()

@@ -49,7 +49,7 @@ def get_config():
     c.env.per_test_timeout_s = 30  # a test that hangs fails (the model's fault)
     c.env.setup_timeout_s = 300.0  # a record's `setup` command
     c.env.workspace_bytes = 256 << 20  # tmpfs per episode
-    c.env.sandbox_bwrap = True  # refuse to run the model's commands without bubblewrap
+    c.env.isolation = "bwrap"  # refuse to run the model's commands without bubblewrap
 
     c.sampling.max_prompt_len = 2048  # instructions, tool schemas and the issue, templated
     c.sampling.max_new_tokens = 14336  # episode budget: model turns + tool output (16k in all)

@@ -22,7 +22,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from launch.cli import UsageError
 from launch.distributed import init_distributed
-from launch.validate import engine_config, learner_config, model_overrides, sampling_params
+from launch.validate import (
+    check_isolation,
+    engine_config,
+    learner_config,
+    model_overrides,
+    sampling_params,
+)
 from models import lora
 from models.config import ModelConfig
 from models.hf import load_hf
@@ -164,6 +170,7 @@ def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
     steps = ckpt.manager.all_steps()
     if not steps or (step is not None and step not in steps):
         raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
+    check_isolation(config)  # a run whose code rewards or environment cannot run here: one line
     run = build(config, with_reference=False)
     saved, meta = ckpt.restore(run.learner.checkpointed(run.state), step)
     check_base(run, meta, base_checksums(run))

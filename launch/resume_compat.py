@@ -8,6 +8,7 @@ run's config; a field that can change the trajectory and differs refuses the res
 from __future__ import annotations
 
 from launch.cli import UsageError
+from rl.sandbox import isolation_of
 
 # Fields that cannot change the trajectory of a run: a resumed run may change them.
 RESUMABLE_CHANGES = (
@@ -22,7 +23,7 @@ RESUMABLE_CHANGES = (
 REPO_ENV_DEFAULTS = {
     "command_timeout_s": 30.0, "max_tool_calls": 40, "workspace_bytes": 256 << 20,
     "test_timeout_s": 300.0, "per_test_timeout_s": 30, "setup_timeout_s": 300.0,
-    "sandbox_memory_bytes": 4 << 30, "sandbox_processes": 64, "sandbox_bwrap": None,
+    "sandbox_memory_bytes": 4 << 30, "sandbox_processes": 64,
 }  # fmt: skip
 
 
@@ -50,7 +51,12 @@ def check_resumable(old: dict, new: dict) -> None:
     (the same function; "auto" may round differently on rows over one block). Likewise one
     saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked. One
     saved before the partial-rollout fields existed resumes with them at their defaults
-    (partial rollouts off)."""
+    (partial rollouts off). One saved with env.sandbox_bwrap (renamed env.isolation) resumes
+    with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
+    before either existed with "auto"."""
+    if "env" in old and "isolation" not in old["env"]:
+        env = {k: v for k, v in old["env"].items() if k != "sandbox_bwrap"}
+        old = {**old, "env": {**env, "isolation": isolation_of(old["env"])}}
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = _without(new, "model", "lora")
     for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):

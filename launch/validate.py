@@ -26,7 +26,9 @@ from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import load_records, reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
+from rl.reward_registry import CODE_REWARDS
 from rl.rewards import REWARDS
+from rl.sandbox import ISOLATIONS, isolation_of
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
 from sampling.page_allocator import group_pages
@@ -146,7 +148,36 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
           f"expected a non-empty subset of {LORA_TARGETS}")  # fmt: skip
 
 
+def check_isolation(c: ml_collections.ConfigDict) -> None:
+    """A run that executes model-written code (an environment that `runs_code`, or a reward of
+    CODE_REWARDS without one) starts only where its sandbox works under config.env.isolation:
+    bubblewrap for "auto" and "bwrap" (else the one-line refusal of rl.sandbox), and for the
+    repo environment pytest importable inside. Sets the python_tests reward's isolation. Runs
+    that execute no code probe nothing. First in `validate`, and `launch.build.load_run` calls
+    it (launch.eval / launch.export of a saved run)."""
+    env = c.get("env", {})
+    iso = isolation_of(env)
+    _need(iso in ISOLATIONS, "env.isolation", iso, f"expected one of {ISOLATIONS} (auto: "
+          "bubblewrap, else refuse to run model-written code; rlimits: the weak mode)")  # fmt: skip
+    if name := env.get("name", ""):
+        from rl.envs import ENVIRONMENTS
+
+        cls = ENVIRONMENTS.get(name)
+        if cls is None or not cls.runs_code:
+            return
+        what, problem = f"env {name!r}", cls.check_sandbox(c)
+    else:
+        from rl.code_rewards import use_isolation
+
+        code = [n for n in dict.fromkeys([*c.rl.rewards, c.eval.reward]) if n in CODE_REWARDS]
+        if not code:
+            return
+        what, problem = f"reward {code[0]!r}", use_isolation(iso)
+    _need(not problem, "env.isolation", iso, f"{what} runs model-written code; {problem}")
+
+
 def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
+    check_isolation(c)  # first: it says whether this machine may run the config at all
     g, b = c.rl.num_generations, c.data.prompts_per_step
     _need(g >= 2, "rl.num_generations", g, "GRPO needs G >= 2 completions per prompt")
     _need(b >= 1, "data.prompts_per_step", b, "must be >= 1")
@@ -208,9 +239,6 @@ def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
         for name, low in REPO_ENV_MINIMA.items():
             if name in v:
                 _need(v[name] >= low, f"env.{name}", v[name], f"must be >= {low}")
-        if "sandbox_bwrap" in v:
-            _need(v.sandbox_bwrap in (None, True, False), "env.sandbox_bwrap", v.sandbox_bwrap,
-                  "must be None (bubblewrap if it works), True or False")  # fmt: skip
     _need(c.rl.get("reward_timeout_s", 0) >= 0, "rl.reward_timeout_s",
           c.rl.get("reward_timeout_s", 0), "must be >= 0 (0 = no limit)")  # fmt: skip
     for name in ([] if env else list(c.rl.rewards)) + [c.eval.reward] * (not env):

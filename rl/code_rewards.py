@@ -6,7 +6,9 @@
 (`__name__ == "__main__"`): 1.0 when it finishes with exit status 0 within the sandbox's limits, and
 0.0 otherwise. The code is the completion's last fenced python block (```python, ```py, ```python3),
 else its last untagged fenced block, else the whole text (`extract_code`). The G completions run in
-parallel through one shared `Sandbox`, created on first use with min(8, cpu_count) workers.
+parallel through one shared `Sandbox`, created on first use with min(8, cpu_count) workers, under
+the isolation `use_isolation` set (launch.validate calls it at start-up with config.env.isolation;
+"auto" until then: bubblewrap, or a RuntimeError where it does not work).
 
 An early `sys.exit(0)` / `os._exit(0)` / `exit()` in the code must not count as passing: the harness
 prints a random nonce after the last test and a run passes only if the nonce is there. The nonce
@@ -59,18 +61,32 @@ def _main():
 _main()
 """
 
-_shared: Sandbox | None = None
+_shared: dict[str, Sandbox] = {}  # isolation -> the module's Sandbox
 _shared_lock = threading.Lock()
+_isolation = "auto"  # of the python_tests reward's sandbox: set by use_isolation
 
 
-def shared_sandbox() -> Sandbox:
-    """The module's Sandbox (default limits), created on first use."""
-    global _shared
+def shared_sandbox(isolation: str | None = None) -> Sandbox:
+    """The module's Sandbox (default limits) for `isolation` (None: the one `use_isolation`
+    set), created on first use."""
+    isolation = isolation or _isolation
     with _shared_lock:
-        if _shared is None:
-            _shared = Sandbox(workers=min(8, os.cpu_count() or 1))
-            atexit.register(_shared.close)
-        return _shared
+        if isolation not in _shared:
+            _shared[isolation] = sb = Sandbox(min(8, os.cpu_count() or 1), isolation=isolation)
+            atexit.register(sb.close)
+        return _shared[isolation]
+
+
+def use_isolation(isolation: str) -> str:
+    """Makes `isolation` (config.env.isolation) the python_tests reward's and starts its
+    sandbox: "" when it runs here, else the one-line refusal (rl.sandbox.refusal)."""
+    global _isolation
+    _isolation = isolation
+    try:
+        shared_sandbox(isolation)
+    except RuntimeError as err:
+        return str(err)
+    return ""
 
 
 def extract_code(text: str) -> str:
@@ -136,7 +152,7 @@ def failure_message(r: RunResult, max_chars: int = 1000) -> str:
     return f"{head}\n{tail}".strip()
 
 
-@register_reward("python_tests")
+@register_reward("python_tests", runs_code=True)
 def python_tests(prompts, completions, *, tests, **_):
     """1.0 when completion i's code passes `tests[i]` in the sandbox, else 0.0."""
     runs = [_submit(extract_code(c), t, None) for c, t in zip(completions, tests)]

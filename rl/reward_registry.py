@@ -12,15 +12,19 @@ from collections.abc import Callable, Sequence
 
 RewardFn = Callable[..., Sequence[float]]
 REWARDS: dict[str, RewardFn] = {}
+CODE_REWARDS: set[str] = set()  # rewards that run model-written code (start-up isolation check)
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator adding a reward function to the registry under `name`."""
+def register_reward(name: str, runs_code: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward function to the registry under `name`; `runs_code`: it runs
+    the completions' code (in rl.sandbox), so launch.validate checks config.env.isolation."""
 
     def wrap(fn: RewardFn) -> RewardFn:
         if name in REWARDS:
             raise ValueError(f"reward {name!r} is already registered (by {REWARDS[name]!r})")
         REWARDS[name] = fn
+        if runs_code:
+            CODE_REWARDS.add(name)
         return fn
 
     return wrap

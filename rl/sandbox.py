@@ -1,6 +1,6 @@
 """Runs model-written Python in a fresh, limited process: the code sandbox of rewards and tools.
 
-    sb = Sandbox(workers=8, limits=Limits(wall_s=5.0), use_bwrap=None)  # None: bwrap if it works
+    sb = Sandbox(workers=8, limits=Limits(wall_s=5.0), isolation="auto")  # auto | bwrap | rlimits
     r = sb.run("print(1 + 1)")            # RunResult: stdout, stderr, returncode, seconds,
     r.ok, r.reason                        #   timed_out, output_truncated, reason; blocking
     fut = sb.submit(code, workspace=None, stdin="")  # Future[RunResult] from the bounded pool
@@ -18,9 +18,8 @@ the same but is unsafe in a threaded parent. A run ends when the program exits, 
 fill and never hold more); then its process group, and every process it left, is SIGKILLed.
 
 Root ignores RLIMIT_NPROC and may signal or write anything, so as root every workspace leases its
-own uid in [40000, 60000) (a flock'ed file per uid: no two processes on a host share one), chowns
-its directory to it and serialises its runs; after each run every live process of that uid is
-killed (found in /proc/*/status, which setsid() or a non-dumpable process cannot hide from).
+own uid (`rl.sandbox_workspace`) and serialises its runs; after each run every live process of
+that uid is killed.
 
 With bubblewrap (probed once per process) the program also gets new pid, net, ipc, uts and cgroup
 namespaces (the parent is invisible; no network, not even loopback; --die-with-parent takes the
@@ -28,7 +27,16 @@ whole pid namespace down with the outer bwrap) and a new root holding only read-
 /lib*, the interpreter's prefix, a new /proc and /dev, and the workspace read-write. As root bwrap
 runs privileged, without a user namespace: one would map the child to real root, exempt from
 RLIMIT_NPROC. Otherwise it runs with --unshare-user, where RLIMIT_NPROC counts per namespace.
-Without it a warning is given once. docs/sandbox.md says what each mode loses.
+
+`isolation` fails closed: "auto" (the default) and "bwrap" both require bubblewrap and raise a
+one-line RuntimeError (`refusal`: why the probe failed, the install command, the setting that
+accepts the weak mode) where it does not work; only "rlimits" runs without it (the uid mode as
+root, else rlimits alone), with a warning once. docs/sandbox.md says what each mode loses.
+
+`python` and `python3` are first on every run's PATH (the sandbox's bin/, links to the interpreter
+the runs use), in every mode. Each sandbox root carries an owner marker, and a new Sandbox first
+removes the roots (and their tmpfs mounts) of runs that died without closing theirs
+(`rl.sandbox_sweep`).
 """
 
 from __future__ import annotations
@@ -36,9 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import os
-import random
 import selectors
 import shutil
 import signal
@@ -51,7 +57,12 @@ import time
 import warnings
 import weakref
 
-_UID_FIRST, _UID_COUNT = 40000, 20000
+from rl import sandbox_sweep
+from rl.sandbox_workspace import Workspace, _live, _sweep  # noqa: F401  (_live: for the tests)
+
+ISOLATIONS = ("auto", "bwrap", "rlimits")
+BWRAP = "bwrap"  # looked up on PATH (a test hides it by renaming)
+_OLD_BWRAP_FIELD = {None: "auto", True: "bwrap", False: "rlimits"}  # env.sandbox_bwrap's values
 _BOOT = r"""
 import os, resource as r, sys
 uid, cpu, mem, fsize, procs = map(int, sys.argv[1:6])
@@ -102,65 +113,34 @@ _probed: dict[bool, str] = {}  # running as root -> "" if bwrap works, else why 
 _lock = threading.Lock()
 
 
+def isolation_of(env) -> str:
+    """config.env's isolation (a ConfigDict or dict): `isolation`, or, in a config saved before
+    it existed, what its `sandbox_bwrap` meant (None: "auto", True: "bwrap", False: "rlimits")."""
+    if env.get("isolation") is not None:
+        return env["isolation"]
+    return _OLD_BWRAP_FIELD.get(env.get("sandbox_bwrap"), "auto")
+
+
+def weak_mode() -> str:
+    """The mode without bubblewrap: "uid" as root, else "rlimits"."""
+    return "uid" if os.geteuid() == 0 else "rlimits"
+
+
+def refusal(isolation: str, why: str) -> str:
+    """The one line a sandbox that needs bubblewrap gives where it does not work (`why`)."""
+    return (
+        f"bubblewrap does not work here ({why}), and isolation={isolation!r} refuses the only "
+        f"mode left, the weak {weak_mode()!r} one (no network, pid or mount namespaces): install "
+        "bubblewrap (apt-get install bubblewrap) or accept the weak mode with "
+        "--config.env.isolation=rlimits (Sandbox(isolation='rlimits'); docs/sandbox.md)"
+    )
+
+
 def _warn_once(msg: str) -> None:
     with _lock:
         new, _ = msg not in _warned, _warned.add(msg)
     if new:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
-
-
-def _lease_uid() -> tuple[int, object]:
-    """A uid no other workspace (of any process on this host) holds, and the file locked for it."""
-    lock_dir = "/tmp/sandbox-uids"  # fixed, not $TMPDIR: every process on the host must agree
-    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-    start = random.randrange(_UID_COUNT)
-    for i in range(_UID_COUNT):
-        uid = _UID_FIRST + (start + i) % _UID_COUNT
-        f = open(path := os.path.join(lock_dir, str(uid)), "a")  # held while the lease lasts
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:  # not unlinked meanwhile
-                return uid, f
-        except OSError:  # held by another workspace, or unlinked by its release
-            pass
-        f.close()
-    raise RuntimeError(f"all {_UID_COUNT} sandbox uids are in use")
-
-
-def _live(uid: int, main: str) -> list[int]:
-    """Live (not zombie) processes of real uid `uid` when >= 0, else whose command line has `main`."""
-    pids = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/status") as f:
-                status = f.read()
-            with open(f"/proc/{p}/cmdline") as f:
-                mine = f"\nUid:\t{uid}\t" in status if uid >= 0 else f"\0{main}\0" in f.read()
-        except OSError:
-            continue
-        if mine and "\nState:\tZ" not in status:
-            pids.append(int(p))
-    return pids
-
-
-def _sweep(uid: int, main: str) -> None:
-    for _ in range(50):
-        if not (pids := _live(uid, main)):
-            return
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.002)
-
-
-def _rmtree(path: str) -> None:
-    def retry(func, p, _):  # a directory the program made unwritable (non-root case)
-        os.chmod(os.path.dirname(p), 0o700)
-        if os.path.isdir(p) and not os.path.islink(p):
-            os.chmod(p, 0o700)
-        func(p)
-
-    shutil.rmtree(path, **{"onexc" if sys.version_info >= (3, 12) else "onerror": retry})
 
 
 def _world_executable(path: str) -> bool:
@@ -169,83 +149,67 @@ def _world_executable(path: str) -> bool:
     return all(os.path.exists(p) and os.stat(p).st_mode & stat.S_IXOTH for p in paths)
 
 
-class Workspace:
-    """A directory owned by one episode: the cwd and HOME of its runs, deleted by close()."""
-
-    def __init__(self, root: str, as_root: bool):
-        self.path = tempfile.mkdtemp(prefix="ws-", dir=root)
-        self.uid, self._lease, self._lock, self.closed = -1, None, threading.Lock(), False
-        if as_root:
-            self.uid, self._lease = _lease_uid()
-            os.chown(self.path, self.uid, self.uid)
-
-    def close(self) -> None:
-        with self._lock:  # waits for a run in progress
-            if self.closed:
-                return
-            self.closed = True
-            if self.uid >= 0:
-                _sweep(self.uid, "")
-                os.unlink(self._lease.name)  # while still locked: see _lease_uid
-                self._lease.close()
-            _rmtree(self.path)
-
-    def __enter__(self) -> Workspace:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 class Sandbox:
     """Runs code under `limits` on a pool of `workers` threads, each waiting on one process."""
 
-    def __init__(
-        self, workers: int = 8, limits: Limits | None = None, use_bwrap: bool | None = None
-    ):
-        self.limits, self.as_root = limits or Limits(), os.geteuid() == 0
-        self._root = tempfile.mkdtemp(prefix="sandbox-")
+    def __init__(self, workers: int = 8, limits: Limits | None = None, isolation: str = "auto"):
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation={isolation!r}: expected one of {ISOLATIONS}")
+        self.limits, self.as_root, self.isolation = limits or Limits(), os.geteuid() == 0, isolation
+        sandbox_sweep.sweep()  # what runs that died before closing their sandboxes left
+        self._root = tempfile.mkdtemp(prefix=sandbox_sweep.PREFIX)
         os.chmod(self._root, 0o711)  # the workspaces' uids may traverse it, not list it
+        sandbox_sweep.mark(self._root)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
         self._workspaces: weakref.WeakSet[Workspace] = weakref.WeakSet()
-        self._bwrap = shutil.which("bwrap") if use_bwrap is not False else None
         self._python = os.path.realpath(sys.executable)
-        self.mode = "bwrap"  # "bwrap" | "uid" (rlimits + a uid per workspace) | "rlimits"
-        why = "use_bwrap=False" if use_bwrap is False else self._probe()
-        if why:
-            if use_bwrap:
-                raise RuntimeError(f"bubblewrap does not work here: {why}")
-            self._bwrap, self.mode = None, "uid" if self.as_root else "rlimits"
-            if self.as_root:  # the workspace uids run the interpreter: ours may be private
-                ok = [p for p in (self._python, "/usr/bin/python3") if _world_executable(p)]
-                if not ok:
-                    raise RuntimeError(f"no bwrap ({why}) and no python3 that any uid may run")
-                self._python = os.path.realpath(ok[0])
+        # mode: "bwrap" | "uid" (rlimits + a uid per workspace) | "rlimits"
+        self._bwrap, self.mode = None, weak_mode()
+        if isolation == "rlimits" and self.as_root:  # the workspace uids run the interpreter
+            ok = [p for p in (self._python, "/usr/bin/python3") if _world_executable(p)]
+            if not ok:
+                self.close()
+                raise RuntimeError("isolation='rlimits' as root: no python3 that any uid may run")
+            self._python = os.path.realpath(ok[0])
+        self.bin = os.path.join(self._root, "bin")  # `python`, `python3`: first on runs' PATH
+        os.mkdir(self.bin, 0o755)
+        for name in ("python", "python3"):
+            os.symlink(self._python, os.path.join(self.bin, name))
+        if isolation == "rlimits":
             _warn_once(
-                f"sandbox without bubblewrap ({why}): mode {self.mode!r}, no network/pid/mount "
-                "namespaces; see docs/sandbox.md"
+                f"sandbox without bubblewrap (isolation='rlimits'): mode {self.mode!r}, no "
+                "network/pid/mount namespaces; see docs/sandbox.md"
             )
+            return
+        self._bwrap, self.mode = shutil.which(BWRAP), "bwrap"
+        if why := self._probe():
+            self.close()
+            raise RuntimeError(refusal(isolation, why))
 
     def _probe(self) -> str:
         if not self._bwrap:
-            return "bwrap not found"
+            return f"{BWRAP} is not installed: not found on PATH"
         if self.as_root not in _probed:
-            # Generous limits: a slow start (a cold or loaded machine) must not turn bwrap off.
-            limits, self.limits = (
-                self.limits,
-                dataclasses.replace(
-                    self.limits,
-                    wall_s=max(self.limits.wall_s, 60.0),
-                    cpu_s=max(self.limits.cpu_s, 30),
-                ),
-            )
-            try:
-                r = self.run("print('ok')")
-            finally:
-                self.limits = limits
+            r = self._probe_run("print('ok')")
             # Remembered, even a timeout: every sandbox of the process runs in the same mode.
-            _probed[self.as_root] = "" if r.stdout == "ok\n" else f"{r.reason}: {r.stderr[-300:]}"
+            err = " ".join(r.stderr.split())[-300:]  # one line
+            why = f"bwrap failed to start in this container: {r.reason}: {err}"
+            _probed[self.as_root] = "" if r.stdout == "ok\n" else why
         return _probed[self.as_root]
+
+    def _probe_run(self, code: str) -> RunResult:
+        """Runs a start-up probe with generous limits: a slow start (a cold or loaded machine)
+        must not count as a failure."""
+        limits, self.limits = (
+            self.limits,
+            dataclasses.replace(
+                self.limits, wall_s=max(self.limits.wall_s, 60.0), cpu_s=max(self.limits.cpu_s, 30)
+            ),
+        )
+        try:
+            return self.run(code)
+        finally:
+            self.limits = limits
 
     def workspace(self) -> Workspace:
         ws = Workspace(self._root, self.as_root)
@@ -264,7 +228,7 @@ class Sandbox:
         self._pool.shutdown(wait=True, cancel_futures=True)
         for ws in list(self._workspaces):
             ws.close()
-        _rmtree(self._root)
+        sandbox_sweep.rmtree(self._root)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -299,7 +263,10 @@ class Sandbox:
                 cmd += ["--symlink", os.readlink(d), d]
             elif os.path.isdir(d):
                 cmd += ["--ro-bind", d, d]
-        made, binds = set(system), [("--bind", ws.path), ("--ro-bind", main)]
+        made, binds = (
+            set(system),
+            [("--bind", ws.path), ("--ro-bind", main), ("--ro-bind", self.bin)],
+        )
         prefix = os.path.dirname(os.path.dirname(py))  # the interpreter's bin/.. with its stdlib
         if prefix != "/" and not any(prefix == d or prefix.startswith(d + "/") for d in system):
             binds.insert(0, ("--ro-bind", prefix))
@@ -319,9 +286,8 @@ class Sandbox:
         with os.fdopen(fd, "w") as f:
             f.write(code)
         os.chmod(main, 0o644)
-        env = dict(
-            PATH="/usr/local/bin:/usr/bin:/bin", HOME=ws.path, TMPDIR=ws.path, LANG="C.UTF-8"
-        )
+        env = dict(PATH=f"{self.bin}:/usr/local/bin:/usr/bin:/bin", HOME=ws.path, TMPDIR=ws.path,
+                   LANG="C.UTF-8")  # fmt: skip
         env.update(PYTHONPATH=ws.path, PYTHONHASHSEED="0", PYTHONSAFEPATH="1")
         env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
         try:

@@ -68,6 +68,14 @@ class Episode:
 class Environment(abc.ABC):
     """Base class; `config` is the training config (data settings, the `env` section)."""
 
+    runs_code = False  # whether it runs model-written code (rl.sandbox): checked at start-up
+
+    @classmethod
+    def check_sandbox(cls, config) -> str:
+        """For an environment that `runs_code`: why this host cannot run it under
+        config.env.isolation, in one line; "" when it can (launch.validate's start-up check)."""
+        return ""
+
     def __init__(self, tokenizer, config):
         self.tokenizer, self.config = tokenizer, config
         self._end = end_of_turn_id(tokenizer, **self._template_kwargs())

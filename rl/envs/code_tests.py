@@ -14,15 +14,17 @@ A turn is one of:
   with the tests; when they pass the episode ends, otherwise the failure (reason and stderr tail)
   comes back as a user message.
 The reward is 1.0 when the tests pass on the last attempt (run at the end if the turn limit cut the
-episode before its test run), else 0.0.
+episode before its test run), else 0.0. Runs go through `rl.code_rewards`' shared sandbox under
+config.env.isolation.
 """
 
 from __future__ import annotations
 
 import json
 
-from rl.code_rewards import extract_code, failure_message, run_tests, shared_sandbox
+from rl.code_rewards import extract_code, failure_message, run_tests, shared_sandbox, use_isolation
 from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.sandbox import isolation_of
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -37,9 +39,15 @@ def full_tests(record: dict) -> str:
 
 @register_env("code_tests")
 class CodeTestsEnv(Environment):
+    runs_code = True
+
+    @classmethod
+    def check_sandbox(cls, config) -> str:
+        return use_isolation(isolation_of(config.env))
+
     def __init__(self, tokenizer, config):
         super().__init__(tokenizer, config)
-        self.sandbox = shared_sandbox()
+        self.sandbox = shared_sandbox(isolation_of(config.env))
         self.max_chars = config.env.max_observation_chars
 
     def stop_ids(self) -> tuple[int, ...]:

@@ -71,7 +71,7 @@ from rl.envs.repo_tools import (
     cut,
     parse_calls,
 )
-from rl.sandbox import Limits
+from rl.sandbox import Limits, isolation_of
 
 # conftest.py and the files pytest 9 reads its configuration from (its CONFIG_LOADERS_BY_NAME)
 HARNESS = ("conftest.py", "pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini",
@@ -129,6 +129,19 @@ def check_record(record: dict) -> dict:
 
 @register_env("repo")
 class RepoEnv(Environment):
+    runs_code = True
+
+    @classmethod
+    def check_sandbox(cls, config) -> str:
+        """Why this host cannot run the environment's sandboxes (config.env.isolation, pytest
+        importable inside), in one line; "" when it can. Its probes are remembered: the env's
+        own sandboxes reuse them."""
+        try:
+            rs.RepoSandbox(1, Limits(), rs.site_packages(), isolation_of(config.env)).close()
+        except RuntimeError as err:
+            return str(err)
+        return ""
+
     def __init__(self, tokenizer, config):
         super().__init__(tokenizer, config)
         e = config.env
@@ -145,12 +158,12 @@ class RepoEnv(Environment):
                    file_bytes=self.disk, output_bytes=8 << 20,
                    processes=int(e.get("sandbox_processes", 64)))  # fmt: skip
         slowest = max(self.command_timeout, self.setup_timeout) + 10
-        bwrap = e.get("sandbox_bwrap", None)  # None: bubblewrap if it works
+        iso = isolation_of(e)  # auto (bubblewrap or refuse) | bwrap | rlimits (rl.sandbox)
         tool_limits = Limits(wall_s=slowest, cpu_s=int(slowest), **lim)
         test_limits = Limits(wall_s=self.test_timeout, cpu_s=int(self.test_timeout), **lim)
-        self.tools = rs.RepoSandbox(workers, tool_limits, site, bwrap)
-        self.grader = rs.RepoSandbox(workers, test_limits, site, bwrap)
-        self.python_bin = os.path.dirname(self.tools._python)  # `python` for the model's shell
+        self.tools = rs.RepoSandbox(workers, tool_limits, site, iso)
+        self.grader = rs.RepoSandbox(workers, test_limits, site, iso)
+        self.python_bin = os.path.dirname(self.tools._python)  # its bin/ (pip...) on the PATH too
         self._mounted: set[str] = set()  # tmpfs workspaces not yet unmounted
         self.tools_in_template = None  # whether the chat template took `tools` (set by prompt)
 

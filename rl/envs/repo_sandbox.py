@@ -17,6 +17,10 @@ What differs from `code_tests`:
 - Each program writes `READY` before it does anything the model controls and its result last;
   a run without `READY` means the sandbox could not start (an infrastructure error), a run that
   died after it was the model's doing.
+- At construction the sandbox must import pytest from `site` (`_PYTEST_PROBE`, once per process,
+  mode and site): in the uid mode a venv under a private home (/root is 0700) is unreadable to
+  the workspace uids, and every graded run would fail. The refusal is one RuntimeError line
+  naming the directory the uid cannot read and the fixes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import os
 import shutil
 import tarfile
+import threading
 
 from rl.envs.repo_programs import (  # noqa: F401  (re-exported: rl.envs.repo runs them from here)
     BASH,
@@ -36,8 +41,28 @@ from rl.envs.repo_programs import (  # noqa: F401  (re-exported: rl.envs.repo ru
     RESULT,
 )
 from rl.sandbox import Limits, RunResult, Sandbox, Workspace
+from rl.sandbox_sweep import unmount  # noqa: F401  (rl.envs.repo unmounts workspaces with it)
 
 WORKDIR = "/testbed"  # where the repository lies as the model sees it (bubblewrap mode)
+# Imports pytest as the graded run does (site first on sys.path); says which directory on the way
+# to `site` the sandbox's uid cannot read when it fails.
+_PYTEST_PROBE = """
+import os, sys
+site = %r
+sys.path[:0] = [site]
+try:
+    import pytest
+except BaseException as e:
+    parts, uid = site.split("/"), os.getuid()
+    bad = [d for d in ("/".join(parts[:i]) or "/" for i in range(1, len(parts) + 1))
+           if not os.access(d, os.R_OK | os.X_OK)]
+    print(f"uid {uid} cannot read {bad[0]}: permission denied" if bad else
+          f"uid {uid}: import pytest failed: {type(e).__name__}: {e}")
+    sys.exit(1)
+print("ok")
+"""
+_pytest_probed: dict[tuple, str] = {}  # (mode, python, site) -> "" or why pytest cannot load
+_probe_lock = threading.Lock()
 
 
 def site_packages() -> str:
@@ -62,9 +87,22 @@ def last_phase(stdout: str) -> tuple[str, float] | None:
 class RepoSandbox(Sandbox):
     """A Sandbox whose bubblewrap runs see the workspace at WORKDIR and `site` read-only."""
 
-    def __init__(self, workers: int, limits: Limits, site: str, use_bwrap: bool | None = None):
+    def __init__(self, workers: int, limits: Limits, site: str, isolation: str = "auto"):
         self.site = site  # before the probe run, which goes through _command
-        super().__init__(workers, limits, use_bwrap)
+        super().__init__(workers, limits, isolation)
+        with _probe_lock:
+            key = (self.mode, self._python, site)
+            if key not in _pytest_probed:
+                r = self._probe_run(_PYTEST_PROBE % site)
+                out = " ".join((r.stdout + r.stderr).split())[-300:]
+                _pytest_probed[key] = "" if r.stdout == "ok\n" else out or r.reason
+        if why := _pytest_probed[key]:
+            self.close()
+            raise RuntimeError(
+                f"the repo environment's sandbox (mode {self.mode!r}) cannot import pytest from "
+                f"{site}: {why}; install bubblewrap (apt-get install bubblewrap) or put the "
+                "virtual environment where any user can read it (e.g. python -m venv /opt/venv)"
+            )
 
     def root(self, ws: Workspace) -> str:
         """The workspace's path as its programs see it."""
@@ -95,8 +133,8 @@ class RepoSandbox(Sandbox):
         """Runs one of the programs (rl.envs.repo_programs) with `args`; its result dict, with
         `_run` the RunResult and `_started` whether it got past READY (no result: it died)."""
         root = self.root(ws)
-        env = {"PATH": f"{extra_path}:/usr/local/bin:/usr/bin:/bin".lstrip(":"), "HOME": root,
-               "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONPATH": f"{root}:{self.site}",
+        path = ":".join(filter(None, (self.bin, extra_path, "/usr/local/bin:/usr/bin:/bin")))
+        env = {"PATH": path, "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONPATH": f"{root}:{self.site}",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}  # fmt: skip
         r: RunResult = self.run(script, ws, stdin=json.dumps({**args, "root": root, "env": env}))
         out = {"_run": r, "_started": r.stdout.startswith(READY)}
@@ -110,7 +148,7 @@ class RepoSandbox(Sandbox):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+_MS_NOSUID, _MS_NODEV = 2, 4
 
 
 def mount_tmpfs(ws: Workspace, size: int) -> bool:
@@ -119,11 +157,6 @@ def mount_tmpfs(ws: Workspace, size: int) -> bool:
     opts = f"size={size},mode=0700,uid={uid},gid={uid}".encode()
     flags = _MS_NOSUID | _MS_NODEV
     return _libc.mount(b"tmpfs", ws.path.encode(), b"tmpfs", flags, opts) == 0
-
-
-def unmount(path: str) -> None:
-    if _libc.umount2(path.encode(), 0) != 0:
-        _libc.umount2(path.encode(), _MNT_DETACH)
 
 
 def copy_repo(src: str, ws: Workspace) -> None:

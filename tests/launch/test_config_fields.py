@@ -156,7 +156,7 @@ def test_repo_env_fields_are_documented_read_validated_and_resumable():
         assert f'e.get("{name}", ' in env_source, name
     for override, message in [
         ("env.sandbox_processes=0", "config.env.sandbox_processes=0: must be >= 1"),
-        ("env.sandbox_bwrap='yes'", "config.env.sandbox_bwrap='yes': must be None"),
+        ("env.isolation=yes", "config.env.isolation='yes': expected one of ('auto', 'bwrap', "),
     ]:
         config = parse_args([f"--config.{override}", "--config.env.name=calculator"], {})[0]
         with pytest.raises(UsageError) as e:
@@ -168,3 +168,20 @@ def test_repo_env_fields_are_documented_read_validated_and_resumable():
     new["env"]["test_timeout_s"] = 5.0
     with pytest.raises(UsageError, match="env.test_timeout_s"):
         check_resumable(old, new)
+
+
+@pytest.mark.parametrize("bwrap, isolation", [(None, "auto"), (True, "bwrap"), (False, "rlimits"),
+                                              ("absent", "auto")])  # fmt: skip
+def test_a_run_saved_with_sandbox_bwrap_resumes_with_the_isolation_it_meant(bwrap, isolation):
+    """env.sandbox_bwrap became env.isolation: a saved config.json with the old field (or, older,
+    with neither) resumes under the isolation it meant, and refuses a different one."""
+    from launch.resume_compat import check_resumable
+
+    new = config_json(parse_args([f"--config.env.isolation={isolation}"], {})[0])
+    env = {k: v for k, v in new["env"].items() if k != "isolation"}
+    old = {**new, "env": env if bwrap == "absent" else {**env, "sandbox_bwrap": bwrap}}
+    check_resumable(old, new)
+    other = "rlimits" if isolation != "rlimits" else "auto"
+    changed = config_json(parse_args([f"--config.env.isolation={other}"], {})[0])
+    with pytest.raises(UsageError, match=f"env.isolation: '{isolation}' -> '{other}'"):
+        check_resumable(old, changed)

@@ -5,7 +5,7 @@ and must score 0 (the noisy correct solution 1) while leaving this process, its 
 environment and its listening socket untouched, and no process behind. The table of what stopped
 each program, for a closing note:
 
-    python -m tests.rl.test_sandbox [--no-bwrap]
+    python -m tests.rl.test_sandbox [--no-bwrap]   (--no-bwrap: isolation="rlimits")
 """
 
 from __future__ import annotations
@@ -120,14 +120,15 @@ def run_hostile(name: str, sb: Sandbox, tmp: str) -> dict:
             os.environ["SANDBOX_TEST_SECRET"] = old_secret
 
 
-@pytest.fixture(scope="module", params=[None, False], ids=["auto", "no_bwrap"])
+@pytest.fixture(scope="module", params=["auto", "rlimits"], ids=["auto", "no_bwrap"])
 def sb(request):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the no-bubblewrap warning has its own test
-        s = Sandbox(workers=2, limits=LIMITS, use_bwrap=request.param)
+        try:
+            s = Sandbox(workers=2, limits=LIMITS, isolation=request.param)
+        except RuntimeError as e:  # auto without working bubblewrap refuses (test_isolation)
+            pytest.skip(f"bubblewrap does not work here: the no_bwrap cases cover this ({e})")
     with s:
-        if request.param is None and s.mode != "bwrap":
-            pytest.skip("bubblewrap does not work here: the no_bwrap cases cover this sandbox")
         yield s
 
 
@@ -184,12 +185,23 @@ def test_pool_bounds_parallelism():
     assert 2 <= max(running) <= 4, spans
 
 
+def test_python_and_python3_are_first_on_the_path(sb):
+    """In every mode: `python` and `python3` resolve in the sandbox's own bin/ (first on PATH)
+    to an interpreter the run may execute."""
+    r = sb.run(
+        "import os, shutil\nfor name in ('python', 'python3'):\n    p = shutil.which(name)\n"
+        "    print(os.path.dirname(p) == os.environ['PATH'].split(':')[0], "
+        "os.access(os.path.realpath(p), os.X_OK))"
+    )
+    assert r.ok and r.stdout == "True True\nTrue True\n", r
+
+
 def test_without_bwrap_warns_once_and_still_limits(monkeypatch):
     from rl import sandbox
 
     monkeypatch.setattr(sandbox, "_warned", set())
     with pytest.warns(RuntimeWarning, match="without bubblewrap") as record:
-        a, b = Sandbox(workers=1, use_bwrap=False), Sandbox(workers=1, use_bwrap=False)
+        a, b = Sandbox(workers=1, isolation="rlimits"), Sandbox(workers=1, isolation="rlimits")
     assert len([w for w in record if "bubblewrap" in str(w.message)]) == 1
     with a, b:
         assert a.mode in ("uid", "rlimits")
@@ -197,11 +209,11 @@ def test_without_bwrap_warns_once_and_still_limits(monkeypatch):
         assert a.run("x = bytearray(10 * (1 << 30))").reason == "error"
 
 
-def catalogue_table(use_bwrap: bool | None = None) -> str:
+def catalogue_table(isolation: str = "auto") -> str:
     """A markdown table: each catalogue program, what stopped it, and how long it ran."""
     rows = ["| program | stopped by | exit status | seconds | score | last line of stderr |"]
     rows.append("|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp, Sandbox(2, LIMITS, use_bwrap) as s:
+    with tempfile.TemporaryDirectory() as tmp, Sandbox(2, LIMITS, isolation) as s:
         rows.insert(0, f"sandbox mode: {s.mode}; limits: {LIMITS}\n")
         for name in CATALOGUE:
             r = run_hostile(name, s, tmp)["result"]
@@ -215,4 +227,4 @@ def catalogue_table(use_bwrap: bool | None = None) -> str:
 if __name__ == "__main__":  # --no-bwrap: the table of the fallback
     import sys
 
-    print(catalogue_table(False if "--no-bwrap" in sys.argv else None))
+    print(catalogue_table("rlimits" if "--no-bwrap" in sys.argv else "auto"))
