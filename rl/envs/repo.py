@@ -24,8 +24,10 @@ A malformed call, or a turn without any, gets an error observation and counts in
 `episode.tool_errors`. Schemas (`TOOLS`, OpenAI function format) go to the chat template's `tools`
 argument, so the prompt is the one the model was tuned on (Qwen's "# Tools ... <tools>" system
 block); a template that ignores `tools` (its rendering does not change) or a tokenizer that takes
-none gets them described in a system message in Qwen's wording instead. The schemas, the
-instructions and the parsing of calls are `rl/envs/repo_tools.py`.
+none gets them described in a system message in Qwen's wording instead, and a prompt without a
+chat template (`data.use_chat_template` False) in its plain text (`TOOLS_TEXT`: the schemas and
+the call syntax). The schemas, the instructions and the parsing of calls are
+`rl/envs/repo_tools.py`.
 
 Reward, after submit or when a limit ends the episode: the original test files, conftest.py files
 and pytest configuration files (HARNESS) are put back, any other files of those names deleted, and
@@ -52,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import posixpath
 import tarfile
@@ -64,10 +65,10 @@ from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
 from rl.envs.repo_tools import (
     CALL_CLOSE,
-    CALL_OPEN,
     INSTRUCTIONS,
     NO_CALL,
     TOOLS,
+    TOOLS_TEXT,
     cut,
     parse_calls,
 )
@@ -173,9 +174,11 @@ class RepoEnv(Environment):
         d = self.config.data
         problem = check_record(record)["problem"] if "problem" in record else record[prompt_field]
         user = INSTRUCTIONS.format(root=self.tools.shown_root(), problem=problem)
-        if not d.use_chat_template:
-            return self.tokenizer.encode_rendered((d.system_prompt or "") + self.tokenizer.escape(
-                user), add_bos=self.tokenizer.add_bos_token)  # fmt: skip
+        if not d.use_chat_template:  # plain text: the tools and the call syntax described
+            self.tools_in_template = False
+            head = (d.system_prompt + "\n\n" if d.system_prompt else "") + TOOLS_TEXT + "\n\n"
+            return self.tokenizer.encode_rendered(head + self.tokenizer.escape(user),
+                                                  add_bos=self.tokenizer.add_bos_token)  # fmt: skip
         own = Trusted(d.system_prompt or "")  # the config's text: special-token strings stay
         system = [{"role": "system", "content": own}] if own else []
         msgs, kw = system + [{"role": "user", "content": user}], self._template_kwargs()
@@ -185,11 +188,7 @@ class RepoEnv(Environment):
         except TypeError:  # a tokenizer without a `tools` argument
             self.tools_in_template = False
         if not self.tools_in_template:  # describe them in the system message
-            described = "\n".join(json.dumps(t) for t in TOOLS)
-            tools = (f"# Tools\n\nYou may call these functions:\n<tools>\n{described}\n</tools>"
-                     f"\n\nFor each call, write {CALL_OPEN}\n{{\"name\": <function-name>, "
-                     f"\"arguments\": <args-json-object>}}\n{CALL_CLOSE}")  # fmt: skip
-            sys_text = (d.system_prompt + "\n\n" if d.system_prompt else "") + tools
+            sys_text = (d.system_prompt + "\n\n" if d.system_prompt else "") + TOOLS_TEXT
             msgs = [{"role": "system", "content": Trusted(sys_text)},
                     {"role": "user", "content": user}]  # fmt: skip
         # The problem is data: its special-token strings stay text (models/special_text.py).

@@ -36,6 +36,17 @@ TOOLS = [
         ["command", "path"]),
     _fn("submit", "Submit the repository as it is now; ends the episode.", {}, []),
 ]  # fmt: skip
+# The tools described in text, in Qwen's wording, with the exact call syntax: the prompt of a
+# tokenizer without a chat template, or with one that ignores its `tools` argument.
+TOOLS_TEXT = (
+    "# Tools\n\nYou may call these functions:\n<tools>\n"
+    + "\n".join(json.dumps(t) for t in TOOLS)
+    + f"\n</tools>\n\nFor each call, write {CALL_OPEN}\n"
+    + '{"name": <function-name>, "arguments": <args-json-object>}'
+    + f"\n{CALL_CLOSE}, e.g. {CALL_OPEN}\n"
+    + json.dumps({"name": "bash", "arguments": {"command": "ls"}})
+    + f"\n{CALL_CLOSE}"
+)
 INSTRUCTIONS = (
     "The Python repository at {root} has an issue. Find the cause and fix it by editing the "
     "code, so that its tests pass. Use the tools: bash to run commands (e.g. `python -m pytest "

@@ -117,6 +117,20 @@ def test_call_parsing_and_cut():
     assert cut("a" * 5 + "b" * 10 + "c" * 5, 10) == "aaaaa\n<... 10 characters elided ...>\nccccc"
 
 
+def test_a_prompt_without_a_chat_template_describes_the_tools(env, tasks):
+    """Plain text (no chat template, e.g. a CharTokenizer): the schemas and the exact call syntax
+    are in the prompt, and its example is a call the environment parses."""
+    from rl.envs.repo_tools import TOOLS
+
+    text = TOK.decode(env.prompt(tasks[0]))
+    assert text.startswith("# Tools") and all(json.dumps(t) in text for t in TOOLS)
+    syntax = '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    assert syntax in text and not env.tools_in_template
+    assert text.endswith(f"<issue>\n{tasks[0]['problem']}\n</issue>")
+    example = text.split("e.g. ")[1].split("</tool_call>")[0] + "</tool_call>"
+    assert parse_calls(example) == [("bash", {"command": "ls"})]
+
+
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     """Must-show 3, from the environment to the learner batch: four episodes of one task (fix,
@@ -226,6 +240,15 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
         text = plain.decode(env.prompt(tasks[0]), skip_special=False)
         assert not env.tools_in_template
         assert text.startswith("<|im_start|>system\n# Tools") and json.dumps(TOOLS[1]) in text
+        # An HF tokenizer without any template: plain text (data.use_chat_template False), tools
+        # and call syntax in it.
+        del cfg["chat_template"]
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+        env.tokenizer = load_tokenizer(str(tmp_path))
+        env.config.data.use_chat_template = False
+        text = env.tokenizer.decode(env.prompt(tasks[0]), skip_special=False)
+        assert text.startswith("# Tools") and json.dumps(TOOLS[1]) in text
+        assert "For each call, write <tool_call>" in text and "<|im_start|>" not in text
     finally:
         env.shutdown()
 
