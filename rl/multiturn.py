@@ -10,13 +10,14 @@ Limits per episode, from the config's `env` section: `max_turns` model turns, th
 `sampling.max_new_tokens` after the prompt (model and observation tokens), and `max_tool_seconds`
 of `step` wall time, checked after each call (a thread cannot be stopped: a single call is
 bounded by the tool itself, e.g. the sandbox's wall-clock limit); the episode ends when one is
-reached, and its reward is scored as it stands. An exception in `step`, `reward` or `close`, or
-observation ids outside the vocabulary, end that episode with reward 0; it is counted in
-`episode/env_errors` and warned about once, and the run goes on. An episode the environment
-reports as an infrastructure failure (`env.masked`: a harness timeout, a sandbox that did not
-start) is not the model's fault: `episode.masked` is set, and the rollout zeroes its loss mask and
-leaves it out of its group's advantage statistics (`rl.rollout`); counted in
-`episode/infra_errors`.
+reached, and its reward is scored as it stands. An episode the environment reports as an
+infrastructure failure (`env.masked`: a harness timeout, a sandbox that did not start) is not the
+model's fault, and neither is an exception in `step` or `reward`, a non-finite reward, or
+observation ids outside the vocabulary (an environment bug): `episode.masked` is set, and the
+rollout zeroes its loss mask and leaves it out of its group's advantage statistics
+(`rl.rollout`), as for every masked episode. Counted in `episode/infra_errors` and
+`episode/env_errors` (warned about once) respectively; the run goes on. An exception in `close`
+is warned about only.
 
 Each finished group is scored on the tool workers as soon as its G episodes end, like single-turn
 groups (`rl.rollout`), and `env.close` releases what its episodes held (workspaces).
@@ -53,7 +54,7 @@ class EpisodeSampler:
     def _warn_once(self, what: str, err: BaseException) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            log.warning("environment %s raised %s: %s (the episode ends with reward 0; "
+            log.warning("environment %s raised %s: %s (the episode ends, out of the loss; "
                         "counted in episode/env_errors)", what, type(err).__name__, err)  # fmt: skip
 
     def _step(self, ep: Episode, turn: Turn):
@@ -83,20 +84,23 @@ class EpisodeSampler:
     def _score(self, episodes: list[Episode]) -> np.ndarray:
         rewards = []
         for ep in episodes:
+            r, infra = 0.0, False
             try:
-                r = float(0.0 if ep.env_errors else self.env.reward(ep))
-                ep.masked = bool(self.env.masked(ep))
-                if ep.masked:
-                    r = 0.0  # a placeholder: the episode is left out of the loss
-                elif not np.isfinite(r):
-                    raise ValueError(f"reward {r}")
+                if not ep.env_errors:  # a step that raised: no reward to ask for
+                    r = float(self.env.reward(ep))
+                    infra = bool(self.env.masked(ep))
+                    if not infra and not np.isfinite(r):
+                        raise ValueError(f"reward {r}")
             except Exception as err:  # noqa: BLE001
                 self._warn_once("reward", err)
                 ep.env_errors += 1
-                r = 0.0
             finally:
                 self._close(ep)
-            rewards.append(r)
+            # An infrastructure failure or the environment's own error: not the model's doing,
+            # so out of the loss and of its group's statistics (rl.rollout reads ep.masked);
+            # the reward is a placeholder.
+            ep.masked = infra or ep.env_errors > 0
+            rewards.append(0.0 if ep.masked else r)
         return np.asarray(rewards, np.float32)
 
     def begin(self, key, record, g: int) -> None:
@@ -190,7 +194,8 @@ def episode_stats(groups, prefill_tokens: int, reprefill: int) -> dict[str, floa
         "episode/tool_errors": mean(lambda ep: ep.tool_errors),
         "episode/tool_seconds": mean(lambda ep: ep.tool_seconds),
         "episode/env_errors": mean(lambda ep: ep.env_errors),
-        "episode/infra_errors": float(sum(ep.masked for ep in episodes)),  # a count, not a mean
+        # a count, not a mean: masked by the environment (its errors are counted above)
+        "episode/infra_errors": float(sum(ep.masked and not ep.env_errors for ep in episodes)),
         "episode/observation_frac": n_obs / max(1, sum(c.length for c in completions)),
         "episode/prefill_tokens": float(prefill_tokens),
         "episode/reprefill_tokens": float(reprefill),

@@ -320,7 +320,6 @@ def env_prompts(env, records, max_prompt_len: int, prompt_field: str) -> list[li
 def episode_group(record, prompt, episodes, completions, rewards, tokenizer) -> Group:
     """A scored multi-turn group: the environment's rewards, whole episodes as texts."""
     texts = [tokenizer.decode(c.tokens) for c in completions]
-    parts = {"env": rewards, "env_failed": np.array([ep.env_errors > 0 for ep in episodes],
-                                                    np.float32)}  # fmt: skip
+    parts = {"env": rewards}  # an env error is masked (rl.multiturn): episode/env_errors counts it
     masked = np.array([bool(getattr(ep, "masked", False)) for ep in episodes])
     return Group(record, prompt, completions, texts, rewards, parts, episodes, masked)

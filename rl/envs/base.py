@@ -17,9 +17,10 @@ template's rendering of the tool message alone, `models.chat`), and nothing is r
 
 `step` runs on a worker thread (`rl.multiturn`), so a slow tool blocks only its own episode. A
 malformed tool call should get an error observation the model can read (count it in
-`episode.tool_errors`); an exception raised by `step` or `reward` ends that episode with reward 0
-and is counted, it never stops the run. An infrastructure failure is not the model's fault:
-`masked(episode)` True leaves the episode out of the loss instead (its reward is then ignored). Limits per episode (turns, tokens, tool seconds) are
+`episode.tool_errors`). An infrastructure failure is not the model's fault: `masked(episode)` True
+leaves the episode out of the loss (its reward is then ignored). Neither is an exception raised by
+`step` or `reward` (an environment bug): it ends that episode, masked the same way and counted in
+`episode/env_errors`; it never stops the run. Limits per episode (turns, tokens, tool seconds) are
 enforced by the caller (`rl.multiturn`), from the config's `env` section.
 
 G episodes of the same record form one GRPO group.
@@ -56,7 +57,7 @@ class Episode:
     tool_errors: int = 0  # malformed calls and tools that failed (error observations)
     tool_seconds: float = 0.0  # wall time of `step` calls (set by the caller)
     env_errors: int = 0  # exceptions raised by the environment itself (set by the caller)
-    masked: bool = False  # env.masked(episode) after scoring: out of the loss (set by the caller)
+    masked: bool = False  # out of the loss: env.masked(episode) or env_errors (set by the caller)
     metrics: dict = dataclasses.field(default_factory=dict)  # name -> float, logged episode/<name>
     workspace: Any = None  # e.g. a sandbox workspace, released by `close`
 

@@ -114,8 +114,9 @@ MODES = ["step_raises", "text", "out_of_vocab", "nan_reward", "reward_raises", "
 
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
-    """Every way an environment can fail ends the episode with reward 0, counted in
-    episode/env_errors; nothing raises and no KV page stays allocated."""
+    """Every way an environment can fail ends the episode, masked out of the loss (an environment
+    bug is not the model's doing: it was scored 0 before), counted in episode/env_errors;
+    nothing raises and no KV page stays allocated."""
     config = parse_args(ARGS, {})[0]
     run = build(config)
     data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
@@ -130,8 +131,11 @@ def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
         errors = {"close_raises": 0.0}.get(mode, 1.0)
         assert s["episode/env_errors"] == errors, mode
         if errors:
-            assert (rollout.rewards == 0).all(), mode
-            assert s["reward/env_failed"] == 1.0, mode
+            assert (rollout.rewards == 0).all(), mode  # placeholders
+            assert s["masked_samples"] == 8 and s["episode/infra_errors"] == 0, mode
+            assert jax.device_get(rollout.batch.loss_mask).sum() == 0, mode
+        else:
+            assert s.get("masked_samples", 0) == 0, mode
         assert run.engines["rollout"].allocator.num_used == 0 or not (
             config.sampling.release_kv_between_phases
         )
@@ -165,3 +169,48 @@ def test_closing_the_sampler_releases_the_episodes_still_live():
     sampler.close()
     assert len(closed) == 6 and {id(e) for e in closed} == {id(e) for e in live + episodes}
     assert sampler.live == {}
+
+
+def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
+    """EpisodeSampler._score: a reward that raises or is not finite, or a step that raised
+    (counted by _step), masks the episode like env.masked does (one path: Group.keep); the
+    counts are apart: episode/infra_errors the environment's masks, episode/env_errors its
+    errors."""
+    from types import SimpleNamespace
+
+    from models.tokenizer import CharTokenizer
+    from rl.multiturn import EpisodeSampler, episode_stats
+    from rl.rollout import episode_group
+    from sampling.requests import Completion
+
+    class Flaky(Scripted):
+        def __init__(self):  # no tokenizer: nothing here is decoded
+            pass
+
+        def reward(self, episode):
+            p = episode.record["prompt"]
+            if p == "raise":
+                raise KeyError("answer")
+            return float("nan") if p == "nan" else float(p != "wrong")
+
+        def masked(self, episode):
+            return episode.record["prompt"] == "infra"
+
+    cfg = SimpleNamespace(max_turns=3, max_turn_tokens=0, max_tool_seconds=60.0, tool_workers=1)
+    sampler = EpisodeSampler(
+        Flaky(), SimpleNamespace(cfg=SimpleNamespace(vocab_size=16)), None, cfg
+    )
+    eps = [Episode({"prompt": p}) for p in ("ok", "wrong", "raise", "nan", "infra", "step")]
+    eps[5].env_errors = 1  # its step raised
+    try:
+        rewards = sampler._score(eps)
+    finally:
+        sampler.close()
+    assert [ep.masked for ep in eps] == [False, False, True, True, True, True]
+    assert list(rewards) == [1, 0, 0, 0, 0, 0]
+    assert [ep.env_errors for ep in eps] == [0, 0, 1, 1, 0, 1]
+    completions = [Completion([3, 4], [-0.5, -0.5], "stop", 2) for _ in eps]
+    group = episode_group({"prompt": "p"}, [1], eps, completions, rewards, CharTokenizer("ab"))
+    assert list(group.keep()) == [True, True, False, False, False, False]
+    s = episode_stats([group], 0, 0)
+    assert s["episode/infra_errors"] == 1 and s["episode/env_errors"] == 0.5
