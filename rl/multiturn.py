@@ -17,7 +17,8 @@ observation ids outside the vocabulary (an environment bug): `episode.masked` is
 rollout zeroes its loss mask and leaves it out of its group's advantage statistics
 (`rl.rollout`), as for every masked episode. Counted in `episode/infra_errors` and
 `episode/env_errors` (warned about once) respectively; the run goes on. An exception in `close`
-is warned about only.
+is warned about only. `episode/tamper` counts the episodes whose environment caught the model
+changing its grading (`episode.tamper`, scored 0 by the environment).
 
 Each finished group is scored on the tool workers as soon as its G episodes end, like single-turn
 groups (`rl.rollout`), and `env.close` releases what its episodes held (workspaces).
@@ -194,8 +195,9 @@ def episode_stats(groups, prefill_tokens: int, reprefill: int) -> dict[str, floa
         "episode/tool_errors": mean(lambda ep: ep.tool_errors),
         "episode/tool_seconds": mean(lambda ep: ep.tool_seconds),
         "episode/env_errors": mean(lambda ep: ep.env_errors),
-        # a count, not a mean: masked by the environment (its errors are counted above)
+        # counts, not means: masked by the environment (env errors are counted above), tampering
         "episode/infra_errors": float(sum(ep.masked and not ep.env_errors for ep in episodes)),
+        "episode/tamper": float(sum(bool(ep.tamper) for ep in episodes)),
         "episode/observation_frac": n_obs / max(1, sum(c.length for c in completions)),
         "episode/prefill_tokens": float(prefill_tokens),
         "episode/reprefill_tokens": float(reprefill),

@@ -20,8 +20,9 @@ malformed tool call should get an error observation the model can read (count it
 `episode.tool_errors`). An infrastructure failure is not the model's fault: `masked(episode)` True
 leaves the episode out of the loss (its reward is then ignored). Neither is an exception raised by
 `step` or `reward` (an environment bug): it ends that episode, masked the same way and counted in
-`episode/env_errors`; it never stops the run. Limits per episode (turns, tokens, tool seconds) are
-enforced by the caller (`rl.multiturn`), from the config's `env` section.
+`episode/env_errors`; it never stops the run. A model caught changing how it is graded scores 0,
+with what it changed in `episode.tamper` (counted in `episode/tamper`). Limits per episode (turns,
+tokens, tool seconds) are enforced by the caller (`rl.multiturn`), from the config's `env` section.
 
 G episodes of the same record form one GRPO group.
 """
@@ -58,6 +59,8 @@ class Episode:
     tool_seconds: float = 0.0  # wall time of `step` calls (set by the caller)
     env_errors: int = 0  # exceptions raised by the environment itself (set by the caller)
     masked: bool = False  # out of the loss: env.masked(episode) or env_errors (set by the caller)
+    tamper: list = dataclasses.field(default_factory=list)  # what the env caught the model
+    # changing in its grading (the repo env's harness): scored 0, counted in episode/tamper
     metrics: dict = dataclasses.field(default_factory=dict)  # name -> float, logged episode/<name>
     workspace: Any = None  # e.g. a sandbox workspace, released by `close`
 

@@ -29,19 +29,23 @@ chat template (`data.use_chat_template` False) in its plain text (`TOOLS_TEXT`: 
 the call syntax). The schemas, the instructions and the parsing of calls are
 `rl/envs/repo_tools.py`.
 
-Reward, after submit or when a limit ends the episode: the original test files, conftest.py files
-and pytest configuration files (HARNESS) are put back, any other files of those names deleted, and
-FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the final workspace; 1.0 if all pass,
-else 0.0. `episode.metrics` holds both pass fractions. A test that hangs fails on its own alarm
+Reward, after submit or when a limit ends the episode (`rl/envs/repo_grading.py`): the original
+test files, every file of their test directories (`tests/`: `__init__.py`, helpers, data), and
+the conftest.py files and pytest configuration files (HARNESS) are put back, any other file there
+or of those names deleted, and FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the
+final workspace; 1.0 if all pass, else 0.0. `episode.metrics` holds both pass fractions. Code of
+the model's that changes the test harness in that process (unittest's asserts, pytest's report
+machinery, a plugin it registers: `rl/envs/repo_integrity.py`) scores 0, `episode.tamper` naming
+what changed (counted in `episode/tamper`). A test that hangs fails on its own alarm
 (`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (importing
 the root conftest.py and collecting have the same alarm; a module that fails to import, also
 through a conftest.py, scores 0 too, as does a run killed in any phase past its alarm; see
 docs/repo_env.md for pytest's exit statuses); the whole run passing `env.test_timeout_s` in a
-phase younger than that, a sandbox that does not start, a workspace that cannot be made or a
-`setup` that fails are infrastructure errors: `episode.infra_error` says which, `masked(episode)`
-is True and the reward is 0.0 only because the caller needs a number: the rollout leaves such an
-episode out of the loss and out of its group's advantage statistics, and counts it in
-`episode/infra_errors`.
+phase younger than that, a sandbox that does not start (or cannot import pytest), a workspace
+that cannot be made or a `setup` that fails are infrastructure errors: `episode.infra_error` says
+which, `masked(episode)` is True and the reward is 0.0 only because the caller needs a number:
+the rollout leaves such an episode out of the loss and out of its group's advantage statistics,
+and counts it in `episode/infra_errors`.
 
 Limits per episode (config `env`, read with defaults): `max_tool_calls` (40), `command_timeout_s`
 (30), `max_tool_seconds` (all tool time; also checked by rl.multiturn), `workspace_bytes`
@@ -53,16 +57,15 @@ Limits per episode (config `env`, read with defaults): `max_tool_calls` (40), `c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import posixpath
-import tarfile
 import time
 
 from models.chat import message_delta_ids
 from models.special_text import Trusted
 from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.envs.repo_grading import ERRORS, HARNESS, pristine, score, tested_files
 from rl.envs.repo_tools import (
     CALL_CLOSE,
     INSTRUCTIONS,
@@ -74,11 +77,6 @@ from rl.envs.repo_tools import (
 )
 from rl.sandbox import Limits, isolation_of
 
-# conftest.py and the files pytest 9 reads its configuration from (its CONFIG_LOADERS_BY_NAME)
-HARNESS = ("conftest.py", "pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini",
-           "pyproject.toml", "tox.ini", "setup.cfg")  # fmt: skip
-GRACE_S = 3.0  # a graded run killed this long past an alarm, in the model's code: its fault
-
 
 @dataclasses.dataclass
 class RepoEpisode(Episode):
@@ -89,33 +87,7 @@ class RepoEpisode(Episode):
     history: dict = dataclasses.field(default_factory=dict)  # path -> [(real path, old text)]
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
-
-
-def _read_pristine(repo: str, rel: str) -> str:
-    if os.path.isdir(repo):
-        with open(os.path.join(repo, rel)) as f:
-            return f.read()
-    with tarfile.open(repo) as tar:
-        for name in (rel, "./" + rel):
-            try:
-                return tar.extractfile(name).read().decode()
-            except KeyError:
-                continue
-    raise FileNotFoundError(f"{rel} is not in {repo}")
-
-
-@functools.lru_cache(maxsize=64)
-def _pristine_harness(repo: str) -> tuple[tuple[str, str], ...]:
-    """((path, text), ...): the repository's own conftest.py and pytest configuration files
-    (HARNESS names), which grading puts back as it does the tests."""
-    if os.path.isdir(repo):
-        rels = [os.path.relpath(os.path.join(d, n), repo)
-                for d, _, names in os.walk(repo) for n in names if n in HARNESS]  # fmt: skip
-    else:
-        with tarfile.open(repo) as tar:
-            rels = [m.name.removeprefix("./") for m in tar.getmembers()
-                    if m.isfile() and posixpath.basename(m.name) in HARNESS]  # fmt: skip
-    return tuple((rel, _read_pristine(repo, rel)) for rel in sorted(rels))
+    restored: list = dataclasses.field(default_factory=list)  # test files grading put back
 
 
 def check_record(record: dict) -> dict:
@@ -356,52 +328,14 @@ class RepoEnv(Environment):
 
     def reward(self, episode: Episode) -> float:
         ep, rec = episode, episode.record
-        f2p, p2p = list(rec["fail_to_pass"]), list(rec["pass_to_pass"])
         if not self._ready(ep):
             return 0.0  # masked: see masked()
         try:
-            files = sorted({n.split("::")[0] for n in f2p + p2p})
-            tests = {f: _read_pristine(rec["repo"], f) for f in files}
-            tests.update(_pristine_harness(rec["repo"]))
-        except (OSError, KeyError, UnicodeError, tarfile.TarError) as err:
+            restore = pristine(rec["repo"], tuple(tested_files(rec)))
+        except ERRORS as err:
             ep.infra_error = f"test files: {err}"
             return 0.0
-        args = {"nodes": f2p + p2p, "tests": tests, "per_test": self.per_test, "harness": HARNESS}
+        nodes = list(rec["fail_to_pass"]) + list(rec["pass_to_pass"])
+        args = {"nodes": nodes, "per_test": self.per_test, "harness": HARNESS, **restore}
         r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": self.grader.site})
-        run, ended = r["_run"], time.monotonic()
-        if not r["_started"]:
-            ep.infra_error = f"sandbox did not start ({run.reason}, {run.seconds:.1f} s)"
-            return 0.0
-        if run.reason == "timeout":
-            # Killed at env.test_timeout_s in a phase (restoring the files, pytest starting,
-            # importing, configuring, a test, between tests) older than its alarm plus GRACE_S:
-            # the model's code evaded or outlived an alarm (e.g. ignored SIGALRM) or kept pytest
-            # busy, which pytest alone never takes that long for: it scores 0. A younger phase
-            # (a slow machine) or none: masked. The phase's age is read on one clock, the
-            # sandbox's start-up not in it.
-            where = rs.last_phase(run.stdout)
-            age = ended - where[1] if where else 0.0
-            if where and age > self.per_test + GRACE_S:
-                ep.grade_timeout = where[0]
-                ep.metrics = {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
-                return 0.0
-            name = where[0] if where else None
-            ep.infra_error = (
-                f"harness timeout ({run.reason}, {run.seconds:.1f} s, phase {name} for {age:.1f} s)"
-            )
-            return 0.0
-        code, broken = r.get("exit"), r.get("broken")
-        alarm = code == 3 and "TimeoutError" in r.get("internal", [])  # inside pytest: slow
-        undefined = r.get("missing") and code not in (2, 3)  # ids the pristine tests lack
-        if not broken and (alarm or code == 4 or undefined):
-            # pytest's internal error from an alarm, its usage error (the configuration is
-            # pristine: the task's), or node ids the pristine tests do not define: masked. An
-            # interrupt or another internal error (the model's code raised SystemExit while
-            # collected, say) scores 0, as does any file the model broke.
-            missing = r.get("missing", [])[:3]
-            ep.infra_error = f"pytest exit status {code}, missing {missing}: {run.stdout[-300:]}"
-            return 0.0
-        passed = r.get("passed", {})  # missing (the run died after READY): all fail
-        frac = lambda nodes: sum(bool(passed.get(n)) for n in nodes) / max(1, len(nodes))
-        ep.metrics = {"fail_to_pass_frac": frac(f2p), "pass_to_pass_frac": frac(p2p)}
-        return float(all(passed.get(n) for n in f2p + p2p))
+        return score(ep, r, self.per_test, time.monotonic())

@@ -4,28 +4,37 @@ run (`GRADE`). `rl.envs.repo_sandbox.RepoSandbox.program` runs them in an episod
 
 Each reads its arguments as JSON on stdin, writes `READY` before it does anything the model
 controls and its result (`RESULT` + JSON) last; a run without `READY` means the sandbox could not
-start (an infrastructure error), a run that died after it was the model's doing.
+start (an infrastructure error), a run that died after it was the model's doing. GRADE imports its
+own harness (pytest) before READY, so a sandbox that cannot import it counts as one that did not
+start.
 """
 
 from __future__ import annotations
 
+from rl.envs.repo_integrity import GUARD, RESTORE
+
 READY, RESULT = "\x00READY\n", "\x00RESULT "
 
-_HEAD = r"""
+# The start of every program: its arguments read with the workspace off sys.path, and `result`.
+_START = r"""
 import os, sys  # frozen and built in: nothing in the workspace can stand in for them
 sys.path[:] = [p for p in sys.path if p not in os.environ.get("PYTHONPATH", "").split(":")]
 import json  # from the standard library, not a json.py of the model's (the workspace is off)
 A = json.loads(sys.stdin.read())
 sys.stdin = open(os.devnull)
-os.write(1, b"\x00READY\n")
-os.environ.clear(); os.environ.update(A["env"])
 
 
-def result(**kw):
+def result(_fd=1, **kw):
     sys.stdout.flush()
-    os.write(1, ("\x00RESULT " + json.dumps(kw) + "\n").encode())
+    os.write(_fd, ("\x00RESULT " + json.dumps(kw) + "\n").encode())
     os._exit(0)
 """
+# READY: from here on the program touches what the model controls (the workspace, its code).
+_GO = r"""
+os.write(1, b"\x00READY\n")
+os.environ.clear(); os.environ.update(A["env"])
+"""
+_HEAD = _START + _GO
 
 # A shell command with its own deadline; output is kept as head and tail, the middle counted.
 BASH = (
@@ -219,21 +228,28 @@ except (OSError, UnicodeError) as e:
 """
 )
 
-# The graded run: the pristine test files, conftest.py files and pytest configuration files are
-# put back and any others of those names deleted (a model cannot pass by editing its tests or
-# how pytest runs them), then pytest runs the node ids in this process with an alarm over each
-# part of collection that imports the model's code (the root conftest.py; then the package and
-# the test modules; pytest's own start-up and configuration are not timed) and one per test. It
-# reports its phase on a copy of the real stdout (pytest captures fd 1): `PHASE <restore|start|
-# collect|configure|test|run> <time.monotonic()>` (one clock for the host and the sandbox, which
-# has no time namespace, so the host ages the phase without the sandbox's start-up). When the
-# whole run passes its wall limit the environment can then tell the model's code outliving its
-# alarm (its fault) from the harness being slow (masked).
+# The graded run. Before READY it imports its harness (pytest and its built-in plugins, from the
+# trainer's site-packages: a sandbox that cannot is an infrastructure error, masked) and the
+# guard (rl/envs/repo_integrity.py) snapshots it. Then it puts back the pristine test files, every
+# file of their test directories, conftest.py and pytest configuration files, deleting any other
+# there or of those names, and runs pytest on the node ids in this process under alarms over the
+# parts of collection that import the model's code and over each test, the guard checking the
+# harness after collection, each test and the run. Its phase goes to a copy of the real stdout:
+# `PHASE <restore|start|collect|configure|test|run> <time.monotonic()>` (the host's clock too:
+# the host tells the model's code outliving its alarm, its fault, from a slow harness, masked).
 GRADE = (
-    _HEAD
+    _START
     + r"""
-import signal, tempfile, time
-OUT = os.dup(1)
+import base64, shutil, signal, tempfile, time
+sys.path[:0] = [A["site"]]  # pytest from here, now; the workspace joins once pytest has started
+import unittest, pytest, _pytest.config
+for name in _pytest.config.default_plugins:
+    __import__("_pytest." + name)  # what pytest.main imports, before the model's code can run
+OUT, SITE, MAIN, PM, root = os.dup(1), os.path.join(A["site"], ""), __file__, {}, A["root"]
+"""
+    + GUARD
+    + RESTORE
+    + r"""
 
 
 def phase(name):
@@ -244,29 +260,17 @@ def unreadable(err):
     raise err  # a directory the model made unreadable: no file of it escapes the walk
 
 
-phase("restore")
-root = A["root"]
-for rel, text in A["tests"].items():
-    d = root
-    for part in rel.split("/")[:-1]:  # a parent the model replaced by a symlink or a file
-        d = os.path.join(d, part)
-        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):
-            os.unlink(d)
-        os.makedirs(d, exist_ok=True)
-    p = os.path.join(root, rel)
-    if os.path.islink(p) or (os.path.lexists(p) and not os.path.isdir(p)):  # a FIFO too
-        os.unlink(p)
-    with open(p, "w") as f:
-        f.write(text)
-for d, _, names in os.walk(root, onerror=unreadable):  # pytest's configuration, conftest.py
-    for name in set(names) & set(A["harness"]):  # files: the pristine ones only
-        if os.path.relpath(os.path.join(d, name), root) not in A["tests"]:
-            os.unlink(os.path.join(d, name))
-os.chdir(root)
-sys.pycache_prefix = tempfile.mkdtemp()  # no bytecode of the model's stands in for a source
-sys.path[:0] = [A["site"]]  # the workspace joins once pytest has started (its plugins loaded)
-import pytest
-reports, broken, internal, collected = {}, [], [], set()
+reports, broken, internal, collected, changed = {}, [], [], set(), []
+
+
+def guard(config=None):  # the run ends here, scored 0, when the harness was changed
+    try:
+        bad = tampered(config)
+    except Exception as e:  # what it reads was made unreadable: changed too
+        bad = ["the check: %s: %s" % (type(e).__name__, e)]
+    if bad:
+        result(OUT, exit=-1, passed={}, broken=broken, internal=internal, missing=[],
+               restored=changed[:20], tamper=bad[:10])
 
 
 def alarm(*_):
@@ -281,7 +285,8 @@ class Collect:
     # Collection's alarms time the code that imports the model's: the root conftest.py's import
     # (once pytest itself has started: its imports, installed plugins), then collection proper.
     @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_load_initial_conftests(self):
+    def pytest_load_initial_conftests(self, early_config):
+        PM.update((k, v) for k, v in vars(early_config.pluginmanager).items() if "hookexec" in k)
         phase("collect")
         sys.path.insert(0, root)
         signal.signal(signal.SIGALRM, collect_alarm)
@@ -309,10 +314,12 @@ class Collect:
             yield
         finally:
             signal.alarm(0)
+            guard(item.config)  # before the call's report is made
             phase("run")
 
     def pytest_collection_finish(self, session):
         signal.alarm(0)
+        guard(session.config)
         phase("run")
 
     def pytest_runtest_logreport(self, report):
@@ -332,6 +339,15 @@ class Collect:
         internal.append(excinfo.typename)  # TimeoutError: an alarm inside pytest
 
 
+SNAP = snapshot()  # the harness as imported, before the model's code: what guard() compares to
+"""
+    + _GO
+    + r"""
+phase("restore")
+restore(A["files"], A["dirs"], set(A["keep"]))
+ROOT_AS = (root, os.path.realpath(root))  # after the restore: no symlink of the model's in it
+os.chdir(root)
+sys.pycache_prefix = tempfile.mkdtemp()  # no bytecode of the model's stands in for a source
 # Whole files, deselecting the other tests: with node ids, one file that fails to import would
 # stop the run before the other files' tests ran ("not found").
 wanted = set(A["nodes"])
@@ -339,9 +355,10 @@ files = sorted({n.split("::")[0] for n in wanted})
 phase("start")
 code = pytest.main(["-q", "--tb=short", "-p", "no:cacheprovider", "--rootdir", root,
                     "--continue-on-collection-errors", *files], plugins=[Collect()])
+guard()
 passed = {n: ("call", "passed") in r and not any(o == "failed" for _, o in r)
           for n, r in reports.items()}
 result(exit=int(code), passed=passed, broken=broken, internal=internal,
-       missing=sorted(wanted - collected))
+       missing=sorted(wanted - collected), restored=changed[:20])
 """
 )

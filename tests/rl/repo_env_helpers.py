@@ -1,5 +1,6 @@
 """What the `repo` environment's tests share: a tokenizer, the env config, generated tasks and an
-env (module fixtures: import them into a test module to use them there), and a scripted turn."""
+env (module fixtures: import them into a test module to use them there), a scripted turn, and a
+tiny unittest-style repository of our own (`unittest_task`)."""
 
 import json
 import string
@@ -44,3 +45,39 @@ def act(env, ep, text):
     ep.turns.append(turn)
     obs = env.step(ep, turn)
     return None if obs is None else TOK.decode(obs)
+
+
+UNITTEST_REPO = {  # a package with a planted bug, its unittest tests in a tests package, data,
+    # and a pytest plugin of the package's own that the root conftest.py names (as Sphinx's does)
+    "conftest.py": b'pytest_plugins = ["calc.plugin"]\n',
+    "calc/__init__.py": b"from calc.ops import add\n",
+    "calc/ops.py": b"def add(a, b):\n    return a - b\n",
+    "calc/plugin.py": b'def pytest_report_header(config):\n    return "calc"\n',
+    "tests/__init__.py": b"",
+    "tests/data/blob.bin": bytes(range(256)),  # not text: restored as bytes
+    "tests/test_ops.py": b"""import os
+import unittest
+
+from calc import add
+
+
+class TestOps(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+
+    def test_blob(self):
+        with open(os.path.join(os.path.dirname(__file__), "data", "blob.bin"), "rb") as f:
+            self.assertEqual(f.read(), bytes(range(256)))
+""",
+}
+
+
+def unittest_task(root) -> dict:
+    """A record of UNITTEST_REPO written under `root`: test_add fails until `fix` is applied."""
+    for rel, data in UNITTEST_REPO.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return {"repo": str(root), "problem": "add(2, 3) is not 5",
+            "fail_to_pass": ["tests/test_ops.py::TestOps::test_add"],
+            "pass_to_pass": ["tests/test_ops.py::TestOps::test_blob"],
+            "fix": {"path": "calc/ops.py", "old": "a - b", "new": "a + b"}}  # fmt: skip

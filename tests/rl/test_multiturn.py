@@ -175,7 +175,7 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     """EpisodeSampler._score: a reward that raises or is not finite, or a step that raised
     (counted by _step), masks the episode like env.masked does (one path: Group.keep); the
     counts are apart: episode/infra_errors the environment's masks, episode/env_errors its
-    errors."""
+    errors, episode/tamper what it caught the model changing."""
     from types import SimpleNamespace
 
     from models.tokenizer import CharTokenizer
@@ -202,6 +202,7 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     )
     eps = [Episode({"prompt": p}) for p in ("ok", "wrong", "raise", "nan", "infra", "step")]
     eps[5].env_errors = 1  # its step raised
+    eps[1].tamper = ["unittest.case.TestCase.assertEqual"]
     try:
         rewards = sampler._score(eps)
     finally:
@@ -214,3 +215,4 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     assert list(group.keep()) == [True, True, False, False, False, False]
     s = episode_stats([group], 0, 0)
     assert s["episode/infra_errors"] == 1 and s["episode/env_errors"] == 0.5
+    assert s["episode/tamper"] == 1

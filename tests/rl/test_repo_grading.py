@@ -4,11 +4,14 @@ import, broken or forging conftest.py and pytest configuration, files pytest wou
 score 0, and nothing the model writes changes how its tests run. Shared fixtures and helpers:
 tests/rl/repo_env_helpers.py."""
 
+import base64
 import json
+import tarfile
 
 import pytest
 
 from rl.envs.repo import RepoEnv
+from rl.envs.repo_grading import dirs_of_tests, pristine
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
@@ -189,3 +192,102 @@ def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
     assert reward == 0.0 and not env.masked(ep), ep.infra_error
     assert ep.grade_timeout == "collect"
     assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
+
+
+PATCH = "import unittest\\nunittest.TestCase.assertEqual = lambda *a, **k: None\\n"
+# The same patch made when the tests call the package (after the collection check), as a code swap
+SWAP = """def add(a, b):
+    import unittest
+    unittest.TestCase.assertEqual.__code__ = (lambda self, *a, **k: None).__code__
+    return a - b
+"""
+# A plugin the package's own plugin module registers with pytest's plugin manager, found through gc
+PLUGIN = """import gc, _pytest.config, pytest
+class Forge:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        out = yield
+        out.get_result().outcome = "passed"
+cfg = next(o for o in gc.get_objects() if isinstance(o, _pytest.config.Config))
+cfg.pluginmanager.register(Forge())
+"""
+
+
+@pytest.mark.slow  # five graded runs; regression tests (every hack but the last passed unfixed)
+def test_grading_restores_the_test_directories_and_catches_a_patched_harness(tmp_path):
+    """An unfixed task patched to pass scores 0: through tests/__init__.py (put back with every
+    file of tests/), through the package's own __init__.py (the guard: unittest's assertEqual
+    rebound), its code swapped when a test calls the package (checked after each test), or a
+    forging plugin registered from the package's own plugin module (which the pristine conftest.py
+    names: unchanged, its hooks are trusted). A fix with files added to and changed in tests/
+    still scores 1.0: they are put back or deleted (`restored`), which is no tamper."""
+    task = repo_env_helpers.unittest_task(tmp_path / "calc")
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=10))
+    write = lambda path, text: f"cat >> {path} <<'EOF'\n{text}EOF"
+    noise = ["printf '# a note\\n' >> calc/__init__.py", "printf x > tests/data/blob.bin",
+             "printf 'def test_repro():\\n    assert 0\\n' > tests/test_repro.py",
+             "mkdir tests/scratch && touch tests/scratch/notes.txt"]  # fmt: skip
+    try:
+        runs = [_graded(env, task, [f"printf '{PATCH}' >> tests/__init__.py"], fix=False),
+                _graded(env, task, [f"printf '{PATCH}' >> calc/__init__.py"], fix=False),
+                _graded(env, task, [f"cat > calc/ops.py <<'EOF'\n{SWAP}EOF"], fix=False),
+                _graded(env, task, [write("calc/plugin.py", PLUGIN)], fix=False),
+                _graded(env, task, noise)]  # fmt: skip
+    finally:
+        env.shutdown()
+    assert [r for r, _ in runs] == [0, 0, 0, 0, 1], [(ep.infra_error, ep.tamper) for _, ep in runs]
+    assert not any(env.masked(ep) for _, ep in runs)
+    eps = [ep for _, ep in runs]
+    assert eps[0].restored == ["tests/__init__.py"] and eps[0].tamper == []
+    assert eps[0].metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 1.0}
+    assert eps[1].tamper == eps[2].tamper == ["unittest.case.TestCase.assertEqual"]
+    # the plugin module changed: its own hook and the one it registered are no longer pristine
+    hooks = ["hook pytest_report_header", "hook pytest_runtest_makereport"]
+    assert sorted(t.split(" from ")[0] for t in eps[3].tamper) == hooks, eps[3].tamper
+    assert all(t.endswith("/calc/plugin.py") for t in eps[3].tamper)
+    for ep in eps[1:4]:  # no forged report counted
+        assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
+    assert sorted(eps[4].restored) == [
+        "tests/data/blob.bin",
+        "tests/scratch",
+        "tests/test_repro.py",
+    ]
+    assert eps[4].tamper == [] and eps[4].metrics["pass_to_pass_frac"] == 1.0
+
+
+def test_the_pristine_test_directories(tmp_path):
+    """A test file's test directory is its nearest ancestor named for tests (never code beside
+    it); a .tar.gz snapshot gives what its directory gives, every byte of every file."""
+    files = ["tests/test_a.py", "tests/unit/test_b.py", "pkg/sub/tests/test_c.py", "test_root.py",
+             "pkg/test_d.py", "numpy/testing/tests/test_e.py", "testing/test_f.py"]  # fmt: skip
+    assert dirs_of_tests(files) == ["numpy/testing/tests", "pkg/sub/tests", "testing", "tests"]
+    task = repo_env_helpers.unittest_task(tmp_path / "calc")
+    (tmp_path / "calc" / "tests" / "data" / "empty").mkdir()
+    with tarfile.open(tmp_path / "calc.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "calc", arcname=".")
+    want = pristine(task["repo"], ("tests/test_ops.py",))
+    assert pristine(str(tmp_path / "calc.tar.gz"), ("tests/test_ops.py",)) == want
+    assert sorted(want["files"]) == ["conftest.py", "tests/__init__.py", "tests/data/blob.bin",
+                                     "tests/test_ops.py"]  # fmt: skip
+    assert want["dirs"] == ["tests"] and want["keep"] == ["tests/data", "tests/data/empty"]
+    mode, data = want["files"]["tests/data/blob.bin"]
+    blob = tmp_path / "calc" / "tests" / "data" / "blob.bin"
+    assert base64.b64decode(data) == bytes(range(256)) and mode == blob.stat().st_mode & 0o777
+
+
+def test_a_sandbox_that_cannot_import_pytest_masks_the_episode(tmp_path, tasks):
+    """pytest is imported before READY: a sandbox where it cannot be (here a site directory
+    without it, in place of the trainer's) is an infrastructure error, masked, not the model's
+    0 (it was scored 0 when the import came after READY)."""
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=10))
+    empty = tmp_path / "site"
+    empty.mkdir()
+    env.grader.site = str(empty)
+    try:
+        ep = env.start(tasks[0])
+        assert env.reward(ep) == 0.0 and env.masked(ep)
+        env.close(ep)
+    finally:
+        env.shutdown()
+    assert ep.infra_error.startswith("sandbox did not start"), ep.infra_error
+    assert "No module named 'pytest'" in ep.infra_error and not ep.metrics
