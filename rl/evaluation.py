@@ -37,7 +37,8 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
 
 def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
     """(correct bool [R,G], masked bool [R,G], tool-call rate, texts, env metrics) of G episodes
-    per record; masked: infrastructure failures (`env.masked`), which count neither way."""
+    per record; masked: infrastructure failures (`env.masked`) and the environment's own errors
+    (`rl.multiturn`), which count neither way."""
     sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
     try:
         prompts = env_prompts(env, records, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
