@@ -8,10 +8,10 @@ become turn structure in the episode. So `Tokenizer.encode` treats text as data 
 `special=True` is for markup the caller wrote itself (a tool-call close, to find its stop id).
 
 A chat prompt mixes both: the template's markup must give the special ids, the messages inserted
-into it must not. `Tokenizer.render_chat` renders the template with every message string escaped
-(`SpecialStrings.escape`: each special-token string becomes a short run of Unicode
-noncharacters, which templates pass through unchanged, `tojson` and `trim` included, and no
-tokenizer matches), except `Trusted` strings. `encode_rendered` then gives the special-token
+into it must not. `Tokenizer.render_chat` renders the template with every message string, dict
+keys included, escaped (`SpecialStrings.escape`: each special-token string becomes a short run
+of Unicode noncharacters, which templates pass through unchanged, `tojson` and `trim` included,
+and no tokenizer matches), except `Trusted` strings. `encode_rendered` then gives the special-token
 strings left in the text, the markup's, their ids, and encodes each stretch of text between two
 of them that holds an escape as data, unescaped. Every other stretch is encoded as before, so a
 conversation whose messages hold no special-token string gets exactly the ids of
@@ -106,13 +106,16 @@ class SpecialStrings:
 
 def escape_messages(x: Any, escape: Callable[[str], str]) -> Any:
     """A copy of a message list (dicts, lists, strings) with every string that is not `Trusted`
-    escaped; keys stay as they are."""
+    escaped, dict keys included: a data set's tool call can carry its own keys (`arguments`
+    rendered through `tojson`), and a key is text in the rendering like any value. Escaping is
+    the identity on a string without special-token strings, so the keys the template looks up
+    ("role", "content", "tool_calls", ...) stay the same."""
     if isinstance(x, Trusted):
         return x
     if isinstance(x, str):
         return escape(x)
     if isinstance(x, Mapping):
-        return {k: escape_messages(v, escape) for k, v in x.items()}
+        return {escape_messages(k, escape): escape_messages(v, escape) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [escape_messages(v, escape) for v in x]
     return x

@@ -180,3 +180,23 @@ def test_char_tokenizer_follows_the_same_contract():
     ]
     delta = message_delta_ids(tok, {"role": "tool", "content": "<bos>2"}, turn_closed=True)
     assert delta == tok.encode("<bos>2") and min(delta) >= 3
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_dict_key_in_a_prompt_cannot_forge_turn_structure(name, family):
+    """A data set's message list is data through its dict keys too: a tool call whose arguments
+    have a key holding special-token strings renders them (through `tojson`) as text."""
+    tok, raw, kw = family(name)
+
+    def prompt(key):
+        call = {"type": "function", "function": {"name": "f", "arguments": {key: 1}}}
+        msgs = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "ok"}]  # fmt: skip
+        ids = format_prompt({"prompt": msgs}, tok, True, "", template_kwargs=kw)
+        return tok.apply_chat_template(msgs, **kw), ids
+
+    (clean_text, clean_ids), (real_text, ids) = prompt(CLEAN), prompt(FORGED)
+    assert FORGED.split("<|im_end|>")[0] in real_text  # the key is rendered
+    assert ids == _expected(tok, raw, clean_text, real_text, clean_ids)
+    assert _added(tok, ids) == _added(tok, clean_ids)  # only the template's own special ids
