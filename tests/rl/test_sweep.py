@@ -57,7 +57,7 @@ def test_only_our_markers_of_dead_owners_are_swept():
     tmp = tempfile.gettempdir()
     reused = tempfile.mkdtemp(prefix=sandbox_sweep.PREFIX, dir=tmp)  # our pid, another start
     with open(os.path.join(reused, sandbox_sweep.MARKER), "w") as f:
-        f.write(f"{os.getpid()} 1 {sandbox_sweep._boot_id()}\n")
+        f.write(f"{os.getpid()} 1 {sandbox_sweep._boot_id()} {sandbox_sweep._pid_namespace()}\n")
     foreign = tempfile.mkdtemp(prefix=sandbox_sweep.PREFIX, dir=tmp)  # no marker: not ours
     live = tempfile.mkdtemp(prefix=sandbox_sweep.PREFIX, dir=tmp)
     sandbox_sweep.mark(live)
@@ -69,3 +69,86 @@ def test_only_our_markers_of_dead_owners_are_swept():
         for d in (reused, foreign, live):
             if os.path.exists(d):
                 sandbox_sweep.rmtree(d)
+
+
+def _dead_marker(root, text=None):
+    """A marker naming our pid with another start time: an owner known to be dead."""
+    text = text or f"{os.getpid()} 1 {sandbox_sweep._boot_id()} {sandbox_sweep._pid_namespace()}\n"
+    with open(os.path.join(root, sandbox_sweep.MARKER), "w") as f:
+        f.write(text)
+
+
+def test_a_planted_symlink_or_anothers_root_is_never_touched(tmp_path, recwarn):
+    """What any local user (or a program in the weak modes) can plant in a shared temp dir: a
+    `sandbox-*` symlink to a directory holding a dead-owner marker (and, as root, a mount), a
+    marker that is a symlink, another uid's root or marker, an unparsable marker, a marker of
+    another pid namespace. None is swept, unmounted, or chmod'ed; the temp dir keeps its mode."""
+    tmp, victim = tmp_path / "tmp", tmp_path / "victim"
+    tmp.mkdir(mode=0o1777)
+    tmp.chmod(0o1777)
+    (victim / "mnt").mkdir(parents=True)
+    _dead_marker(victim)
+    mounted = (
+        os.geteuid() == 0
+        and not subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(victim / "mnt")]
+        ).returncode
+    )
+    try:
+        (tmp / "sandbox-link").symlink_to(victim)
+        (tmp / "sandbox-marker-link").mkdir()
+        (tmp / "sandbox-marker-link" / sandbox_sweep.MARKER).symlink_to(
+            victim / sandbox_sweep.MARKER
+        )
+        for name, text in [("garbled", "not a marker\n"), ("old", f"{os.getpid()} 1 x\n"),
+                           ("other-ns", f"{os.getpid()} 1 {sandbox_sweep._boot_id()} pid:[1]\n")]:  # fmt: skip
+            (tmp / f"sandbox-{name}").mkdir()
+            _dead_marker(tmp / f"sandbox-{name}", text)
+        if os.geteuid() == 0:  # another uid's root, and another uid's marker in ours
+            for name, path in [("theirs", "."), ("their-marker", sandbox_sweep.MARKER)]:
+                (tmp / f"sandbox-{name}").mkdir()
+                _dead_marker(tmp / f"sandbox-{name}")
+                os.chown(tmp / f"sandbox-{name}" / path, 12345, 12345)
+        before = sorted(os.listdir(tmp))
+        assert sandbox_sweep.sweep(str(tmp)) == [] and sorted(os.listdir(tmp)) == before
+        assert (victim / sandbox_sweep.MARKER).exists() and (tmp.stat().st_mode & 0o7777) == 0o1777
+        assert _mounted(str(victim / "mnt")) == mounted
+        (tmp / "sandbox-dead").mkdir()  # and a genuine dead root beside them still goes
+        _dead_marker(tmp / "sandbox-dead")
+        assert sandbox_sweep.sweep(str(tmp)) == [str(tmp / "sandbox-dead")]
+    finally:
+        if mounted:
+            sandbox_sweep.unmount(str(victim / "mnt"))
+    assert not recwarn.list
+
+
+def test_an_owner_whose_liveness_cannot_be_read_is_kept(tmp_path, monkeypatch):
+    root = tmp_path / "sandbox-x"
+    root.mkdir()
+    _dead_marker(root)
+    monkeypatch.setattr(sandbox_sweep, "_start_time", lambda pid: None)  # /proc unreadable
+    assert sandbox_sweep.sweep(str(tmp_path)) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(sandbox_sweep, "_boot_id", lambda: "")
+    assert sandbox_sweep.sweep(str(tmp_path)) == [] and root.is_dir()
+    monkeypatch.undo()
+    assert sandbox_sweep.sweep(str(tmp_path)) == [str(root)]
+
+
+def test_a_root_the_sweep_cannot_remove_warns_once_and_sandbox_starts(tmp_path, monkeypatch):
+    for name in ("sandbox-a", "sandbox-b"):
+        (tmp_path / name).mkdir()
+        _dead_marker(tmp_path / name)
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(sandbox_sweep, "rmtree", refuse)
+    monkeypatch.setattr(sandbox_sweep, "_warned", False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="sandbox sweep: .*sandbox-. left in place") as w:
+        assert sandbox_sweep.sweep() == []
+        sb = Sandbox(1, isolation="rlimits")  # sweeps again, silently, and starts
+    monkeypatch.undo()
+    sb.close()
+    assert len([x for x in w if "sandbox sweep" in str(x.message)]) == 1
