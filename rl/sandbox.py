@@ -18,8 +18,8 @@ the same but is unsafe in a threaded parent. A run ends when the program exits, 
 fill and never hold more); then its process group, and every process it left, is SIGKILLed.
 
 Root ignores RLIMIT_NPROC and may signal or write anything, so as root every workspace leases its
-own uid (`rl.sandbox_workspace`) and serialises its runs; after each run every live process of
-that uid is killed.
+own uid (`rl.sandbox_workspace`) and serialises its runs; when the uid is leased and after each
+run every live process of that uid is killed.
 
 With bubblewrap (probed once per process) the program also gets new pid, net, ipc, uts and cgroup
 namespaces (the parent is invisible; no network, not even loopback; --die-with-parent takes the

@@ -5,7 +5,9 @@ Root ignores RLIMIT_NPROC and may signal or write anything, so as root every wor
 own uid in [40000, 60000) (a flock'ed file per uid under /tmp/sandbox-uids: no two processes on a
 host share one), chowns its directory to it, and its runs drop to it (rl.sandbox's bootstrap).
 `_sweep` kills every live process of a uid (found in /proc/*/status, which setsid() or a
-non-dumpable process cannot hide from), after each run and when the workspace closes.
+non-dumpable process cannot hide from) right after the uid is leased (a trainer killed with
+SIGKILL released its leases but not its runs' orphans: no workspace shares a uid with one), after
+each run and when the workspace closes.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Workspace:
         self.uid, self._lease, self._lock, self.closed = -1, None, threading.Lock(), False
         if as_root:
             self.uid, self._lease = _lease_uid()
+            _sweep(self.uid, "")  # what a killed run left running under this uid
             os.chown(self.path, self.uid, self.uid)
 
     def close(self) -> None:

@@ -152,3 +152,24 @@ def test_a_root_the_sweep_cannot_remove_warns_once_and_sandbox_starts(tmp_path, 
     monkeypatch.undo()
     sb.close()
     assert len([x for x in w if "sandbox sweep" in str(x.message)]) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid mode needs root")
+def test_a_leased_uid_has_no_orphan_of_a_killed_run(tmp_path, monkeypatch):
+    """A run killed with SIGKILL releases its uid leases (flock) but not its programs: the next
+    workspace leasing that uid kills them before it runs anything."""
+    from rl import sandbox_workspace
+
+    tmp_path.chmod(0o711)
+    first = sandbox_workspace.Workspace(str(tmp_path), as_root=True)
+    first.close()
+    uid = first.uid
+    orphan = subprocess.Popen(["sleep", "60"], user=uid, group=uid)  # the killed run's program
+    try:
+        monkeypatch.setattr(sandbox_workspace.random, "randrange", lambda n: uid - 40000)
+        ws = sandbox_workspace.Workspace(str(tmp_path), as_root=True)
+        assert ws.uid == uid and orphan.wait(timeout=5) == -9
+        ws.close()
+    finally:
+        orphan.kill()
+        orphan.wait()
