@@ -10,10 +10,13 @@ from __future__ import annotations
 from launch.cli import UsageError
 from rl.sandbox import isolation_of
 
-# Fields that cannot change the trajectory of a run: a resumed run may change them.
+# Fields that cannot change the trajectory of a run: a resumed run may change them. env.isolation
+# is host policy (how model-written code is contained on this machine), not part of the
+# trajectory: a run moved to a host without bubblewrap resumes with --config.env.isolation=rlimits.
 RESUMABLE_CHANGES = (
     "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
     "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
+    "env.isolation",
 )  # fmt: skip
 
 
@@ -53,7 +56,7 @@ def check_resumable(old: dict, new: dict) -> None:
     saved before the partial-rollout fields existed resumes with them at their defaults
     (partial rollouts off). One saved with env.sandbox_bwrap (renamed env.isolation) resumes
     with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
-    before either existed with "auto"."""
+    before either existed with "auto"; env.isolation itself may change (RESUMABLE_CHANGES)."""
     if "env" in old and "isolation" not in old["env"]:
         env = {k: v for k, v in old["env"].items() if k != "sandbox_bwrap"}
         old = {**old, "env": {**env, "isolation": isolation_of(old["env"])}}

@@ -174,7 +174,9 @@ def test_repo_env_fields_are_documented_read_validated_and_resumable():
                                               ("absent", "auto")])  # fmt: skip
 def test_a_run_saved_with_sandbox_bwrap_resumes_with_the_isolation_it_meant(bwrap, isolation):
     """env.sandbox_bwrap became env.isolation: a saved config.json with the old field (or, older,
-    with neither) resumes under the isolation it meant, and refuses a different one."""
+    with neither) resumes under the isolation it meant; and, host policy rather than part of the
+    trajectory, under another one too (a run saved with the old default resumes with
+    --config.env.isolation=rlimits on a host without bubblewrap)."""
     from launch.resume_compat import check_resumable
 
     new = config_json(parse_args([f"--config.env.isolation={isolation}"], {})[0])
@@ -183,5 +185,7 @@ def test_a_run_saved_with_sandbox_bwrap_resumes_with_the_isolation_it_meant(bwra
     check_resumable(old, new)
     other = "rlimits" if isolation != "rlimits" else "auto"
     changed = config_json(parse_args([f"--config.env.isolation={other}"], {})[0])
-    with pytest.raises(UsageError, match=f"env.isolation: '{isolation}' -> '{other}'"):
+    check_resumable(old, changed)
+    changed["env"]["max_tool_calls"] = 1  # a trajectory field is still refused, and alone named
+    with pytest.raises(UsageError, match=r"config \(env.max_tool_calls: \d+ -> 1\); use"):
         check_resumable(old, changed)
