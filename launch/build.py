@@ -69,8 +69,9 @@ class Run:
                         self.env)  # fmt: skip
 
 
-def build(config, with_reference: bool = True) -> Run:
-    """The run's parts; the reference copy only when the KL term needs it (and with_reference)."""
+def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
+    """The run's parts; the reference copy only when the KL term needs it (and with_reference),
+    the environment (and its sandboxes) only with_env."""
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
     m = config.model
@@ -85,7 +86,7 @@ def build(config, with_reference: bool = True) -> Run:
     shardings = state_shardings(params, mesh, rules)
     base = base_graphdef(model_cfg) if model_cfg.lora_rank else None
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)
-    env = make_env(config.env.name, tokenizer, config) if config.env.name else None
+    env = make_env(config.env.name, tokenizer, config) if config.env.name and with_env else None
     # A turn also ends on the environment's stop ids (a tool-call close).
     ecfg = engine_config(config, ids.eos_ids + (env.stop_ids() if env else ()))
     engine = lambda sampling: Engine(model_cfg, graphdef, ecfg, sampling, mesh=mesh, rules=rules)
@@ -154,10 +155,12 @@ def base_checksums(run: Run) -> dict | None:
     return checksums(lora.base(run.state.params)) if run.learner.lora else None
 
 
-def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
+def load_run(workdir: str, step: int | None = None, runs_code: bool = True) -> tuple[Run, int]:
     """(run with its state restored from the checkpoint at `step` (default: the latest), step),
     for evaluating or exporting a run: without the reference copy, and on the devices at hand
-    (the training mesh when it fits them, else fsdp over all of them; orbax reshards)."""
+    (the training mesh when it fits them, else fsdp over all of them; orbax reshards).
+    `runs_code=False` (launch.export: no episode runs) builds no environment and probes no
+    sandbox, so a code run exports on a host where its sandbox would be refused."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise UsageError(f"--workdir {workdir}: no config.json (not a training run)")
@@ -170,8 +173,8 @@ def load_run(workdir: str, step: int | None = None) -> tuple[Run, int]:
     steps = ckpt.manager.all_steps()
     if not steps or (step is not None and step not in steps):
         raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
-    check_isolation(config)  # a run whose code rewards or environment cannot run here: one line
-    run = build(config, with_reference=False)
+    check_isolation(config, runs_code)  # code rewards or an environment that cannot run here
+    run = build(config, with_reference=False, with_env=runs_code)
     saved, meta = ckpt.restore(run.learner.checkpointed(run.state), step)
     check_base(run, meta, base_checksums(run))
     run.state = run.learner.restored(run.state, saved)

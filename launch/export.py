@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         if args.adapter and not _lora_rank(args.workdir):  # before the run is restored
             raise UsageError(f"--adapter: the run in {args.workdir} has no LoRA adapters "
                              "(config.model.lora.rank = 0); export it without --adapter")  # fmt: skip
-        run, step = load_run(args.workdir, args.step)
+        run, step = load_run(args.workdir, args.step, runs_code=False)  # no sandbox probe
     except UsageError as e:
         return fail(str(e))
     if args.adapter:

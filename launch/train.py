@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     try:
         config, config_path, opts = parse_args(sys.argv[1:] if argv is None else argv, FLAGS)
         init_distributed(config)
-        validate(config, jax.device_count())
+        validate(config, jax.device_count(), runs_code=not opts["dry_run"])
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)
     except UsageError as e:

@@ -148,17 +148,20 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
           f"expected a non-empty subset of {LORA_TARGETS}")  # fmt: skip
 
 
-def check_isolation(c: ml_collections.ConfigDict) -> None:
+def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
     """A run that executes model-written code (an environment that `runs_code`, or a reward of
     CODE_REWARDS without one) starts only where its sandbox works under config.env.isolation:
     bubblewrap for "auto" and "bwrap" (else the one-line refusal of rl.sandbox), and for the
     repo environment pytest importable inside. Sets the python_tests reward's isolation. Runs
-    that execute no code probe nothing. First in `validate`, and `launch.build.load_run` calls
-    it (launch.eval / launch.export of a saved run)."""
+    that execute no code probe nothing, and nor does `probe=False` (a path that runs no model
+    code: launch.train --dry_run, launch.export), which checks the field's value alone. First
+    in `validate`, and `launch.build.load_run` calls it (launch.eval, launch.export)."""
     env = c.get("env", {})
     iso = isolation_of(env)
     _need(iso in ISOLATIONS, "env.isolation", iso, f"expected one of {ISOLATIONS} (auto: "
           "bubblewrap, else refuse to run model-written code; rlimits: the weak mode)")  # fmt: skip
+    if not probe:
+        return
     if name := env.get("name", ""):
         from rl.envs import ENVIRONMENTS
 
@@ -176,8 +179,10 @@ def check_isolation(c: ml_collections.ConfigDict) -> None:
     _need(not problem, "env.isolation", iso, f"{what} runs model-written code; {problem}")
 
 
-def validate(c: ml_collections.ConfigDict, device_count: int) -> None:
-    check_isolation(c)  # first: it says whether this machine may run the config at all
+def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = True) -> None:
+    """Every check of the config (`runs_code`: whether this path will execute model-written
+    code, so whether the sandbox is probed; launch.train --dry_run will not)."""
+    check_isolation(c, runs_code)  # first: it says whether this machine may run the config at all
     g, b = c.rl.num_generations, c.data.prompts_per_step
     _need(g >= 2, "rl.num_generations", g, "GRPO needs G >= 2 completions per prompt")
     _need(b >= 1, "data.prompts_per_step", b, "must be >= 1")

@@ -6,6 +6,7 @@ sandbox that cannot import pytest (a venv under a private home, uid mode), and i
 `python` and `python3` in every mode."""
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ from rl import code_rewards, sandbox
 from rl.envs import repo_sandbox as rs
 from rl.envs.repo import RepoEnv
 from rl.sandbox import Sandbox
-from tests.conftest import ROOT
+from tests.conftest import FIXTURES, ROOT
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
@@ -180,3 +181,50 @@ def test_repo_shell_has_python_and_a_fix_scores_1(tasks, isolation):
         env.shutdown()
     assert out.startswith("42\n32\n[exit code 0]"), out
     assert reward == 1.0 and not masked
+
+
+def test_dry_run_and_export_of_a_code_config_run_no_model_code_and_are_not_refused(
+    no_bwrap, tmp_path, monkeypatch, capsys
+):
+    """launch.train --dry_run builds no environment and launch.export runs no episode: neither
+    probes the sandbox, so neither refuses a code config without bubblewrap; launch.eval (which
+    runs episodes) still does. The lowering and the restore are stubbed: only the start-up's
+    choices are under test."""
+    import launch.build
+    import launch.train
+    from launch.cli import config_json
+    from launch.eval import main as evaluate
+    from launch.export import main as export
+
+    path = f"{ROOT}/configs/qwen3_0_6b_repo.py"
+    lowered = []
+    monkeypatch.setattr(launch.train, "dry_run", lambda config: lowered.append(config) or 0)
+    (tmp_path / "tasks.jsonl").write_text("")
+    args = [f"--config={path}", f"--config.model.hf_checkpoint={FIXTURES}/qwen3",
+            f"--config.data.train.path={tmp_path}/tasks.jsonl",
+            f"--config.data.eval.path={tmp_path}/tasks.jsonl"]  # fmt: skip
+    assert main([*args, f"--workdir={tmp_path / 'dry'}", "--dry_run"]) == 0
+    assert len(lowered) == 1 and "bubblewrap" not in capsys.readouterr().err
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps(config_json(load_config_file(path))))
+    built = []
+
+    class Built(Exception):  # stands in for the restore after build()
+        pass
+
+    def build(config, with_reference=True, with_env=True):
+        built.append(with_env)
+        raise Built
+
+    fake = type("Ckpt", (), {"manager": type("M", (), {"all_steps": lambda self: [1]})()})
+    monkeypatch.setattr(launch.build, "Checkpointer", lambda workdir: fake())
+    monkeypatch.setattr(launch.build, "build", build)
+    with pytest.raises(Built):
+        export(["--workdir", str(workdir), "--out", str(tmp_path / "out")])
+    assert built == [False] and "bubblewrap" not in capsys.readouterr().err
+    assert evaluate(["--workdir", str(workdir)]) == 2 and built == [False]
+    err = capsys.readouterr().err
+    assert err.startswith("error: config.env.isolation='bwrap': env 'repo' runs model-written "), (
+        err
+    )
