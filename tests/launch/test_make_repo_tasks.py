@@ -12,6 +12,7 @@ import tarfile
 import pytest
 
 from launch.make_repo_tasks import KINDS, TEMPLATES, main, make_task
+from tests.conftest import sandbox_isolation
 
 
 def outcomes(root: str, nodes: list[str]) -> dict[str, str]:
@@ -123,7 +124,8 @@ def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
     with pytest.raises(ValueError, match="test_cmd='pytest' is not supported"):
         check_record({**records[0], "test_cmd": "pytest"})
 
-    env_cfg = {"command_timeout_s": 4.0, "tool_workers": 2, "workspace_bytes": 32 << 20}
+    env_cfg = {"command_timeout_s": 4.0, "tool_workers": 2, "workspace_bytes": 32 << 20,
+               "isolation": sandbox_isolation()}  # fmt: skip
     data = {"use_chat_template": False, "system_prompt": "", "chat_template_kwargs": {}}
     config = ml_collections.ConfigDict({"data": data, "env": env_cfg})
     env = RepoEnv(CharTokenizer(string.printable), config)

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from launch.train import main
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, sandbox_isolation
 
 pytestmark = pytest.mark.slow  # dry runs and one-step runs of every real config
 
@@ -113,6 +113,7 @@ def test_code_config_one_step(config, fixture, tmp_path):
         "--config.sampling.num_slots=8", "--config.sampling.page_size=8",
         "--config.sampling.num_pages=128", "--config.sampling.steps_per_call=4",
         "--config.eval.pass_k=1", "--config.eval.pass_n=1",
+        f"--config.env.isolation={sandbox_isolation()}",  # tests.conftest: rlimits without bwrap
     ]  # fmt: skip
     # No --dry_run here: it does not depend on the environment, and the GSM8K tests above run it
     # for the same architectures.

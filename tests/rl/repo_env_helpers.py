@@ -12,13 +12,15 @@ from launch.make_repo_tasks import make_tasks
 from models.tokenizer import CharTokenizer
 from rl.envs.base import Turn
 from rl.envs.repo import RepoEnv
+from tests.conftest import sandbox_isolation
 
 TOK = CharTokenizer(string.printable)
 
 
 def make_config(**env):
     env = {"max_observation_chars": 2000, "command_timeout_s": 4.0, "tool_workers": 8,
-           "workspace_bytes": 32 << 20, "max_tool_seconds": 120.0, **env}  # fmt: skip
+           "workspace_bytes": 32 << 20, "max_tool_seconds": 120.0,
+           "isolation": sandbox_isolation(), **env}  # fmt: skip
     data = {"use_chat_template": False, "system_prompt": "", "chat_template_kwargs": {}}
     return ml_collections.ConfigDict({"data": data, "env": env})
 

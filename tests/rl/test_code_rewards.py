@@ -5,8 +5,16 @@ import pytest
 from rl import code_rewards
 from rl.code_rewards import extract_code, failure_message, python_tests, run_tests
 from rl.rewards import get_reward
+from tests.conftest import sandbox_isolation
 
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
+
+
+@pytest.fixture(autouse=True)
+def _sandbox_in_the_tests_isolation(monkeypatch):
+    """The shared sandbox in the tests' isolation (tests.conftest.sandbox_isolation), as
+    launch.validate's use_isolation sets it from config.env.isolation in a run."""
+    monkeypatch.setattr(code_rewards, "_isolation", sandbox_isolation())
 
 
 @pytest.mark.parametrize(

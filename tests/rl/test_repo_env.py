@@ -14,6 +14,7 @@ import pytest
 from rl.envs.base import Turn
 from rl.envs.repo import RepoEnv
 from rl.envs.repo_tools import cut, parse_calls
+from tests.conftest import sandbox_isolation
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
@@ -302,6 +303,7 @@ def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
         "--config.env.max_turn_tokens=2", "--config.sampling.max_new_tokens=16",
         "--config.data.train.type=jsonl", f"--config.data.train.path={path}",
         "--config.data.train.prompt_field=problem", "--config.env.max_observation_chars=2000",
+        f"--config.env.isolation={sandbox_isolation()}",  # tests.conftest: rlimits without bwrap
     ]  # fmt: skip
     config = parse_args(args, {})[0]
     run = build(config)

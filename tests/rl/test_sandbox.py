@@ -1,4 +1,4 @@
-"""The sandbox against a catalogue of hostile programs, plus workspaces, the pool and the fallback.
+"""The sandbox against a catalogue of hostile programs, plus workspaces, the pool and the weak mode.
 
 Every catalogue program is run as a completion through `run_tests` (the `python_tests` reward's path)
 and must score 0 (the noisy correct solution 1) while leaving this process, its files, its
@@ -19,6 +19,7 @@ import pytest
 
 from rl.code_rewards import extract_code, run_tests
 from rl.sandbox import Limits, Sandbox, _live
+from tests.conftest import sandbox_isolation
 
 LIMITS = Limits(wall_s=2.0, cpu_s=1, processes=4)  # a few processes, to see fork bombs contained
 SECRET = "hunter2-do-not-leak"
@@ -67,7 +68,7 @@ CATALOGUE = {
         "print('debug noise', file=sys.stderr)\n"
     ),
 }
-NEEDS_NAMESPACES = {  # what the rlimits-only fallback cannot stop (docs/sandbox.md)
+NEEDS_NAMESPACES = {  # what the weak mode (isolation="rlimits") cannot stop (docs/sandbox.md)
     "socket_localhost": {"uid", "rlimits"},
     "write_outside": {"rlimits"},
     "read_secret": {"rlimits"},
@@ -148,7 +149,7 @@ def test_hostile_program_is_contained(name, sb, tmp_path):
 
 
 def test_no_new_processes_by_default():
-    with Sandbox(workers=1, limits=Limits(wall_s=5)) as s:
+    with Sandbox(workers=1, limits=Limits(wall_s=5), isolation=sandbox_isolation()) as s:
         r = s.run("import os\nos.fork()\n")
     assert r.reason == "error" and "BlockingIOError" in r.stderr, r
 
@@ -176,7 +177,7 @@ def test_pool_bounds_parallelism():
     """Eight 1 s runs on four workers: at most four run at once, and more than one (each run
     reports when it started and ended, so a slow machine does not change the count)."""
     program = "import time\nprint(time.time())\ntime.sleep(1.0)\nprint(time.time())"
-    with Sandbox(workers=4, limits=Limits(wall_s=30)) as s:
+    with Sandbox(workers=4, limits=Limits(wall_s=30), isolation=sandbox_isolation()) as s:
         futures = [s.submit(program) for _ in range(8)]
         runs = [f.result() for f in futures]
     assert all(r.ok for r in runs), runs
@@ -224,7 +225,7 @@ def catalogue_table(isolation: str = "auto") -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # --no-bwrap: the table of the fallback
+if __name__ == "__main__":  # --no-bwrap: the table of the weak mode (isolation="rlimits")
     import sys
 
     print(catalogue_table("rlimits" if "--no-bwrap" in sys.argv else "auto"))
