@@ -84,6 +84,18 @@ def last_phase(stdout: str) -> tuple[str, float] | None:
         return None
 
 
+def _pytest_fix(mode: str, why: str) -> str:
+    """The fix of the pytest probe's failure `why` in sandbox mode `mode`: bubblewrap mounts the
+    site itself (its parents need no permission), the uid mode reads it through the host's path,
+    and a pytest missing from the site is missing in every mode."""
+    readable = "put the virtual environment where any user can read it (python -m venv /opt/venv)"
+    if "permission denied" not in why:
+        return "install pytest in the trainer's environment (pip install pytest)"
+    if mode == "uid":
+        return f"install bubblewrap (apt-get install bubblewrap) or {readable}"
+    return f"make that directory readable by any user (chmod o+rx) or {readable}"
+
+
 class RepoSandbox(Sandbox):
     """A Sandbox whose bubblewrap runs see the workspace at WORKDIR and `site` read-only."""
 
@@ -100,8 +112,7 @@ class RepoSandbox(Sandbox):
             self.close()
             raise RuntimeError(
                 f"the repo environment's sandbox (mode {self.mode!r}) cannot import pytest from "
-                f"{site}: {why}; install bubblewrap (apt-get install bubblewrap) or put the "
-                "virtual environment where any user can read it (e.g. python -m venv /opt/venv)"
+                f"{site}: {why}; {_pytest_fix(self.mode, why)}"
             )
 
     def root(self, ws: Workspace) -> str:

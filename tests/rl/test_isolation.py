@@ -23,7 +23,7 @@ from rl import code_rewards, sandbox
 from rl.envs import repo_sandbox as rs
 from rl.envs.repo import RepoEnv
 from rl.sandbox import Sandbox
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, sandbox_isolation
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
@@ -228,3 +228,20 @@ def test_dry_run_and_export_of_a_code_config_run_no_model_code_and_are_not_refus
     assert err.startswith("error: config.env.isolation='bwrap': env 'repo' runs model-written "), (
         err
     )
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "rlimits"])
+def test_the_pytest_refusal_suggests_the_fix_of_its_mode(isolation, tmp_path, monkeypatch):
+    """A site without pytest: in bubblewrap mode installing bubblewrap is no fix (the sandbox sees
+    the site, and pytest is not there), nor in the non-root weak mode; the uid mode's refusal
+    (unreadable directories) is test_repo_env_refuses_a_sandbox_that_cannot_import_pytest's."""
+    if isolation == "bwrap" and sandbox_isolation() != "bwrap":
+        pytest.skip("bubblewrap does not work here")
+    if isolation == "rlimits" and os.geteuid() == 0:
+        pytest.skip("as root the weak mode is the uid mode")
+    (tmp_path / "site").mkdir(mode=0o755)
+    monkeypatch.setattr(rs, "site_packages", lambda: str(tmp_path / "site"))  # no pytest in it
+    why = RepoEnv.check_sandbox(make_config(isolation=isolation))
+    assert why.startswith(f"the repo environment's sandbox (mode {isolation!r}) cannot import ")
+    assert "import pytest failed: ModuleNotFoundError" in why, why
+    assert "install bubblewrap" not in why and "pip install pytest" in why, why
