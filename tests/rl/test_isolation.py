@@ -1,7 +1,7 @@
 """config.env.isolation fails closed (rl/sandbox.py, launch/validate.py `check_isolation`): without
 working bubblewrap (hidden from the probe here, not uninstalled) a Sandbox refuses unless asked for
 the weak mode, and every config that runs model-written code stops at start-up with one line,
-before its workdir exists; configs that run none probe nothing. The repo environment refuses a
+before its workdir exists; configs that run none probe nothing, nor do --dry_run and export. The repo environment refuses a
 sandbox that cannot import pytest (a venv under a private home, uid mode), and its shell has
 `python` and `python3` in every mode."""
 
