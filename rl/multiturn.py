@@ -207,9 +207,12 @@ def episode_stats(groups, prefill_tokens: int, reprefill: int) -> dict[str, floa
 
 def env_metrics(episodes) -> dict[str, float]:
     """`episode/<name>`: the mean of each of the environment's per-episode metrics (e.g. the repo
-    env's pass fractions) over the episodes that report it (masked episodes report none)."""
+    env's pass fractions) over the unmasked episodes that report it: a masked episode's metrics
+    (an environment error after its reward set some, say) say nothing of the model."""
     values: dict[str, list[float]] = {}
     for ep in episodes:
+        if getattr(ep, "masked", False):
+            continue
         for name, v in getattr(ep, "metrics", {}).items():
             values.setdefault(name, []).append(float(v))
     return {f"episode/{name}": float(np.mean(v)) for name, v in sorted(values.items())}

@@ -189,6 +189,7 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
 
         def reward(self, episode):
             p = episode.record["prompt"]
+            episode.metrics = {"frac": float(p == "ok")}  # then nan, raise: masked, not averaged
             if p == "raise":
                 raise KeyError("answer")
             return float("nan") if p == "nan" else float(p != "wrong")
@@ -216,3 +217,4 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     s = episode_stats([group], 0, 0)
     assert s["episode/infra_errors"] == 1 and s["episode/env_errors"] == 0.5
     assert s["episode/tamper"] == 1
+    assert s["episode/frac"] == 0.5  # ok and wrong only: the masked episodes' metrics left out
