@@ -38,7 +38,8 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
 def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
     """(correct bool [R,G], masked bool [R,G], tool-call rate, texts, env metrics) of G episodes
     per record; masked: infrastructure failures (`env.masked`) and the environment's own errors
-    (`rl.multiturn`), which count neither way."""
+    (`rl.multiturn`), which count neither way; the metrics hold "tamper", the count of episodes
+    whose environment caught the model changing its grading (`episode.tamper`)."""
     sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
     try:
         prompts = env_prompts(env, records, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
@@ -50,9 +51,10 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
     masked = np.array([[ep.masked for ep in eps] for eps, _, _ in out], bool)
     calls = np.mean([ep.tool_calls > 0 for eps, _, _ in out for ep in eps])
     texts = [tokenizer.decode(c.tokens) for _, cs, _ in out for c in cs]
-    metrics = env_metrics([ep for eps, _, _ in out for ep in eps])
-    return correct, masked, float(calls), texts, {k.removeprefix("episode/"): v
-                                                  for k, v in metrics.items()}  # fmt: skip
+    episodes = [ep for eps, _, _ in out for ep in eps]
+    metrics = {k.removeprefix("episode/"): v for k, v in env_metrics(episodes).items()}
+    metrics["tamper"] = float(sum(bool(ep.tamper) for ep in episodes))
+    return correct, masked, float(calls), texts, metrics
 
 
 def episode_scores(correct, masked, k: int = 0) -> dict:
@@ -83,12 +85,13 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
                "example": texts[0]}  # fmt: skip
         n, k = cfg.eval.pass_n, cfg.eval.pass_k
         if k:
-            correct, masked, _, _, _ = _episodes(
+            correct, masked, _, _, sampled = _episodes(
                 env, sample_engine, params, records, tokenizer, cfg, n, seed + 1
             )
             scores = episode_scores(correct, masked, k)
             out[f"pass@{k}"] = scores[f"pass@{k}"]
             out["infra_errors"] += scores["infra_errors"]
+            out["tamper"] += sampled["tamper"]
         return out
     prompts = tokenize_prompts(records, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]

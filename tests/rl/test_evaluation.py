@@ -27,3 +27,35 @@ def test_masked_episodes_are_left_out_of_accuracy_and_pass_at_k():
     assert got["infra_errors"] == 3.0
     assert math.isclose(got["pass@2"], (pass_at_k(2, 1, 2) + pass_at_k(3, 2, 2)) / 2)
     assert math.isnan(episode_scores(correct, np.ones_like(masked), k=1)["pass@1"])  # unknown
+
+
+def test_evaluation_counts_the_episodes_caught_tampering(monkeypatch):
+    """evaluate() with an env returns "tamper" (logged eval/tamper): the episodes of the greedy
+    and the sampled runs whose environment caught the model changing its grading."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace as NS
+
+    from rl import evaluation
+    from rl.envs.base import Episode
+
+    class Sampler:  # G episodes per record, the first of each run caught
+        def __init__(self, *args):
+            pass
+
+        def run(self, params, state, records, prompts, g, seed, ids):
+            eps = [[Episode({}) for _ in range(g)] for _ in records]
+            eps[0][0].tamper = ["builtins.__build_class__"]
+            rewards = Future()
+            rewards.set_result(np.zeros(g))
+            return None, [(e, [NS(tokens=[1])] * g, rewards) for e in eps]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(evaluation, "EpisodeSampler", Sampler)
+    monkeypatch.setattr(evaluation, "env_prompts", lambda env, records, *a: [[1]] * len(records))
+    engine = NS(init_state=lambda: None)
+    cfg = NS(env=None, sampling=NS(max_prompt_len=8), data=NS(eval=NS(prompt_field="p")),
+             eval=NS(pass_n=3, pass_k=2))  # fmt: skip
+    out = evaluation.evaluate(engine, engine, None, [{}, {}], NS(decode=str), cfg, 0, env=object())
+    assert out["tamper"] == 2 and out["infra_errors"] == 0 and out["accuracy"] == 0
