@@ -120,32 +120,42 @@ def unmount(path: str, detach: bool = False) -> None:
 
 
 def _chmod_dir(path: str) -> None:
-    """chmod 0700 of the directory `path` itself, never of what a symlink there points to."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    """chmod 0700 of the directory `path` itself, never of what a symlink there points to (an
+    O_PATH descriptor opens even a directory we may not read; chmod through /proc/self/fd)."""
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.fchmod(fd, 0o700)
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)
     finally:
         os.close(fd)
 
 
 def rmtree(path: str) -> None:
-    """shutil.rmtree that also removes directories a program made unwritable (non-root case),
-    making writable only directories inside `path` (and `path` itself), never its parent."""
-    top = os.path.abspath(path)
+    """shutil.rmtree that also removes directories a program made unreadable or unwritable
+    (non-root case), making writable only directories inside `path` (and `path` itself), never
+    its parent; a symlink `path` is refused (OSError)."""
+    top, retried = os.path.abspath(path), set()
     inside = lambda p: p == top or p.startswith(top + "/")
+    kw = {"onexc" if sys.version_info >= (3, 12) else "onerror": None}
 
     def retry(func, p, exc):
         if not os.path.lexists(p):  # removed meanwhile (another sweeper)
             return
-        p, parent = os.path.abspath(p), os.path.dirname(os.path.abspath(p))
-        if not inside(parent):  # `path` itself cannot go (a symlink, a parent we may not write)
+        p = os.path.abspath(p)
+        parent, real_dir = os.path.dirname(p), os.path.isdir(p) and not os.path.islink(p)
+        if p in retried or not (inside(parent) or (p == top and real_dir)):
             raise exc if isinstance(exc, BaseException) else exc[1]
-        _chmod_dir(parent)
-        if os.path.isdir(p) and not os.path.islink(p):
+        retried.add(p)
+        if inside(parent):
+            _chmod_dir(parent)
+        if real_dir:
             _chmod_dir(p)
+            if func is not os.rmdir:  # it could not be opened or listed: its walk starts anew
+                shutil.rmtree(p, **kw)
+                return
         func(p)
 
-    shutil.rmtree(path, **{"onexc" if sys.version_info >= (3, 12) else "onerror": retry})
+    kw = dict.fromkeys(kw, retry)
+    shutil.rmtree(path, **kw)
 
 
 def _sweep_root(root: str) -> bool:

@@ -173,3 +173,22 @@ def test_a_leased_uid_has_no_orphan_of_a_killed_run(tmp_path, monkeypatch):
     finally:
         orphan.kill()
         orphan.wait()
+
+
+def test_rmtree_removes_what_a_program_locked_and_nothing_beside_it(tmp_path):
+    """Directories a program made 0 or 0500 (what stops a non-root owner) are removed; a symlink
+    is refused, and neither its target nor the parent's mode changes."""
+    top = tmp_path / "top"
+    (top / "a" / "b").mkdir(parents=True)
+    (top / "a" / "b" / "f").write_text("x")
+    (top / "g").write_text("x")
+    for d, mode in ((top / "a" / "b", 0o500), (top / "a", 0), (top, 0o500)):
+        d.chmod(mode)
+    sandbox_sweep.rmtree(str(top))
+    assert not top.exists()
+    (tmp_path / "target").mkdir(mode=0o755)
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    tmp_path.chmod(0o755)
+    with pytest.raises(OSError, match="symbolic link"):
+        sandbox_sweep.rmtree(str(tmp_path / "link"))
+    assert (tmp_path / "target").is_dir() and (tmp_path.stat().st_mode & 0o777) == 0o755
