@@ -1,5 +1,6 @@
-"""Benchmarks: `python -m launch.bench <what> [--output F.json] [flags]`, each printing a table and
-writing JSON (default bench_<what>.json); `python -m launch.bench <what> --help` lists its flags.
+"""Benchmarks: `python -m launch.bench <what> [flags]`; `python -m launch.bench <what> --help` lists
+its flags. Each measurement prints a table and writes JSON (--output, default bench_<what>.json);
+plots draws PNGs from those files (--out, a directory, default docs/img).
 
     sampler   sampler tokens/s against HF generate, an attention-free loop and the compute floor;
               with --shape / --num_seqs a model shape against the memory roofline (roofline.py)

@@ -135,12 +135,27 @@ def parser(what: str, doc: str) -> Parser:
 
 
 def parse(p: Parser, argv) -> argparse.Namespace:
-    """p's flags from argv; an --output in a directory that does not exist fails now, not after
-    the benchmark has run."""
+    """p's flags from argv; an --output that `finish` could not write (a directory, a file in a
+    directory that does not exist, a path this process may not write) fails now, not after the
+    benchmark has run. The file is opened for appending, as the write will open it, rather than
+    asked about with os.access (which says yes to root under /proc or on a read-only mount);
+    one that was not there is removed again, so a failed parse leaves no file."""
     args = p.parse_args(argv)
-    out_dir = os.path.dirname(os.path.abspath(args.output))
+    out = args.output
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        name = os.path.join(out, p.get_default("output"))
+        p.error(f"--output={out}: is a directory; name the JSON file (e.g. --output={name})")
     if not os.path.isdir(out_dir):
-        p.error(f"--output={args.output}: {out_dir} is not a directory")
+        p.error(f"--output={out}: {out_dir} is not a directory")
+    existed = os.path.lexists(out)
+    try:
+        with open(out, "a"):
+            pass
+    except OSError as e:
+        p.error(f"--output={out}: cannot be written ({e.strerror.lower()})")
+    if not existed:
+        os.remove(out)
     return args
 
 

@@ -24,7 +24,8 @@ it writes partial_utilization.png (each decode call's slot utilization over one 
 synchronous against partial rollouts).
 
 A file that is missing, not JSON or not the JSON of its benchmark (a key the plot needs is not
-there) is one `error:` line naming the flag and the command that writes it.
+there) is one `error:` line naming the flag and the command that writes it; so is an --out that
+is a file, lies under one or may not be written, before any file is read.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 
 from launch.bench.common import HelpFormatter, Parser
 from launch.cli import UsageError
+from launch.validate import check_writable_dir
 
 # What each file flag reads: the command that writes it and the keys the plots need.
 FILES = {
@@ -182,7 +184,7 @@ def main(argv) -> int:
     for flag in ("sampler", "learn", "loop", "loop_skewed"):
         p.add_argument(f"--{flag}", default=f"bench_{flag}.json",
                        help=f"python -m launch.bench {FILES[flag][0]} JSON")  # fmt: skip
-    p.add_argument("--out", default="docs/img")
+    p.add_argument("--out", default="docs/img", help="directory of the PNG files (made if missing)")
     p.add_argument("--memory_dense", default=None, help="bench memory JSON, --attention dense")
     p.add_argument("--memory", default=None, help="bench memory JSON, --attention blockwise")
     p.add_argument("--only_memory", action="store_true", help="draw memory_tokens.png alone")
@@ -191,6 +193,7 @@ def main(argv) -> int:
     p.add_argument("--only_partial", action="store_true",
                    help="draw partial_utilization.png alone")  # fmt: skip
     a = p.parse_args(argv)
+    check_writable_dir("--out", a.out)  # before any file is read or drawn
     if bool(a.memory_dense) != bool(a.memory) or (a.only_memory and not a.memory):
         p.error("--memory_dense and --memory: memory_tokens.png needs both JSON files")
     if a.only_partial and not a.partial:
