@@ -76,7 +76,8 @@ def episode_scores(correct, masked, k: int = 0) -> dict:
 def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed: int, env=None):
     """{"accuracy": greedy accuracy, f"pass@{k}": ..., "example": the first greedy completion}
     on the held-out records (config.data.eval), with a greedy engine and a sampling engine;
-    with `env`, of multi-turn episodes, plus "tool_call_rate" of the greedy ones."""
+    with `env`, of multi-turn episodes, plus "tool_call_rate" of the greedy ones, "infra_errors"
+    (masked) and "tamper" (caught changing their grading): counts over both runs."""
     if env is not None:
         correct, masked, rate, texts, metrics = _episodes(
             env, greedy_engine, params, records, tokenizer, cfg, 1, seed

@@ -30,15 +30,16 @@ the call syntax). The schemas, the instructions and the parsing of calls are
 `rl/envs/repo_tools.py`.
 
 Reward, after submit or when a limit ends the episode (`rl/envs/repo_grading.py`): the original
-test files, every file of their test directories (`tests/`: `__init__.py`, helpers, data), and
-the conftest.py files and pytest configuration files (HARNESS) are put back, any other file there
-or of those names deleted, and FAIL_TO_PASS + PASS_TO_PASS run in a fresh sandbox process on the
-final workspace; 1.0 if all pass, else 0.0. `episode.metrics` holds both pass fractions. Code of
-the model's that changes the test harness in that process (unittest's asserts, pytest's report
-machinery, a plugin it registers: `rl/envs/repo_integrity.py`) scores 0, `episode.tamper` naming
-what changed (counted in `episode/tamper`). A test that hangs fails on its own alarm
-(`env.per_test_timeout_s`, the model's fault), and so does code that hangs at import (importing
-the root conftest.py and collecting have the same alarm; a module that fails to import, also
+test files, every file of their test directories (`tests/`: `__init__.py`, helpers, data; as the
+record's `setup` left them), and the conftest.py files and pytest configuration files (HARNESS)
+are put back, any other file there or of those names deleted, and FAIL_TO_PASS + PASS_TO_PASS
+run in a fresh sandbox process on the final workspace; 1.0 if all pass, else 0.0.
+`episode.metrics` holds both pass fractions. Code of the model's that changes the test harness in
+that process (unittest's asserts, pytest's report machinery, builtins, a plugin it registers:
+`rl/envs/repo_integrity.py`) scores 0, `episode.tamper` naming what changed (counted in
+`episode/tamper`). A test that hangs fails on its own alarm (`env.per_test_timeout_s`, the
+model's fault), and so does code that hangs at import (importing the root conftest.py and
+collecting have the same alarm; a module that fails to import, also
 through a conftest.py, scores 0 too, as does a run killed in any phase past its alarm; see
 docs/repo_env.md for pytest's exit statuses); the whole run passing `env.test_timeout_s` in a
 phase younger than that, a sandbox that does not start (or cannot import pytest), a workspace
@@ -65,7 +66,7 @@ from models.chat import message_delta_ids
 from models.special_text import Trusted
 from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
-from rl.envs.repo_grading import ERRORS, HARNESS, pristine, score, tested_files
+from rl.envs.repo_grading import ERRORS, HARNESS, after_setup, pristine, score, tested_files
 from rl.envs.repo_tools import (
     CALL_CLOSE,
     INSTRUCTIONS,
@@ -88,6 +89,7 @@ class RepoEpisode(Episode):
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
     restored: list = dataclasses.field(default_factory=list)  # test files grading put back
+    restore: dict | None = None  # what grading puts back, read after `setup` (None: no setup)
 
 
 def check_record(record: dict) -> dict:
@@ -202,10 +204,18 @@ class RepoEnv(Environment):
             if r.get("rc") != 0:
                 ep.infra_error = f"setup failed: {self._bash_text(r)[-500:]}"
                 return False
+            try:  # the test directories as setup left them are the task's (see after_setup)
+                tests = tuple(tested_files(ep.record))
+                ep.restore = after_setup(ws.path, ep.record["repo"], tests)
+            except ERRORS as err:
+                ep.infra_error = f"test files after setup: {err}"
+                return False
         return True
 
     def close(self, episode: Episode) -> None:
         ws, episode.workspace = episode.workspace, None
+        if getattr(episode, "restore", None) is not None:
+            episode.restore = None  # the test directories' bytes: not kept with the episode
         if ws is not None:
             if getattr(episode, "mounted", False):
                 rs.unmount(ws.path)
@@ -331,7 +341,7 @@ class RepoEnv(Environment):
         if not self._ready(ep):
             return 0.0  # masked: see masked()
         try:
-            restore = pristine(rec["repo"], tuple(tested_files(rec)))
+            restore = ep.restore or pristine(rec["repo"], tuple(tested_files(rec)))
         except ERRORS as err:
             ep.infra_error = f"test files: {err}"
             return 0.0

@@ -8,7 +8,9 @@ whose name says tests (`tests`, `test`, `testing`, `test_*`, `*_test`, `*_tests`
 `tests/` for `tests/unit/test_a.py`, `pkg/sub/tests/`): the `__init__.py`, helpers and data
 files there are the task's, never the fix. A test file with no such ancestor (at the root, or
 beside the package's code) has only itself put back: its directory holds the code to fix. The
-guard (`rl/envs/repo_integrity.py`) covers what is not put back, the package's own files.
+guard (`rl/envs/repo_integrity.py`) covers what is not put back, the package's own files. For a
+record with a `setup`, what is put back is read from the workspace as setup left it
+(`after_setup`), so a file setup makes in a test directory is the task's, not deleted.
 """
 
 from __future__ import annotations
@@ -63,37 +65,54 @@ def _walk(repo: str, top: str) -> tuple[list[str], list[str]]:
     return files, dirs
 
 
+def _read_dir(repo: str, tests, dirs) -> tuple[dict, list[str]]:
+    """({path: [mode, bytes]}, subdirectories) of a directory: the test files, every file of
+    their test directories, the HARNESS files anywhere."""
+    rels = [os.path.relpath(os.path.join(d, n), repo)
+            for d, _, names in os.walk(repo) for n in names if n in HARNESS]  # fmt: skip
+    keep, files = [], {}
+    for top in dirs:
+        more, subdirs = _walk(repo, top)
+        rels, keep = rels + more, keep + subdirs
+    for rel in sorted(set(rels) | set(tests)):
+        with open(os.path.join(repo, rel), "rb") as f:
+            data = f.read()
+        files[rel] = [os.stat(os.path.join(repo, rel)).st_mode & 0o777, data]
+    return files, keep
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _encoded(files: dict, dirs, keep, hashes: dict) -> dict:
+    files = {rel: [mode, base64.b64encode(data).decode()] for rel, (mode, data) in files.items()}
+    return {"files": files, "dirs": dirs, "keep": sorted(set(keep)), "hashes": hashes}
+
+
 @functools.lru_cache(maxsize=16)
 def pristine(repo: str, tests: tuple[str, ...]) -> dict:
     """GRADE's restore arguments for the repository (a directory or .tar.gz) and its test files:
     `files` {path: [mode, base64 bytes]} (the test files, every file of their test directories,
     the HARNESS files), `dirs` (the test directories), `keep` (their subdirectories) and
-    `hashes` {path: sha256} of every .py file (the guard trusts hook implementations from those
-    unchanged). Raises one of ERRORS when a test file is missing or the repository cannot be
-    read."""
+    `hashes` {path: sha256} of every .py file (the guard trusts hook implementations, import
+    finders and assertions from those unchanged). Raises one of ERRORS when a test file is
+    missing or the repository cannot be read."""
     dirs, files, keep, hashes = dirs_of_tests(list(tests)), {}, [], {}
     if os.path.isdir(repo):
-        rels = [os.path.relpath(os.path.join(d, n), repo)
-                for d, _, names in os.walk(repo) for n in names if n in HARNESS]  # fmt: skip
         for d, subdirs, names in os.walk(repo):
             subdirs[:] = [n for n in subdirs if n != ".git"]
             for n in names:
                 if n.endswith(".py") and os.path.isfile(p := os.path.join(d, n)):
                     with open(p, "rb") as f:
-                        hashes[os.path.relpath(p, repo)] = hashlib.sha256(f.read()).hexdigest()
-        for top in dirs:
-            more, subdirs = _walk(repo, top)
-            rels, keep = rels + more, keep + subdirs
-        for rel in sorted(set(rels) | set(tests)):
-            with open(os.path.join(repo, rel), "rb") as f:
-                data = f.read()
-            files[rel] = [os.stat(os.path.join(repo, rel)).st_mode & 0o777, data]
+                        hashes[os.path.relpath(p, repo)] = _sha(f.read())
+        files, keep = _read_dir(repo, tests, dirs)
     else:
         with tarfile.open(repo) as tar:
             for m in tar.getmembers():
                 rel = m.name.removeprefix("./")
                 if m.isfile() and rel.endswith(".py"):
-                    hashes[rel] = hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+                    hashes[rel] = _sha(tar.extractfile(m).read())
                 if m.isdir() and _under(rel, dirs) and rel not in dirs:
                     keep.append(rel)
                 elif (
@@ -110,9 +129,19 @@ def pristine(repo: str, tests: tuple[str, ...]) -> dict:
         missing = [t for t in tests if t not in files]
         if missing:
             raise FileNotFoundError(f"{missing[0]} is not in {repo}")
-    for rel, (mode, data) in files.items():
-        files[rel] = [mode, base64.b64encode(data).decode()]
-    return {"files": files, "dirs": dirs, "keep": sorted(set(keep)), "hashes": hashes}
+    return _encoded(files, dirs, keep, hashes)
+
+
+def after_setup(workspace: str, repo: str, tests: tuple[str, ...]) -> dict:
+    """pristine() as the record's `setup` left the workspace (trusted: the model has not acted
+    yet), so that what setup made or changed in the test directories is put back, not deleted:
+    their files and the HARNESS files read from the workspace, the .py hashes the repository's
+    updated with those files'. Read once per episode, only for a record with a setup."""
+    dirs = dirs_of_tests(list(tests))
+    files, keep = _read_dir(workspace, tests, dirs)
+    hashes = {**pristine(repo, tests)["hashes"]}
+    hashes.update((rel, _sha(data)) for rel, (_, data) in files.items() if rel.endswith(".py"))
+    return _encoded(files, dirs, keep, hashes)
 
 
 def score(ep, r: dict, per_test: float, ended: float) -> float:

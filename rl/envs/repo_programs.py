@@ -234,9 +234,10 @@ except (OSError, UnicodeError) as e:
 # file of their test directories, conftest.py and pytest configuration files, deleting any other
 # there or of those names, and runs pytest on the node ids in this process under alarms over the
 # parts of collection that import the model's code and over each test, the guard checking the
-# harness after collection, each test and the run. Its phase goes to a copy of the real stdout:
-# `PHASE <restore|start|collect|configure|test|run> <time.monotonic()>` (the host's clock too:
-# the host tells the model's code outliving its alarm, its fault, from a slow harness, masked).
+# harness after collection, each test's call and teardown, and the run. Its phase goes to a copy
+# of the real stdout: `PHASE <restore|start|collect|configure|test|run> <time.monotonic()>`
+# (the host's clock too: the host tells the model's code outliving its alarm, its fault, from a
+# slow harness, masked).
 GRADE = (
     _START
     + r"""
@@ -245,7 +246,7 @@ sys.path[:0] = [A["site"]]  # pytest from here, now; the workspace joins once py
 import unittest, pytest, _pytest.config
 for name in _pytest.config.default_plugins:
     __import__("_pytest." + name)  # what pytest.main imports, before the model's code can run
-OUT, SITE, MAIN, PM, root = os.dup(1), os.path.join(A["site"], ""), __file__, {}, A["root"]
+OUT, SITE, PM, root = os.dup(1), os.path.join(A["site"], ""), {}, A["root"]
 """
     + GUARD
     + RESTORE
@@ -263,9 +264,9 @@ def unreadable(err):
 reports, broken, internal, collected, changed = {}, [], [], set(), []
 
 
-def guard(config=None):  # the run ends here, scored 0, when the harness was changed
-    try:
-        bad = tampered(config)
+def guard(config=None, classes=(), lent=True):  # the run ends here, scored 0, when the harness
+    try:  # was changed (see tampered)
+        bad = tampered(config, classes, lent)
     except Exception as e:  # what it reads was made unreadable: changed too
         bad = ["the check: %s: %s" % (type(e).__name__, e)]
     if bad:
@@ -287,6 +288,7 @@ class Collect:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_load_initial_conftests(self, early_config):
         PM.update((k, v) for k, v in vars(early_config.pluginmanager).items() if "hookexec" in k)
+        CONFIG.append(early_config)  # how pytest rewrites asserts (the guard compiles so too)
         phase("collect")
         sys.path.insert(0, root)
         signal.signal(signal.SIGALRM, collect_alarm)
@@ -313,13 +315,21 @@ class Collect:
         try:
             yield
         finally:
-            signal.alarm(0)
-            guard(item.config)  # before the call's report is made
+            signal.alarm(0)  # checked before the call's report is made; builtins (which a
+            own = [item.cls] if getattr(item, "cls", None) in CLASSES else []
+            guard(item.config, own, lent=False)  # monkeypatch may lend) after its teardown
             phase("run")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        try:
+            return (yield)
+        finally:
+            guard(item.config)
 
     def pytest_collection_finish(self, session):
         signal.alarm(0)
-        guard(session.config)
+        guard(session.config, CLASSES)
         phase("run")
 
     def pytest_runtest_logreport(self, report):
@@ -328,6 +338,8 @@ class Collect:
     def pytest_collection_modifyitems(self, config, items):
         keep = [i for i in items if i.nodeid in wanted]
         collected.update(i.nodeid for i in keep)
+        CLASSES[:] = {i.cls for i in keep if isinstance(getattr(i, "cls", None), type)
+                      and issubclass(i.cls, TESTCASE)}  # their assertions are checked too
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in wanted])
         items[:] = keep
 

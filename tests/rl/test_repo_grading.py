@@ -8,6 +8,7 @@ import base64
 import json
 import tarfile
 
+import _pytest.config
 import pytest
 
 from rl.envs.repo import RepoEnv
@@ -213,14 +214,41 @@ cfg.pluginmanager.register(Forge())
 """
 
 
-@pytest.mark.slow  # five graded runs; regression tests (every hack but the last passed unfixed)
+# The test class gets a no-op assertEqual as it is made (builtins' class-building hook replaced)
+BUILD_CLASS = """import builtins
+_bc = builtins.__build_class__
+def _h(f, n, *b, **k):
+    c = _bc(f, n, *b, **k)
+    if n.startswith("Test"):
+        c.assertEqual = lambda *a, **k: None
+    return c
+builtins.__build_class__ = _h
+"""
+# A forging plugin whose code claims to be pytest's own (a forged co_filename)
+FORGED = PLUGIN.replace("cfg = next", "f = Forge.pytest_runtest_makereport\n"
+                        "f.__code__ = f.__code__.replace(co_filename=_pytest.config.__file__)\n"
+                        "cfg = next")  # fmt: skip
+# The test class's own assertEqual replaced when a test calls the package (found through gc)
+CLASS_ATTR = """import gc, unittest
+def add(a, b):
+    for c in gc.get_objects():
+        if isinstance(c, type) and issubclass(c, unittest.TestCase) and c.__name__ == "TestOps":
+            c.assertEqual = lambda *a, **k: None
+    return a - b
+"""
+
+
+@pytest.mark.slow  # eight graded runs; regression tests (every hack but the last passed unfixed)
 def test_grading_restores_the_test_directories_and_catches_a_patched_harness(tmp_path):
     """An unfixed task patched to pass scores 0: through tests/__init__.py (put back with every
     file of tests/), through the package's own __init__.py (the guard: unittest's assertEqual
-    rebound), its code swapped when a test calls the package (checked after each test), or a
+    rebound), its code swapped when a test calls the package (checked after each test), a
     forging plugin registered from the package's own plugin module (which the pristine conftest.py
-    names: unchanged, its hooks are trusted). A fix with files added to and changed in tests/
-    still scores 1.0: they are put back or deleted (`restored`), which is no tamper."""
+    names: unchanged, its hooks are trusted), builtins' `__build_class__` replaced, a forging
+    plugin whose code claims pytest's file (trusted by identity or by code compiled from a
+    pristine file, not by its claim), or the test class's own assertEqual replaced (a collected
+    TestCase's assertions: unittest's or a pristine file's). A fix with files added to and
+    changed in tests/ still scores 1.0: they are put back or deleted (`restored`), no tamper."""
     task = repo_env_helpers.unittest_task(tmp_path / "calc")
     env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=10))
     write = lambda path, text: f"cat >> {path} <<'EOF'\n{text}EOF"
@@ -232,10 +260,16 @@ def test_grading_restores_the_test_directories_and_catches_a_patched_harness(tmp
                 _graded(env, task, [f"printf '{PATCH}' >> calc/__init__.py"], fix=False),
                 _graded(env, task, [f"cat > calc/ops.py <<'EOF'\n{SWAP}EOF"], fix=False),
                 _graded(env, task, [write("calc/plugin.py", PLUGIN)], fix=False),
-                _graded(env, task, noise)]  # fmt: skip
+                _graded(env, task, noise),
+                _graded(env, task, [write("calc/__init__.py", BUILD_CLASS)], fix=False),
+                _graded(env, task, [write("calc/__init__.py", FORGED)], fix=False),
+                _graded(env, task, [f"cat > calc/ops.py <<'EOF'\n{CLASS_ATTR}EOF"],
+                        fix=False)]  # fmt: skip
     finally:
         env.shutdown()
-    assert [r for r, _ in runs] == [0, 0, 0, 0, 1], [(ep.infra_error, ep.tamper) for _, ep in runs]
+    assert [r for r, _ in runs] == [0, 0, 0, 0, 1, 0, 0, 0], [
+        (ep.infra_error, ep.tamper) for _, ep in runs
+    ]
     assert not any(env.masked(ep) for _, ep in runs)
     eps = [ep for _, ep in runs]
     assert eps[0].restored == ["tests/__init__.py"] and eps[0].tamper == []
@@ -253,6 +287,80 @@ def test_grading_restores_the_test_directories_and_catches_a_patched_harness(tmp
         "tests/test_repro.py",
     ]
     assert eps[4].tamper == [] and eps[4].metrics["pass_to_pass_frac"] == 1.0
+    assert eps[5].tamper == ["builtins.__build_class__"]
+    assert eps[6].tamper == ["hook pytest_runtest_makereport from " + _pytest.config.__file__]
+    assert eps[7].tamper == ["tests.test_ops.TestOps.assertEqual"]
+    for ep in eps[5:]:
+        assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
+
+
+# Pristine tests that use the import system and the harness as a package's own tests may
+CORRECT = b"""import builtins
+import os
+import sys
+import unittest
+import zipfile
+
+from calc import add
+
+
+class Hook:  # an import hook of the test's own (as typeguard's or beartype's tests install)
+    def find_spec(self, name, path, target=None):
+        return None
+
+
+def test_zip(tmp_path):
+    z = tmp_path / "m.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr("zm.py", "X = 5")
+    sys.path.insert(0, str(z))
+    import zm
+
+    assert add(2, 3) == zm.X
+
+
+def test_hook():
+    sys.meta_path.insert(0, Hook())
+    assert add(2, 3) == 5
+
+
+def test_input(monkeypatch):  # builtins lent out until the test's teardown
+    monkeypatch.setattr(builtins, "input", lambda *a: "5")
+    assert add(2, 3) == int(input())
+
+
+def test_made_by_setup():
+    with open(os.path.join(os.path.dirname(__file__), "data", "made.txt")) as f:
+        assert add(2, 3) == int(f.read())
+
+
+class T(unittest.TestCase):
+    def assertEqual(self, a, b, msg=None):  # the test class's own assertion
+        assert a == b
+        super().assertEqual(a, b, msg)
+
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+"""
+
+
+def test_correct_fixes_score_1_with_tests_that_use_the_import_system(tmp_path):
+    """The tamper check passes what a package's own tests do (regression tests: each scored 0 as
+    tamper, or failed): a finder of the standard library's (a zip on sys.path) or of a pristine
+    file's in the import system, builtins monkeypatched until teardown, a test class's own
+    assertEqual; and a file the record's `setup` made in tests/ is put back, not deleted."""
+    task = repo_env_helpers.unittest_task(tmp_path / "calc")
+    (tmp_path / "calc" / "tests" / "test_ops.py").write_bytes(CORRECT)
+    names = ["test_zip", "test_hook", "test_input", "test_made_by_setup", "T::test_add"]
+    task = {**task, "fail_to_pass": [f"tests/test_ops.py::{n}" for n in names],
+            "pass_to_pass": [], "setup": "printf 5 > tests/data/made.txt"}  # fmt: skip
+    env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=10))
+    try:
+        reward, ep = _graded(env, task, [])
+    finally:
+        env.shutdown()
+    assert (reward, ep.tamper, ep.infra_error) == (1.0, [], ""), ep.metrics
+    assert ep.restored == [] and ep.restore is None  # dropped at close
 
 
 def test_the_pristine_test_directories(tmp_path):
