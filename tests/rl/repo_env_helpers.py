@@ -83,3 +83,18 @@ def unittest_task(root) -> dict:
             "fail_to_pass": ["tests/test_ops.py::TestOps::test_add"],
             "pass_to_pass": ["tests/test_ops.py::TestOps::test_blob"],
             "fix": {"path": "calc/ops.py", "old": "a - b", "new": "a + b"}}  # fmt: skip
+
+
+def graded(env, task, commands, fix=True):
+    """The reward and episode of `task` after its fix (with `fix`) and bash `commands`."""
+    ep = env.start(task)
+    if fix:
+        f = task["fix"]
+        act(env, ep, call("str_replace_editor", command="str_replace", path=f["path"],
+                          old_str=f["old"], new_str=f["new"]))  # fmt: skip
+    for command in commands:
+        act(env, ep, call("bash", command=command))
+    try:
+        return env.reward(ep), ep
+    finally:
+        env.close(ep)
