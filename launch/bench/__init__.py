@@ -8,6 +8,8 @@ plots draws PNGs from those files (--out, a directory, default docs/img).
     loop      GRPO iterations and their time split; with --partial_rollouts synchronous against
               partial rollouts (partial.py)
     memory    compiled per-device temporaries against the sequence length (nothing runs)
+    mesh      per mesh: the sampler's KV pool and rollout peak per device, and the collectives of
+              a decode step in the compiled HLO (nothing runs; hlo.py reads the HLO)
     plots     the plots of docs/performance.md, from the JSON files of the others
 
 One module per benchmark, each with `main(argv) -> int` (launch/bench/common.py holds what they
@@ -22,7 +24,7 @@ import sys
 
 from launch.cli import UsageError, fail
 
-BENCHES = ("sampler", "learn", "loop", "memory", "plots")  # modules of launch.bench
+BENCHES = ("sampler", "learn", "loop", "memory", "mesh", "plots")  # modules of launch.bench
 
 
 def main(argv=None) -> int:
