@@ -25,9 +25,9 @@ def get_config():
     c = qwen2_5_0_5b_code.get_config()
     c.model.attention = "auto"  # blockwise / splash / pallas_gpu: linear in the row length
 
-    c.data.prompts_per_step = 16  # B tasks per step
-    c.rl.num_generations = 8  # G episodes per task: 128 episodes per step
-    c.rl.micro_batches = 16  # 8 rows per micro-batch: one 32k-token row per device (fsdp=8)
+    c.data.prompts_per_step = 32  # B tasks per step
+    c.rl.num_generations = 8  # G episodes per task: 256 episodes per step, one per slot
+    c.rl.micro_batches = 32  # 8 rows per micro-batch: one 32k-token row per device (fsdp=8)
 
     c.env.max_turns = 16  # attempts, tool calls and revisions
     c.env.max_turn_tokens = 4096  # model tokens per turn
@@ -37,11 +37,12 @@ def get_config():
     c.sampling.max_prompt_len = 4096  # task statement (templated)
     c.sampling.max_new_tokens = 28672  # episode budget after it: 32,768 tokens in all
     c.sampling.prefill_chunk = 512  # prompt / observation tokens per prefill pass
-    # Each running episode reserves its whole budget of pages: 32 slots x 1,024 pages of 32
-    # tokens. The pool is replicated over fsdp (its heads split only over `tensor`): 12 GiB
-    # of bf16 KV per device while sampling, freed before learning.
-    c.sampling.num_slots = 32
+    # Slots and pages are totals for the mesh, split over its 8 batch shards (fsdp=8), each
+    # shard with its own pool and null page. Each running episode reserves its whole budget of
+    # pages: per shard 32 slots x 1,024 pages of 32 tokens, 12 GiB of bf16 KV per device while
+    # sampling, freed before learning; 256 episodes in flight on 8 devices.
+    c.sampling.num_slots = 256
     c.sampling.page_size = 32
-    c.sampling.num_pages = 32 * 1024 + 1
+    c.sampling.num_pages = 8 * (32 * 1024 + 1)
     c.sampling.steps_per_call = 64
     return c

@@ -54,10 +54,11 @@ def get_config():
     c.sampling.max_prompt_len = 2048  # instructions, tool schemas and the issue, templated
     c.sampling.max_new_tokens = 14336  # episode budget: model turns + tool output (16k in all)
     c.sampling.prefill_chunk = 512  # prompt / observation tokens per prefill pass
-    # Each running episode reserves its whole budget of pages: 64 slots x 512 pages of 32 tokens.
+    # Each running episode reserves its whole budget of pages: 64 slots x 512 pages of 32 tokens,
+    # split over the 8 batch shards (fsdp=8), each with its own pool and null page.
     c.sampling.num_slots = 64
     c.sampling.page_size = 32
-    c.sampling.num_pages = 64 * 512 + 1
+    c.sampling.num_pages = 8 * (8 * 512 + 1)
     c.sampling.steps_per_call = 64
     # Episodes here are long-tailed (a few run 10x the median, or wait on slow test runs). To
     # keep the slots busy through the tail, carry the unfinished ones across learner steps:

@@ -32,6 +32,7 @@ from rl.sandbox import ISOLATIONS, isolation_of
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
 from sampling.page_allocator import group_pages
+from sampling.partitioned import num_shards
 
 BUILTIN_SOURCES = ("arithmetic", "repo_fix")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -269,10 +270,23 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
     _need(s.weights_dtype in ("", c.model.dtype), "sampling.weights_dtype", s.weights_dtype,
           f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)")  # fmt: skip
+    # Slots and pages are totals for the mesh, split evenly over its batch shards, each with
+    # its own null page; a group lives on one shard (`sampling.partitioned`). The KV heads are
+    # assumed to divide their axes here; the engine checks the exact count.
+    shards = num_shards(mesh, tuple(tuple(r) for r in c.rules), size)
+    per = f"the {shards} batch shards" if shards > 1 else "one shard"
+    for field in ("num_slots", "num_pages"):
+        _need(s[field] % shards == 0, f"sampling.{field}", s[field],
+              f"a total for the mesh, split evenly over {per} (data x fsdp): must divide by "
+              f"{shards}")  # fmt: skip
+    _need(g <= s.num_slots // shards, "sampling.num_slots", s.num_slots,
+          f"a group of G = {g} decodes on one of {per}, which has "
+          f"{s.num_slots // shards} slots")  # fmt: skip
     need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, g)
     _need(
-        s.num_pages - 1 >= need, "sampling.num_pages", s.num_pages,
-        f"one group of G = {g} needs up to {need} pages (+ the null page)",
+        s.num_pages // shards - 1 >= need, "sampling.num_pages", s.num_pages,
+        f"one group of G = {g} needs up to {need} pages (+ the null page) on one of {per}"
+        + (f", which holds num_pages / {shards} = {s.num_pages // shards}" if shards > 1 else ""),
     )  # fmt: skip
     _need(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
     _need(c.rl.advantage in ADVANTAGE_MODES, "rl.advantage", c.rl.advantage,
@@ -285,8 +299,9 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
         _need(e.pass_n <= s.num_slots, "eval.pass_n", e.pass_n,
               f"more samples per prompt than sampling.num_slots = {s.num_slots}")  # fmt: skip
         need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, e.pass_n)
-        _need(s.num_pages - 1 >= need, "eval.pass_n", e.pass_n,
-              f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages")  # fmt: skip
+        _need(s.num_pages // shards - 1 >= need, "eval.pass_n", e.pass_n,
+              f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages"
+              + (f" / {shards} shards" if shards > 1 else ""))  # fmt: skip
     _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")

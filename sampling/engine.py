@@ -52,13 +52,14 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
-from sampling import steps
+from sampling import partitioned, steps
 from sampling.distribution import SamplingParams
 from sampling.page_allocator import (
     NULL_PAGE,
     OutOfPagesError,
     PageAllocator,
     PageTable,
+    PoolTotals,
     group_pages,
 )
 from sampling.paged_attention import resolve_backend
@@ -116,21 +117,49 @@ class Engine(Turns):
             ecfg.backend, sharded, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size,
             platform=None if mesh is None else mesh.devices.flat[0].platform,
         )  # fmt: skip
+        # S batch shards, each with its slots and its own page pool (`sampling.partitioned`).
+        shape = {} if mesh is None else dict(mesh.shape)
+        self.num_shards = s = partitioned.num_shards(shape, rules, cfg.num_kv_heads)
+        for name in ("num_slots", "num_pages"):
+            if getattr(ecfg, name) % s:
+                raise ValueError(
+                    f"{name}={getattr(ecfg, name)}: must divide by the {s} batch shards of the "
+                    f"mesh ({' x '.join(partitioned.shard_axes(shape, rules, cfg.num_kv_heads))}"
+                    f"): each shard holds num_slots / {s} slots and num_pages / {s} pages"
+                )
+        if ecfg.num_pages // s < 2:
+            raise ValueError(f"num_pages={ecfg.num_pages}: need >= 2 per shard ({s} shards; "
+                             "each shard's page 0 is its null page)")  # fmt: skip
+        self.slots_per_shard, self.pages_per_shard = ecfg.num_slots // s, ecfg.num_pages // s
         self._shardings = None
         if mesh is not None:
             self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
         # Jitted once: a new jit of it per init_state compiled again at every rollout.
         self._fresh = jax.jit(self._zeros, out_shardings=self._shardings)
-        self.allocator = PageAllocator(ecfg.num_pages)
-        self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)
+        self.pools = [PageAllocator(self.pages_per_shard) for _ in range(s)]  # one per shard
+        self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)  # shard-local page ids
         self.prefill_tokens = 0  # tokens computed by prefill (prompts, resumed turns), ever
         self.slot_steps = [0, 0]  # decode calls' [tokens, slots x steps], ever: utilization
         self.slot_trace: list | None = None  # a list: each call's (tokens, slot-steps) appended
         self._reset_host()
 
+    @property
+    def allocator(self):
+        """The page pool: on one shard its `PageAllocator`, else the shards' `PoolTotals`."""
+        return self.pools[0] if len(self.pools) == 1 else PoolTotals(self.pools)
+
+    def shard_of(self, slot: int) -> int:
+        """The batch shard of a slot: shard i holds slots [i*B/S, (i+1)*B/S)."""
+        return slot // self.slots_per_shard
+
+    def free_on(self, shard: int) -> list[int]:
+        """The free slots of one shard, in `free_slots` order."""
+        return [s for s in self.free_slots if self.shard_of(s) == shard]
+
     def _reset_host(self) -> None:
         """Host bookkeeping of an empty state: every page free, every slot idle."""
-        self.allocator.reset()
+        for pool in self.pools:
+            pool.reset()
         self.table.array[:] = NULL_PAGE
         self.free_slots = list(range(self.ecfg.num_slots))
         # Cascade attention (`paged_attention_blockwise`): a group of `group` samples placed on
@@ -144,8 +173,9 @@ class Engine(Turns):
         self._epoch = object()  # Prefixes made before the last reset are stale
         self._parked: list[Parked] = []  # sequences between turns: pages kept, no slot
         # Pages a caller promised to samples not inserted yet (`EpisodeLoop`: a group partly
-        # in its slots), by caller.
+        # in its slots), by caller, and the shard they are promised on.
         self.promised: dict[object, int] = {}
+        self.promised_on: dict[object, int] = {}
         # Per slot: (request id, sample id) of its sequence, and a serial number bumped whenever
         # the slot's sequence changes or finishes (`collect` ignores calls that predate it).
         self._ids: dict[int, tuple[int, int]] = {}
@@ -188,45 +218,68 @@ class Engine(Turns):
         state, (prefix,) = self.prefill_many(params, state, [prompt])
         return state, prefix
 
-    def prefill_many(self, params, state, prompts) -> tuple[DecodeState, list[Prefix]]:
-        """`prefill` for several prompts, up to MAX_PREFILL_BATCH per jitted call (the row count
-        is padded to a power of two, the length to a bucket, to keep compiles few). All or
-        nothing on the host: on an error no page stays allocated."""
+    def prefill_many(self, params, state, prompts, shards=None) -> tuple[DecodeState, list[Prefix]]:
+        """`prefill` for several prompts, prompt j onto batch shard shards[j] (default: each on
+        the shard with the most pages free and unreserved, ties by index), up to
+        MAX_PREFILL_BATCH per shard per jitted call (the row count is padded to a power of two,
+        the length to a bucket, to keep compiles few). All or nothing on the host: on an error
+        no page stays allocated."""
         for prompt in prompts:
             check_prompt(self.ecfg, prompt)
         # The last prompt token is not cached: the first decode step feeds it.
         sizes = [self._pages_for(len(prompt) - 1) for prompt in prompts]
-        if sum(sizes) > self.allocator.num_free:
-            raise OutOfPagesError(
-                f"prefill of {len(prompts)} prompts needs {sum(sizes)} KV pages but only "
-                f"{self.allocator.num_free} of {self.ecfg.num_pages - 1} are free"
-            )
+        shards = self._place(sizes) if shards is None else [int(x) for x in shards]
+        for i in range(self.num_shards):
+            need = sum(n for n, x in zip(sizes, shards) if x == i)
+            if need > self.pools[i].num_free:
+                on = f" on shard {i}" if self.num_shards > 1 else ""
+                raise OutOfPagesError(
+                    f"prefill of {len(prompts)} prompts needs {need} KV pages{on} but only "
+                    f"{self.pools[i].num_free} of {self.pages_per_shard - 1} are free{on}"
+                )
         prefixes = []
         try:
-            for prompt, n in zip(prompts, sizes):
-                pages = self.allocator.alloc(n)
-                prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1]), epoch=self._epoch))
+            for prompt, n, i in zip(prompts, sizes, shards):
+                pages = self.pools[i].alloc(n)
+                prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1]), epoch=self._epoch,
+                                       shard=i))  # fmt: skip
             state = self._prefill_pages(params, state, prompts, prefixes)
         except BaseException:
             for x in prefixes:
-                self.allocator.free(x.pages)
+                self.pools[x.shard].free(x.pages)
             raise
         return state, prefixes
+
+    def _place(self, sizes) -> list[int]:
+        """A shard per request of sizes[j] pages: the one with the most pages free and not
+        reserved once the earlier ones are placed, ties by index (deterministic, balanced)."""
+        room = [p.num_free - self._reserved(i) for i, p in enumerate(self.pools)]
+        out = []
+        for n in sizes:
+            i = max(range(self.num_shards), key=lambda i: (room[i], -i))
+            room[i] -= n
+            out.append(i)
+        return out
 
     def _prefill_pages(self, params, state, prompts, prefixes, extend=None) -> DecodeState:
         """Caches prompt[:-1] of each prompt into its prefix's pages; with `extend` (resume),
         caches extend[j][:-1] after the cached_len tokens parked sequence j already holds."""
-        e = self.ecfg
+        e, s = self.ecfg, self.num_shards
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
         todo = [(t, x) for t, x in zip(rows_in, prefixes) if t]
-        for c in range(0, len(todo), MAX_PREFILL_BATCH):
-            chunk = todo[c : c + MAX_PREFILL_BATCH]
-            rows = 1 << (len(chunk) - 1).bit_length()
-            tokens = np.zeros((rows, bucket(max(len(t) for t, _ in chunk))), np.int32)
-            lengths = np.zeros((rows,), np.int32)
-            starts = np.zeros((rows,), np.int32)
-            page_rows = np.zeros((rows, e.pages_per_seq), np.int32)
-            for r, (toks, x) in enumerate(chunk):
+        queues = [[(t, x) for t, x in todo if x.shard == i] for i in range(s)]
+        while any(queues):
+            # Up to MAX_PREFILL_BATCH rows per shard; shard i's rows are [i*n, (i+1)*n).
+            chunks = [q[:MAX_PREFILL_BATCH] for q in queues]
+            queues = [q[MAX_PREFILL_BATCH:] for q in queues]
+            n = 1 << (max(map(len, chunks)) - 1).bit_length()
+            longest = max(len(t) for chunk in chunks for t, _ in chunk)
+            tokens = np.zeros((s * n, bucket(longest)), np.int32)
+            lengths = np.zeros((s * n,), np.int32)
+            starts = np.zeros((s * n,), np.int32)
+            page_rows = np.zeros((s * n, e.pages_per_seq), np.int32)
+            for r, (toks, x) in ((i * n + j, row) for i, c in enumerate(chunks)
+                                 for j, row in enumerate(c)):  # fmt: skip
                 tokens[r, : len(toks)] = toks
                 lengths[r] = len(toks)
                 starts[r] = 0 if extend is None else x.cached_len
@@ -257,8 +310,16 @@ class Engine(Turns):
         g = len(slots)
         max_new, cap, samples = check_insert(e, prefix, self._epoch, slots, self._cap, max_new,
                                              reserve, samples)  # fmt: skip
-        rows, copies = self.allocator.fork_for_group(prefix.pages, prefix.cached_len, e.page_size,
-                                                     g + keep)  # fmt: skip
+        elsewhere = [s for s in slots if self.shard_of(s) != prefix.shard]
+        if elsewhere:
+            raise ValueError(
+                f"slot(s) {elsewhere} are not on the prefix's shard {prefix.shard} (slots "
+                f"{prefix.shard * self.slots_per_shard}..{(prefix.shard + 1) * self.slots_per_shard - 1}): "
+                "a request stays on the shard that holds its pages"
+            )
+        rows, copies = self.pools[prefix.shard].fork_for_group(
+            prefix.pages, prefix.cached_len, e.page_size, g + keep
+        )
         rows = rows[1:] if keep else rows  # rows[0]: the prefix's own references, kept
         prefix.consumed = not keep
         self.free_slots = [s for s in self.free_slots if s not in slots]
@@ -280,7 +341,7 @@ class Engine(Turns):
         return steps.insert(
             state, np.asarray(slots, np.int32), samples, np.int32(prefix.cached_len),
             np.int32(prefix.last_token), np.int32(request_id), max_new, np.int32(shared), src,
-            dst, self.layout,
+            dst, self.layout, prefix.shard, self.num_shards,
         )  # fmt: skip
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -307,7 +368,7 @@ class Engine(Turns):
             self._len[s] = bound = min(n + num_steps, self._cap[s])
             need = self._pages_for(bound) - len(self.table.row(s))
             if need > 0:
-                self.table.append(s, self.allocator.alloc(need))
+                self.table.append(s, self.pools[self.shard_of(s)].alloc(need))
         uploaded = self._uploaded
         if uploaded is None or not np.array_equal(uploaded, self.table.array):
             uploaded = self.table.array.copy()
@@ -360,27 +421,31 @@ class Engine(Turns):
         return steps.release(state, np.asarray(slots, np.int32), self.layout)
 
     def _free_host(self, slot: int) -> None:
-        self.allocator.free(self.table.clear_row(slot))
+        self.pools[self.shard_of(slot)].free(self.table.clear_row(slot))
         self._serial[slot] += 1
         self._len.pop(slot, None)
         self._cap.pop(slot, None)
         if slot not in self.free_slots:
             self.free_slots.append(slot)
 
-    def _take_slots(self, g: int) -> list[int]:
-        """g free slots for a group (`requests.take_slots`); `bulk_insert` marks them busy."""
-        return take_slots(self.free_slots, g, self.group, self.ecfg.num_slots)
+    def _take_slots(self, g: int, shard: int = 0) -> list[int]:
+        """g free slots of a shard for a group (`requests.take_slots`); `bulk_insert` marks them
+        busy."""
+        return take_slots(self.free_on(shard), g, self.group, self.ecfg.num_slots)
 
     def worst_case_pages(self, prompt_len: int, max_new, g: int) -> int:
         """Pages a group of g samples (max_new: one or g budgets) may hold (`group_pages`)."""
         return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
-    def _reserved(self) -> int:
+    def _reserved(self, shard: int | None = None) -> int:
         """Pages promised to busy slots, parked episodes and samples not inserted yet, but not
-        yet allocated."""
-        busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap)
-        parked = sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked)
-        return busy + parked + sum(self.promised.values())
+        yet allocated: on one shard, or on all (None)."""
+        on = lambda i: shard is None or i == shard
+        busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap
+                   if on(self.shard_of(s)))  # fmt: skip
+        parked = sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked if on(p.shard))
+        return busy + parked + sum(n for c, n in self.promised.items()
+                                   if on(self.promised_on.get(c, 0)))  # fmt: skip
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,

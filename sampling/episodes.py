@@ -154,9 +154,9 @@ class EpisodeLoop:
         """Decodes until every request has ended, or until `until()` holds (then the episodes
         still decoding are parked mid-turn, to be resumed by the next `run`). Returns the state
         (donated). After an exception the host side is cleaned up (start from `init_state()`)."""
-        engine, e, g = self.engine, self.engine.ecfg, self.g
+        engine, g = self.engine, self.g
         if not engine._len:  # no busy slot: the block size can change
-            engine.group = g if g > 1 and e.num_slots % g == 0 else 1
+            engine.group = g if g > 1 and engine.slots_per_shard % g == 0 else 1
         self.version, self._refresh = version, refresh
         self._refreshed_pages = set()  # under this run's parameters (Engine.refresh's `fresh`)
         if self.ready:  # carried from an earlier run: the oldest request first
@@ -195,9 +195,15 @@ class EpisodeLoop:
 
     def _resume_ready(self, params, state, refresh: bool):
         """Episodes between turns (or parked mid-turn) first: they hold pages already."""
-        engine, items, stale = self.engine, [], []
-        while self.ready and len(engine.free_slots) > len(items):
+        engine, items, stale, wait = self.engine, [], [], collections.deque()
+        taken: set[int] = set()
+        while self.ready:
             ep, obs = self.ready.popleft()
+            free = [s for s in engine.free_on(ep.parked.shard) if s not in taken]
+            if not free:  # its shard is full: it waits, in order, for a slot there
+                wait.append((ep, obs))
+                continue
+            taken.add(free[0])
             if refresh and ep.kv_version != self.version:
                 stale.append((ep.parked, self._history(ep)))
                 ep.kv_version = self.version
@@ -206,9 +212,10 @@ class EpisodeLoop:
             ep.observation += [True] * len(obs)
             ep.versions += [self.version] * len(obs)
             max_new = min(self.turn_cap - ep.turn_len, ep.left)
-            items.append((ep.parked, obs, engine.free_slots[len(items)], max_new))
-            self.owner[items[-1][2]] = ep
+            items.append((ep.parked, obs, free[0], max_new))
+            self.owner[free[0]] = ep
             ep.parked, ep.seen = None, 0
+        self.ready = wait
         if stale:  # the whole cached history again, under the parameters of this run
             state = engine.refresh(params, state, stale, self._refreshed_pages)
         if items:
@@ -221,33 +228,48 @@ class EpisodeLoop:
         return self._req[ep.i][0] + ep.tokens
 
     def _admit(self, params, state):
-        """Admits what fits (a free slot, and the group's worst-case pages), prefills it in
-        batches, then puts each prompt's samples into free slots: all G together when G are
-        free, else as many as are, the rest (`_open`) as slots free up, before anything new."""
-        engine, g = self.engine, self.g
-        if self.ready:  # parked episodes first: they hold pages already
-            return state
-        free, admit, need_total = len(engine.free_slots), [], 0
-        free_pages = engine.allocator.num_free - engine._reserved()
-        while self.pending and self._open is None and free - g * len(admit) > 0:
+        """Admits what fits (a free slot, and the group's worst-case pages, on one batch shard:
+        the one with the most pages free and unreserved, ties by index), prefills it in
+        batches, then puts each prompt's samples into free slots of its shard: all G together
+        when G are free, else as many as are, the rest (`_open`) as slots free up there, before
+        anything new."""
+        engine, g, n = self.engine, self.g, self.engine.num_shards
+        # Parked episodes first: they hold pages already. A shard where one waits admits nothing.
+        waiting = {ep.parked.shard for ep, _ in self.ready}
+        free = [0 if i in waiting else len(engine.free_on(i)) for i in range(n)]
+        room = [engine.pools[i].num_free - engine._reserved(i) for i in range(n)]
+        admit, shards = [], []
+        while self.pending and self._open is None:
             need = self._req[self.pending[0]][3]
-            if need_total + need > free_pages:
+            fits = [i for i in range(n) if free[i] > 0 and room[i] >= need]
+            if not fits:
                 break
-            need_total += need
+            best = max(fits, key=lambda i: (room[i], -i))
             admit.append(self.pending.pop(0))
-        blocked = self.pending if self._open is None else not free
-        if blocked and not (admit or self.owner or self.waiting):
+            shards.append(best)
+            room[best] -= need
+            free[best] -= g
+            if free[best] < 0:  # only the last group admitted may go in partly
+                break
+        if self.ready and not admit:
+            return state
+        slots_free, pages_free = len(engine.free_slots), max(room)
+        open_free = self._open is not None and engine.free_on(self._open[2].shard)
+        blocked = self.pending if self._open is None else not open_free
+        if blocked and not (admit or self.owner or self.waiting or self.ready):
             key = self._open[0] if self._open else self.pending[0]
+            one, most = (" on one shard", "at most ") if n > 1 else ("", "")
             raise ValueError(
-                f"request {key} needs a free slot and {self._req[key][3]} KV pages; {free} slots "
-                f"and {free_pages} pages are free, the rest is held by slots or prefixes from "
-                "outside this loop"
+                f"request {key} needs a free slot and {self._req[key][3]} KV pages{one}; "
+                f"{slots_free} slots and {most}{pages_free} pages{' per shard' if n > 1 else ''} "
+                "are free, the rest is held by slots or prefixes from outside this loop"
             )
-        if not free:
+        if not (admit or open_free):
             return state
         if admit:
-            state, self.prefixes = engine.prefill_many(params, state,
-                                                       [self._req[k][0] for k in admit])  # fmt: skip
+            state, self.prefixes = engine.prefill_many(
+                params, state, [self._req[k][0] for k in admit], shards
+            )
         todo = [(key, 0, x, self.version) for key, x in zip(admit, self.prefixes if admit else [])]
         if self._open is not None:  # first
             key, k, prefix, kv = self._open
@@ -267,8 +289,8 @@ class EpisodeLoop:
         """Samples k0.. of request `key` into free slots; those that do not fit stay `_open`."""
         engine, g = self.engine, self.g
         _, budget, rid, _ = self._req[key]
-        n = min(g - k0, len(engine.free_slots))
-        slots = engine._take_slots(n)  # an aligned block for a whole group, if one is free
+        n = min(g - k0, len(engine.free_on(prefix.shard)))
+        slots = engine._take_slots(n, prefix.shard)  # an aligned block for a group, if free
         ks = list(range(k0, k0 + n))
         turns = [min(self.turn_cap, budget[k]) for k in ks]
         state = engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
@@ -286,6 +308,7 @@ class EpisodeLoop:
         (`Engine._reserved`): no admission elsewhere takes them, across runs too."""
         self._open = value
         self.engine.promised.pop(self, None)
+        self.engine.promised_on.pop(self, None)
         if value is not None:
             key, k0, prefix, _ = value
             prompt, budget = self._req[key][:2]
@@ -294,6 +317,7 @@ class EpisodeLoop:
             # last sample takes): the samples left need the rest of their group's pages.
             need = self.engine.worst_case_pages(len(prompt), left, len(left))
             self.engine.promised[self] = need - self.engine._pages_for(cached)
+            self.engine.promised_on[self] = prefix.shard
 
     def _collect(self, state, ticket, owners):
         """Reads a decode call: its tokens go to their episodes; ended turns are answered."""
@@ -375,7 +399,7 @@ class EpisodeLoop:
             engine.drop(p)
         for x in self.prefixes:  # the open group's prefix among them
             if not x.consumed and x.epoch is engine._epoch:
-                engine.allocator.free(x.pages)
+                engine.pools[x.shard].free(x.pages)
                 x.consumed = True
         self.pending, self.owner, self.waiting = [], {}, {}
         self._set_open(None)

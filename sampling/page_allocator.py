@@ -207,3 +207,33 @@ class PageTable:
         pages = self.row(slot)
         self.array[slot] = NULL_PAGE
         return pages
+
+
+class PoolTotals:
+    """Read-only totals over the page pools of several batch shards (`Engine.allocator` on a
+    mesh): each shard's `PageAllocator` hands out its own local ids, so there is no one pool to
+    allocate from; `Engine.pools[i]` is shard i's."""
+
+    def __init__(self, pools):
+        self.pools = list(pools)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(p.num_pages for p in self.pools)
+
+    @property
+    def num_free(self) -> int:
+        return sum(p.num_free for p in self.pools)
+
+    @property
+    def num_used(self) -> int:
+        return sum(p.num_used for p in self.pools)
+
+    @property
+    def peak_used(self) -> int:
+        """The sum of the shards' peaks (at least the peak of the total)."""
+        return sum(p.peak_used for p in self.pools)
+
+    def reset_peak(self) -> None:
+        for p in self.pools:
+            p.reset_peak()

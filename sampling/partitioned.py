@@ -1,28 +1,35 @@
-"""One decode layer's KV write and attention kernel on a device mesh, inside `jax.shard_map`, as
-MaxText and tpu-inference run their paged attention.
+"""The sampler's layout on a device mesh: per-shard page pools, and every touch of the pool (the
+KV write, the paged attention of decode and prefill, the page copies of an insert) inside a
+`jax.shard_map`, so that each device reads and writes only the pages it holds.
 
-Why: GSPMD cannot partition a custom call. JAX refuses to lower a Mosaic (TPU) kernel in a
-multi-device jit outside a shard_map, and it would run a Triton (GPU) or FFI (CPU) call on
-gathered, replicated operands. Inside the shard_map every device runs the kernel on what it holds:
-- the pool of its KV heads: a layer's pool [K,P,page_size,H] is split over the mesh axes of
-  `kv_heads` (`sampling.state.state_shardings`), and the query heads N = R*K alike, so query
-  head n stays on the device of its kv head n // R;
-- the slots of its batch shard: q, lengths and page-table rows are split over the axes of
-  `batch` when the state's slot buffers are.
-The pool is not split over slots (any slot may own any page), so the devices of one KV-head group
-each hold the whole pool of those heads, and the copies must stay equal. Before writing, each
-device all-gathers the new token's k, v, positions and page-table rows over the batch axes (B x K
-x H per layer: tiny next to the pool) and writes every slot's token, as GSPMD does for the
-reference path; then it reads only its own slots' pages.
+The slots and the page pool are split together over the *shard axes*: the mesh axes of the
+`batch` rule (data, fsdp by default), less those that split the KV heads. With S shards (the
+product of their sizes), shard i holds slots [i*B/S, (i+1)*B/S) and its own pool of P/S pages,
+in the rows [i*P/S, (i+1)*P/S) of every layer's [K,P,page_size,H]. Page tables hold shard-local
+page ids (0..P/S-1, local page 0 that shard's null page): a request lives on one shard for its
+whole life (`sampling.engine`), so nothing a shard decodes needs another shard's pages. The KV
+heads are split over the axes of `kv_heads` (tensor), as the k/v projections produce them, and
+the query heads N = R*K alike, so query head n stays on the device of its kv head n // R.
+
+Why a shard_map for every backend, the pure-JAX ones included: GSPMD cannot partition a Pallas
+or FFI custom call at all (JAX refuses to lower a Mosaic kernel in a multi-device jit outside a
+shard_map), and it partitions a gather from a pool sharded over heads or pages as a masked local
+gather plus an all-reduce of every gathered block, inside the page loop. Inside the shard_map
+the page loop is local by construction: no collective, for any mesh. Rows that a device call
+feeds to the pool (decode slots, prefill rows, page copies) come laid out by shard, row r of R
+rows on shard r // (R/S), so the shard_map splits them by the same axes as the pool.
 """
 
 from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from models.sharding import logical_to_spec
-from sampling.paged_attention import PAGE_AXES, paged_attention, write_kv
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -34,32 +41,87 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+class _Sizes:
+    """A stand-in mesh for `logical_to_spec`, which only reads `mesh.shape`."""
+
+    def __init__(self, shape: Mapping[str, int]):
+        self.shape = collections.defaultdict(lambda: 1, shape)  # a missing axis has size 1
+
+
+def head_axes(shape: Mapping[str, int], rules, kv_heads: int) -> tuple[str, ...]:
+    """The mesh axes (sizes `shape`, e.g. dict(mesh.shape)) that split the KV heads."""
+    return _axes(logical_to_spec(("kv_heads",), (kv_heads,), rules, _Sizes(shape))[0])
+
+
+def shard_axes(shape: Mapping[str, int], rules, kv_heads: int) -> tuple[str, ...]:
+    """The mesh axes that split the slots and the page pool (module docstring): the `batch`
+    rule's axes of size > 1, less the KV-head axes."""
+    table = {name: _axes(target) for name, target in rules}
+    heads = head_axes(shape, rules, kv_heads)
+    return tuple(a for a in table.get("batch", ()) if shape.get(a, 1) > 1 and a not in heads)
+
+
+def num_shards(shape: Mapping[str, int], rules, kv_heads: int) -> int:
+    """S, the number of slot / page-pool shards of a mesh of sizes `shape`."""
+    return math.prod(shape[a] for a in shard_axes(shape, rules, kv_heads))
+
+
+def specs(mesh, rules, kv_heads: int) -> tuple[P, P]:
+    """(pool spec of a layer's [K,P,page_size,H], slot spec of a [B, ...] buffer's first axis)."""
+    shape = dict(mesh.shape)
+    h, b = _entry(head_axes(shape, rules, kv_heads)), _entry(shard_axes(shape, rules, kv_heads))
+    return P(h, b, None, None), P(b)
+
+
+def _local(mesh, rules, kv_heads):
+    pool, slots = specs(mesh, rules, kv_heads)
+    return pool[0], slots[0], pool
+
+
 def decode_layer(
-    q, k, v, k_pages, v_pages, lengths, positions, page_indices, backend: str, interpret: bool,
-    mesh, rules,
+    write_attend, q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len, mesh,
+    rules,
 ):  # fmt: skip
-    """Writes the new token's k, v [B,1,K,H] at positions int32[B,1] (-1: none) into one layer's
-    pages [K,P,page_size,H], then decode attention of q [B,N,H] over lengths int32[B] tokens.
-    Returns (out [B,N,H], k_pages, v_pages), laid out as they came in."""
-    heads = _axes(logical_to_spec(PAGE_AXES, k_pages.shape, rules, mesh)[0])
-    rows = _axes(logical_to_spec(("batch",), lengths.shape, rules, mesh)[0])
-    rows = tuple(a for a in rows if a not in heads)
-    h, b = _entry(heads), _entry(rows)
-    pool = P(h, None, None, None)
-
-    def local(q, k, v, k_pages, v_pages, lengths, positions, page_indices):
-        every = lambda x: jax.lax.all_gather(x, rows, axis=0, tiled=True) if rows else x
-        k_pages, v_pages = write_kv(
-            k_pages, v_pages, every(k), every(v), every(page_indices), every(positions)
-        )
-        out = paged_attention(q, k_pages, v_pages, lengths, page_indices, backend, interpret)
-        return out, k_pages, v_pages
-
+    """`write_attend(q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len)`,
+    one decode layer's KV write and attention (`sampling.state.PagedDecode`), on each device's
+    slots and pages: q [B,N,H], k, v [B,1,K,H], positions int32[B,1], the rest int32[B] or
+    [B,pages_per_seq]. Returns (out [B,N,H], k_pages, v_pages), laid out as they came in."""
+    h, b, pool = _local(mesh, rules, k_pages.shape[0])
     new = P(b, None, h, None)  # k, v [B,1,K,H]
     return jax.shard_map(
-        local,
+        write_attend,
         mesh=mesh,
-        in_specs=(P(b, h, None), new, new, pool, pool, P(b), P(b, None), P(b, None)),
+        in_specs=(P(b, h, None), new, new, pool, pool, P(b), P(b, None), P(b, None), P(b)),
         out_specs=(P(b, h, None), pool, pool),
         check_vma=False,  # the kernels are opaque: their outputs carry no varying-axes info
-    )(q, k, v, k_pages, v_pages, lengths, positions, page_indices)
+    )(q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len)
+
+
+def prefill_layer(write_attend, q, k, v, k_pages, v_pages, page_indices, valid, starts, mesh,
+                  rules):  # fmt: skip
+    """`write_attend(q, k, v, k_pages, v_pages, page_indices, valid, starts)`, one prefill
+    layer's KV write and attention (`sampling.state.PagedPrefill`), on each device's rows and
+    pages: q [B,T,N,H], k, v [B,T,K,H], valid [B,T], starts int32[B] (zeros for fresh prompts).
+    Returns (out [B,T,N,H], k_pages, v_pages)."""
+    h, b, pool = _local(mesh, rules, k_pages.shape[0])
+    heads = P(b, None, h, None)
+    return jax.shard_map(
+        write_attend,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, pool, pool, P(b, None), P(b, None), P(b)),
+        out_specs=(heads, pool, pool),
+        check_vma=False,
+    )(q, k, v, k_pages, v_pages, page_indices, valid, starts)
+
+
+def copy_pages(pages: tuple, src, dst, mesh, rules) -> tuple:
+    """Each layer's pool with pages src -> dst int32[S*C] copied (shard i's copies in rows
+    [i*C, (i+1)*C), local ids; (0, 0) a no-op: the null page onto itself)."""
+    h, b, pool = _local(mesh, rules, pages[0].shape[0])
+
+    def local(pages, src, dst):
+        return tuple(x.at[:, dst].set(x[:, src]) for x in pages)
+
+    specs_in = (tuple(pool for _ in pages), P(b), P(b))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs_in,
+                         out_specs=tuple(pool for _ in pages), check_vma=False)(pages, src, dst)  # fmt: skip

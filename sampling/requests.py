@@ -95,11 +95,12 @@ class Prefix:
     Single use: `bulk_insert` hands its page references to the slots and sets `consumed`. It is
     valid only in the engine that made it, until that engine's next `init_state`."""
 
-    pages: list[int]
+    pages: list[int]  # local page ids of its shard's pool
     cached_len: int
     last_token: int
     consumed: bool = False
     epoch: object = dataclasses.field(default=None, repr=False, compare=False)
+    shard: int = 0  # the batch shard whose pool holds its pages (`sampling.partitioned`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,6 +115,7 @@ class Parked:
     request_id: int
     sample_id: int
     epoch: object = dataclasses.field(default=None, repr=False)
+    shard: int = 0  # the batch shard it lives on: it resumes in a slot of that shard
 
 
 @dataclasses.dataclass

@@ -35,6 +35,8 @@ hook runs it, and the KV write, inside a shard_map over K and the slots
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -43,11 +45,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
-from models.sharding import DEFAULT_RULES, logical_to_spec
+from models.sharding import DEFAULT_RULES
 from sampling import partitioned
 from sampling.paged_attention import (
-    KERNELS,
-    PAGE_AXES,
     gather_kv,
     paged_attention,
     paged_prefill_attention,
@@ -111,83 +111,88 @@ def host_values(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-# Logical axes of each DecodeState field, named as in the parameters' rules table; the pools
-# (None here) get PAGE_AXES for every layer's array.
-_AXES = DecodeState(
-    k_pages=None, v_pages=None, page_indices=("batch", None), lengths=("batch",),
-    last_token=("batch",), active=("batch",), num_generated=("batch",), max_new=("batch",),
-    request_id=("batch",), sample_id=("batch",), shared_len=("batch",), stopped=("batch",), tokens=("batch", None),
-    logprobs=("batch", None),
-)  # fmt: skip
-
-
+# The DecodeState fields split over the slots (their first axis); the pools are split by
+# `sampling.partitioned.specs`, the rest ([B] and [B, ...] buffers) over the shard axes too.
 def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
-    """A DecodeState of NamedShardings for `state` (arrays or shape structs) on mesh."""
+    """A DecodeState of NamedShardings for `state` (arrays or shape structs) on mesh: every
+    layer's pool [K,P,page_size,H] split over the KV-head axes and, by pages, over the shard
+    axes; the slot buffers over the shard axes (`sampling.partitioned`)."""
+    pool, slots = partitioned.specs(mesh, rules, state.k_pages[0].shape[0])
 
-    def sharding(axes, x):
+    def named(spec):
         # Trailing Nones dropped: P('tensor') is how jit spells the outputs, and a state spelled
         # P('tensor', None, None, None) by init_state would compile every call a second time.
-        spec = tuple(logical_to_spec(axes, x.shape, rules, mesh))
+        spec = tuple(spec)
         while spec and spec[-1] is None:
             spec = spec[:-1]
         return NamedSharding(mesh, PartitionSpec(*spec))
 
     pools = {
-        name: tuple(sharding(PAGE_AXES, x) for x in getattr(state, name))
-        for name in ("k_pages", "v_pages")
+        name: tuple(named(pool) for _ in getattr(state, name)) for name in ("k_pages", "v_pages")
     }
-    rest = jax.tree.map(
-        sharding, _AXES, state.replace(k_pages=None, v_pages=None),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )  # fmt: skip
+    rest = jax.tree.map(lambda _: named(slots), state.replace(k_pages=None, v_pages=None))
     return rest.replace(**pools)
 
 
 @struct.dataclass
 class PagedPrefill:
-    """Prefill hook for tokens [B,T]: B prompts (the engine batches up to MAX_PREFILL_BATCH),
-    right-padded by `valid`. With `starts`, row b's tokens go to positions starts[b] + t after
-    its cached history, and attend to that history too (a multi-turn episode's observation)."""
+    """Prefill hook for tokens [B,T]: B prompts (the engine batches up to MAX_PREFILL_BATCH per
+    shard), right-padded by `valid`. With `starts`, row b's tokens go to positions starts[b] + t
+    after its cached history, and attend to that history too (a multi-turn episode's
+    observation). With `layout` (mesh, rules) of a multi-device mesh the write and attention
+    run per shard (`sampling.partitioned.prefill_layer`), rows laid out by shard."""
 
     k_pages: tuple[jax.Array, ...]  # L x [K,P,page_size,H]
     v_pages: tuple[jax.Array, ...]
-    page_indices: jax.Array  # int32 [B,pages_per_seq]
+    page_indices: jax.Array  # int32 [B,pages_per_seq], shard-local page ids
     valid: jax.Array  # bool [B,T]
     starts: jax.Array | None = None  # int32 [B] cached tokens before row b's first token
     paged: bool = struct.field(pytree_node=False, default=False)  # attend over the pages
+    layout: tuple | None = struct.field(pytree_node=False, default=None)
 
     def attend(self, layer, q, k, v):
-        t = self.valid.shape[1]
-        positions = jnp.arange(t)[None] + (0 if self.starts is None else self.starts[:, None])
-        positions = jnp.where(self.valid, positions, -1)  # padding: not written
-        kp, vp = write_kv(
-            self.k_pages[layer], self.v_pages[layer], k, v, self.page_indices, positions
-        )
+        fresh = self.starts is None
+        starts = jnp.zeros(q.shape[:1], jnp.int32) if fresh else self.starts
+        kp, vp = self.k_pages[layer], self.v_pages[layer]
+        one = functools.partial(_prefill_local, fresh=fresh, paged=self.paged)
+        args = (q, k, v, kp, vp, self.page_indices, self.valid, starts)
+        if _sharded(self.layout):
+            out, kp, vp = partitioned.prefill_layer(one, *args, *self.layout)
+        else:
+            out, kp, vp = one(*args)
         new = self.replace(
             k_pages=_set(self.k_pages, layer, kp), v_pages=_set(self.v_pages, layer, vp)
         )
-        if self.paged:  # online softmax over the pages where they lie (a chunk of a prompt)
-            out = paged_prefill_attention(q, kp, vp, positions, self.page_indices)
-            return out, new
-        if self.starts is None:  # a fresh prompt attends to itself only
-            return dense_attention(q, k, v, causal_mask(self.valid)), new
-        # History + new tokens, read back from the pages just written: query t (at position
-        # starts + t) sees cache positions <= starts + t.
-        keys = gather_kv(kp, self.page_indices)  # [B,S,K,H]
-        values = gather_kv(vp, self.page_indices)
-        s = keys.shape[1]
-        mask = (jnp.arange(s)[None, None] <= positions[:, :, None]) & self.valid[:, :, None]
-        return dense_attention(q, keys, values, mask), new  # [B,T,N,H]
+        return out, new
+
+
+def _prefill_local(q, k, v, kp, vp, page_indices, valid, starts, *, fresh: bool, paged: bool):
+    """One prefill layer on one shard's rows and pages -> (out [B,T,N,H], kp, vp)."""
+    t = valid.shape[1]
+    positions = jnp.where(valid, jnp.arange(t)[None] + starts[:, None], -1)  # padding: -1
+    kp, vp = write_kv(kp, vp, k, v, page_indices, positions)
+    if paged:  # online softmax over the pages where they lie (a chunk of a prompt)
+        return paged_prefill_attention(q, kp, vp, positions, page_indices), kp, vp
+    if fresh:  # a fresh prompt attends to itself only
+        return dense_attention(q, k, v, causal_mask(valid)), kp, vp
+    # History + new tokens, read back from the pages just written: query t (at position
+    # starts + t) sees cache positions <= starts + t.
+    keys = gather_kv(kp, page_indices)  # [B,S,K,H]
+    values = gather_kv(vp, page_indices)
+    s = keys.shape[1]
+    mask = (jnp.arange(s)[None, None] <= positions[:, :, None]) & valid[:, :, None]
+    return dense_attention(q, keys, values, mask), kp, vp  # [B,T,N,H]
 
 
 @struct.dataclass
 class PagedDecode:
     """Decode hook for one new token per slot: q/k/v [B,1,*,H]. With `layout` (mesh, rules) of
-    a multi-device mesh, a kernel backend runs with the KV write inside a shard_map."""
+    a multi-device mesh the KV write and attention run per shard, every backend inside a
+    shard_map (`sampling.partitioned.decode_layer`)."""
 
     k_pages: tuple[jax.Array, ...]  # L x [K,P,page_size,H]
     v_pages: tuple[jax.Array, ...]
-    page_indices: jax.Array  # int32 [B,pages_per_seq]
+    page_indices: jax.Array  # int32 [B,pages_per_seq], shard-local page ids
     lengths: jax.Array  # int32 [B] cached tokens before this step
     active: jax.Array  # bool [B]
     shared_len: jax.Array  # int32 [B] see `sampling.paged_attention.paged_attention_blockwise`
@@ -201,21 +206,31 @@ class PagedDecode:
         # Idle slots attend over length 0 (zeros out); their result is discarded by the caller.
         lengths = jnp.where(self.active, self.lengths + 1, 0)
         kp, vp = self.k_pages[layer], self.v_pages[layer]
-        if self.backend in KERNELS and self.layout is not None and self.layout[0].size > 1:
-            out, kp, vp = partitioned.decode_layer(
-                q[:, 0], k, v, kp, vp, lengths, positions, self.page_indices, self.backend,
-                self.interpret, *self.layout,
-            )  # fmt: skip
+        one = functools.partial(
+            _decode_local, backend=self.backend, interpret=self.interpret, group=self.group
+        )
+        args = (q[:, 0], k, v, kp, vp, lengths, positions, self.page_indices, self.shared_len)
+        if _sharded(self.layout):
+            out, kp, vp = partitioned.decode_layer(one, *args, *self.layout)
         else:
-            kp, vp = write_kv(kp, vp, k, v, self.page_indices, positions)
-            out = paged_attention(
-                q[:, 0], kp, vp, lengths, self.page_indices, self.backend, self.interpret,
-                group=self.group, shared_len=self.shared_len,
-            )  # fmt: skip
+            out, kp, vp = one(*args)
         new = self.replace(
             k_pages=_set(self.k_pages, layer, kp), v_pages=_set(self.v_pages, layer, vp)
         )
         return out[:, None], new
+
+
+def _decode_local(q, k, v, kp, vp, lengths, positions, page_indices, shared_len, *, backend,
+                  interpret, group):  # fmt: skip
+    """One decode layer on one shard's slots and pages -> (out [B,N,H], kp, vp)."""
+    kp, vp = write_kv(kp, vp, k, v, page_indices, positions)
+    out = paged_attention(q, kp, vp, lengths, page_indices, backend, interpret, group=group,
+                          shared_len=shared_len)  # fmt: skip
+    return out, kp, vp
+
+
+def _sharded(layout) -> bool:
+    return layout is not None and layout[0].size > 1
 
 
 def _set(pages: tuple, layer: int, new) -> tuple:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sampling import partitioned
 from sampling.distribution import banned_stop_ids, sample
 from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
 
@@ -45,6 +46,11 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
     all T tokens, the reference.
     """
     model = nnx.merge(graphdef, params)
+    if layout is not None and layout[0].size > 1:  # rows laid out by shard (`Engine`)
+        rows = partitioned.specs(*layout, state.k_pages[0].shape[0])[1]
+        split = lambda x: None if x is None else jax.lax.with_sharding_constraint(
+            x, jax.sharding.NamedSharding(layout[0], rows))  # fmt: skip
+        tokens, lengths, page_rows, starts = map(split, (tokens, lengths, page_rows, starts))
     n, t = tokens.shape
     base = jnp.zeros((n,), jnp.int32) if starts is None else starts
     paged = chunk > 0 and (starts is not None or t > chunk)
@@ -57,7 +63,7 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
 
     def one(pages, xs):  # one chunk: tokens, valid, positions [n,c] and its first position
         tok, val, pos, first = xs
-        hook = PagedPrefill(*pages, page_rows, val, first if paged else starts, paged)
+        hook = PagedPrefill(*pages, page_rows, val, first if paged else starts, paged, layout)
         _, hook = model.hidden(tok, pos, val, hook)
         return (hook.k_pages, hook.v_pages), None
 
@@ -89,16 +95,20 @@ def _put(slots, x, value):
 
 def insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
-    copy_dst, layout,
+    copy_dst, layout, shard=0, num_shards=1,
 ):  # fmt: skip
     """Resets slots int32[G] for one request (samples sample_ids int32[G], budgets max_new: one
-    int32 or int32[G]); copies pages copy_src -> copy_dst int32[C]. G and C are padded to
-    `bucket_slots`: padded slots are out of range (their writes dropped), padded copies (0, 0),
-    the null page onto itself."""
+    int32 or int32[G]); copies pages copy_src -> copy_dst int32[C] of shard `shard`'s pool (of
+    `num_shards`; local ids). G and C are padded to `bucket_slots`: padded slots are out of
+    range (their writes dropped), padded copies (0, 0), the null page onto itself; the other
+    shards' C copies are all padding."""
     n, c, out = bucket_slots(len(slots)), bucket_slots(len(copy_src)), state.lengths.shape[0]
+    per_shard = lambda x: np.pad(
+        _pad(x, c)[None], ((shard, num_shards - 1 - shard), (0, 0))
+    ).ravel()
     return _insert(
         state, _pad(slots, n, out), _pad(sample_ids, n), cached_len, last_token, request_id,
-        _pad(max_new, n), shared, _pad(copy_src, c), _pad(copy_dst, c), layout,
+        _pad(max_new, n), shared, per_shard(copy_src), per_shard(copy_dst), layout,
     )  # fmt: skip
 
 
@@ -107,8 +117,12 @@ def _insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
     copy_dst, layout,
 ):  # fmt: skip
-    # Unused copy entries are (0, 0): the null page copied onto itself.
-    copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
+    # Unused copy entries are (0, 0): the null page copied onto itself. On a mesh shard i's
+    # copies are rows [i*C, (i+1)*C) of copy_src / copy_dst, in its local page ids.
+    if layout is not None and layout[0].size > 1:
+        copy = lambda pages: partitioned.copy_pages(pages, copy_src, copy_dst, *layout)
+    else:
+        copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
     put = functools.partial(_put, slots)
     state = state.replace(
         k_pages=copy(state.k_pages),

@@ -28,7 +28,7 @@ class Turns:
         parked = []
         for s, last in zip(slots, last_tokens):
             p = Parked(self.table.clear_row(s), self._len.pop(s), int(last), self._cap.pop(s),
-                       *self._ids[s], self._epoch)  # fmt: skip
+                       *self._ids[s], self._epoch, shard=self.shard_of(s))  # fmt: skip
             self._serial[s] += 1
             self.free_slots.append(s)
             self._parked.append(p)
@@ -39,14 +39,15 @@ class Turns:
         """Returns a parked sequence's pages to the pool (its episode ended)."""
         if parked in self._parked:
             self._parked.remove(parked)
-            self.allocator.free(parked.pages)
+            self.pools[parked.shard].free(parked.pages)
 
     def refresh(self, params, state, items, fresh: set | None = None) -> DecodeState:
         """Recomputes the KV of parked sequences under `params`: items are (parked, history),
         history the tokens its pages cache plus its last (uncached) token. Their pages are
         overwritten in place (a chunked prefill); nothing else changes.
 
-        `fresh`: ids of full pages already recomputed under these `params` (updated in place).
+        `fresh`: (shard, page id) of full pages already recomputed under these `params`
+        (updated in place).
         A sequence's leading pages found there are not recomputed: its prefill starts after
         them, so siblings sharing their prompt's full pages compute the prompt once (a saving of
         compute; the values written are the same). Within one call, an item whose pages another
@@ -63,19 +64,19 @@ class Turns:
             for p, history in todo:
                 full = p.cached_len // size  # pages wholly cached: the ones siblings share
                 n = 0  # leading pages fresh
-                while n < full and p.pages[n] in fresh:
+                while n < full and (p.shard, p.pages[n]) in fresh:
                     n += 1
-                writes = set(p.pages[n : full + 1])  # with the partial page, if any
+                writes = {(p.shard, x) for x in p.pages[n : full + 1]}  # and the partial page
                 if writes & claimed:
                     later.append((p, history))
                     continue
                 claimed |= writes
                 batch.append((p, n * size, list(history[n * size :])))
-            starts = [Parked(p.pages, t, 0, p.cap, 0, 0) for p, t, _ in batch]  # cached up to t
+            starts = [Parked(p.pages, t, 0, p.cap, 0, 0, shard=p.shard) for p, t, _ in batch]
             rest = [h for *_, h in batch]
             state = self._prefill_pages(params, state, rest, starts, extend=rest)
             for p, *_ in batch:
-                fresh.update(p.pages[: p.cached_len // size])
+                fresh.update((p.shard, x) for x in p.pages[: p.cached_len // size])
             todo = later
         return state
 
@@ -89,7 +90,9 @@ class Turns:
         ):
             raise ValueError("refresh_prefix needs a live prefix of this engine and its prompt")
         state = self._prefill_pages(params, state, [prompt], [prefix])
-        fresh.update(prefix.pages[: prefix.cached_len // self.ecfg.page_size])
+        fresh.update(
+            (prefix.shard, x) for x in prefix.pages[: prefix.cached_len // self.ecfg.page_size]
+        )
         return state
 
     def resume(self, params, state, items) -> DecodeState:
@@ -105,10 +108,14 @@ class Turns:
             if p not in self._parked or p.epoch is not self._epoch:
                 raise ValueError("not a parked sequence of this engine (resumed or dropped?)")
             check_resume(p, new, max_new)
+        moved = [s for (p, _, s, _) in items if self.shard_of(s) != p.shard]
+        if moved:
+            raise ValueError(f"slot(s) {moved} are not on their parked sequence's shard: a "
+                             "sequence resumes on the shard that holds its pages")  # fmt: skip
         seqs = [[p.last_token, *new] for p, new, _, _ in items]
         for (p, *_), seq in zip(items, seqs):  # within the reservation: cannot run out
             more = self._pages_for(p.cached_len + len(seq) - 1) - len(p.pages)
-            p.pages = p.pages + self.allocator.alloc(max(more, 0))  # may hold a page ahead
+            p.pages = p.pages + self.pools[p.shard].alloc(max(more, 0))  # a page ahead, maybe
         state = self._prefill_pages(
             params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
         )

@@ -111,7 +111,7 @@ def test_code_config_one_step(config, fixture, tmp_path):
         "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64", "--config.data.system_prompt=Code.",
         "--config.sampling.max_new_tokens=96", "--config.env.max_turn_tokens=6", "--config.env.max_observation_chars=40",
         "--config.sampling.num_slots=8", "--config.sampling.page_size=8",
-        "--config.sampling.num_pages=128", "--config.sampling.steps_per_call=4",
+        "--config.sampling.num_pages=256", "--config.sampling.steps_per_call=4",
         "--config.eval.pass_k=1", "--config.eval.pass_n=1",
         f"--config.env.isolation={sandbox_isolation()}",  # tests.conftest: rlimits without bwrap
     ]  # fmt: skip

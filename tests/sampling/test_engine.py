@@ -177,7 +177,9 @@ def test_cascade_attention_matches_reference(tiny):
     for backend in ("reference", *kernels):
         engine = Engine(CFG, graphdef, EngineConfig(backend=backend, **kw), SamplingParams(1.0))
         take = engine._take_slots
-        engine._take_slots = lambda g, take=take: placements.append(take(g)) or placements[-1]
+        engine._take_slots = lambda g, shard, take=take: (
+            placements.append(take(g, shard)) or placements[-1]
+        )
         _, out[backend] = engine.generate_all(
             params, engine.init_state(), prompts, num_samples=4, seed=3
         )

@@ -94,17 +94,19 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     lowered_args = [
         (steps_lib.generate, (graphdef, params, state, sampling, 4, (), 0, "reference",
                                 jax.random.key(0), engine.layout, engine.group)),
-        (steps_lib.prefill, (graphdef, params, state, np.zeros((1, 16), np.int32),
-                               np.array([3], np.int32), np.zeros((1, ecfg.pages_per_seq), np.int32),
-                               engine.layout)),
+        # One prefill row per shard: rows come laid out by shard (`Engine._prefill_pages`).
+        (steps_lib.prefill, (graphdef, params, state, np.zeros((4, 16), np.int32),
+                               np.array([3, 0, 0, 0], np.int32),
+                               np.zeros((4, ecfg.pages_per_seq), np.int32), engine.layout)),
     ]  # fmt: skip
     for fn, args in lowered_args:
         in_shardings = fn.lower(*args).compile().input_shardings[0]
         assert _shardings_equal(in_shardings[0], param_shardings), fn
     # The decode state lives on the mesh in its declared layout: KV heads over `tensor`, slots
-    # over (data, fsdp); the donated updates kept it.
+    # and pages (a pool per shard) over (data, fsdp); the donated updates kept it.
     assert _shardings_equal(jax.tree.map(lambda x: x.sharding, state), engine.state_shardings())
-    assert all(s.spec[0] == "tensor" for s in engine.state_shardings().k_pages)
+    assert engine.num_shards == 4
+    assert all(s.spec[:2] == ("tensor", ("data", "fsdp")) for s in engine.state_shardings().k_pages)
     assert engine.allocator.num_used == 0
 
 
