@@ -154,7 +154,14 @@ def get_config():
     c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype
     # "" decodes from the training params (no copy); "bfloat16" (= model.dtype) decodes from a
     # bf16 copy made once per rollout: less HBM traffic per step, +2 bytes/param during rollouts
-    c.sampling.weights_dtype = ""  # "" or model.dtype (see above)
+    c.sampling.weights_dtype = ""  # "" or model.dtype (see above); weights_layout "training" only
+    # The weights decoding reads, made once per rollout and freed before learning:
+    # "tensor" = a copy in model.dtype split over `tensor` only (replicated over data x fsdp):
+    #   each device decodes its own slots, and a decode step sends nothing over data or fsdp
+    #   (+ bytes(model.dtype) x params / tensor per device while sampling; docs/performance.md);
+    # "training" = the training arrays as they lie (no copy; every decode step all-reduces
+    #   partial sums of every slot over fsdp). Chosen by launch.bench mesh's collective bytes.
+    c.sampling.weights_layout = "tensor"
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
     # Prompts and observations are prefilled this many tokens at a time, each chunk attending
     # over the KV pages where they lie: prefill memory then stays flat in the prompt length.

@@ -123,7 +123,11 @@ def dry_run(config) -> int:
     # Upper bounds: the learn phase holds the reference; the log-prob pass runs beside the train
     # state; the rollout beside the optimizer state (and the KV cache stays when not released).
     learn_phase = ref + max(learn, state + logprobs)
-    rollout_phase = ref + opt + sample
+    # The rollout's compiled arguments hold the weights it decodes from: the params themselves,
+    # or (sampling.weights_layout="tensor", weights_dtype) a copy made for the rollout, beside
+    # the resident params and optimizer state.
+    copied = engine.abstract_decode_params(params) is not params
+    rollout_phase = ref + (state if copied else opt) + sample
     kv_kept = not s.release_kv_between_phases or config.rl.get("partial_rollouts", False)
     peak = (learn_phase + sample) if kv_kept else max(learn_phase, rollout_phase)
     print(f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "

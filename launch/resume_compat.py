@@ -52,7 +52,9 @@ def check_resumable(old: dict, new: dict) -> None:
     saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
     config.model.attention existed ran dense attention: it resumes with the attention asked for
     (the same function; "auto" may round differently on rows over one block). Likewise one
-    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked. One
+    saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked, and one
+    saved before sampling.weights_layout decoded from the training layout: it resumes with the
+    layout asked for (the same weights, the matmuls partitioned otherwise). One
     saved before the partial-rollout fields existed resumes with them at their defaults
     (partial rollouts off). One saved with env.sandbox_bwrap (renamed env.isolation) resumes
     with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
@@ -62,7 +64,8 @@ def check_resumable(old: dict, new: dict) -> None:
         old = {**old, "env": {**env, "isolation": isolation_of(old["env"])}}
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = _without(new, "model", "lora")
-    for section, field in (("model", "attention"), ("sampling", "prefill_chunk")):
+    for section, field in (("model", "attention"), ("sampling", "prefill_chunk"),
+                           ("sampling", "weights_layout")):  # fmt: skip
         if field not in old.get(section, {}):
             new = _without(new, section, field)
     for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before

@@ -103,10 +103,12 @@ def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
 def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
     dtype = c.sampling.cache_dtype or c.model.dtype
     # interpret (Pallas kernels run op by op on a CPU) is for tests, not a run's config. A run
-    # saved before sampling.prefill_chunk existed prefilled unchunked (0).
+    # saved before sampling.prefill_chunk existed prefilled unchunked (0), and one saved before
+    # sampling.weights_layout decoded from the training layout.
     return from_config(
         EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype,
         interpret=False, prefill_chunk=c.sampling.get("prefill_chunk", 0),
+        weights_layout=c.sampling.get("weights_layout", "training"),
     )  # fmt: skip
 
 

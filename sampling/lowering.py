@@ -22,11 +22,14 @@ def _abstract_state(engine: Engine):
 
 
 def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] | None = None):
-    """One `generate` call of `engine` (its config's steps_per_call, its cascade group)."""
+    """One `generate` call of `engine` (its config's steps_per_call, its cascade group), on the
+    weights it decodes from (`Engine.decode_params`: abstract_params in the training layout are
+    mapped to the decode layout, as a rollout does once)."""
     e = engine.ecfg
+    decode = engine.abstract_decode_params(abstract_params)
     with lowering_for(platforms):
         return steps.generate.trace(
-            engine.graphdef, abstract_params, _abstract_state(engine), engine.sampling,
+            engine.graphdef, decode, _abstract_state(engine), engine.sampling,
             e.steps_per_call, tuple(e.stop_ids), e.min_new_tokens, engine.backend,
             jax.random.key(0), engine.layout, engine._cascade_group(), e.interpret,
         ).lower(lowering_platforms=platforms)  # fmt: skip
@@ -36,15 +39,17 @@ def lower_prefill(
     engine: Engine, abstract_params, platforms: tuple[str, ...] | None = None,
     rows: int = MAX_PREFILL_BATCH, length: int | None = None, resume: bool = False,
 ):  # fmt: skip
-    """One `prefill` call: `rows` prompts padded to `length` tokens (default the bucket of the
-    longest prompt, whose last token is not cached); `resume` adds the `starts` of a multi-turn
-    `Engine.resume` (new tokens after cached ones)."""
+    """One `prefill` call: `rows` prompts per batch shard (rows come laid out by shard) padded
+    to `length` tokens (default the bucket of the longest prompt, whose last token is not
+    cached); `resume` adds the `starts` of a multi-turn `Engine.resume` (new tokens after cached
+    ones)."""
     e = engine.ecfg
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     length = length or bucket(e.max_prompt_len - 1)
+    n = rows * engine.num_shards
+    params = engine.abstract_decode_params(abstract_params)
     with lowering_for(platforms):
         return steps.prefill.trace(
-            engine.graphdef, abstract_params, _abstract_state(engine), i32(rows, length),
-            i32(rows), i32(rows, e.pages_per_seq), engine.layout, i32(rows) if resume else None,
-            e.prefill_chunk,
+            engine.graphdef, params, _abstract_state(engine), i32(n, length), i32(n),
+            i32(n, e.pages_per_seq), engine.layout, i32(n) if resume else None, e.prefill_chunk,
         ).lower(lowering_platforms=platforms)  # fmt: skip

@@ -32,12 +32,12 @@ from jax.sharding import PartitionSpec as P
 from models.sharding import logical_to_spec
 
 
-def _axes(entry) -> tuple[str, ...]:
+def spec_axes(entry) -> tuple[str, ...]:
     """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of mesh axes."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _entry(axes: tuple[str, ...]):
+def spec_entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -50,13 +50,13 @@ class _Sizes:
 
 def head_axes(shape: Mapping[str, int], rules, kv_heads: int) -> tuple[str, ...]:
     """The mesh axes (sizes `shape`, e.g. dict(mesh.shape)) that split the KV heads."""
-    return _axes(logical_to_spec(("kv_heads",), (kv_heads,), rules, _Sizes(shape))[0])
+    return spec_axes(logical_to_spec(("kv_heads",), (kv_heads,), rules, _Sizes(shape))[0])
 
 
 def shard_axes(shape: Mapping[str, int], rules, kv_heads: int) -> tuple[str, ...]:
     """The mesh axes that split the slots and the page pool (module docstring): the `batch`
     rule's axes of size > 1, less the KV-head axes."""
-    table = {name: _axes(target) for name, target in rules}
+    table = {name: spec_axes(target) for name, target in rules}
     heads = head_axes(shape, rules, kv_heads)
     return tuple(a for a in table.get("batch", ()) if shape.get(a, 1) > 1 and a not in heads)
 
@@ -69,7 +69,10 @@ def num_shards(shape: Mapping[str, int], rules, kv_heads: int) -> int:
 def specs(mesh, rules, kv_heads: int) -> tuple[P, P]:
     """(pool spec of a layer's [K,P,page_size,H], slot spec of a [B, ...] buffer's first axis)."""
     shape = dict(mesh.shape)
-    h, b = _entry(head_axes(shape, rules, kv_heads)), _entry(shard_axes(shape, rules, kv_heads))
+    h, b = (
+        spec_entry(head_axes(shape, rules, kv_heads)),
+        spec_entry(shard_axes(shape, rules, kv_heads)),
+    )
     return P(h, b, None, None), P(b)
 
 

@@ -15,6 +15,8 @@ import numpy as np
 from sampling.page_allocator import group_pages
 from sampling.paged_attention import BACKENDS
 
+WEIGHTS_LAYOUTS = ("tensor", "training")  # EngineConfig.weights_layout
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -30,6 +32,11 @@ class EngineConfig:
     cache_dtype: str = "float32"
     interpret: bool = False  # Pallas kernels in interpret mode: runs them on CPU (tests)
     weights_dtype: str = ""  # "": decode from the params as given; else a copy, one per rollout
+    # "tensor": decode from a copy in the compute dtype split over the KV-head / tensor axes only
+    # (replicated over the shard axes), made once per rollout, so a decode step moves only its
+    # own slots' activations; "training": from the params in their training layout (zero copy;
+    # every step all-reduces every slot's partial sums over fsdp). `Engine.decode_params`.
+    weights_layout: str = "tensor"
     prefill_chunk: int = 512  # prompt tokens per prefill pass over the pages; 0: one dense pass
 
     @property
@@ -59,6 +66,9 @@ class EngineConfig:
             raise ValueError(
                 f"weights_dtype={self.weights_dtype!r}: must be '', float32, bfloat16 or float16"
             )
+        if self.weights_layout not in WEIGHTS_LAYOUTS:
+            raise ValueError(f"weights_layout={self.weights_layout!r}: must be one of "
+                             f"{', '.join(WEIGHTS_LAYOUTS)}")  # fmt: skip
         if self.cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
         return self

@@ -10,7 +10,8 @@ for three jitted functions:
 - learn: `Learner.step` on one packed row of T tokens per device (8 rows), KL on (the batch
   carries reference log-probs), π_old recomputed, one micro-batch;
 - logprobs: the reference / π_old log-prob pass over the same batch;
-- prefill: the sampler's `prefill` of one T-token prompt into its pages (`lower_prefill`), in
+- prefill: the sampler's `prefill` of one T-token prompt per batch shard into its shard's pages
+  (`lower_prefill`; on fsdp=8 one prompt per device), in
   chunks of PREFILL_CHUNK tokens over the pages; with `--attention dense` unchunked
   (prefill_chunk 0: dense attention over the whole prompt, the reference path).
 The learner's two lowerings are `launch.dry_run`'s (`abstract_batch`, `Learner.lower_step`,
@@ -96,7 +97,8 @@ def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES) -> dict:
     if "prefill" in phases:
         ecfg = EngineConfig(
             num_slots=mesh.size, page_size=PAGE_SIZE, max_prompt_len=t + 1, max_new_tokens=1,
-            num_pages=-(-(t + 2) // PAGE_SIZE) + 1, cache_dtype=cfg.dtype,
+            # A pool per batch shard, each with its null page: one prompt's pages on each.
+            num_pages=mesh.size * (-(-(t + 2) // PAGE_SIZE) + 1), cache_dtype=cfg.dtype,
             prefill_chunk=0 if cfg.attention == "dense" else PREFILL_CHUNK,
         )  # fmt: skip
         engine = Engine(cfg, graphdef, ecfg, SamplingParams(), mesh=mesh, rules=DEFAULT_RULES)

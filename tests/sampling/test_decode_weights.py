@@ -1,5 +1,5 @@
-"""`EngineConfig.weights_dtype`: decoding from a copy of the weights in the compute dtype, made
-once per `generate_all`, gives the same bits as decoding from the f32 master weights (the model
+"""`EngineConfig.weights_dtype` (with weights_layout="training"): decoding from a copy of the
+weights in the compute dtype, made once per `generate_all`, gives the same bits as decoding from the f32 master weights (the model
 casts every weight to the compute dtype where it uses it), on the (2,2,2) mesh, and the copy is
 sharded like the params."""
 
@@ -31,8 +31,9 @@ def test_decode_copy_gives_the_same_bits(temperature):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     graphdef, params = init_params(BF16, mesh, seed=5)
     sampling = SamplingParams(temperature)
-    plain = Engine(BF16, graphdef, dataclasses.replace(ECFG, backend="reference"), sampling, mesh)
-    ecfg = dataclasses.replace(ECFG, backend="reference", weights_dtype="bfloat16")
+    training = dataclasses.replace(ECFG, backend="reference", weights_layout="training")
+    plain = Engine(BF16, graphdef, training, sampling, mesh)
+    ecfg = dataclasses.replace(training, weights_dtype="bfloat16")
     copied = Engine(BF16, graphdef, ecfg, sampling, mesh)
     assert plain.decode_params(params) is params  # zero copy by default
     copy = copied.decode_params(params)

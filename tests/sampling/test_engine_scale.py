@@ -54,7 +54,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     assert any(len(set(s.spec) - {None}) for s in jax.tree.leaves(param_shardings))
     ecfg = EngineConfig(
         num_slots=8, page_size=8, num_pages=64, max_prompt_len=17, max_new_tokens=8,
-        steps_per_call=4, backend="reference",
+        steps_per_call=4, backend="reference", weights_layout="training",  # the zero-copy path
     )  # fmt: skip
     sampling = SamplingParams(temperature)
     # Prompt lengths 1..17 keep every prefill in the 16-token bucket (one compile); G = 2 samples

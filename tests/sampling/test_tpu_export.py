@@ -163,7 +163,8 @@ def _engine(name, mesh_name, platform):
 
 
 def check_prefill_lowers(name, mesh_name, resume, platform):
-    """One full prefill call (MAX_PREFILL_BATCH prompts padded to the bucket of max_prompt_len;
+    """One full prefill call (MAX_PREFILL_BATCH prompts per batch shard padded to the bucket of
+    max_prompt_len;
     with `resume`, new tokens after a cached history) lowers for `platform` on the mesh, takes
     the configs' shapes, donates the pages and returns a state of the same shapes."""
     engine, params, mesh = _engine(name, mesh_name, platform)
@@ -171,9 +172,9 @@ def check_prefill_lowers(name, mesh_name, resume, platform):
     lowered = lower_prefill(engine, params, platforms=(platform,), resume=resume)
     assert f"mhlo.num_partitions = {mesh.size}" in lowered.as_text()
     (_, state, tokens, lengths, page_rows, starts), _ = lowered.args_info
-    length = bucket(e.max_prompt_len - 1)
-    assert (tokens.shape, lengths.shape) == ((MAX_PREFILL_BATCH, length), (MAX_PREFILL_BATCH,))
-    assert page_rows.shape == (MAX_PREFILL_BATCH, e.pages_per_seq)
+    length, rows = bucket(e.max_prompt_len - 1), MAX_PREFILL_BATCH * engine.num_shards  # per shard
+    assert (tokens.shape, lengths.shape) == ((rows, length), (rows,))
+    assert page_rows.shape == (rows, e.pages_per_seq)
     assert (starts is not None) == resume
     pool = (cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim)  # one per layer
     for kv in (*state.k_pages, *state.v_pages):
