@@ -161,7 +161,7 @@ def get_config():
     #   (+ bytes(model.dtype) x params / tensor per device while sampling; docs/performance.md);
     # "training" = the training arrays as they lie (no copy; every decode step all-reduces
     #   partial sums of every slot over fsdp). Chosen by launch.bench mesh's collective bytes.
-    c.sampling.weights_layout = "tensor"
+    c.sampling.weights_layout = "tensor"  # "tensor" or "training" (see above)
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
     # Prompts and observations are prefilled this many tokens at a time, each chunk attending
     # over the KV pages where they lie: prefill memory then stays flat in the prompt length.

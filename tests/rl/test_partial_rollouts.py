@@ -19,8 +19,10 @@ from rl.partial import enough, select
 from rl.reward_registry import register_reward
 
 B, G, ETA, STEPS = 2, 4, 1, 5
+# data=2 x tensor=4: two batch shards of 4 slots (the tiny model's KV heads do not split 4
+# ways), so a group of G = 4 decodes together on one shard, two groups at a time.
 ARGS = [
-    "--config.mesh.data=8", f"--config.data.prompts_per_step={B}",
+    "--config.mesh.data=2", "--config.mesh.tensor=4", f"--config.data.prompts_per_step={B}",
     f"--config.rl.num_generations={G}", "--config.rl.partial_rollouts=True",
     f"--config.rl.extra_groups={B}", f"--config.rl.max_staleness={ETA}",
     "--config.rl.is_correction=tis", "--config.sampling.num_slots=8",
@@ -132,7 +134,9 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
                          if sum((s[1] for s in v), []) == ids
                          and sum((s[2] for s in v), []) == lps]  # fmt: skip
                 assert match, "a trained episode's ids and log-probs were not drawn as such"
-                assert versions == sum(([v] * len(s) for v, s, _ in match[0]), [])
+                # Samples of one group may draw the same ids under parameters that did not
+                # change (a step with zero advantages): any of the identical draws will do.
+                assert versions in [sum(([v] * len(s) for v, s, _ in m), []) for m in match]
                 assert min(versions) >= step - ETA, (step, versions)  # the staleness bound
                 at_bound += min(versions) == step - ETA
                 # Each observation is the environment's answer to the turn before it.
