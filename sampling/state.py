@@ -21,16 +21,13 @@ The hooks implement `models.attention.Attend`, so the one transformer runs uncha
 - `PagedDecode` (T = 1 per slot): writes the new token's k, v at position lengths[b], then paged
   attention over lengths[b] + 1 tokens. Idle slots write nothing (position -1 is dropped).
 
-On a mesh (`state_shardings`) the KV pages are split over the mesh axes of the parameters'
+On a mesh (`state_shardings`) every layer's pool is split over the mesh axes of the parameters'
 `kv_heads` (`tensor` by default), so each device caches exactly the heads its k/v projections
-produce and the cache writes and paged attention stay local. The page pool is not split over
-slots: any slot may own any page, so splitting P would need per-shard pools. The small per-slot
-buffers are split over `batch` (data, fsdp) when num_slots divides, which lets GSPMD run decode
-data-parallel over slots; it adds the collectives that the update of the pool (replicated over
-those axes) needs. Dimensions the axes do not divide are replicated, as for parameters
-(`models.sharding.logical_to_spec`). A Pallas kernel is opaque to GSPMD: on a mesh the decode
-hook runs it, and the KV write, inside a shard_map over K and the slots
-(`sampling.partitioned`).
+produce, and by pages over the batch shard axes (data, fsdp), together with the per-slot
+buffers: each batch shard has its own slots and its own pool, in shard-local page ids
+(`sampling.partitioned`, which says why). Both hooks run the write and the attention inside a
+shard_map on the device's own slots (or prefill rows) and pages, for every backend, so nothing
+of another shard is read or gathered.
 """
 
 from __future__ import annotations
