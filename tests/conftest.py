@@ -3,18 +3,24 @@
 The device count must be set before JAX initialises its backends, hence at import time here.
 """
 
+import contextlib
 import os
 
 import jax
 
-# XLA:CPU code at LLVM -O0: the tests' tiny shapes run for milliseconds, so compiling is what the
-# suite pays for, and -O0 compiles much faster (tests/rl/test_learner.py, cold cache: 101 s -> 62 s).
-# HLO passes (fusion, buffer assignment) are unchanged, so HLO and memory checks see the same
-# programs. Set before JAX initialises; subprocesses (training runs) inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
+# XLA:CPU code at LLVM -O0 by default: most tests run tiny shapes for milliseconds, so compiling is
+# what they pay for, and -O0 compiles much faster (tests/rl/test_learner.py, cold cache: 101 s ->
+# 62 s). jax_disable_most_optimizations sets the backend's -O0 (and skips LLVM's expensive passes)
+# per compile, so a test whose time goes to running many steps can compile at XLA's default level
+# instead (marked `optimized`, below: tests/launch/test_long_episodes.py's 4k-token step, cold
+# cache: 91 s -> 40 s of CPU). HLO passes (fusion, buffer assignment) are the same at either
+# level, so HLO and memory checks see the same programs. The environment variable carries it to
+# subprocesses (training runs); an XLA_FLAGS that sets the level itself is left to decide.
+_OPTIMIZE = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "false" if _OPTIMIZE else "true")
+jax.config.update(
+    "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "true"
+)
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 _CACHE = os.environ.get(
@@ -47,6 +53,48 @@ import pytest  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.sharding import init_params, make_mesh  # noqa: E402
 from sampling.engine import EngineConfig  # noqa: E402
+
+
+@contextlib.contextmanager
+def xla_optimized():
+    """Compiles at XLA's default optimization level within the block, in this process and in the
+    subprocesses it starts (see the top of this file); restores the -O0 default after it."""
+    flag = jax.config.read("jax_disable_most_optimizations")
+    env = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "false"
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", flag)
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "optimized: compiled at XLA's default level, not -O0 (tests/conftest.py): "
+        "tests whose time goes to running many steps, not to compiling",
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _optimized_module(request):
+    """A module marked `optimized` (pytestmark) compiles optimized, its module fixtures too."""
+    marks = getattr(request.module, "pytestmark", [])
+    marks = marks if isinstance(marks, list) else [marks]
+    optimized = any(m.name == "optimized" for m in marks)
+    with xla_optimized() if optimized else contextlib.nullcontext():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _optimized_test(request):
+    """A test marked `optimized` compiles optimized (mark its module for its module fixtures)."""
+    optimized = request.node.get_closest_marker("optimized") is not None
+    with xla_optimized() if optimized else contextlib.nullcontext():
+        yield
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")  # tiny HF checkpoints + references
