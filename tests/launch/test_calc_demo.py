@@ -15,7 +15,7 @@ def test_calc_tool_config_trains_a_step(tmp_path):
     workdir = tmp_path / "run"
     args = [
         f"--config={ROOT}/configs/calc_tool.py", "--config.mesh.data=8", "--config.num_steps=1",
-        "--config.data.prompts_per_step=4", "--config.sampling.num_slots=32",
+        "--config.data.prompts_per_step=4", "--config.sampling.num_slots=64",  # 8 per batch shard: one group of G = 8
         "--config.data.eval.num=8", f"--workdir={workdir}",
     ]  # fmt: skip
     assert main(args) == 0

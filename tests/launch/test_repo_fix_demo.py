@@ -17,7 +17,7 @@ def test_repo_fix_config_trains_a_step(tmp_path):
     args = [
         f"--config={ROOT}/configs/repo_fix.py", "--config.mesh.data=8", "--config.num_steps=1",
         "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
-        "--config.sampling.num_slots=8", "--config.sampling.num_pages=80",
+        "--config.sampling.num_slots=32", "--config.sampling.num_pages=320",
         "--config.data.eval.num=8", f"--workdir={workdir}",
     ]  # fmt: skip
     assert main(args) == 0

@@ -67,8 +67,8 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, capsys, monke
 TINY = [
     "--config.data.prompts_per_step=4", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
     "--config.data.eval.num=8", "--config.eval.pass_k=2", "--config.eval.pass_n=2",
-    "--config.eval_every=0", "--config.checkpoint_every=3", "--config.sampling.num_slots=16",
-    "--config.sampling.num_pages=64", "--config.rl.dynamic_sampling=True",
+    "--config.eval_every=0", "--config.checkpoint_every=3", "--config.sampling.num_slots=32",
+    "--config.sampling.num_pages=128", "--config.rl.dynamic_sampling=True",
     "--config.sampling.release_kv_between_phases=False",
 ]  # fmt: skip
 

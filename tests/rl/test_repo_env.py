@@ -298,7 +298,7 @@ def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     args = [
         "--config.mesh.data=8", "--config.data.prompts_per_step=10",
-        "--config.rl.num_generations=2", "--config.sampling.num_slots=8",
+        "--config.rl.num_generations=2", "--config.sampling.num_slots=16",
         "--config.env.name=test_repo_scripted", "--config.env.max_turns=4",
         "--config.env.max_turn_tokens=2", "--config.sampling.max_new_tokens=16",
         "--config.data.train.type=jsonl", f"--config.data.train.path={path}",
