@@ -1,20 +1,29 @@
 """What each mesh costs the sampler, compiled and never run: `python -m launch.bench mesh
 --shape qwen2_5_0_5b --meshes fsdp1,fsdp2,fsdp4,fsdp8,data2xfsdp4,fsdp4xtensor2
 [--config configs/qwen2_5_0_5b_code_32k.py] [--num_slots N] [--num_pages P] [--page_size S]
-[--steps_per_call K] [--output F.json]`.
+[--steps_per_call K] [--weights_layout tensor|training] [--output F.json]`.
 
 For each mesh (axis sizes joined by "x": fsdp8, data2xfsdp4, fsdp4xtensor2, on the first
 data*fsdp*tensor of 8 CPU devices) a registered model shape (`launch.bench.common.SHAPES`) gets
 the config's model dtypes and rules, abstract parameters in their training shardings
 (ShapeDtypeStructs: nothing is allocated), and the Engine `launch.build` makes for the config
-(`launch.validate.engine_config`; --num_slots, --num_pages, --page_size and --steps_per_call
-override the config's sampling fields). ONE `generate` call (steps_per_call decode steps) is
-lowered as `Engine.dispatch` runs it (`sampling.lowering.lower_generate`) and compiled for the
-CPU. Per mesh, per device:
+(`launch.validate.engine_config`; --num_slots, --num_pages, --page_size, --steps_per_call and
+--weights_layout override the config's sampling fields; slots and pages are totals for the mesh,
+split over its `shards`, and must divide by them). ONE `generate` call (steps_per_call decode
+steps) is lowered as `Engine.dispatch` runs it (`sampling.lowering.lower_generate`, on the
+weights the rollout decodes from, `Engine.abstract_decode_params`) and compiled for the CPU.
+Per mesh, per device:
 - kv_bytes: the KV pool, each layer's k and v shard shape (`Engine.state_shardings`) x dtype;
 - generate_peak_bytes: the compiled call's arguments + outputs + temporaries - aliased
   (`launch.dry_run._report`), and rollout_peak_bytes: the rollout phase's peak as `--dry_run`
-  bounds it (that + optimizer state + the reference copy when the KL term is on);
+  bounds it (that + optimizer state + the reference copy when the KL term is on, + the
+  resident params when the call decodes from a copy of them);
+- per_rollout: the reshard the rollout makes once, before its first call (`Engine.decode_params`;
+  weights_layout "tensor": a copy in the compute dtype split over tensor only). copy_bytes is
+  the copy's size per device (0: the call decodes from the params themselves), collectives
+  those of that reshard compiled on its own (a jit of the cast with the copy's shardings as
+  out_shardings, which is what the device_put of `decode_params` does): they run once per
+  rollout, never per step, and are not in any per-step figure;
 - collectives of the compiled HLO (`launch.bench.hlo`: count and result bytes per device, by
   kind), in three places: `decode_loop` (in the decode loop's body: once per decode step),
   `page_loop` (the part of those inside a paged-attention loop over pages: once per block of
@@ -57,7 +66,7 @@ import jax
 from launch.bench import hlo
 from launch.bench.common import SHAPES, finish, integer, one_of, parse, parser
 from launch.bench.memory import DEVICES, cpu_devices
-from launch.cli import load_config_file
+from launch.cli import UsageError, load_config_file
 from launch.dry_run import _per_device_bytes, _report
 from launch.validate import engine_config, learner_config, model_overrides, sampling_params
 from models.config import ModelConfig
@@ -65,6 +74,8 @@ from models.sharding import MESH_AXES, abstract_model, make_mesh, state_sharding
 from rl.learner import Learner, TrainState
 from sampling.engine import Engine
 from sampling.lowering import _abstract_state, lower_generate
+from sampling.partitioned import num_shards
+from sampling.requests import WEIGHTS_LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "qwen2_5_0_5b_code_32k.py")
@@ -173,6 +184,32 @@ def collisions(dims: dict[str, int], num_slots: int) -> list[str]:
     return sorted(k for k, v in dims.items() if num_slots in shares(v))
 
 
+def per_rollout(params, decode) -> dict:
+    """The once-per-rollout reshard of the weights into the ones a rollout decodes from
+    (`decode`, `Engine.abstract_decode_params(params)`): the copy's bytes per device and the
+    collectives of the cast-and-reshard compiled on its own (module docstring)."""
+    if decode is params:  # decoding from the params themselves: nothing is made
+        return {"copy_bytes": 0, "collectives": hlo.summarize([]), "largest": []}
+    target = jax.tree.map(lambda x: x.sharding, decode)
+    cast = lambda p: jax.tree.map(lambda x, d: x.astype(d.dtype), p, decode)
+    items = hlo.collectives(jax.jit(cast, out_shardings=target).lower(params).compile().as_text())
+    largest = sorted(items, key=lambda c: -c.bytes)[:3]
+    return {"copy_bytes": _per_device_bytes(decode), "collectives": hlo.summarize(items),
+            "largest": [{"kind": c.kind, "shapes": [f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes],
+                         "bytes": c.bytes} for c in largest]}  # fmt: skip
+
+
+def check_shards(config, cfg: ModelConfig, names) -> None:
+    """UsageError unless num_slots and num_pages divide by every mesh's batch shards."""
+    rules = tuple(tuple(r) for r in config.rules)
+    for name in names:
+        n = num_shards(mesh_shape(name), rules, cfg.num_kv_heads)
+        for field in ("num_slots", "num_pages"):
+            if config.sampling[field] % n:
+                raise UsageError(f"--{field}={config.sampling[field]}: a total for the mesh, split "
+                                 f"over the {n} batch shards of {name}: must divide by {n}")  # fmt: skip
+
+
 def measure(config, cfg: ModelConfig, name: str) -> dict:
     """The figures of mesh `name` (see the module docstring)."""
     shape = mesh_shape(name)
@@ -186,10 +223,13 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     state = _abstract_state(engine)
     row = {"mesh": name, "shape": {a: shape.get(a, 1) for a in MESH_AXES},
-           "backend": engine.backend, "kv_bytes": _per_device_bytes((state.k_pages, state.v_pages))}  # fmt: skip
+           "shards": engine.num_shards, "backend": engine.backend,
+           "kv_bytes": _per_device_bytes((state.k_pages, state.v_pages))}  # fmt: skip
     start = time.perf_counter()
     compiled = lower_generate(engine, params).compile()
     row["compile_s"] = time.perf_counter() - start
+    decode = engine.abstract_decode_params(params)  # what lower_generate lowered on
+    row["per_rollout"] = per_rollout(params, decode)
     with contextlib.redirect_stdout(io.StringIO()):  # its printed line: the JSON has the figures
         sample = int(_report("rollout", compiled))
     # The rollout phase as launch.dry_run bounds it: beside the optimizer state, and the
@@ -201,7 +241,9 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
         params
     )
     ref = _per_device_bytes(params) if config.rl.kl_coef > 0 and not cfg.lora_rank else 0
-    row.update(generate_peak_bytes=sample, rollout_peak_bytes=ref + opt + sample)
+    # As launch.dry_run: a call on a decode copy holds the copy; the params stay resident.
+    resident = opt + (_per_device_bytes(params) if decode is not params else 0)
+    row.update(generate_peak_bytes=sample, rollout_peak_bytes=ref + resident + sample)
     row.update(collective_figures(compiled.as_text(), pool_shapes(engine), ecfg.num_slots,
                                   ecfg.steps_per_call))  # fmt: skip
     return row
@@ -209,19 +251,21 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
 
 def bench_mesh(args) -> dict:
     config = load_config_file(args.config)
-    for field in ("num_slots", "num_pages", "page_size", "steps_per_call"):
+    for field in ("num_slots", "num_pages", "page_size", "steps_per_call", "weights_layout"):
         if getattr(args, field) is not None:
             config.sampling[field] = getattr(args, field)
     shape = dict(SHAPES[args.shape])
     cfg = ModelConfig(**shape, **model_overrides(config))
     ecfg = engine_config(config, (cfg.vocab_size - 1,))
     ecfg.validate()
+    check_shards(config, cfg, args.meshes)
     dims = _shape_dims(cfg, ecfg)
     path = os.path.relpath(os.path.abspath(args.config), ROOT)
     r = {"shape": args.shape, "config": args.config if path.startswith("..") else path, "num_slots": ecfg.num_slots,
          "num_pages": ecfg.num_pages, "page_size": ecfg.page_size,
          "steps_per_call": ecfg.steps_per_call, "pages_per_seq": ecfg.pages_per_seq,
-         "cache_dtype": ecfg.cache_dtype, "dtype": cfg.dtype, "devices": DEVICES,
+         "cache_dtype": ecfg.cache_dtype, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
+         "weights_layout": ecfg.weights_layout, "weights_dtype": ecfg.weights_dtype, "devices": DEVICES,
          "collisions": collisions(dims, ecfg.num_slots), "rows": []}  # fmt: skip
     print(HEADER, flush=True)
     for name in args.meshes:
@@ -232,11 +276,12 @@ def bench_mesh(args) -> dict:
 
 HEADER = (f"{'mesh':>19s} {'KV GiB':>7s} {'rollout':>8s} {'generate':>8s} | "
           f"{'AR n':>5s} {'AR MB':>8s} {'AG n':>5s} {'AG MB':>7s} {'other n':>7s} {'MB':>6s} "
-          f"{'all MB':>8s} | {'all-slot MB':>11s} {'page-loop n':>11s} {'MB':>7s}")  # fmt: skip
+          f"{'all MB':>8s} | {'all-slot MB':>11s} {'page-loop n':>11s} {'MB':>7s} || "
+          f"{'copy GiB':>8s} {'n':>4s} {'MB':>8s}")  # fmt: skip
 
 
 def table_row(row: dict) -> str:
-    s, p = row["per_step"], row["page_loop"]
+    s, p, r = row["per_step"], row["page_loop"], row["per_rollout"]
     other = [k for k in hlo.KINDS if k not in ("all-reduce", "all-gather")]
     on = sum(s[k]["count"] for k in other)
     ob = sum(s[k]["bytes"] for k in other)
@@ -246,14 +291,18 @@ def table_row(row: dict) -> str:
             f"{s['all-gather']['count']:5.0f} {s['all-gather']['bytes'] / MB:7.2f} "
             f"{on:7.0f} {ob / MB:6.2f} {s['total']['bytes'] / MB:8.2f} | "
             f"{row['all_slot_bytes'] / MB:11.2f} {p['total']['count']:11d} "
-            f"{p['total']['bytes'] / MB:7.2f}   ({row['compile_s']:.0f} s)")  # fmt: skip
+            f"{p['total']['bytes'] / MB:7.2f} || {r['copy_bytes'] / GIB:8.2f} "
+            f"{r['collectives']['total']['count']:4d} {r['collectives']['total']['bytes'] / MB:8.1f}"
+            f"   ({row['compile_s']:.0f} s)")  # fmt: skip
 
 
 def table(r: dict) -> str:
     lines = [f"{r['shape']} ({r['dtype']}, cache {r['cache_dtype']}), {r['num_slots']} slots, "
-             f"{r['num_pages']} pages of {r['page_size']}, {r['steps_per_call']} steps per call; "
+             f"{r['num_pages']} pages of {r['page_size']} (totals over each mesh's shards), "
+             f"{r['steps_per_call']} steps per call, weights_layout {r['weights_layout']}; "
              "GiB per device (KV pool, rollout phase peak, generate call), collectives per "
-             "decode step per device (MB = 1e6 bytes)", HEADER]  # fmt: skip
+             "decode step per device (MB = 1e6 bytes); after ||: once per rollout, the decode "
+             "copy per device and its reshard's collectives", HEADER]  # fmt: skip
     lines += [table_row(row) for row in r["rows"]]
     if r["collisions"]:
         lines.append(f"note: num_slots={r['num_slots']} equals {', '.join(r['collisions'])}: "
@@ -270,6 +319,8 @@ def main(argv) -> int:
     for field in ("num_slots", "num_pages", "page_size", "steps_per_call"):
         p.add_argument(f"--{field}", type=integer(), default=None,
                        help=f"sampling.{field} (default: the config's)")  # fmt: skip
+    p.add_argument("--weights_layout", type=one_of(WEIGHTS_LAYOUTS), default=None,
+                   help=f"sampling.weights_layout: {', '.join(WEIGHTS_LAYOUTS)} (default: the config's)")  # fmt: skip
     args = parse(p, argv)
     r = bench_mesh(args)
     return finish(args, r, table(r))

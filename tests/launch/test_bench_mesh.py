@@ -2,11 +2,15 @@
 come from the bench's own run, docs/performance.md), and `launch.bench.hlo`, the HLO reader it
 counts collectives with, on small programs whose collectives are known.
 
-Two of the bench's assertions are facts of the replicated page pool (d91e85b), which issue 34's
-per-shard pools change on purpose: the KV bytes per device (then also / (data x fsdp)) and the
-tensor=2 collective inside the page loop (then none). Each is marked where it is asserted."""
+The facts asserted are those of issue 34's per-shard pools (sampling/partitioned.py) and decode
+layout (`sampling.weights_layout`). At d91e85b the pool was replicated over data and fsdp (KV
+bytes per device the same on every mesh), tensor=2 all-reduced page blocks inside the page loop,
+and every step all-reduced partial sums of all slots (the logits [B, V] among them); those
+figures are kept in docs/bench/*_d91e85b_baseline.json."""
 
 import json
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,22 +20,39 @@ from jax.sharding import PartitionSpec as P
 
 from launch.bench import hlo, main
 from launch.bench.common import SHAPES
-from models.sharding import make_mesh
+from models.config import ModelConfig
+from models.sharding import abstract_model, make_mesh
 
 SLOTS, PAGES, STEPS = 24, 64, 4  # 24: no tiny dimension (or a device's share of one) equals it
 
 
+def _run(tmp_path_factory, meshes, layout):
+    path = tmp_path_factory.mktemp("mesh") / "mesh.json"
+    argv = ["mesh", "--shape=tiny", f"--meshes={meshes}", f"--num_slots={SLOTS}",
+            f"--num_pages={PAGES}", f"--steps_per_call={STEPS}", f"--weights_layout={layout}",
+            f"--output={path}"]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(path.read_text())
+    return r, {row["mesh"]: row for row in r["rows"]}
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mesh") / "mesh.json"
-    argv = ["mesh", "--shape=tiny", "--meshes=fsdp1,fsdp8,fsdp4xtensor2", f"--num_slots={SLOTS}",
-            f"--num_pages={PAGES}", f"--steps_per_call={STEPS}", f"--output={path}"]  # fmt: skip
-    assert main(argv) == 0
-    return json.loads(path.read_text())
+    return _run(tmp_path_factory, "fsdp1,fsdp8,fsdp4xtensor2", "tensor")
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    return _run(tmp_path_factory, "fsdp8", "training")
+
+
+def _elements(array: str) -> int:
+    """Elements of an all_slot_shapes entry, e.g. 'all-gather s32[24,2]' -> 48."""
+    return math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", array).group(1).split(",") if d)
 
 
 def test_bench_mesh_json(bench):
-    r = bench
+    r, rows = bench
     assert (r["shape"], r["num_slots"], r["num_pages"], r["steps_per_call"]) == (
         "tiny",
         SLOTS,
@@ -39,19 +60,24 @@ def test_bench_mesh_json(bench):
         STEPS,
     )
     assert r["config"] == "configs/qwen2_5_0_5b_code_32k.py" and r["cache_dtype"] == "bfloat16"
-    assert r["collisions"] == []
-    rows = {row["mesh"]: row for row in r["rows"]}
+    assert r["weights_layout"] == "tensor" and r["collisions"] == []
     assert list(rows) == ["fsdp1", "fsdp8", "fsdp4xtensor2"]
     assert rows["fsdp4xtensor2"]["shape"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    # The shards: data x fsdp (tensor splits the 2 KV heads, not the pool's pages).
+    assert {k: row["shards"] for k, row in rows.items()} == {"fsdp1": 1, "fsdp8": 8,
+                                                             "fsdp4xtensor2": 4}  # fmt: skip
     t = SHAPES["tiny"]
     for name, row in rows.items():
-        tensor = row["shape"]["tensor"]
-        # Replicated over data and fsdp, split over tensor (d91e85b; per-shard pools: / shards).
-        kv = t["num_layers"] * t["num_kv_heads"] // tensor * PAGES * 32 * t["head_dim"] * 2 * 2
-        assert row["kv_bytes"] == kv, name
+        tensor, shards = row["shape"]["tensor"], row["shards"]
+        # Each device: its shard's PAGES / shards pages of its KV heads (K / tensor).
+        kv = t["num_layers"] * t["num_kv_heads"] // tensor * PAGES // shards * 32 * t["head_dim"]
+        assert row["kv_bytes"] == kv * 2 * 2, name  # k and v, bf16
         assert row["generate_peak_bytes"] >= row["kv_bytes"] > 0  # the pool is an argument
         assert row["rollout_peak_bytes"] > row["generate_peak_bytes"]  # + the optimizer state
         assert row["page_loops"] == t["num_layers"], name  # blockwise: one per layer
+        # Nothing inside the page loop is a collective, at tensor=1 and 2 (a shard_map).
+        assert row["page_loop"]["total"] == {"count": 0, "bytes": 0}, name
+        assert row["page_loop_collectives"] == []
         for kind in (*hlo.KINDS, "total"):
             step, inside, out = (row[k][kind] for k in ("per_step", "decode_loop", "outside"))
             assert step["count"] == inside["count"] + out["count"] / STEPS
@@ -60,25 +86,60 @@ def test_bench_mesh_json(bench):
     assert one["per_step"]["total"]["count"] == 0 and one["all_slot_bytes"] == 0
     for name in ("fsdp8", "fsdp4xtensor2"):
         row = rows[name]
-        # Every decode step all-reduces partial sums of all slots, the logits [24, V / tensor]
-        # among them (contracted over the fsdp-split model dimension).
-        assert row["decode_loop"]["all-reduce"]["count"] > 0, name
-        assert row["decode_loop"]["total"]["bytes"] >= row["all_slot_bytes"] > 0, name
-        logits = f"all-reduce f32[{SLOTS},1,{t['vocab_size'] // row['shape']['tensor']}]"
-        assert logits in {a["array"] for a in row["all_slot_shapes"]}, (
-            name,
-            row["all_slot_shapes"],
-        )
-    assert rows["fsdp8"]["page_loop"]["total"]["count"] == 0
-    # tensor=2: the page gather of the replicated pool is an all-reduce per block of pages
-    # (d91e85b; per-shard pools remove it).
-    pl = rows["fsdp4xtensor2"]["page_loop"]["total"]
-    assert pl["count"] > 0 and pl["bytes"] > 0
-    assert len(rows["fsdp4xtensor2"]["page_loop_collectives"]) == pl["count"]
+        # Each device computes its own slots' rows: no partial sums or logits of all slots. What
+        # is left of the total slot count are each slot's sampled token and log-prob written
+        # into the [B, max_new] buffers (GSPMD gathers the scatter's [B, 2] indices and [B]
+        # values): at most 2 x B elements an array.
+        arrays = {a["array"] for a in row["all_slot_shapes"]}
+        assert arrays and all(_elements(a) <= 2 * SLOTS for a in arrays), (name, arrays)
+        assert row["all_slot_bytes"] <= 16 * 8 * SLOTS, name
+
+
+def test_bench_mesh_per_rollout(bench, training):
+    _, rows = bench
+    n = sum(x.size for x in jax.tree.leaves(abstract_model(ModelConfig(**SHAPES["tiny"]))[1]))
+    # weights_layout "tensor": a bf16 copy; tensor=1 replicates it (2 bytes a parameter per
+    # device), and tensor=2 splits some of it.
+    assert rows["fsdp1"]["per_rollout"]["copy_bytes"] == 2 * n  # a cast, nothing moves
+    assert rows["fsdp1"]["per_rollout"]["collectives"]["total"]["count"] == 0
+    assert rows["fsdp8"]["per_rollout"]["copy_bytes"] == 2 * n
+    assert n < rows["fsdp4xtensor2"]["per_rollout"]["copy_bytes"] < 2 * n
+    for name in ("fsdp8", "fsdp4xtensor2"):
+        c = rows[name]["per_rollout"]["collectives"]
+        # The reshard gathers each weight over fsdp, once per rollout: at most the copy's bytes
+        # (x 2: XLA:CPU sends bf16 as f32), and none of it in the generate call.
+        assert c["all-gather"]["count"] > 0, name
+        assert 0 < c["total"]["bytes"] <= 2 * rows[name]["per_rollout"]["copy_bytes"], name
+    # "training": the call decodes from the params themselves (no copy, no reshard), and every
+    # step all-reduces partial sums of all slots, the logits [24, 1, V] among them.
+    _, old = training
+    t, new = old["fsdp8"], rows["fsdp8"]
+    assert (
+        t["per_rollout"]["copy_bytes"] == 0
+        and t["per_rollout"]["collectives"]["total"]["count"] == 0
+    )
+    assert f"all-reduce f32[{SLOTS},1,{SHAPES['tiny']['vocab_size']}]" in {
+        a["array"] for a in t["all_slot_shapes"]
+    }
+    assert t["page_loop"]["total"]["count"] == 0
+    # No weight moves in the generate call: a step's collectives are < 2% of the reshard's.
+    assert (
+        new["per_step"]["total"]["bytes"] * 50 < new["per_rollout"]["collectives"]["total"]["bytes"]
+    )
+    # The decode layout: per-step collective bytes fall by more than 10x.
+    assert new["per_step"]["total"]["bytes"] * 10 < t["per_step"]["total"]["bytes"]
+    assert new["all_slot_bytes"] * 10 < t["all_slot_bytes"]
+    # The copy sits beside the resident params in the rollout phase.
+    assert new["rollout_peak_bytes"] - new["generate_peak_bytes"] > (
+        t["rollout_peak_bytes"] - t["generate_peak_bytes"]
+    )
 
 
 def test_bench_mesh_bad_mesh():
     assert main(["mesh", "--meshes=fsdp16"]) == 2  # more devices than the bench has
+    # A pool that does not split over fsdp8's 8 shards, refused before anything compiles.
+    assert main(["mesh", "--shape=tiny", "--meshes=fsdp2,fsdp8", "--num_pages=68"]) == 2
+    assert main(["mesh", "--shape=tiny", "--weights_layout=replicated"]) == 2
     assert main(["mesh", "--meshes=fsdp2xfsdp2"]) == 2
     assert main(["mesh", "--meshes=fsdp8,fsdp8"]) == 2
 
