@@ -162,6 +162,13 @@ def get_config():
     # "training" = the training arrays as they lie (no copy; every decode step all-reduces
     #   partial sums of every slot over fsdp). Chosen by launch.bench mesh's collective bytes.
     c.sampling.weights_layout = "tensor"  # "tensor" or "training" (see above)
+    # KV pages of an admitted episode: "demand" = taken as it grows (vLLM's scheduler); a shard
+    #   that runs out preempts its newest sequences, whose pages are freed and whose history is
+    #   recomputed (chunked prefill) when they resume: same tokens, log-probs to ~1e-6
+    #   (rollout/preemptions, rollout/recomputed_tokens); "budget" = the worst case of its whole
+    #   budget reserved at admission: fewer episodes at once, never preempted.
+    c.sampling.reserve = "demand"  # "demand" or "budget" (see above)
+    c.sampling.kv_watermark = 0.01  # "demand": a new admission leaves this fraction of a pool free
     c.sampling.release_kv_between_phases = True  # free the KV cache before learning
     # Prompts and observations are prefilled this many tokens at a time, each chunk attending
     # over the KV pages where they lie: prefill memory then stays flat in the prompt length.

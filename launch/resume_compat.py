@@ -54,7 +54,8 @@ def check_resumable(old: dict, new: dict) -> None:
     (the same function; "auto" may round differently on rows over one block). Likewise one
     saved before sampling.prefill_chunk existed prefilled unchunked: it resumes chunked, and one
     saved before sampling.weights_layout decoded from the training layout: it resumes with the
-    layout asked for (the same weights, the matmuls partitioned otherwise). One
+    layout asked for (the same weights, the matmuls partitioned otherwise), and one saved before
+    sampling.reserve and kv_watermark reserved budgets: it resumes with the reserve asked for. One
     saved before the partial-rollout fields existed resumes with them at their defaults
     (partial rollouts off). One saved with env.sandbox_bwrap (renamed env.isolation) resumes
     with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
@@ -65,7 +66,8 @@ def check_resumable(old: dict, new: dict) -> None:
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = _without(new, "model", "lora")
     for section, field in (("model", "attention"), ("sampling", "prefill_chunk"),
-                           ("sampling", "weights_layout")):  # fmt: skip
+                           ("sampling", "weights_layout"), ("sampling", "reserve"),
+                           ("sampling", "kv_watermark")):  # fmt: skip
         if field not in old.get(section, {}):
             new = _without(new, section, field)
     for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before

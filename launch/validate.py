@@ -104,11 +104,13 @@ def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
     dtype = c.sampling.cache_dtype or c.model.dtype
     # interpret (Pallas kernels run op by op on a CPU) is for tests, not a run's config. A run
     # saved before sampling.prefill_chunk existed prefilled unchunked (0), and one saved before
-    # sampling.weights_layout decoded from the training layout.
+    # sampling.weights_layout decoded from the training layout, and one saved before
+    # sampling.reserve reserved each episode's budget.
     return from_config(
         EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype,
         interpret=False, prefill_chunk=c.sampling.get("prefill_chunk", 0),
         weights_layout=c.sampling.get("weights_layout", "training"),
+        reserve=c.sampling.get("reserve", "budget"), kv_watermark=c.sampling.get("kv_watermark", 0.01),
     )  # fmt: skip
 
 

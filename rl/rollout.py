@@ -159,6 +159,16 @@ class Rollouts:
     def episode_group(self, record, prompt, episodes, completions, rewards) -> Group:
         return episode_group(record, prompt, episodes, completions, rewards, self.tokenizer)
 
+    def _counters(self) -> tuple[int, int]:
+        return self.engine.preemptions, self.engine.recomputed_tokens
+
+    def _preemption_stats(self, before) -> dict[str, float]:
+        """Sequences preempted since `before` (`_counters`) and the tokens recomputed for them
+        (sampling.reserve="demand"; 0 under "budget")."""
+        now = self._counters()
+        return {"rollout/preemptions": float(now[0] - before[0]),
+                "rollout/recomputed_tokens": float(now[1] - before[1])}  # fmt: skip
+
     def _utilization(self, before) -> float:
         """Tokens decoded over slot-steps of the decode calls since `before` (engine.slot_steps);
         0 without a decode call (partial rollouts: B groups completed in earlier steps)."""
@@ -167,6 +177,7 @@ class Rollouts:
 
     def _sample_partial(self, step, params, data, drain, stop):
         prefill_before, slot_steps = self.engine.prefill_tokens, list(self.engine.slot_steps)
+        counters = self._counters()
         state = self.engine.init_state() if self.decode_state is None else self.decode_state
         self.decode_state = None  # donated below; kept again only once the call has returned
         state, groups, stats = self.partial.sample(step, params, state, data, drain, stop)
@@ -176,6 +187,7 @@ class Rollouts:
         stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
         stats["reprefill_tokens"] = reprefill_tokens(groups) if self.episodes else 0
         stats["rollout/slot_utilization"] = self._utilization(slot_steps)
+        stats.update(self._preemption_stats(counters))
         return groups, stats
 
     def __call__(self, step: int, params, data, drain=False, stop=None) -> Rollout:
@@ -244,7 +256,7 @@ class Rollouts:
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         rounds = []
         prefill_before, self.reprefill = self.engine.prefill_tokens, 0
-        slot_steps = list(self.engine.slot_steps)
+        slot_steps, counters = list(self.engine.slot_steps), self._counters()
 
         def sample_round(n):
             records = data.take(n)  # a rl.data.PromptStream: leftovers carry to the next draw
@@ -264,6 +276,7 @@ class Rollouts:
         stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
         stats["reprefill_tokens"] = self.reprefill
         stats["rollout/slot_utilization"] = self._utilization(slot_steps)
+        stats.update(self._preemption_stats(counters))
         return groups, stats
 
     def sample_groups(self, params, records, prompts, seed, request_ids) -> list[Group]:

@@ -27,8 +27,12 @@ function pins its output to that layout, so donation reuses the same buffers.
 
 Page allocation is host-side (`sampling.page_allocator` says why): before each call the host
 gives every busy slot the pages of its next `num_steps` tokens, counted from an upper bound of
-its length while calls are in flight. Admission reserves a group's worst-case pages
-(`group_pages`) up front, so a running request never runs out.
+its length while calls are in flight (`growth`). What admission sets aside is
+`EngineConfig.reserve`'s: "budget" reserves a group's worst-case pages (`group_pages`) up front,
+so a running request never runs out; "demand" only the pages of its prompt and first call
+(`admission_pages`), and a shard that runs out frees the pages of its newest sequences
+(`evict`: preemption, decided by `sampling.episodes`), which are recomputed over their whole
+history when they come back (`restore`, a chunked prefill, as vLLM's recompute preemption).
 
 Misuse (a consumed or stale Prefix; busy, repeated or out-of-range slots) raises ValueError
 before anything changes; `prefill_many` allocates all or nothing. Every call donates the state it
@@ -145,6 +149,8 @@ class Engine(Turns):
         self.pools = [PageAllocator(self.pages_per_shard) for _ in range(s)]  # one per shard
         self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)  # shard-local page ids
         self.prefill_tokens = 0  # tokens computed by prefill (prompts, resumed turns), ever
+        self.preemptions = 0  # sequences evicted, ever ("demand")
+        self.recomputed_tokens = 0  # tokens prefilled again by `restore`, ever
         self.slot_steps = [0, 0]  # decode calls' [tokens, slots x steps], ever: utilization
         self.slot_trace: list | None = None  # a list: each call's (tokens, slot-steps) appended
         self._reset_host()
@@ -418,9 +424,8 @@ class Engine(Turns):
         The page table stays on the device and is uploaded again only after a row changed."""
         e = self.ecfg
         num_steps = num_steps or e.steps_per_call
-        for s, n in self._len.items():
-            self._len[s] = bound = min(n + num_steps, self._cap[s])
-            need = self._pages_for(bound) - len(self.table.row(s))
+        for s, (bound, need) in self.growth(num_steps).items():
+            self._len[s] = bound
             if need > 0:
                 self.table.append(s, self.pools[self.shard_of(s)].alloc(need))
         uploaded = self._uploaded
@@ -459,6 +464,34 @@ class Engine(Turns):
                 self._serial[s] += 1
         return r
 
+    def growth(self, num_steps: int | None = None) -> dict[int, tuple[int, int]]:
+        """Per busy slot, (its length bound after one more call of num_steps, the pages it then
+        takes from its shard's pool): what `dispatch` allocates."""
+        num_steps = num_steps or self.ecfg.steps_per_call
+        out = {}
+        for s, n in self._len.items():
+            bound = min(n + num_steps, self._cap[s])
+            out[s] = bound, self._pages_for(bound) - len(self.table.row(s))
+        return out
+
+    def shortfall(self, num_steps: int | None = None) -> dict[int, int]:
+        """Per shard whose pool cannot give the next call's pages (`growth`), how many it lacks."""
+        need = [0] * self.num_shards
+        for s, (_, n) in self.growth(num_steps).items():
+            need[self.shard_of(s)] += max(n, 0)
+        return {i: n - p.num_free for i, (n, p) in enumerate(zip(need, self.pools))
+                if n > p.num_free}  # fmt: skip
+
+    def room(self, shard: int) -> int:
+        """Pages of a shard's pool free and not reserved (`_reserved`)."""
+        return self.pools[shard].num_free - self._reserved(shard)
+
+    @property
+    def watermark(self) -> int:
+        """Pages a new admission leaves free on its shard ("demand": kv_watermark of the pool)."""
+        e = self.ecfg
+        return int(np.ceil(e.kv_watermark * (self.pages_per_shard - 1))) if e.demand else 0
+
     def _cascade_group(self) -> int:
         """The decode loop's block size: blockwise only (others get 1, not one per group size)."""
         return self.group if self.backend == "blockwise" else 1
@@ -491,15 +524,26 @@ class Engine(Turns):
         """Pages a group of g samples (max_new: one or g budgets) may hold (`group_pages`)."""
         return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
 
+    def admission_pages(self, prompt_len: int, max_new, g: int) -> int:
+        """Pages admitting a group sets aside: "budget" its worst case; "demand" its prompt and
+        each sample's first call (steps_per_call tokens, at most its budget)."""
+        e = self.ecfg
+        if not e.demand:
+            return self.worst_case_pages(prompt_len, max_new, g)
+        budgets = [max_new] * g if np.ndim(max_new) == 0 else list(max_new)
+        return self.worst_case_pages(prompt_len, [min(m, e.steps_per_call) for m in budgets], g)
+
     def _reserved(self, shard: int | None = None) -> int:
-        """Pages promised to busy slots, parked episodes and samples not inserted yet, but not
-        yet allocated: on one shard, or on all (None)."""
+        """Pages promised but not yet allocated, on one shard or on all (None): to samples not
+        inserted yet, and ("budget") to busy slots and parked episodes up to their caps."""
         on = lambda i: shard is None or i == shard
+        promised = sum(n for c, n in self.promised.items() if on(self.promised_on.get(c, 0)))
+        if self.ecfg.demand:
+            return promised
         busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap
                    if on(self.shard_of(s)))  # fmt: skip
         parked = sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked if on(p.shard))
-        return busy + parked + sum(n for c, n in self.promised.items()
-                                   if on(self.promised_on.get(c, 0)))  # fmt: skip
+        return busy + parked + promised
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,

@@ -15,8 +15,7 @@ The loop polls finished futures between decode calls (every `steps_per_call` tok
 on them only when no slot is decoding, so tool time hides behind the decoding of other episodes.
 
 Budgets: `max_new_tokens` is the episode's token budget after the prompt (model and observation
-tokens together; admission reserves its worst-case pages, so a running episode never runs out),
-and `max_turn_tokens` caps one model turn. An observation that leaves no room for one more model
+tokens together), and `max_turn_tokens` caps one model turn (per sample with `add`'s). An observation that leaves no room for one more model
 token ends the episode with finish_reason "length", as does a turn that uses up the budget.
 
 Partial rollouts (`EpisodeLoop`): `run(..., until=f)` stops as soon as `f()` holds (checked
@@ -33,10 +32,24 @@ as done only once it is done on every process (`sampling.agreement`), and enviro
 every process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
-Admission: a group goes in once a slot is free and the pool holds its worst-case pages. Its
-prompt is prefilled once; samples that find no slot yet go in as slots free up, before anything
-new, their pages promised at the engine meanwhile (`Engine.promised`). A stop keeps the prefix of
-such a group; with `refresh` its prompt is recomputed under the new parameters before use.
+Admission: a group goes in once a slot is free and its shard's pool holds what
+`Engine.admission_pages` sets aside: under `EngineConfig.reserve="budget"` its worst-case pages
+(a running episode never runs out), under "demand" those of its prompt and first call, with the
+`kv_watermark` to spare. Its prompt is prefilled once; samples that find no slot yet go in as
+slots free up, before anything new, their pages promised at the engine meanwhile
+(`Engine.promised`). A stop keeps the prefix of such a group; with `refresh` its prompt is
+recomputed under the new parameters before use.
+
+Preemption ("demand"): before a decode call, a shard that cannot give every slot the pages of
+its next `steps_per_call` tokens (`Engine.shortfall`) frees the pages of its newest sequences
+(request admitted last, then highest sample), after reading the call in flight so that lengths
+and tokens are exact: one decoding (parked mid-turn first, then first in line to resume) or one
+parked (between turns, waiting on its tool, or carried across a stop). A sequence inserted since
+the last call is not preempted. The preempted keep their tokens, log-probs, versions and
+observations here; when one resumes, `Engine.restore` prefills its whole history onto fresh pages
+under the current parameters (for a carried one, the new ones, as `refresh` does), and it goes on
+with the same keys. A parked episode resumes once its shard has the pages of its new tokens and
+first call; where nothing decodes on that shard, newer parked ones there are preempted for it.
 
 Determinism: a token is drawn with a key of (run seed, request, sample, cache position), so an
 episode's tokens depend neither on its slot nor on when its tool answered (within one `run`).
@@ -52,6 +65,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import jax
 
 from sampling.agreement import agreed_done
+from sampling.page_allocator import OutOfPagesError
 from sampling.requests import Completion, Episode, Parked, check_requests
 
 
@@ -72,7 +86,8 @@ class EpisodeLoop:
         self.on_finish, self.respond = on_finish, respond
         self.results: dict = {}  # key -> [Completion | None] * G
         self.admitted: dict = {}  # key -> version of the run that admitted it
-        self._req: dict = {}  # key -> (prompt, budget, request id, worst-case pages)
+        self._req: dict = {}  # key -> (prompt, budget, request id, pages admission sets aside)
+        self._turn_caps: dict = {}  # key -> its G samples' caps on one model turn
         self.pending: list = []  # keys not admitted yet, in order
         self.owner: dict[int, Episode] = {}  # busy slot -> its episode
         self.waiting: dict[Future, Episode] = {}  # parked, the observation being computed
@@ -86,19 +101,38 @@ class EpisodeLoop:
         self._refreshed_pages: set[int] = set()  # emptied by each run
         self._open = None  # (key, next sample, live prefix, its KV's version): a group partly in
 
-    def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None) -> list:
-        """Queues requests (G samples each); returns their keys (default 0..n-1 after the last)."""
-        budget, ids, need = check_requests(
-            self.engine.ecfg, prompts, self.g, max_new_tokens, request_ids
-        )
+    def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None,
+            max_turn_tokens=None) -> list:  # fmt: skip
+        """Queues requests (G samples each); returns their keys (default 0..n-1 after the last).
+        max_turn_tokens: None (the loop's), or per prompt an int or G ints: a cap on each model
+        turn below the loop's (a single-turn sample then stops there, its budget reserved as
+        `max_new_tokens`'s: `launch.bench loop --lengths skewed`)."""
+        engine = self.engine
+        budget, ids, _ = check_requests(engine.ecfg, prompts, self.g, max_new_tokens, request_ids)
+        need = [engine.admission_pages(len(p), b, self.g) for p, b in zip(prompts, budget)]
+        if max_turn_tokens is None:
+            caps = [[self.turn_cap] * self.g] * len(prompts)
+        elif len(max_turn_tokens) != len(prompts):
+            raise ValueError(f"max_turn_tokens has {len(max_turn_tokens)} entries for "
+                             f"{len(prompts)} prompts")  # fmt: skip
+        else:
+            caps = [[int(x)] * self.g if isinstance(x, int) else [int(y) for y in x]
+                    for x in max_turn_tokens]  # fmt: skip
+            bad = [c for cs in caps for c in cs if not 1 <= c] + [
+                cs for cs in caps if len(cs) != self.g
+            ]
+            if bad:
+                raise ValueError(f"max_turn_tokens: {bad[0]}: need ints >= 1, one or G = {self.g} "
+                                 "per prompt")  # fmt: skip
         if keys is None:
             keys = list(range(self._next, self._next + len(prompts)))
         keys = list(keys)
         if len(set(keys)) != len(keys) or any(k in self._req for k in keys):
             raise ValueError("request keys must be new and unique")
         self._next = max([self._next - 1, *[k for k in keys if isinstance(k, int)]]) + 1
-        for key, p, b, r, n in zip(keys, prompts, budget, ids, need):
+        for key, p, b, r, n, cap in zip(keys, prompts, budget, ids, need, caps):
             self._req[key] = (list(p), b, r, n)
+            self._turn_caps[key] = [min(c, self.turn_cap) for c in cap]
             self.results[key] = [None] * self.g
             self.pending.append(key)
         return keys
@@ -122,7 +156,7 @@ class EpisodeLoop:
         """Drops an ended request's bookkeeping (its results were read)."""
         if any(c is None for c in self.results[key]):
             raise ValueError(f"request {key} has not ended")
-        for d in (self.results, self.admitted, self._req):
+        for d in (self.results, self.admitted, self._req, self._turn_caps):
             d.pop(key, None)
 
     def _finish(self, ep: Episode, reason: str | None = None) -> None:
@@ -181,6 +215,14 @@ class EpisodeLoop:
                     if self.waiting:  # every episode waits for its tool: nothing to decode
                         wait(list(self.waiting), return_when=FIRST_COMPLETED)
                     continue
+                if engine.ecfg.demand and engine.shortfall():
+                    # A shard lacks the pages of the next call: its newest sequences give theirs
+                    # up, decided on exact lengths (the call in flight read first).
+                    if inflight is not None:
+                        state, inflight = self._collect(state, *inflight), None
+                    state = self._preempt(state)
+                    if not self.owner:
+                        continue
                 # Call n+1 goes to the device before call n's results are read: the bookkeeping
                 # below overlaps decoding. A slot that finished in call n idles through n+1.
                 state, ticket = engine.dispatch(params, state, root)
@@ -194,33 +236,105 @@ class EpisodeLoop:
         return state
 
     def _resume_ready(self, params, state, refresh: bool):
-        """Episodes between turns (or parked mid-turn) first: they hold pages already."""
-        engine, items, stale, wait = self.engine, [], [], collections.deque()
+        """Episodes between turns (or parked mid-turn) first: they hold pages already (or, once
+        preempted, are recomputed first: `Engine.restore`). "demand": one goes on once its
+        shard has the pages of its new tokens and first call; where nothing decodes on the shard
+        to free pages, the newest other parked sequences there are preempted for them."""
+        engine, items, stale, lost, wait = self.engine, [], [], [], collections.deque()
         taken: set[int] = set()
+        planned = collections.Counter()  # pages of the resumes below, by shard
         while self.ready:
             ep, obs = self.ready.popleft()
-            free = [s for s in engine.free_on(ep.parked.shard) if s not in taken]
+            p = ep.parked
+            free = [s for s in engine.free_on(p.shard) if s not in taken]
             if not free:  # its shard is full: it waits, in order, for a slot there
                 wait.append((ep, obs))
                 continue
+            if engine.ecfg.demand:
+                need = self._resume_pages(ep, obs)
+                while engine.room(p.shard) - planned[p.shard] < need and not any(
+                    engine.shard_of(s) == p.shard for s in self.owner
+                ):  # nothing decodes there to end and free pages: newer parked ones give way
+                    others = [e for e, _ in (*wait, *self.ready)] + list(self.waiting.values())
+                    other = self._victim(p.shard, [(e, None) for e in others if e is not ep])
+                    if other is None:
+                        break
+                    state = self._evict(state, *other)
+                if engine.room(p.shard) - planned[p.shard] < need:  # as the shard's ones end
+                    wait.append((ep, obs))
+                    continue
+                planned[p.shard] += need
             taken.add(free[0])
-            if refresh and ep.kv_version != self.version:
+            if p.evicted:  # recomputed under this run's parameters: no refresh after it
+                lost.append((p, self._history(ep)))
+                ep.kv_version = self.version
+            elif refresh and ep.kv_version != self.version:
                 stale.append((ep.parked, self._history(ep)))
                 ep.kv_version = self.version
             ep.tokens += obs
             ep.logprobs += [0.0] * len(obs)
             ep.observation += [True] * len(obs)
             ep.versions += [self.version] * len(obs)
-            max_new = min(self.turn_cap - ep.turn_len, ep.left)
+            max_new = min(self._turn_caps[ep.i][ep.k] - ep.turn_len, ep.left)
             items.append((ep.parked, obs, free[0], max_new))
             self.owner[free[0]] = ep
             ep.parked, ep.seen = None, 0
         self.ready = wait
+        if lost:  # preempted: fresh pages, the whole history recomputed
+            state = engine.restore(params, state, lost)
         if stale:  # the whole cached history again, under the parameters of this run
             state = engine.refresh(params, state, stale, self._refreshed_pages)
         if items:
             state = engine.resume(params, state, items)
             self.mine.update(it[2] for it in items)
+        return state
+
+    def _resume_pages(self, ep: Episode, obs) -> int:
+        """Pages a parked episode takes to resume with `obs` and run one call ("demand")."""
+        p, e = ep.parked, self.engine.ecfg
+        first = min(p.cached_len + len(obs) + e.steps_per_call, p.cap)
+        return self.engine._pages_for(first) - len(p.pages)
+
+    def _victim(self, shard: int, candidates):
+        """The newest (request admitted last, then highest sample) of candidates (episode, slot
+        or None) on `shard` that holds pages; None if none does."""
+        order = {key: n for n, key in enumerate(self.admitted)}
+        eng = self.engine
+        held = [(ep, s) for ep, s in candidates
+                if (eng.shard_of(s) if s is not None else ep.parked.shard) == shard
+                and (s is not None or not ep.parked.evicted)]  # fmt: skip
+        return max(held, key=lambda x: (order.get(x[0].i, -1), x[0].k), default=None)
+
+    def _preempt(self, state):
+        """Frees pages where the next call lacks them (`Engine.shortfall`), newest first among a
+        shard's sequences: those decoding that the last call read (their tokens exact on the
+        host) and those parked. No call may be in flight."""
+        engine = self.engine
+        while short := engine.shortfall():
+            i = min(short)
+            busy = [(ep, s) for s, ep in self.owner.items() if ep.seen > 0]
+            parked = [(ep, None) for ep in (*self.waiting.values(), *(e for e, _ in self.ready))]
+            victim = self._victim(i, busy + parked)
+            if victim is None:
+                raise OutOfPagesError(
+                    f"shard {i} lacks {short[i]} KV pages for the next decode call and holds no "
+                    "sequence to preempt (pages held from outside this loop?)"
+                )
+            state = self._evict(state, *victim)
+        return state
+
+    def _evict(self, state, ep: Episode, slot):
+        """Preempts an episode: decoding in `slot` (parked mid-turn first, its tokens kept, then
+        first in line to resume) or parked (slot None). Its pages go back to its shard's pool;
+        it is recomputed when it resumes (`_resume_ready`)."""
+        if slot is not None:
+            del self.owner[slot]
+            self._take(ep, self._last, slot)
+            state, (p,) = self.engine.park(state, [slot], [ep.tokens[-1]])
+            self.parked_here.append(p)
+            ep.parked = p
+            self.ready.appendleft((ep, []))
+        self.engine.evict(ep.parked)
         return state
 
     def _history(self, ep: Episode) -> list[int]:
@@ -237,7 +351,9 @@ class EpisodeLoop:
         # Parked episodes first: they hold pages already. A shard where one waits admits nothing.
         waiting = {ep.parked.shard for ep, _ in self.ready}
         free = [0 if i in waiting else len(engine.free_on(i)) for i in range(n)]
-        room = [engine.pools[i].num_free - engine._reserved(i) for i in range(n)]
+        # "demand": a new group leaves the watermark free on a shard where sequences are.
+        room = [engine.room(i) - (engine.watermark if engine.pools[i].num_used else 0)
+                for i in range(n)]  # fmt: skip
         admit, shards = [], []
         while self.pending and self._open is None:
             need = self._req[self.pending[0]][3]
@@ -292,7 +408,7 @@ class EpisodeLoop:
         n = min(g - k0, len(engine.free_on(prefix.shard)))
         slots = engine._take_slots(n, prefix.shard)  # an aligned block for a group, if free
         ks = list(range(k0, k0 + n))
-        turns = [min(self.turn_cap, budget[k]) for k in ks]
+        turns = [min(self._turn_caps[key][k], budget[k]) for k in ks]
         state = engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
                                    samples=ks, keep=k0 + n < g)  # fmt: skip
         self.mine.update(slots)
@@ -315,7 +431,7 @@ class EpisodeLoop:
             left, cached = budget[k0:], len(prompt) - 1
             # The prefix's pages are allocated (its full ones, and the partial last one that the
             # last sample takes): the samples left need the rest of their group's pages.
-            need = self.engine.worst_case_pages(len(prompt), left, len(left))
+            need = self.engine.admission_pages(len(prompt), left, len(left))
             self.engine.promised[self] = need - self.engine._pages_for(cached)
             self.engine.promised_on[self] = prefix.shard
 

@@ -16,6 +16,7 @@ from sampling.page_allocator import group_pages
 from sampling.paged_attention import BACKENDS
 
 WEIGHTS_LAYOUTS = ("tensor", "training")  # EngineConfig.weights_layout
+RESERVES = ("demand", "budget")  # EngineConfig.reserve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,15 @@ class EngineConfig:
     # every step all-reduces every slot's partial sums over fsdp). `Engine.decode_params`.
     weights_layout: str = "tensor"
     prefill_chunk: int = 512  # prompt tokens per prefill pass over the pages; 0: one dense pass
+    # KV pages of an admitted sequence (`sampling.episodes`): "demand" = taken as it grows, the
+    # newest sequence of a shard preempted (its pages freed, recomputed later) when the shard
+    # runs out; "budget" = its whole budget's worst case reserved at admission (never preempted).
+    reserve: str = "demand"
+    kv_watermark: float = 0.01  # "demand": a new admission leaves this fraction of a shard free
+
+    @property
+    def demand(self) -> bool:
+        return self.reserve == "demand"
 
     @property
     def pages_per_seq(self) -> int:
@@ -69,6 +79,11 @@ class EngineConfig:
         if self.weights_layout not in WEIGHTS_LAYOUTS:
             raise ValueError(f"weights_layout={self.weights_layout!r}: must be one of "
                              f"{', '.join(WEIGHTS_LAYOUTS)}")  # fmt: skip
+        if self.reserve not in RESERVES:
+            raise ValueError(f"reserve={self.reserve!r}: must be one of {', '.join(RESERVES)}")
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark={self.kv_watermark}: must be in [0, 1) (a fraction "
+                             "of each shard's pages)")  # fmt: skip
         if self.cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
         return self
@@ -126,6 +141,7 @@ class Parked:
     sample_id: int
     epoch: object = dataclasses.field(default=None, repr=False)
     shard: int = 0  # the batch shard it lives on: it resumes in a slot of that shard
+    evicted: bool = False  # preempted: no pages (empty `pages`) until `Engine.restore`
 
 
 @dataclasses.dataclass

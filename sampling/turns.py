@@ -1,6 +1,7 @@
 """Multi-turn episodes on the engine's slots: `park` (a sequence between two turns gives up its
-slot but keeps its pages, KV and page reservation) and `resume` (only the new tokens are
-prefilled after the cached history, in any free slot), mixed into `sampling.engine.Engine`,
+slot but keeps its pages, KV and page reservation), `resume` (only the new tokens are
+prefilled after the cached history, in any free slot of its shard), `evict` and `restore`
+(preemption: a parked sequence's pages freed, later recomputed over its history), mixed into `sampling.engine.Engine`,
 whose host bookkeeping (`_len`, `_cap`, `_ids`, `_serial`, `_parked`, the page table and the
 allocator) they share; `sampling.episodes` is the loop that uses them.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from sampling import steps
+from sampling.page_allocator import OutOfPagesError
 from sampling.requests import Parked, check_resume
 from sampling.state import DecodeState
 
@@ -40,6 +42,33 @@ class Turns:
         if parked in self._parked:
             self._parked.remove(parked)
             self.pools[parked.shard].free(parked.pages)
+
+    def evict(self, parked: Parked) -> None:
+        """Preemption: frees a parked sequence's pages. It stays parked (ids, lengths, cap), with
+        no KV until `restore` recomputes it. The caller keeps its tokens."""
+        if parked not in self._parked or parked.evicted:
+            raise ValueError("evict needs a parked sequence of this engine that holds its pages")
+        self.pools[parked.shard].free(parked.pages)
+        parked.pages, parked.evicted = [], True
+        self.preemptions += 1
+
+    def restore(self, params, state, items) -> DecodeState:
+        """Recomputes evicted sequences: items are (parked, history) as for `refresh`. Each gets
+        fresh pages for its cached_len tokens on its shard (all or nothing), which one chunked
+        prefill over the whole history fills under `params`; then it is parked as before
+        eviction (`resume` continues it)."""
+        for p, history in items:
+            if p not in self._parked or not p.evicted or len(history) - 1 != p.cached_len:
+                raise ValueError("restore needs an evicted sequence and its whole history")
+        for i in {p.shard for p, _ in items}:
+            need = sum(self._pages_for(p.cached_len) for p, _ in items if p.shard == i)
+            if need > self.pools[i].num_free:
+                raise OutOfPagesError(f"restore needs {need} KV pages on shard {i}, "
+                                      f"{self.pools[i].num_free} are free")  # fmt: skip
+        for p, _ in items:
+            p.pages, p.evicted = self.pools[p.shard].alloc(self._pages_for(p.cached_len)), False
+            self.recomputed_tokens += p.cached_len
+        return self.refresh(params, state, items, fresh=set())  # its own pages: none shared
 
     def refresh(self, params, state, items, fresh: set | None = None) -> DecodeState:
         """Recomputes the KV of parked sequences under `params`: items are (parked, history),
@@ -113,9 +142,18 @@ class Turns:
             raise ValueError(f"slot(s) {moved} are not on their parked sequence's shard: a "
                              "sequence resumes on the shard that holds its pages")  # fmt: skip
         seqs = [[p.last_token, *new] for p, new, _, _ in items]
-        for (p, *_), seq in zip(items, seqs):  # within the reservation: cannot run out
-            more = self._pages_for(p.cached_len + len(seq) - 1) - len(p.pages)
-            p.pages = p.pages + self.pools[p.shard].alloc(max(more, 0))  # a page ahead, maybe
+        evicted = [p for p, *_ in items if p.evicted]
+        if evicted:
+            raise ValueError("an evicted sequence resumes after `restore`")
+        more = [max(self._pages_for(p.cached_len + len(q) - 1) - len(p.pages), 0)
+                for (p, *_), q in zip(items, seqs)]  # fmt: skip
+        for i in {p.shard for p, *_ in items}:  # "budget": within the reservation
+            need = sum(m for (p, *_), m in zip(items, more) if p.shard == i)
+            if need > self.pools[i].num_free:
+                raise OutOfPagesError(f"resume needs {need} KV pages on shard {i}, "
+                                      f"{self.pools[i].num_free} are free")  # fmt: skip
+        for (p, *_), m in zip(items, more):
+            p.pages = p.pages + self.pools[p.shard].alloc(m)  # a page ahead, maybe
         state = self._prefill_pages(
             params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
         )

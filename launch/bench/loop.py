@@ -16,7 +16,9 @@ x 8 samples, prompts of 64 tokens, temperature 1, no top-k / top-p, KL β 0.04.
   slot from the start, both would wait for the longest sequence alone.
 
 Each key is the median of `--reps` iterations after a warm-up iteration (compilation).
-With `--partial_rollouts` (and `--lengths skewed`) the command runs partial.py instead.
+With `--partial_rollouts` (and `--lengths skewed`) the command runs partial.py instead, and with
+`--num_slots` / `--num_pages` (and `--lengths skewed`) capacity.py: KV pages on demand against
+budget reservation, each sample admitted with a 512-token budget.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import statistics
 
 import jax
 
-from launch.bench import partial
+from launch.bench import capacity, partial
 from launch.bench.common import finish, integer, one_of, parse, parser
 from launch.bench.iteration import Loop
 
@@ -76,7 +78,20 @@ def main(argv) -> int:
                    help="--partial_rollouts: groups in flight beyond B (default B)")  # fmt: skip
     p.add_argument("--max_staleness", type=integer(0), default=4,
                    help="--partial_rollouts: eta")  # fmt: skip
+    p.add_argument("--num_slots", type=integer(), default=None,
+                   help="--lengths skewed: compare sampling.reserve demand / budget on this many "
+                        "slots (capacity.py; default 32)")  # fmt: skip
+    p.add_argument("--num_pages", type=integer(2), default=None,
+                   help="--lengths skewed: ... and a pool of this many pages (default: 8 "
+                        "sequences' whole budget + the null page)")  # fmt: skip
     args = parse(p, argv)
+    if args.num_slots is not None or args.num_pages is not None:
+        if args.lengths != "skewed" or args.partial_rollouts:
+            p.error("--num_slots / --num_pages: the capacity comparison needs --lengths=skewed "
+                    "and no --partial_rollouts")  # fmt: skip
+        args.steps_per_call = args.steps_per_call or 8
+        r = capacity.bench_capacity(args)
+        return finish(args, r, capacity.table(r))
     if args.steps_per_call is None:
         args.steps_per_call = 4 if args.partial_rollouts else 32
     if not args.partial_rollouts:

@@ -20,7 +20,7 @@ CHOICES = {
     "policy_loss": "cispo", "kl_estimator": "k2", "kl_in": "reward",
     "aggregation": "seq_mean_token_sum", "is_correction": "tis", "is_level": "sequence",
     "old_logp": "sampler", "backend": "blockwise", "cache_dtype": "bfloat16", "stop_ids": (61, 62),
-    "weights_dtype": "float32", "weights_layout": "training",
+    "weights_dtype": "float32", "weights_layout": "training", "reserve": "budget",
 }  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 goes in as soon as one slot is free, its prompt prefilled once, the samples that do not fit yet
 inserted as slots free up (the prefix kept live between inserts), with per-sample budgets, the
 worst-case pages of the samples not inserted promised at the engine, and the same tokens as each
-request decoded alone."""
+request decoded alone. Under reserve="budget", whose promises (each sample's worst case) these
+tests count: "demand" promises only a first call's pages (tests/sampling/test_preemption.py)."""
 
 import dataclasses
 
@@ -13,7 +14,10 @@ from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.episodes import EpisodeLoop
 from sampling.page_allocator import group_pages
-from tests.conftest import CFG, ECFG, random_prompts
+from tests.conftest import CFG, random_prompts
+from tests.conftest import ECFG as BASE
+
+ECFG = dataclasses.replace(BASE, reserve="budget")
 
 SAMPLED = SamplingParams(temperature=1.0)
 PROMPTS = random_prompts([13, 9, 17, 5], seed=11)  # 12, 8, 16, 4 cached: partial last pages too
