@@ -32,12 +32,12 @@ as done only once it is done on every process (`sampling.agreement`), and enviro
 every process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
-Admission: a group goes in once a slot is free and its shard's pool holds what
+Admission: a group goes in once a slot of a shard is free and that shard's pool holds what
 `Engine.admission_pages` sets aside: under `EngineConfig.reserve="budget"` its worst-case pages
 (a running episode never runs out), under "demand" those of its prompt and first call, with the
 `kv_watermark` to spare. Its prompt is prefilled once; samples that find no slot yet go in as
-slots free up, before anything new, their pages promised at the engine meanwhile
-(`Engine.promised`). A stop keeps the prefix of such a group; with `refresh` its prompt is
+slots of its shard free up, before anything new there (other shards go on admitting whole
+groups), their pages promised at the engine meanwhile (`Engine.promised`). A stop keeps the prefix of such a group; with `refresh` its prompt is
 recomputed under the new parameters before use.
 
 Preemption ("demand"): before a decode call, a shard that cannot give every slot the pages of
@@ -355,9 +355,12 @@ class EpisodeLoop:
         room = [engine.room(i) - (engine.watermark if engine.pools[i].num_used else 0)
                 for i in range(n)]  # fmt: skip
         admit, shards = [], []
-        while self.pending and self._open is None:
+        # A group partly in waits for slots of its own shard; other shards admit whole groups.
+        held = None if self._open is None else self._open[2].shard
+        while self.pending:
             need = self._req[self.pending[0]][3]
-            fits = [i for i in range(n) if free[i] > 0 and room[i] >= need]
+            fits = [i for i in range(n) if free[i] > 0 and room[i] >= need
+                    and (held is None or (i != held and free[i] >= g))]  # fmt: skip
             if not fits:
                 break
             best = max(fits, key=lambda i: (room[i], -i))
@@ -387,14 +390,14 @@ class EpisodeLoop:
                 params, state, [self._req[k][0] for k in admit], shards
             )
         todo = [(key, 0, x, self.version) for key, x in zip(admit, self.prefixes if admit else [])]
-        if self._open is not None:  # first
+        if open_free:  # first
             key, k, prefix, kv = self._open
             if self._refresh and kv != self.version:  # its prompt under this run's parameters
                 state = engine.refresh_prefix(params, state, prefix, self._req[key][0],
                                               self._refreshed_pages)  # fmt: skip
                 kv = self.version
             todo.insert(0, (key, k, prefix, kv))
-        self._set_open(None)
+            self._set_open(None)  # set again by its insert if slots are still short
         for key, k, prefix, kv in todo:
             if k == 0:
                 self.admitted[key] = self.version
@@ -513,7 +516,7 @@ class EpisodeLoop:
             engine._free_host(s)
         for p in self.parked_here:  # a no-op for those already resumed or dropped
             engine.drop(p)
-        for x in self.prefixes:  # the open group's prefix among them
+        for x in [*self.prefixes, *([self._open[2]] if self._open else [])]:
             if not x.consumed and x.epoch is engine._epoch:
                 engine.pools[x.shard].free(x.pages)
                 x.consumed = True

@@ -159,3 +159,28 @@ def test_placement_balances_the_shards_pages(one_device):
     loop.run(params, engine.init_state(), seed=1)
     assert loop.idle and all(c is not None for r in loop.results.values() for c in r)
     assert spreads and max(spreads) <= max(need), spreads
+
+
+def test_a_group_partly_in_does_not_stall_the_other_shards(one_device):
+    """G = 3 on 4 shards of 4 slots: the fifth group goes in partly (one slot of shard 0, whose
+    first group decodes long), and while it waits for shard 0's slots a later group is admitted
+    whole on a shard that emptied."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    graphdef, host = one_device
+    params = jax.device_put(host, state_shardings(abstract_model(CFG)[1], mesh, DEFAULT_RULES))
+    engine = Engine(CFG, graphdef, ECFG, SamplingParams(0.0), mesh=mesh)
+    prompts = random_prompts([9] * 7, seed=3)  # equal needs: ties go by shard index
+    budgets = [20, 2, 20, 20, 20, 4, 4]  # group 1 (shard 1) ends first
+    loop = EpisodeLoop(engine, 3)
+    loop.add(prompts, budgets)
+    events, prefill = [], engine.prefill_many
+
+    def prefill_many(params, state, prompts, shards=None):
+        events.append((None if loop._open is None else loop._open[2].shard, list(shards)))
+        return prefill(params, state, prompts, shards)
+
+    engine.prefill_many = prefill_many
+    loop.run(params, engine.init_state(), seed=1)
+    assert loop.idle and all(c is not None for r in loop.results.values() for c in r)
+    assert events[0] == (None, [0, 1, 2, 3, 0])  # the fifth partly on shard 0
+    assert any(held is not None and held not in shards for held, shards in events[1:]), events
