@@ -73,7 +73,10 @@ TINY = [
 ]  # fmt: skip
 
 
-STEPS = 30  # a step takes ~0.3 s once compiled: long enough for five kills to land mid-run
+# A step takes ~0.3 s once compiled. Five kills advance the killed run by about one committed step
+# each (they wait for a commit, or land in start-up): 12 steps leave room for all of them to land
+# mid-run (30 before: the extra steps cost three runs ~18 steps each and tested nothing more).
+STEPS = 12
 
 
 def _cmd(workdir, *extra):
