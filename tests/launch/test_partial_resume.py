@@ -15,7 +15,9 @@ from tests.conftest import ROOT, train_metrics
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses, killed and resumed
 
-STEPS = 16
+# Two checkpoint cycles: the kill lands in the second, after step 4 committed (16 steps before:
+# carried episodes, off-policy tokens and replacements all show within the first 8).
+STEPS = 8
 ARGS = [
     f"--config.num_steps={STEPS}", "--config.data.prompts_per_step=4",
     "--config.rl.num_generations=4", "--config.rl.partial_rollouts=True",
