@@ -154,6 +154,14 @@ def _release(state, slots, layout):
     return _constrain(state, layout)
 
 
+def _write_at(row, col, value, write):
+    """row [M] with row[col] = value where `write` (one slot; vmapped over the slots). A
+    per-row update, not a scatter at [rows, col]: GSPMD keeps it on the device that holds the
+    slot, where a scatter gathered every slot's indices and values per step."""
+    old = jax.lax.dynamic_index_in_dim(row, col, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(row, jnp.where(write, value, old), col, 0)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10, 11), donate_argnums=2)
 def generate(
     graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group,
@@ -161,7 +169,6 @@ def generate(
 ):  # fmt: skip
     model = nnx.merge(graphdef, params)
     is_stop_id = banned_stop_ids(jnp.array(True), stop_ids, model.cfg.vocab_size)  # [V]
-    rows = jnp.arange(state.lengths.shape[0])
     m = state.tokens.shape[1]
 
     def key_of(req, g, pos):
@@ -192,8 +199,8 @@ def generate(
             active=a & ~hit_stop & (n < s.max_new),
             num_generated=n,
             stopped=s.stopped | hit_stop,
-            tokens=s.tokens.at[rows, col].set(jnp.where(a, tok, s.tokens[rows, col])),
-            logprobs=s.logprobs.at[rows, col].set(jnp.where(a, tok_lp, s.logprobs[rows, col])),
+            tokens=jax.vmap(_write_at)(s.tokens, col, tok, a),
+            logprobs=jax.vmap(_write_at)(s.logprobs, col, tok_lp, a),
         )
         return _constrain(s, layout)
 

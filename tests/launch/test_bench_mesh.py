@@ -9,8 +9,6 @@ and every step all-reduced partial sums of all slots (the logits [B, V] among th
 figures are kept in docs/bench/*_d91e85b_baseline.json."""
 
 import json
-import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +42,6 @@ def bench(tmp_path_factory):
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
     return _run(tmp_path_factory, "fsdp8", "training")
-
-
-def _elements(array: str) -> int:
-    """Elements of an all_slot_shapes entry, e.g. 'all-gather s32[24,2]' -> 48."""
-    return math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", array).group(1).split(",") if d)
 
 
 def test_bench_mesh_json(bench):
@@ -86,13 +79,13 @@ def test_bench_mesh_json(bench):
     assert one["per_step"]["total"]["count"] == 0 and one["all_slot_bytes"] == 0
     for name in ("fsdp8", "fsdp4xtensor2"):
         row = rows[name]
-        # Each device computes its own slots' rows: no partial sums or logits of all slots. What
-        # is left of the total slot count are each slot's sampled token and log-prob written
-        # into the [B, max_new] buffers (GSPMD gathers the scatter's [B, 2] indices and [B]
-        # values): at most 2 x B elements an array.
-        arrays = {a["array"] for a in row["all_slot_shapes"]}
-        assert arrays and all(_elements(a) <= 2 * SLOTS for a in arrays), (name, arrays)
-        assert row["all_slot_bytes"] <= 16 * 8 * SLOTS, name
+        # Each device computes its own slots' rows: no partial sums or logits of all slots, and
+        # each slot's sampled token and log-prob is written into the [B, max_new] buffers where
+        # the slot lies (no scatter gathering every slot's indices): no array of the total slot
+        # count crosses devices. What a step still sends are the loop test's `active.any()`
+        # (1 byte) and, at tensor=2, the head-split attention's partial sums of its own slots.
+        assert row["all_slot_shapes"] == [] and row["all_slot_bytes"] == 0, name
+    assert rows["fsdp8"]["per_step"]["total"] == {"count": 1, "bytes": 1}
 
 
 def test_bench_mesh_per_rollout(bench, training):
