@@ -401,7 +401,7 @@ class Engine(Turns):
         return steps.insert(
             state, np.asarray(slots, np.int32), samples, np.int32(prefix.cached_len),
             np.int32(prefix.last_token), np.int32(request_id), max_new, np.int32(shared), src,
-            dst, self.layout, prefix.shard, self.num_shards,
+            dst, self.layout, prefix.shard, self.num_shards, e.min_new_tokens,
         )  # fmt: skip
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -437,7 +437,7 @@ class Engine(Turns):
             state = state.replace(page_indices=table)
         state, out = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            e.min_new_tokens, self.backend, root_key, self.layout, self._cascade_group(),
+            self.backend, root_key, self.layout, self._cascade_group(),
             e.interpret,
         )  # fmt: skip
         self._uploaded = uploaded  # only once the call took the table
@@ -485,6 +485,11 @@ class Engine(Turns):
     def room(self, shard: int) -> int:
         """Pages of a shard's pool free and not reserved (`_reserved`)."""
         return self.pools[shard].num_free - self._reserved(shard)
+
+    def headroom(self, shard: int) -> int:
+        """`room` less the pages the shard's busy slots take at the next call (`growth`)."""
+        grow = sum(max(n, 0) for s, (_, n) in self.growth().items() if self.shard_of(s) == shard)
+        return self.room(shard) - grow
 
     @property
     def watermark(self) -> int:

@@ -110,6 +110,15 @@ class EpisodeLoop:
         engine = self.engine
         budget, ids, _ = check_requests(engine.ecfg, prompts, self.g, max_new_tokens, request_ids)
         need = [engine.admission_pages(len(p), b, self.g) for p, b in zip(prompts, budget)]
+        if engine.ecfg.demand:  # preempted down to one sample, a request must still go on
+            pool = engine.pages_per_shard - 1
+            for n, (p, b) in enumerate(zip(prompts, budget)):
+                one = max(engine.worst_case_pages(len(p), m, 1) for m in b)
+                if one > pool:
+                    raise ValueError(
+                        f"request {n}: one sample may hold {one} KV pages, more than a shard's "
+                        f"pool ({pool} pages); raise num_pages"
+                    )
         if max_turn_tokens is None:
             caps = [[self.turn_cap] * self.g] * len(prompts)
         elif len(max_turn_tokens) != len(prompts):
@@ -252,15 +261,16 @@ class EpisodeLoop:
                 continue
             if engine.ecfg.demand:
                 need = self._resume_pages(ep, obs)
-                while engine.room(p.shard) - planned[p.shard] < need and not any(
-                    engine.shard_of(s) == p.shard for s in self.owner
-                ):  # nothing decodes there to end and free pages: newer parked ones give way
+                idle = not any(engine.shard_of(s) == p.shard for s in self.owner)
+                while idle and engine.headroom(p.shard) - planned[p.shard] < need:
+                    # nothing decodes there to end and free pages: newer parked ones give way
                     others = [e for e, _ in (*wait, *self.ready)] + list(self.waiting.values())
-                    other = self._victim(p.shard, [(e, None) for e in others if e is not ep])
+                    other = self._victim(p.shard, [(e, None) for e in others
+                                                   if self._newer(e, ep)])  # fmt: skip
                     if other is None:
                         break
                     state = self._evict(state, *other)
-                if engine.room(p.shard) - planned[p.shard] < need:  # as the shard's ones end
+                if engine.headroom(p.shard) - planned[p.shard] < need:  # as the shard's ones end
                     wait.append((ep, obs))
                     continue
                 planned[p.shard] += need
@@ -285,7 +295,12 @@ class EpisodeLoop:
         if stale:  # the whole cached history again, under the parameters of this run
             state = engine.refresh(params, state, stale, self._refreshed_pages)
         if items:
-            state = engine.resume(params, state, items)
+            # A turn resumed mid-way (a stop, a preemption) bans stop ids only for what is left
+            # of min_new_tokens: as one uninterrupted turn.
+            left = [
+                max(0, engine.ecfg.min_new_tokens - self.owner[s].turn_len) for *_, s, _ in items
+            ]
+            state = engine.resume(params, state, items, left)
             self.mine.update(it[2] for it in items)
         return state
 
@@ -294,6 +309,11 @@ class EpisodeLoop:
         p, e = ep.parked, self.engine.ecfg
         first = min(p.cached_len + len(obs) + e.steps_per_call, p.cap)
         return self.engine._pages_for(first) - len(p.pages)
+
+    def _newer(self, a: Episode, b: Episode) -> bool:
+        """Episode a was admitted after b (its request later, or a higher sample of b's)."""
+        order = {key: n for n, key in enumerate(self.admitted)}
+        return (order.get(a.i, -1), a.k) > (order.get(b.i, -1), b.k)
 
     def _victim(self, shard: int, candidates):
         """The newest (request admitted last, then highest sample) of candidates (episode, slot
@@ -351,8 +371,9 @@ class EpisodeLoop:
         # Parked episodes first: they hold pages already. A shard where one waits admits nothing.
         waiting = {ep.parked.shard for ep, _ in self.ready}
         free = [0 if i in waiting else len(engine.free_on(i)) for i in range(n)]
-        # "demand": a new group leaves the watermark free on a shard where sequences are.
-        room = [engine.room(i) - (engine.watermark if engine.pools[i].num_used else 0)
+        # "demand": a new group leaves the pages of the busy slots' next call, and the
+        # watermark, free on a shard where sequences are.
+        room = [engine.headroom(i) - (engine.watermark if engine.pools[i].num_used else 0)
                 for i in range(n)]  # fmt: skip
         admit, shards = [], []
         # A group partly in waits for slots of its own shard; other shards admit whole groups.
@@ -370,10 +391,10 @@ class EpisodeLoop:
             free[best] -= g
             if free[best] < 0:  # only the last group admitted may go in partly
                 break
-        if self.ready and not admit:
+        open_free = self._open is not None and engine.free_on(self._open[2].shard)
+        if self.ready and not (admit or open_free):
             return state
         slots_free, pages_free = len(engine.free_slots), max(room)
-        open_free = self._open is not None and engine.free_on(self._open[2].shard)
         blocked = self.pending if self._open is None else not open_free
         if blocked and not (admit or self.owner or self.waiting or self.ready):
             key = self._open[0] if self._open else self.pending[0]

@@ -30,7 +30,7 @@ def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] |
     with lowering_for(platforms):
         return steps.generate.trace(
             engine.graphdef, decode, _abstract_state(engine), engine.sampling,
-            e.steps_per_call, tuple(e.stop_ids), e.min_new_tokens, engine.backend,
+            e.steps_per_call, tuple(e.stop_ids), engine.backend,
             jax.random.key(0), engine.layout, engine._cascade_group(), e.interpret,
         ).lower(lowering_platforms=platforms)  # fmt: skip
 

@@ -262,8 +262,8 @@ def check_requests(ecfg: EngineConfig, prompts, g: int, max_new_tokens, request_
     for prompt in prompts:
         check_prompt(ecfg, prompt)
     need = [group_pages(len(p), m, ecfg.page_size, g) for p, m in zip(prompts, max_new)]
-    for i, pages in enumerate(need):
-        if pages > ecfg.num_pages - 1:
+    for i, pages in enumerate(need):  # "demand": one sample's (`EpisodeLoop.add`, per shard)
+        if not ecfg.demand and pages > ecfg.num_pages - 1:
             raise ValueError(
                 f"request {i} needs {pages} KV pages, more than the pool ({ecfg.num_pages - 1}); "
                 "raise num_pages"

@@ -64,6 +64,7 @@ class DecodeState:
     active: jax.Array  # bool [B] still generating
     num_generated: jax.Array  # int32 [B]
     max_new: jax.Array  # int32 [B] per-request max_new_tokens (<= M)
+    min_new: jax.Array  # int32 [B] stop ids banned while num_generated < min_new (this stint)
     request_id: jax.Array  # int32 [B] the PRNG stream: fold_in(fold_in(root, request), sample)
     sample_id: jax.Array  # int32 [B] g in 0..G-1 within the request's group
     shared_len: jax.Array  # int32 [B] prompt tokens shared with its aligned slot block (cascade)
@@ -88,6 +89,7 @@ class DecodeState:
             active=jnp.zeros((b,), bool),
             num_generated=i32(b),
             max_new=i32(b),
+            min_new=i32(b),
             request_id=i32(b),
             sample_id=i32(b),
             shared_len=i32(b),

@@ -95,10 +95,10 @@ def _put(slots, x, value):
 
 def insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
-    copy_dst, layout, shard=0, num_shards=1,
+    copy_dst, layout, shard=0, num_shards=1, min_new=0,
 ):  # fmt: skip
     """Resets slots int32[G] for one request (samples sample_ids int32[G], budgets max_new: one
-    int32 or int32[G]); copies pages copy_src -> copy_dst int32[C] of shard `shard`'s pool (of
+    int32 or int32[G]; stop ids banned for the first min_new tokens, one or [G]); copies pages copy_src -> copy_dst int32[C] of shard `shard`'s pool (of
     `num_shards`; local ids). G and C are padded to `bucket_slots`: padded slots are out of
     range (their writes dropped), padded copies (0, 0), the null page onto itself; the other
     shards' C copies are all padding."""
@@ -109,13 +109,14 @@ def insert(
     return _insert(
         state, _pad(slots, n, out), _pad(sample_ids, n), cached_len, last_token, request_id,
         _pad(max_new, n), shared, per_shard(copy_src), per_shard(copy_dst), layout,
+        _pad(np.broadcast_to(np.asarray(min_new, np.int32), (len(slots),)), n),
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=10, donate_argnums=0)
 def _insert(
     state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
-    copy_dst, layout,
+    copy_dst, layout, min_new,
 ):  # fmt: skip
     # Unused copy entries are (0, 0): the null page copied onto itself. On a mesh shard i's
     # copies are rows [i*C, (i+1)*C) of copy_src / copy_dst, in its local page ids.
@@ -132,6 +133,7 @@ def _insert(
         active=put(state.active, True),
         num_generated=put(state.num_generated, 0),
         max_new=put(state.max_new, max_new),
+        min_new=put(state.min_new, min_new),
         request_id=put(state.request_id, request_id),
         sample_id=put(state.sample_id, sample_ids),
         shared_len=put(state.shared_len, shared),
@@ -162,9 +164,9 @@ def _write_at(row, col, value, write):
     return jax.lax.dynamic_update_index_in_dim(row, jnp.where(write, value, old), col, 0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7, 9, 10, 11), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9, 10), donate_argnums=2)
 def generate(
-    graphdef, params, state, sampling, num_steps, stop_ids, min_new, backend, root, layout, group,
+    graphdef, params, state, sampling, num_steps, stop_ids, backend, root, layout, group,
     interpret=False,
 ):  # fmt: skip
     model = nnx.merge(graphdef, params)
@@ -181,7 +183,7 @@ def generate(
         )  # fmt: skip
         logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
         logits = logits[:, 0]  # f32 [B,V]
-        banned = banned_stop_ids(s.num_generated < min_new, stop_ids, logits.shape[-1])
+        banned = banned_stop_ids(s.num_generated < s.min_new, stop_ids, logits.shape[-1])
         keys = None
         if sampling.temperature > 0:
             # Keyed by the cache position of the fed token: unique over an episode's turns.

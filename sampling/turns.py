@@ -124,8 +124,10 @@ class Turns:
         )
         return state
 
-    def resume(self, params, state, items) -> DecodeState:
-        """Continues parked sequences: items are (parked, new_tokens, slot, max_new). The
+    def resume(self, params, state, items, min_new=None) -> DecodeState:
+        """Continues parked sequences: items are (parked, new_tokens, slot, max_new); min_new
+        per item (default the config's min_new_tokens): stop ids banned for its first min_new
+        tokens (a turn resumed mid-way bans only what is left of its count). The
         parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after
         its cached history (one batched call), and new_tokens[-1] is fed by the next decode
         step; only these tokens are computed, never the history. The slots must be idle."""
@@ -157,7 +159,9 @@ class Turns:
         state = self._prefill_pages(
             params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
         )
-        for (p, _, s, max_new), seq in zip(items, seqs):
+        if min_new is None:
+            min_new = [self.ecfg.min_new_tokens] * len(items)
+        for (p, _, s, max_new), seq, banned in zip(items, seqs, min_new, strict=True):
             self._parked.remove(p)
             self.free_slots.remove(s)
             self.table.set_row(s, p.pages)
@@ -169,6 +173,6 @@ class Turns:
                 state, np.array([s], np.int32), np.array([p.sample_id], np.int32),
                 np.int32(self._len[s]), np.int32(seq[-1]), np.int32(p.request_id),
                 np.int32(max_new), np.int32(0), np.zeros(0, np.int32), np.zeros(0, np.int32),
-                self.layout,
+                self.layout, min_new=int(banned),
             )  # fmt: skip
         return state

@@ -92,7 +92,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     # (b) the compiled programs take the parameters in their own shardings, so calling them
     #     moves no parameter bytes (a mismatch would make jit reshard, i.e. copy, per call);
     lowered_args = [
-        (steps_lib.generate, (graphdef, params, state, sampling, 4, (), 0, "reference",
+        (steps_lib.generate, (graphdef, params, state, sampling, 4, (), "reference",
                                 jax.random.key(0), engine.layout, engine.group)),
         # One prefill row per shard: rows come laid out by shard (`Engine._prefill_pages`).
         (steps_lib.prefill, (graphdef, params, state, np.zeros((4, 16), np.int32),

@@ -164,3 +164,60 @@ def test_a_carried_sequence_preempted_is_recomputed_under_the_new_parameters(
     got = _run(engine, (host, new), stop_after=3, evict_carried=True)
     assert engine.recomputed_tokens > 0
     _close(got, want)
+
+
+def test_stops_every_few_calls_with_preemptions(one_device, reference):
+    """Partial-rollout stops every 5 decode calls (same parameters) on the tight pool: every
+    carried episode resumes at once at the next run, and new groups are admitted beside them
+    only into what their first calls leave; the tokens are the uninterrupted run's."""
+    temperature, want = reference
+    engine, params = _engine(one_device, {}, temperature, reserve="demand",
+                             num_pages=SLOTS * FULL // 2 + 1)  # fmt: skip
+    loop = EpisodeLoop(engine, G, respond=_respond(), max_turn_tokens=TURN)
+    loop.add(PROMPTS, BUDGETS)
+    calls = collections.Counter()
+    dispatch = engine.dispatch
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return dispatch(*a, **kw)
+
+    engine.dispatch = counted
+    state, runs = engine.init_state(), 0
+    while not loop.idle:
+        stop = calls["n"] + 5
+        state = loop.run(params, state, seed=7, until=lambda stop=stop: calls["n"] >= stop)
+        runs += 1
+    assert runs > 3 and engine.preemptions > 0 and engine.allocator.num_used == 0
+    _close(_flat(loop), want)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_min_new_tokens_count_over_a_preemption(one_device, temperature):
+    """min_new_tokens = 6 with a third of the vocabulary as stop ids, single turn: a sequence
+    preempted mid-turn resumes banning only what is left of its 6, as one uninterrupted turn."""
+    stops = tuple(range(1, CFG.vocab_size, 12))
+    kw = dict(stop_ids=stops, min_new_tokens=6)
+    engine, params = _engine(one_device, {}, temperature, **kw)
+    want = _single_turn(engine, params)
+    assert min(len(t) for t in want[0]) < 20  # the stop ids end some sequences early
+    engine, params = _engine(one_device, {}, temperature, reserve="demand", num_pages=FULL + 3,
+                             **kw)  # fmt: skip
+    _close(_single_turn(engine, params), want)
+    assert engine.preemptions > 0
+
+
+def _single_turn(engine, params):
+    loop = EpisodeLoop(engine, G)
+    loop.add(PROMPTS, [ECFG.max_new_tokens] * len(PROMPTS))
+    loop.run(params, engine.init_state(), seed=7)
+    assert loop.idle and engine.allocator.num_used == 0
+    return _flat(loop)
+
+
+def test_a_pool_smaller_than_one_sample_is_refused(one_device):
+    engine, _ = _engine(one_device, {}, 0.0, reserve="demand", num_pages=FULL)
+    loop = EpisodeLoop(engine, G)
+    with pytest.raises(ValueError, match=f"one sample may hold {FULL} KV pages, more than a "
+                                          f"shard's pool \\({FULL - 1} pages\\)"):  # fmt: skip
+        loop.add(PROMPTS, BUDGETS)

@@ -88,10 +88,10 @@ def _sharded_run(mesh_shape, params_one, temperature, refresh):
         shards[request_id] |= {prefix.shard, *map(engine.shard_of, slots)}
         return insert(state, prefix, slots, request_id, *a, **kw)
 
-    def resume_(params, state, items):
+    def resume_(params, state, items, *a):
         for p, _, slot, _ in items:
             shards[p.request_id] |= {p.shard, engine.shard_of(slot)}
-        return resume(params, state, items)
+        return resume(params, state, items, *a)
 
     engine.bulk_insert, engine.resume = bulk_insert, resume_
     loop = EpisodeLoop(engine, G, respond=_respond(), max_turn_tokens=TURN)
