@@ -71,19 +71,24 @@ def _engine(params_one, mesh_shape, temperature, **changes):
     return Engine(CFG, graphdef, ecfg, SamplingParams(temperature), mesh=mesh), params
 
 
-def _run(engine, params, stop_after=None, versions=(0,), evict_carried=False, refresh=False):
-    """The workload, in one run, or stopped after `stop_after` decode calls and finished by a
-    run under versions[1]'s parameters (params[1])."""
-    loop = EpisodeLoop(engine, G, respond=_respond(), max_turn_tokens=TURN)
-    loop.add(PROMPTS, BUDGETS)
-    calls = collections.Counter()
-    dispatch = engine.dispatch
+def _count_calls(engine) -> collections.Counter:
+    """calls["n"]: the engine's decode calls dispatched from now on."""
+    calls, dispatch = collections.Counter(), engine.dispatch
 
     def counted(*a, **kw):
         calls["n"] += 1
         return dispatch(*a, **kw)
 
     engine.dispatch = counted
+    return calls
+
+
+def _run(engine, params, stop_after=None, versions=(0,), evict_carried=False, refresh=False):
+    """The workload, in one run, or stopped after `stop_after` decode calls and finished by a
+    run under versions[1]'s parameters (params[1])."""
+    loop = EpisodeLoop(engine, G, respond=_respond(), max_turn_tokens=TURN)
+    loop.add(PROMPTS, BUDGETS)
+    calls = _count_calls(engine)
     until = None if stop_after is None else (lambda: calls["n"] >= stop_after)
     state = loop.run(params[0], engine.init_state(), seed=7, until=until)
     if stop_after is not None:
@@ -175,14 +180,7 @@ def test_stops_every_few_calls_with_preemptions(one_device, reference):
                              num_pages=SLOTS * FULL // 2 + 1)  # fmt: skip
     loop = EpisodeLoop(engine, G, respond=_respond(), max_turn_tokens=TURN)
     loop.add(PROMPTS, BUDGETS)
-    calls = collections.Counter()
-    dispatch = engine.dispatch
-
-    def counted(*a, **kw):
-        calls["n"] += 1
-        return dispatch(*a, **kw)
-
-    engine.dispatch = counted
+    calls = _count_calls(engine)
     state, runs = engine.init_state(), 0
     while not loop.idle:
         stop = calls["n"] + 5
