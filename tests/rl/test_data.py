@@ -3,6 +3,7 @@
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 from configs import default
@@ -29,6 +30,21 @@ def test_arithmetic_records():
         assert r["answer"] == str(eval(r["prompt"][:-1]))
         assert set(r["prompt"] + r["answer"]) <= set(ARITHMETIC_ALPHABET)
     assert any(r["answer"].startswith("-") for r in records)
+
+
+@pytest.mark.parametrize(
+    "digits,ops,split", [(1, "+", "train"), (2, "*", "eval"), (12, "-", "train")]
+)
+def test_one_operator_records_are_the_record_by_record_stream(digits, ops, split):
+    """One operator takes the batched draw (rl/tasks.py `_draws`): the same records as drawing two
+    operands and an operator index per record, rejecting the other split's prompts."""
+    rng, want = np.random.default_rng(5), []
+    while len(want) < 300:
+        a, b = (int(x) for x in rng.integers(0, 10**digits, size=2))
+        op = ops[int(rng.integers(len(ops)))]
+        if is_heldout(f"{a}{op}{b}=", 0.3) == (split == "eval"):
+            want.append({"prompt": f"{a}{op}{b}=", "answer": str(eval(f"{a}{op}{b}"))})
+    assert arithmetic_records(5, 300, digits, ops, split, eval_fraction=0.3) == want
 
 
 def test_warm_start_tokenizer_encodes_every_op():
