@@ -1,0 +1,496 @@
+"""Container images without a daemon: an OCI image layout directory, or a `docker save` tarball,
+unpacked into a root filesystem that the `repo` environment's sandbox uses as an episode's root
+(rl/envs/repo_images.py). No network, no Docker.
+
+    info = unpack(src, out)     # {"digest", "rootfs", "config", "names", ...}; a second call is free
+    name_dir(out, "org/img:tag")  # out/org_img_tag, a link to out/sha256-<hex>
+
+Layout of `out`: `sha256-<hex>/rootfs/` (the image's files) and `sha256-<hex>/image.json` (the
+digest, the image config's Env / WorkingDir / User / Cmd, the names), written last: a directory
+without it is an unpack that did not finish and is redone. `<hex>` is the manifest's digest (an
+OCI layout, or a `docker save` of Docker 25+, which carries one), or for a legacy `docker save`
+(manifest.json only) the image id, the config's digest (it lists every layer's diff_id). Each
+name of the image (OCI `org.opencontainers.image.ref.name`, docker `RepoTags`, `--name`) gets a
+symlink `out/<name with / and : replaced by _>` to it. An unpack works in `out/.tmp-*` and is
+renamed into place: two processes unpacking the same image at once both succeed.
+
+Layers are applied in order (gzip or uncompressed tar; a zstd layer is refused), as the OCI image
+spec's changeset rules say: `.wh.<name>` deletes `<name>` from the layers below, `.wh..wh..opq`
+empties its directory of what the layers below put there; a file replaces whatever was at its
+path. Hard links and symlinks are kept, symlinks verbatim, absolute ones included (they resolve
+inside the sandbox's root, where the rootfs is `/`); device nodes are skipped, FIFOs made,
+setuid/setgid bits dropped (the sandbox's programs never gain privileges), ownership kept when we
+are root and left to us otherwise, modification times kept (the image's .pyc files stay valid).
+Directory modes are applied at the end, so a read-only directory can still be filled as non-root.
+
+Refused, with one line (`ImageError`), and nothing left in `out`: a member path that is absolute
+or has a `..` component, a hard link whose target is outside the root or missing, any member
+whose parent path goes through a symlink (an extracted symlink, pointing anywhere, is never
+written through: every parent is checked with lstat, files are created with O_NOFOLLOW|O_EXCL), a
+blob whose sha256 is not its digest (manifest, config, layers; a legacy layer against the
+config's diff_ids), a missing or malformed manifest.
+
+Why the standard library's tarfile and checks of our own rather than a library: no maintained
+Python package applies OCI layers into a runnable root filesystem (umoci, crane and undocker are
+Go programs; container-inspector, the one Python candidate, rebuilds layers for software
+composition analysis through extractcode, with native archive libraries, and does not keep links,
+modes and owners for running the result), and tarfile's `data` filter refuses every absolute
+symlink, which real images are full of (/etc/alternatives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+
+INFO = "image.json"
+ROOTFS = "rootfs"
+WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
+_INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
+                "application/vnd.docker.distribution.manifest.list.v2+json")  # fmt: skip
+
+
+class ImageError(ValueError):
+    """An image that is malformed, hostile or unsupported: one line saying why."""
+
+
+def safe_name(name: str) -> str:
+    """The directory name of an image reference: `/` and `:` replaced by `_`."""
+    return name.replace("/", "_").replace(":", "_")
+
+
+# ----- reading the source: an OCI layout (directory or inside a tar) or a docker save tar -----
+
+
+class _Source:
+    """Blobs of an image source by path: a directory, or the members of a tar."""
+
+    def __init__(self, src: str):
+        self.src, self.tar = src, None
+        if not os.path.isdir(src):
+            try:
+                self.tar = tarfile.open(src)
+            except (OSError, tarfile.TarError) as err:
+                raise ImageError(
+                    f"{src}: neither an OCI layout directory nor a tar: {err}"
+                ) from err
+            self.members = {m.name.removeprefix("./"): m for m in self.tar.getmembers()}
+
+    def exists(self, path: str) -> bool:
+        if self.tar is None:
+            return os.path.isfile(os.path.join(self.src, path))
+        return path in self.members
+
+    def open(self, path: str):
+        if ".." in path.split("/") or path.startswith("/"):
+            raise ImageError(f"{self.src}: blob path {path!r} escapes the image")
+        if self.tar is None:
+            try:
+                return open(os.path.join(self.src, path), "rb")
+            except OSError as err:
+                raise ImageError(f"{self.src}: {path}: {err.strerror}") from err
+        m = self.members.get(path)
+        while m is not None and m.issym():  # docker save links identical layers
+            m = self.members.get(posixpath_join(posixpath_dir(m.name), m.linkname))
+        f = self.tar.extractfile(m) if m is not None else None
+        if f is None:
+            raise ImageError(f"{self.src}: {path} is missing")
+        return f
+
+    def read(self, path: str) -> bytes:
+        with self.open(path) as f:
+            return f.read()
+
+    def json(self, path: str, digest: str | None = None):
+        data = self.read(path)
+        if digest is not None:
+            _check_digest(data, digest, path)
+        try:
+            return json.loads(data)
+        except ValueError as err:
+            raise ImageError(f"{self.src}: {path} is not JSON: {err}") from err
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+
+
+def posixpath_dir(p: str) -> str:
+    return p.rpartition("/")[0]
+
+
+def posixpath_join(a: str, b: str) -> str:
+    return os.path.normpath(os.path.join(a, b)).removeprefix("./") if a else os.path.normpath(b)
+
+
+def _check_digest(data: bytes, digest: str, what: str) -> None:
+    algo, _, want = digest.partition(":")
+    if algo != "sha256":
+        raise ImageError(f"{what}: digest {digest!r} is not sha256")
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise ImageError(f"{what}: digest mismatch (sha256:{got[:16]}... != {digest[:23]}...)")
+
+
+def _blob(digest: str) -> str:
+    algo, _, hexd = digest.partition(":")
+    if algo != "sha256" or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd):
+        raise ImageError(f"bad digest {digest!r}")
+    return f"blobs/sha256/{hexd}"
+
+
+@dataclasses.dataclass
+class _Plan:
+    digest: str  # sha256:<hex> naming the result
+    config: dict
+    layers: list  # [(blob path, expected sha256 digest)], bottom first
+    names: list
+
+
+def _oci_plan(s: _Source) -> _Plan:
+    index = s.json("index.json")
+    names, desc = [], None
+    seen = 0
+    while True:
+        ms = index.get("manifests") if isinstance(index, dict) else None
+        if not ms:
+            raise ImageError(f"{s.src}: index.json lists no manifest")
+        linux = [
+            m
+            for m in ms
+            if (m.get("platform") or {}).get("os", "linux") == "linux"
+            and (m.get("platform") or {}).get("architecture", "amd64") in ("amd64", "x86_64")
+        ]
+        desc = (linux or ms)[0]
+        ref = (desc.get("annotations") or {}).get("org.opencontainers.image.ref.name")
+        names += [ref] if ref else []
+        if desc.get("mediaType") not in _INDEX_TYPES:
+            break
+        index, seen = s.json(_blob(desc["digest"]), desc["digest"]), seen + 1
+        if seen > 4:
+            raise ImageError(f"{s.src}: nested indexes too deep")
+    manifest = s.json(_blob(desc["digest"]), desc["digest"])
+    try:
+        cdesc, layers = manifest["config"], manifest["layers"]
+        config = s.json(_blob(cdesc["digest"]), cdesc["digest"])
+        layers = [(_blob(d["digest"]), d["digest"]) for d in layers]
+    except (KeyError, TypeError) as err:
+        raise ImageError(f"{s.src}: malformed manifest {desc['digest']}: {err!r}") from err
+    return _Plan(desc["digest"], config, layers, names)
+
+
+def _docker_plan(s: _Source) -> _Plan:
+    try:
+        entry = s.json("manifest.json")[0]
+        cpath, lpaths = entry["Config"], entry["Layers"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise ImageError(f"{s.src}: malformed docker manifest.json: {err!r}") from err
+    cdata = s.read(cpath)
+    image_id = "sha256:" + hashlib.sha256(cdata).hexdigest()
+    stem = os.path.basename(cpath).removesuffix(".json")
+    if len(stem) == 64 and stem != image_id[7:]:  # the file is named by its digest
+        raise ImageError(f"{s.src}: {cpath}: digest mismatch (sha256:{image_id[7:23]}...)")
+    config = json.loads(cdata)
+    diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
+    if len(diff_ids) != len(lpaths):
+        raise ImageError(f"{s.src}: {len(lpaths)} layers but {len(diff_ids)} diff_ids")
+    return _Plan(image_id, config, list(zip(lpaths, diff_ids)), list(entry.get("RepoTags") or []))
+
+
+def _plan(s: _Source) -> _Plan:
+    if s.exists("index.json") and s.exists("oci-layout"):
+        return _oci_plan(s)
+    if s.exists("manifest.json"):
+        return _docker_plan(s)
+    raise ImageError(f"{s.src}: no index.json + oci-layout (OCI layout) or manifest.json "
+                     "(docker save)")  # fmt: skip
+
+
+# ----- applying layers -----
+
+
+class _Hashing(io.RawIOBase):
+    """A reader that hashes what passes through it (the layer's compressed bytes)."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.f.read(len(b))
+        self.h.update(data)
+        b[: len(data)] = data
+        return len(data)
+
+    def drain(self) -> str:
+        while chunk := self.f.read(1 << 20):
+            self.h.update(chunk)
+        return "sha256:" + self.h.hexdigest()
+
+
+class _Layers:
+    """Applies layer tars onto `root`, refusing what could write outside it."""
+
+    def __init__(self, root: str, what: str):
+        self.root, self.what, self.as_root = root, what, os.geteuid() == 0
+        self.real_dirs: set[str] = {""}  # relative dirs known to be real directories
+        self.dir_modes: dict[str, tuple] = {}  # rel -> (mode, mtime), applied at the end
+
+    def refuse(self, why: str):
+        raise ImageError(f"{self.what}: {why}")
+
+    def rel(self, name: str, what: str = "member") -> str:
+        n = name.removeprefix("./")
+        if n.startswith("/") or ".." in n.split("/"):
+            self.refuse(f"{what} {name!r} escapes the root")
+        n = os.path.normpath(n) if n else "."
+        return "" if n == "." else n
+
+    def parent_ok(self, rel: str, make: bool) -> str:
+        """The host path of `rel`, after checking that every parent is a real directory (not a
+        symlink: nothing is written through one); missing parents are made when `make`."""
+        parts = rel.split("/")[:-1]
+        cur = ""
+        for p in parts:
+            cur = f"{cur}/{p}" if cur else p
+            if cur in self.real_dirs:
+                continue
+            full = os.path.join(self.root, cur)
+            try:
+                st = os.lstat(full)
+            except FileNotFoundError:
+                if not make:
+                    return ""
+                os.mkdir(full, 0o755)
+                self.real_dirs.add(cur)
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                self.refuse(f"{rel!r} would be written through the symlink {cur!r}")
+            if not stat.S_ISDIR(st.st_mode):
+                self.refuse(f"{rel!r}: parent {cur!r} is not a directory")
+            self.real_dirs.add(cur)
+        return os.path.join(self.root, rel)
+
+    def remove(self, rel: str) -> None:
+        full = os.path.join(self.root, rel)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(full).st_mode):
+                _make_writable(full)
+                shutil.rmtree(full)
+                self.real_dirs = {
+                    d for d in self.real_dirs if d != rel and not d.startswith(rel + "/")
+                }
+                self.dir_modes = {d: m for d, m in self.dir_modes.items()
+                                  if d != rel and not d.startswith(rel + "/")}  # fmt: skip
+            else:
+                os.unlink(full)
+
+    def apply(self, fileobj, digest: str, label: str) -> None:
+        hashing = _Hashing(fileobj)
+        reader = io.BufferedReader(hashing, 1 << 20)
+        head = reader.peek(4)[:4]
+        if head[:4] == b"\x28\xb5\x2f\xfd":
+            self.refuse(f"{label}: zstd layers are not supported (gzip or uncompressed tar)")
+        stream = gzip.GzipFile(fileobj=reader) if head[:2] == b"\x1f\x8b" else reader
+        made: set[str] = set()  # paths this layer wrote: an opaque dir keeps them
+        try:
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                for m in tar:
+                    self.member(tar, m, made)
+                stream.read()  # to the end of the compressed stream
+        except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as err:
+            if isinstance(err, ImageError):
+                raise
+            self.refuse(f"{label}: unreadable layer: {type(err).__name__}: {err}")
+        reader.read()
+        got = hashing.drain()
+        if got != digest:
+            self.refuse(f"{label}: layer digest mismatch ({got[:23]}... != {digest[:23]}...)")
+
+    def member(self, tar, m: tarfile.TarInfo, made: set) -> None:
+        rel = self.rel(m.name)
+        base = rel.rpartition("/")[2]
+        if base == OPAQUE:
+            d = rel.rpartition("/")[0]
+            if self.parent_ok(rel, make=False):
+                self.opaque(d, made)
+            return
+        if base.startswith(WHITEOUT):
+            target = posixpath_join(rel.rpartition("/")[0], base[len(WHITEOUT) :])
+            if self.parent_ok(target, make=False):
+                self.remove(target)
+            return
+        if rel == "":  # the root itself: its mode only
+            if m.isdir():
+                self.dir_modes[""] = (m.mode, m.mtime, m.uid, m.gid)
+            return
+        if m.ischr() or m.isblk():
+            return  # device nodes: skipped (the sandbox makes its own /dev)
+        full = self.parent_ok(rel, make=True)
+        made.add(rel)
+        if m.isdir():
+            try:
+                st = os.lstat(full)
+                if not stat.S_ISDIR(st.st_mode):
+                    self.remove(rel)
+                    raise FileNotFoundError
+            except FileNotFoundError:
+                os.mkdir(full, 0o700)
+            os.chmod(full, 0o700 | (m.mode & 0o1777))  # writable by us until the end
+            self.real_dirs.add(rel)
+            self.dir_modes[rel] = (m.mode, m.mtime, m.uid, m.gid)
+            return
+        self.remove(rel)  # a file, link or FIFO replaces what was there (never follows it)
+        if m.issym():
+            os.symlink(m.linkname, full)
+        elif m.islnk():
+            target = self.rel(m.linkname, "hard link target")
+            src = self.parent_ok(target, make=False) if target else ""
+            if (
+                not src
+                or not os.path.lexists(src)
+                or os.path.isdir(src)
+                and not os.path.islink(src)
+            ):
+                self.refuse(f"hard link {rel!r} -> {m.linkname!r}: no such file in the image")
+            os.link(src, full, follow_symlinks=False)
+            return  # shares the target's inode: its mode and owner
+        elif m.isfifo():
+            os.mkfifo(full, 0o600)
+        elif m.isreg():
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(tar.extractfile(m), out, 1 << 20)
+        else:
+            return  # other types (a GNU sparse or contiguous file is read as a file above)
+        self.finish(full, m)
+
+    def finish(self, full: str, m: tarfile.TarInfo, mode: bool = True) -> None:
+        if self.as_root:
+            os.lchown(full, m.uid, m.gid)
+        if not m.issym():
+            os.chmod(full, m.mode & 0o1777)  # setuid / setgid dropped
+        os.utime(full, (m.mtime, m.mtime), follow_symlinks=False)
+
+    def opaque(self, d: str, made: set) -> None:
+        """Empties directory `d` of what the layers below put there (what this layer made stays)."""
+        full = os.path.join(self.root, d)
+        if not os.path.isdir(full) or os.path.islink(full):
+            return
+        for name in os.listdir(full):
+            rel = f"{d}/{name}" if d else name
+            if rel in made:
+                if os.path.isdir(os.path.join(self.root, rel)) and not os.path.islink(
+                    os.path.join(self.root, rel)
+                ):
+                    self.opaque(rel, made)
+            elif not any(p.startswith(rel + "/") for p in made):
+                self.remove(rel)
+            else:
+                self.opaque(rel, made)
+
+    def finish_dirs(self) -> None:
+        for rel in sorted(self.dir_modes, key=lambda r: -r.count("/") - (r != "")):
+            mode, mtime, uid, gid = self.dir_modes[rel]
+            full = os.path.join(self.root, rel)
+            if self.as_root:
+                os.lchown(full, uid, gid)
+            os.chmod(full, mode & 0o1777)
+            os.utime(full, (mtime, mtime))
+
+
+def _make_writable(path: str) -> None:
+    """u+rwx on every directory under `path` (as non-root, rmtree needs it)."""
+    if os.geteuid() == 0:
+        return
+    for d, dirs, _ in os.walk(path):
+        for n in dirs:
+            p = os.path.join(d, n)
+            if not os.path.islink(p):
+                os.chmod(p, os.lstat(p).st_mode | 0o700)
+
+
+def _digest_dir(out: str, digest: str) -> str:
+    return os.path.join(out, digest.replace(":", "-"))
+
+
+def read_info(image_dir: str) -> dict | None:
+    """image.json of an unpacked image directory, None when it has none (not finished)."""
+    try:
+        with open(os.path.join(image_dir, INFO)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def unpack(src: str, out: str, names: tuple[str, ...] = ()) -> dict:
+    """Unpacks the image at `src` (an OCI layout directory, or a tar: docker save, or an OCI
+    layout archived) under `out` (module docstring); its image.json as a dict, with `cached`
+    True when it was already there. Raises ImageError."""
+    os.makedirs(out, exist_ok=True)
+    s = _Source(src)
+    try:
+        plan = _plan(s)
+        final = _digest_dir(out, plan.digest)
+        info = read_info(final)
+        cached = info is not None
+        if not cached:
+            if os.path.lexists(final):  # an unpack that did not finish
+                _make_writable(final)
+                shutil.rmtree(final)
+            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=out)
+            try:
+                root = os.path.join(tmp, ROOTFS)
+                os.mkdir(root, 0o755)
+                layers = _Layers(root, src)
+                for i, (path, digest) in enumerate(plan.layers):
+                    with s.open(path) as f:
+                        layers.apply(f, digest, f"layer {i} ({path})")
+                layers.finish_dirs()
+                cfg = plan.config.get("config") or {}
+                info = {"digest": plan.digest, "source": os.path.abspath(src),
+                        "env": list(cfg.get("Env") or []), "workdir": cfg.get("WorkingDir") or "",
+                        "user": cfg.get("User") or "", "cmd": cfg.get("Cmd") or [],
+                        "architecture": plan.config.get("architecture", ""),
+                        "layers": [d for _, d in plan.layers], "names": []}  # fmt: skip
+                with open(os.path.join(tmp, INFO), "w") as f:
+                    json.dump(info, f, indent=1)
+                try:
+                    os.rename(tmp, final)
+                except OSError:  # another process finished the same image first
+                    if read_info(final) is None:
+                        raise
+            finally:
+                if os.path.lexists(tmp):
+                    _make_writable(tmp)
+                    shutil.rmtree(tmp, ignore_errors=True)
+            info = read_info(final)
+    finally:
+        s.close()
+    all_names = [n for n in (*plan.names, *names) if n]
+    for n in all_names:
+        link = os.path.join(out, safe_name(n))
+        if os.path.realpath(link) != os.path.realpath(final):
+            tmp_link = f"{link}.tmp-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_link)
+            os.symlink(os.path.basename(final), tmp_link)
+            os.replace(tmp_link, link)
+    if set(all_names) - set(info["names"]):
+        info["names"] = sorted(set(info["names"]) | set(all_names))
+        fd, tmp_info = tempfile.mkstemp(dir=final, prefix=".info-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f, indent=1)
+        os.replace(tmp_info, os.path.join(final, INFO))
+    return {**info, "path": final, "rootfs": os.path.join(final, ROOTFS), "cached": cached}
