@@ -29,6 +29,12 @@ def get_config():
     c.log_every = 1  # steps between metric lines / TensorBoard points
     c.eval_every = 20  # steps between held-out evaluations (also run before step 0 and at the end)
     c.num_samples_logged = 4  # completions written as text summaries per logged step
+    c.log = ml_collections.ConfigDict()  # extra metric sinks beside TensorBoard (launch/logger.py)
+    c.log.wandb = False  # also send the scalars, config and summary to Weights & Biases
+    c.log.wandb_project = "jax-grpo"
+    c.log.wandb_entity = ""  # "" = the default entity of the W&B login
+    c.log.wandb_name = ""  # run name ("" = the workdir's name)
+    c.log.wandb_tags = ()
     c.max_nonfinite_steps = (
         3  # stop after this many steps in a row with a skipped non-finite update
     )
@@ -46,7 +52,9 @@ def get_config():
     )  # fmt: skip
 
     c.model = ml_collections.ConfigDict()
-    c.model.hf_checkpoint = os.path.join(ASSETS, "arithmetic_sft")  # HF dir to start from
+    c.model.hf_checkpoint = os.path.join(ASSETS, "arithmetic_sft")  # HF dir or Hub id ("org/name")
+    c.model.revision = ""  # Hub id: commit, branch or tag ("" = the default branch)
+    c.model.hf_commit = ""  # set by launch.train: the commit a Hub id resolved to (config.json)
     c.model.dtype = "float32"  # compute dtype (bfloat16 on accelerators)
     c.model.param_dtype = "float32"  # master weights
     c.model.remat = False  # rematerialise transformer blocks in the backward pass
@@ -63,17 +71,21 @@ def get_config():
     c.data.system_prompt = ""  # prepended to every prompt ("" = none)
     c.data.chat_template_kwargs = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
     c.data.train = ml_collections.ConfigDict()  # training prompts (rl/data.py source config)
-    c.data.train.type = "arithmetic"  # arithmetic (built-in) | jsonl | parquet
-    c.data.train.path = ""  # file path or glob (jsonl / parquet)
+    c.data.train.type = "arithmetic"  # arithmetic (built-in) | jsonl | parquet | hf
+    c.data.train.path = ""  # file path or glob (jsonl / parquet); hf: Hub id or local directory
+    c.data.train.name = ""  # hf: the dataset's subset (config name; "" = its default)
+    c.data.train.revision = ""  # hf: commit, branch or tag of a Hub dataset ("" = default)
     c.data.train.prompt_field = "prompt"  # record field holding the prompt
     c.data.train.num = 20000  # arithmetic: records generated
     c.data.train.digits = 2  # arithmetic: digits per operand
     c.data.train.ops = "+"  # arithmetic: operators
-    c.data.train.split = "train"  # arithmetic: train | eval (disjoint by prompt hash)
+    c.data.train.split = "train"  # arithmetic: train | eval (disjoint by prompt hash); hf: split
     c.data.train.seed = 0  # arithmetic: generator seed
     c.data.eval = ml_collections.ConfigDict()  # held-out prompts, same fields as data.train
     c.data.eval.type = "arithmetic"
     c.data.eval.path = ""
+    c.data.eval.name = ""
+    c.data.eval.revision = ""
     c.data.eval.prompt_field = "prompt"
     c.data.eval.num = 200  # held-out prompts per evaluation
     c.data.eval.digits = 2
@@ -182,6 +194,11 @@ def get_config():
     c.env.max_turn_tokens = 0  # model tokens per turn at most (0 = sampling.max_new_tokens)
     c.env.max_tool_seconds = 30.0  # tool (env.step) wall time per episode before it is ended
     c.env.tool_workers = 8  # tool calls running in parallel (threads; sandboxed processes)
+    # Partial rollouts: a tool's answer (and a multi-turn group's grading, for dynamic sampling)
+    # is taken this many decode calls after the call that ended its turn, waited for if not done
+    # by then, so that a run repeats itself whatever the tools' latency (sampling.episodes,
+    # "Logical time"); 0 = as soon as done (wall-clock: such runs do not repeat themselves)
+    c.env.tool_answer_calls = 4
     c.env.max_observation_chars = 1000  # tool output / test failures shown to the model, at most
     # The repository environment (env.name="repo", rl/envs/repo.py, docs/repo_env.md):
     c.env.command_timeout_s = 30.0  # repo: wall-clock seconds per bash command

@@ -27,6 +27,8 @@ def get_config():
         "Write a Python solution in one ```python block. You may run code first with the python "
         'tool: <tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>'
     )
+    for split in (c.data.train, c.data.eval):  # local jsonl (the GSM8K config reads the Hub)
+        split.type, split.name = "jsonl", ""
     c.data.train.path = os.path.join(HOME, "data", "mbpp", "train.jsonl")
     c.data.train.prompt_field = "prompt"
     c.data.eval.path = os.path.join(HOME, "data", "humaneval", "test.jsonl")

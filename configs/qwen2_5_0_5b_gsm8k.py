@@ -1,21 +1,22 @@
 """GRPO on GSM8K with Qwen2.5-0.5B-Instruct (Qwen2 architecture), for a TPU VM or a GPU host (8 chips by default).
 
-    python -m launch.train --config configs/qwen2_5_0_5b_gsm8k.py \
-        --config.model.hf_checkpoint=/path/to/Qwen2.5-0.5B-Instruct \
-        --config.data.train.path=/path/to/gsm8k/train.jsonl --config.data.eval.path=/path/to/gsm8k/test.jsonl
+    python -m launch.train --config configs/qwen2_5_0_5b_gsm8k.py --dry_run   # then without
 
-Nothing is downloaded: the checkpoint is a local HF directory (config.json, *.safetensors,
-tokenizer.json, tokenizer_config.json) and the data are local jsonl (or parquet) files with the
-GSM8K columns `question` and `answer` (the solution, ending in `#### <number>`). Prompts go through
-the tokenizer's chat template; the reward is the exact `#### n` (or last) number.
-Check the memory first: add `--dry_run`. Every field not set here is in configs/default.py.
+The model and the data are Hub ids, fetched on first use into the Hugging Face cache (HF_HOME;
+HF_HUB_OFFLINE=1 reads the cache alone; HF_TOKEN for gated repos): Qwen/Qwen2.5-0.5B-Instruct
+(`model.revision` pins a commit, branch or tag; the commit used is recorded in config.json) and
+openai/gsm8k, subset `main`, splits train / test, with the columns `question` and `answer` (the
+solution, ending in `#### <number>`). Local copies work too:
+
+        --config.model.hf_checkpoint=/path/to/Qwen2.5-0.5B-Instruct \
+        --config.data.train.type=jsonl --config.data.train.path=/path/to/gsm8k/train.jsonl \
+        --config.data.eval.type=jsonl --config.data.eval.path=/path/to/gsm8k/test.jsonl
+
+Prompts go through the tokenizer's chat template; the reward is the exact `#### n` (or last)
+number. Check the memory first: add `--dry_run`. Every field not set here is in configs/default.py.
 """
 
-import os
-
 from configs import default
-
-HOME = os.path.expanduser("~")
 
 
 def get_config():
@@ -28,18 +29,22 @@ def get_config():
     c.mesh.fsdp = 8  # one host with 8 chips: shard weights and optimizer state 8 ways
     c.mesh.tensor = 1  # 0.5B needs no tensor parallelism
 
-    c.model.hf_checkpoint = os.path.join(HOME, "models", "Qwen2.5-0.5B-Instruct")  # local HF dir
+    c.model.hf_checkpoint = "Qwen/Qwen2.5-0.5B-Instruct"  # Hub id (or a local HF directory)
     c.model.dtype = "bfloat16"  # compute dtype; master weights stay float32
     c.model.remat = True  # recompute blocks in the backward pass
 
     c.data.prompts_per_step = 64  # B prompts per step
     c.data.use_chat_template = True  # system + user messages through the chat template
     c.data.system_prompt = "Solve the problem step by step. End with a line '#### <number>'."
-    c.data.train.type = "jsonl"  # or "parquet"
-    c.data.train.path = os.path.join(HOME, "data", "gsm8k", "train.jsonl")
+    c.data.train.type = "hf"  # a Hub dataset (or "jsonl" / "parquet" with local files)
+    c.data.train.path = "openai/gsm8k"
+    c.data.train.name = "main"
+    c.data.train.split = "train"
     c.data.train.prompt_field = "question"
-    c.data.eval.type = "jsonl"
-    c.data.eval.path = os.path.join(HOME, "data", "gsm8k", "test.jsonl")
+    c.data.eval.type = "hf"
+    c.data.eval.path = "openai/gsm8k"
+    c.data.eval.name = "main"
+    c.data.eval.split = "test"
     c.data.eval.prompt_field = "question"
 
     c.rl.num_generations = 8  # G

@@ -26,6 +26,7 @@ from launch.validate import (
     check_isolation,
     engine_config,
     learner_config,
+    model_dir,
     model_overrides,
     sampling_params,
 )
@@ -74,15 +75,13 @@ def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
     the environment (and its sandboxes) only with_env."""
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
-    m = config.model
+    path = model_dir(config)  # a local directory, or a Hub id's snapshot at its pinned commit
     overrides = model_overrides(config)
-    model_cfg, graphdef, params, ids = load_hf(
-        m.hf_checkpoint, mesh, rules, seed=config.seed, **overrides
-    )
+    model_cfg, graphdef, params, ids = load_hf(path, mesh, rules, seed=config.seed, **overrides)
     ref_params = None  # with LoRA the reference is the policy's own base weights (no copy)
     if config.rl.kl_coef > 0 and with_reference and not model_cfg.lora_rank:
-        ref_params = load_hf(m.hf_checkpoint, mesh, rules, **overrides)[2]
-    tokenizer = load_tokenizer(m.hf_checkpoint)  # char_tokenizer.json or the HF tokenizer files
+        ref_params = load_hf(path, mesh, rules, **overrides)[2]
+    tokenizer = load_tokenizer(path)  # char_tokenizer.json or the HF tokenizer files
     shardings = state_shardings(params, mesh, rules)
     base = base_graphdef(model_cfg) if model_cfg.lora_rank else None
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)

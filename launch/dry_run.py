@@ -20,7 +20,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from launch.validate import engine_config, learner_config, model_overrides, sampling_params
+from launch.validate import (
+    engine_config,
+    learner_config,
+    model_dir,
+    model_overrides,
+    sampling_params,
+)
 from models import lora
 from models.hf_config import config_from_hf, generation_ids
 from models.sharding import (
@@ -90,9 +96,9 @@ def _batch(config, rows, sharding) -> Batch:
 def dry_run(config) -> int:
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
-    m, s = config.model, config.sampling
-    cfg = config_from_hf(m.hf_checkpoint, **model_overrides(config))
-    ids = generation_ids(m.hf_checkpoint)
+    s = config.sampling
+    cfg = config_from_hf(model_dir(config), **model_overrides(config))
+    ids = generation_ids(model_dir(config))
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, rules)
     params = with_shardings(shapes, shardings)

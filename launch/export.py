@@ -25,7 +25,7 @@ import sys
 
 from launch.build import load_run
 from launch.cli import UsageError, fail
-from launch.validate import DTYPES, check_writable_dir
+from launch.validate import DTYPES, check_writable_dir, model_dir
 from models.hf import save_adapter, save_hf
 from models.tokenizer import CHAR_TOKENIZER_FILE
 
@@ -61,12 +61,13 @@ def main(argv=None) -> int:
     except UsageError as e:
         return fail(str(e))
     if args.adapter:
-        base = os.path.abspath(run.config.model.hf_checkpoint)  # peft reads it from anywhere
+        ref = run.config.model.hf_checkpoint  # a Hub id as it is (peft resolves it), or a directory
+        base = ref if run.config.model.get("hf_commit") else os.path.abspath(ref)
         save_adapter(args.out, run.model_cfg, run.state.params, base, dtype=args.dtype)
     else:
         save_hf(args.out, run.model_cfg, run.state.params, run.ids, dtype=args.dtype)
     for name in TOKENIZER_FILES:
-        src = os.path.join(run.config.model.hf_checkpoint, name)
+        src = os.path.join(model_dir(run.config), name)
         if os.path.exists(src):
             shutil.copy(src, os.path.join(args.out, name))
     print(f"exported step {step} of {args.workdir} to {args.out}")

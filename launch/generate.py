@@ -2,6 +2,9 @@
 
     python -m launch.generate --hf_checkpoint DIR --prompts prompts.jsonl --output out.jsonl \
         --num_samples 4 --temperature 0.7 --max_new_tokens 64
+    python -m launch.generate --hf_checkpoint Qwen/Qwen2.5-0.5B-Instruct [--revision REV] ...
+
+--hf_checkpoint is a local directory or a Hub id, fetched into the Hub cache (models/hub.py).
 
 Each input line holds `prompt` (text; needs tokenizer.json or char_tokenizer.json in the
 checkpoint directory) or `prompt_ids` (token ids). Prompt text is data: special-token strings in it
@@ -27,6 +30,7 @@ import tqdm
 
 from models.hf import load_hf
 from models.hf_config import CheckpointError
+from models.hub import HubError, resolve
 from models.sharding import make_mesh
 from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
 from rl.data import read_jsonl
@@ -53,7 +57,8 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hf_checkpoint", required=True, help="HF checkpoint directory")
+    p.add_argument("--hf_checkpoint", required=True, help="HF checkpoint directory or Hub id")
+    p.add_argument("--revision", default="", help="Hub id: commit, branch or tag")
     p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'prompt_ids' per line")
     p.add_argument("--output", required=True, help="jsonl to write")
     p.add_argument("--num_samples", type=int, default=1, help="completions per prompt (G)")
@@ -67,11 +72,15 @@ def main(argv=None) -> int:
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--num_pages", type=int, default=1024, help="KV pages in the pool")
     args = p.parse_args(argv)
-    for flag in ("hf_checkpoint", "prompts"):
-        path = getattr(args, flag)
-        if not os.path.exists(path):
-            print(f"--{flag}: {path} does not exist", file=sys.stderr)
-            return 2
+    if not os.path.exists(args.prompts):
+        print(f"--prompts: {args.prompts} does not exist", file=sys.stderr)
+        return 2
+    try:  # a directory as it is, a Hub id from the Hub cache (HF_HOME; HF_HUB_OFFLINE=1)
+        args.hf_checkpoint = resolve(args.hf_checkpoint, args.revision, field="--hf_checkpoint",
+                                     revision_field="--revision")[0]  # fmt: skip
+    except HubError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     try:
         files = ("tokenizer.json", CHAR_TOKENIZER_FILE)

@@ -5,6 +5,12 @@ protos (no TensorFlow needed). metrics.jsonl holds one JSON object per logged st
 holds a few decoded completions per logged step, which TensorBoard also shows as text.
 summary.json, written once at the end, holds the run's accuracy before and after, its throughput
 and a fingerprint of the final parameters.
+
+With `config.log.wandb` the same scalars (at the same steps) also go to Weights & Biases, with the
+run's config and, at the end, summary.json as the W&B summary (WANDB_MODE, WANDB_API_KEY and the
+rest of W&B's environment apply). The W&B run id is kept in the workdir (`wandb_run_id`), so a
+resumed run continues the same W&B run; W&B drops points at steps below the last it holds, as
+after a kill -9 the resumed run logs again the steps since its checkpoint (TensorBoard keeps both).
 """
 
 from __future__ import annotations
@@ -19,15 +25,20 @@ from tensorboard.plugins.scalar.summary_v2 import scalar_pb
 from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+WANDB_ID_FILE = "wandb_run_id"  # in the workdir: the W&B run a resumed run continues
+
 
 class RunLogger:
-    def __init__(self, workdir: str, enabled: bool = True):
-        self.enabled, self.workdir = enabled, workdir
+    def __init__(self, workdir: str, enabled: bool = True, config=None):
+        """Process 0 logs (`enabled`); `config.log.wandb` adds the W&B run."""
+        self.enabled, self.workdir, self.wandb = enabled, workdir, None
         if not enabled:
             return
         self.events = EventFileWriter(os.path.join(workdir, "tensorboard"))
         self.metrics = open(os.path.join(workdir, "metrics.jsonl"), "a")
         self.samples = open(os.path.join(workdir, "samples.jsonl"), "a")
+        if config is not None and config.get("log", {}).get("wandb"):
+            self.wandb = _wandb_run(workdir, config)
 
     def _event(self, step: int, summary) -> None:
         self.events.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
@@ -40,6 +51,8 @@ class RunLogger:
             self._event(step, scalar_pb(tag, value))
         self.metrics.write(json.dumps({"step": step, **clean}) + "\n")
         self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
 
     def texts(self, step: int, prompts: list[str], completions: list[str], rewards) -> None:
         if not self.enabled:
@@ -76,6 +89,8 @@ class RunLogger:
             return
         with open(os.path.join(self.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
         before = summary.get("accuracy_before", float("nan"))
         print(f"held-out greedy accuracy: before {before:.3f}, after {after['accuracy']:.3f} "
               f"({config.num_steps} steps, {wall:.0f} s); {self.workdir}")  # fmt: skip
@@ -85,3 +100,27 @@ class RunLogger:
             self.events.close()
             self.metrics.close()
             self.samples.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _wandb_run(workdir: str, config):
+    """wandb.init for this workdir: the run id saved there (a resumed run), else a new run whose
+    id is saved. launch.validate has checked that wandb imports."""
+    import wandb
+
+    from launch.cli import config_json
+
+    w, id_file = config.log, os.path.join(workdir, WANDB_ID_FILE)
+    run_id = open(id_file).read().strip() if os.path.exists(id_file) else None
+    run = wandb.init(
+        project=w.wandb_project or None, entity=w.wandb_entity or None,
+        name=w.wandb_name or os.path.basename(os.path.normpath(workdir)),
+        tags=list(w.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
+        dir=workdir, config=config_json(config),
+    )  # fmt: skip
+    if run_id is None:
+        with open(id_file, "w") as f:
+            f.write(run.id)
+    return run

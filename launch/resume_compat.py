@@ -10,14 +10,21 @@ from __future__ import annotations
 from launch.cli import UsageError
 from rl.sandbox import isolation_of
 
-# Fields that cannot change the trajectory of a run: a resumed run may change them. env.isolation
+# Fields that cannot change the trajectory of a run: a resumed run may change them (model.revision
+# may, as the commit it resolves to, model.hf_commit, is checked itself). env.isolation
 # is host policy (how model-written code is contained on this machine), not part of the
 # trajectory: a run moved to a host without bubblewrap resumes with --config.env.isolation=rlimits.
 RESUMABLE_CHANGES = (
     "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
     "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
-    "env.isolation",
+    "env.isolation", "log.", "model.revision",
 )  # fmt: skip
+
+# Fields added with Hub ids (models/hub.py, rl/data.py's "hf" sources): a run saved before them
+# resumes while they hold these values (a local checkpoint directory), and data.train.name and
+# revision whatever they hold while data.train.type is not "hf" (they are read by "hf" only).
+HUB_DEFAULTS = (("model", "revision", ""), ("model", "hf_commit", ""))
+DATA_DEFAULTS = {"name": "", "revision": ""}
 
 
 # The repo environment's fields' defaults (configs/default.py): the values rl/envs/repo.py used
@@ -76,10 +83,37 @@ def check_resumable(old: dict, new: dict) -> None:
     for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
         if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
             new = _without(new, "env", field)
+    for section, field, default in HUB_DEFAULTS:
+        if field not in old.get(section, {}) and new.get(section, {}).get(field) == default:
+            new = _without(new, section, field)
+    train = new.get("data", {}).get("train", {})
+    for field, default in DATA_DEFAULTS.items():  # only "hf" sources read them
+        if field not in old.get("data", {}).get("train", {}) and (
+            train.get(field) == default or train.get("type") != "hf"
+        ):
+            train = _without({"t": train}, "t", field)["t"]
+    if "data" in new:
+        new = {**new, "data": {**new["data"], "train": train}}
+    _check_commit(old, new)
     diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
         raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir")
+
+
+def _check_commit(old: dict, new: dict) -> None:
+    """The Hub commit config.model.hf_checkpoint resolved to (launch.validate.pin_model) is the
+    one the run started from: a snapshot that changed under the same id and revision (a moved
+    branch, a re-filled cache) would change the weights under the checkpoints."""
+    was, now = old.get("model", {}).get("hf_commit", ""), new.get("model", {}).get("hf_commit", "")
+    if was == now or not was:  # the same snapshot, or a local directory before (compared as such)
+        return
+    ref = new.get("model", {}).get("hf_checkpoint")
+    raise UsageError(
+        f"config.model.hf_checkpoint={ref!r} resolves to commit {now or '(a local directory)'}, "
+        f"but this run started from commit {was}; resume with --config.model.revision={was} "
+        "or use a new --workdir"
+    )
 
 
 def _without(config: dict, section: str, field: str) -> dict:

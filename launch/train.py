@@ -39,7 +39,7 @@ from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.preemption import Preemption
-from launch.validate import prepare_workdir, validate
+from launch.validate import pin_model, prepare_workdir, validate
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
@@ -86,7 +86,9 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_json(config), f, indent=2)
         print(config)
-    log = RunLogger(workdir, enabled=main_process)
+    if config.model.get("hf_commit"):  # the Hub snapshot the run's weights came from
+        summary["hf_commit"] = config.model.hf_commit
+    log = RunLogger(workdir, enabled=main_process, config=config)
     if start == 0:
         summary["accuracy_before"] = _evaluate(run, state, eval_records, log, 0)["accuracy"]
         print(f"held-out greedy accuracy before GRPO: {summary['accuracy_before']:.3f}",
@@ -176,6 +178,7 @@ def main(argv=None) -> int:
     try:
         config, config_path, opts = parse_args(sys.argv[1:] if argv is None else argv, FLAGS)
         init_distributed(config)
+        pin_model(config)  # a Hub id: resolved (fetched) once, its commit in config.model.hf_commit
         validate(config, jax.device_count(), runs_code=not opts["dry_run"])
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)

@@ -21,6 +21,7 @@ from launch.cli import UsageError, config_json
 from launch.resume_compat import check_resumable
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
+from models.hub import HubError, resolve
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import load_records, reward_inputs
@@ -35,6 +36,7 @@ from sampling.page_allocator import group_pages
 from sampling.partitioned import num_shards
 
 BUILTIN_SOURCES = ("arithmetic", "repo_fix")
+FILE_SOURCES = ("jsonl", "parquet", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # The repo environment's fields (configs/default.py) and the least value each may take; their
@@ -309,30 +311,94 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
-    path = c.model.hf_checkpoint
-    _need(os.path.isdir(path), "model.hf_checkpoint", path, "not a directory")
-    _need(
-        os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint", path,
-        "has no config.json",
-    )  # fmt: skip
+    path = model_dir(c)
+    _need(os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint",
+          c.model.hf_checkpoint, "has no config.json")  # fmt: skip
     for split in ("train", "eval"):
         src = c.data[split]
         if src.type in ("jsonl", "parquet"):
             found = glob.glob(src.path) if src.path else []
             _need(bool(found), f"data.{split}.path", src.path, f"no {src.type} file there")
+        elif src.type == "hf":
+            _need(bool(src.path), f"data.{split}.path", src.path, "a Hub dataset id, a "
+                  "directory of data files or a save_to_disk directory")  # fmt: skip
+            try:
+                import datasets  # noqa: F401
+            except ImportError:
+                _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
+                      "pip install -e '.[hub]'")  # fmt: skip
+            try:  # a Hub id is fetched now (memoized: rl.data reads the same snapshot)
+                resolve(src.path, src.get("revision", ""), field=f"config.data.{split}.path",
+                        revision_field=f"config.data.{split}.revision", repo_type="dataset",
+                        allow_patterns=None)  # fmt: skip
+            except HubError as e:
+                raise UsageError(str(e)) from None
         else:
             _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
-                  f"expected jsonl, parquet or one of {BUILTIN_SOURCES}")  # fmt: skip
+                  f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}")  # fmt: skip
+    if c.get("log", {}).get("wandb"):
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            _need(False, "log.wandb", True, "needs the wandb library: pip install -e "
+                  "'.[wandb]' (or pip install wandb)")  # fmt: skip
     try:
         vocab = config_from_hf(path).vocab_size
     except CheckpointError as e:
-        raise UsageError(f"config.model.hf_checkpoint={path!r}: {e}") from None
+        raise UsageError(f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}") from None
     stops = c.sampling.stop_ids
     _need(all(isinstance(i, int) and 0 <= i < vocab for i in stops), "sampling.stop_ids", stops,
           f"must be token ids in [0, {vocab}) (the checkpoint's vocabulary)")  # fmt: skip
     learner_config(c, ())
     engine_config(c, ())
     check_rewards(c)
+
+
+def model_dir(c: ml_collections.ConfigDict) -> str:
+    """The local directory of config.model.hf_checkpoint: the directory itself, or a Hub id's
+    snapshot in the Hub cache at config.model.hf_commit (the commit `pin_model` recorded; a
+    run's config.json has it) or else at config.model.revision (models/hub.py)."""
+    m = c.model
+    try:
+        return resolve(m.hf_checkpoint, m.get("hf_commit", "") or m.get("revision", ""))[0]
+    except HubError as e:
+        raise UsageError(str(e)) from None
+
+
+def pin_model(c: ml_collections.ConfigDict) -> None:
+    """Resolves a Hub id in config.model.hf_checkpoint at config.model.revision (downloading
+    what the loader reads) and records the commit in config.model.hf_commit ("" for a local
+    directory), so config.json holds it and a resume that resolves to another commit is
+    refused (launch/resume_compat.py). In a multi-process run process 0 resolves first, then
+    every other process resolves that same commit into its own host's Hub cache (HF_HOME):
+    hosts of a TPU slice have their own disks, and a shared HF_HOME works too, as process 0 has
+    filled it by then. An error on process 0 is raised on every process."""
+    m = c.model
+    if jax.process_count() == 1:
+        m.hf_commit = _resolve_commit(c, m.get("revision", ""))
+        return
+    from jax.experimental import multihost_utils
+
+    message = b""
+    if jax.process_index() == 0:
+        try:
+            message = b"ok:" + _resolve_commit(c, m.get("revision", "")).encode()
+        except UsageError as e:
+            message = b"error:" + str(e).encode()[:1000]
+    buf = np.zeros(1024, np.uint8)
+    buf[: len(message)] = np.frombuffer(message, np.uint8)
+    got = bytes(multihost_utils.broadcast_one_to_all(buf)).rstrip(b"\0").decode()
+    if got.startswith("error:"):
+        raise UsageError(got[len("error:") :])
+    commit = got[len("ok:") :]
+    m.hf_commit = _resolve_commit(c, commit) if commit else _resolve_commit(c, "")
+
+
+def _resolve_commit(c: ml_collections.ConfigDict, revision: str) -> str:
+    try:
+        return resolve(c.model.hf_checkpoint, revision)[1]
+    except HubError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_rewards(c: ml_collections.ConfigDict) -> None:

@@ -1,4 +1,5 @@
-"""Prompt data: records from jsonl / parquet files or a built-in task, batched per step with grain.
+"""Prompt data: records from jsonl / parquet files, a `datasets` dataset or a built-in task,
+batched per step with grain.
 
 A record is a dict with a prompt column (`prompt_field`, default "prompt") and any other columns the
 rewards need (e.g. "answer"). The prompt is text, or a list of {"role", "content"} messages for
@@ -7,8 +8,10 @@ as a list of records; `format_prompt` turns a record into token ids and `reward_
 columns out for `rl.rewards.combined_rewards`.
 
 Source config (a dict or ml_collections.ConfigDict; missing keys take the defaults shown):
-    type: "jsonl" | "parquet" | "arithmetic" | "repo_fix"
+    type: "jsonl" | "parquet" | "hf" | "arithmetic" | "repo_fix"
     path: file path, list of paths, or glob pattern   (jsonl / parquet)
+    path, name, split, revision   (hf: a Hub dataset id, a directory of data files or a
+        `save_to_disk` directory; `name` the subset, `revision` a Hub commit, branch or tag)
     prompt_field: "prompt"
     num: 10_000, digits: 2, ops: "+", split: "train", eval_fraction: 0.1, seed: 0   (arithmetic,
         see rl.tasks.arithmetic_records; the held-out set is the same config with split="eval")
@@ -16,8 +19,14 @@ Source config (a dict or ml_collections.ConfigDict; missing keys take the defaul
         rl.envs.repo_fix_tasks.repo_fix_records)
 
 Choices a reader may question:
-- All records are read into host memory up front. Prompt sets are small (GSM8K: 7.5k rows), and a
-  list gives grain random access, so shuffling is a global permutation with no buffer.
+- jsonl / parquet records are read into host memory up front. Prompt sets are small (GSM8K: 7.5k
+  rows), and a list gives grain random access, so shuffling is a global permutation with no buffer.
+- An "hf" source is a `datasets.Dataset` (Arrow, memory-mapped) that grain reads row by row as a
+  random-access source (`HFRecords`): nothing is copied into a list. A Hub id is fetched with
+  `huggingface_hub.snapshot_download(repo_type="dataset")` into the Hub cache datasets itself
+  downloads to (HF_HOME; HF_HUB_OFFLINE=1 reads the cache alone; HF_TOKEN), then read with
+  `datasets.load_dataset(snapshot, name, split=split)`, as is a directory of data files;
+  `load_from_disk` reads a `save_to_disk` directory. Its rows are the records, in its order.
 - Sharding takes the whole global batch on every process and keeps a contiguous slice of it
   (`[p * B/P, (p+1) * B/P)`), rather than grain's strided `ds[p::P]`. Then the process-ordered
   concatenation of local batches is exactly the single-process global batch, which is the order
@@ -45,7 +54,7 @@ from models.special_text import Trusted
 from models.tokenizer import Tokenizer
 from rl.tasks import arithmetic_records
 
-SOURCE_TYPES = ("jsonl", "parquet", "arithmetic", "repo_fix")
+SOURCE_TYPES = ("jsonl", "parquet", "hf", "arithmetic", "repo_fix")
 
 
 def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
@@ -122,8 +131,65 @@ def _read_parquet(path: str, prompt_field: str) -> list[dict]:
     return table.to_pylist()
 
 
-def load_records(source_cfg: Any) -> list[dict]:
-    """All records of a source config (see the module docstring), in file order."""
+class HFRecords(Sequence):
+    """The rows of a `datasets.Dataset` as a random-access sequence of record dicts (what grain's
+    MapDataset.source reads); slices are lists. Nothing is read before it is asked for."""
+
+    def __init__(self, dataset, where: str):
+        self.dataset, self.where = dataset, where
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.dataset[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.dataset[int(i) % len(self)]
+
+    def __iter__(self):
+        for batch in self.dataset.iter(batch_size=1024):
+            yield from (dict(zip(batch, row)) for row in zip(*batch.values()))
+
+
+def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("a data source of type 'hf' needs the datasets library: "
+                          "pip install -e '.[hub]'") from None  # fmt: skip
+    from models.hub import resolve
+
+    path = os.fspath(_cfg_get(source_cfg, "path", ""))
+    name = _cfg_get(source_cfg, "name", "") or None
+    split = str(_cfg_get(source_cfg, "split", "train"))
+    where = f"{path}" + (f" ({name})" if name else "") + f" split {split!r}"
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(
+        os.path.join(path, "state.json")
+    ):  # a save_to_disk directory (a DatasetDict or a Dataset)
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{path}: no split {split!r} (has {sorted(ds)})")
+            ds = ds[split]
+    else:  # a directory of data files, or a Hub dataset id (fetched into the Hub cache)
+        directory, _ = resolve(path, str(_cfg_get(source_cfg, "revision", "")),
+                               field="data source path", revision_field="revision",
+                               repo_type="dataset", allow_patterns=None)  # fmt: skip
+        try:
+            ds = datasets.load_dataset(directory, name, split=split)
+        except ValueError as e:  # an unknown subset or split
+            raise ValueError(f"{where}: {' '.join(str(e).split())[:300]}") from None
+    if prompt_field not in ds.column_names:
+        raise ValueError(f"{where}: no prompt field {prompt_field!r} (columns: "
+                         f"{ds.column_names}); set the source's prompt_field")  # fmt: skip
+    return HFRecords(ds, where)
+
+
+def load_records(source_cfg: Any) -> Sequence[dict]:
+    """All records of a source config (see the module docstring), in file order: a list, or
+    for an "hf" source its rows as a random-access `HFRecords`."""
     kind = _cfg_get(source_cfg, "type", None)
     prompt_field = _cfg_get(source_cfg, "prompt_field", "prompt")
     if kind == "arithmetic":
@@ -155,9 +221,13 @@ def load_records(source_cfg: Any) -> list[dict]:
             records.extend(read(path, prompt_field))
         if not records:
             raise ValueError(f"{', '.join(paths)}: no records (empty {kind} data)")
+    elif kind == "hf":
+        records = _load_hf(source_cfg, prompt_field)
+        if not len(records):
+            raise ValueError(f"{records.where}: no records (an empty dataset)")
     else:
         raise ValueError(f"data source type must be one of {SOURCE_TYPES}, got {kind!r}")
-    if not records:
+    if not len(records):
         raise ValueError(f"data source {dict(source_cfg)} has no records")
     return records
 
@@ -190,7 +260,7 @@ def prompt_dataset(
         raise ValueError(
             f"{len(records)} records x {num_epochs} epochs do not fill one batch of {batch_size}"
         )
-    ds = grain.MapDataset.source(list(records))
+    ds = grain.MapDataset.source(records if isinstance(records, HFRecords) else list(records))
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)

@@ -78,6 +78,23 @@ def hf_config(**changes):
     return make
 
 
+def hub_cache(monkeypatch):
+    """hub/: an offline Hugging Face Hub cache holding org/tiny (the asset) at `main`."""
+    from tests.hub_cache import add_directory, offline_hub
+
+    add_directory(os.path.abspath("hub"), "org/tiny", ASSET, "0" * 40)
+    offline_hub(monkeypatch, os.path.abspath("hub"), datasets_cache=os.path.abspath("datasets"))
+
+
+def without(module: str):
+    """`module` cannot be imported (as where it is not installed)."""
+
+    def setup(monkeypatch):
+        monkeypatch.setitem(sys.modules, module, None)
+
+    return setup
+
+
 def checkpoints_only(_):
     """other/: a workdir holding the finished run's checkpoints and no config.json (copied there)."""
     os.mkdir("other")
@@ -143,7 +160,12 @@ CATALOGUE = [
     Case("env-zero-turns", "`--config.env.name=calculator --config.env.max_turns=0`", "config.env.max_turns=0: must be >= 1", ENV + ["--config.env.max_turns=0"]),
     Case("env-turn-over-budget", "`--config.env.name=calculator --config.env.max_turn_tokens=6`", "config.env.max_turn_tokens=6: must be in [0, sampling.max_new_tokens = 5]", ENV + ["--config.env.max_turn_tokens=6"]),
     Case("data-file-missing", "`data.train.path`: a jsonl file that does not exist", "config.data.train.path='missing.jsonl': no jsonl file there", EIGHT + JSONL + ["missing.jsonl"]),
-    Case("checkpoint-missing", "`--config.model.hf_checkpoint=/nope`", "config.model.hf_checkpoint='/nope': not a directory", EIGHT + ["--config.model.hf_checkpoint=/nope"]),
+    Case("checkpoint-missing", "`--config.model.hf_checkpoint=/nope`", "config.model.hf_checkpoint='/nope': not a local directory, nor a Hub repo id ('org/name')", EIGHT + ["--config.model.hf_checkpoint=/nope"]),
+    Case("hub-id-missing", "`--config.model.hf_checkpoint=org/missing`, offline (`HF_HUB_OFFLINE=1`), not in the Hub cache", "config.model.hf_checkpoint='org/missing': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/missing"], hub_cache),
+    Case("hub-revision-missing", "`--config.model.hf_checkpoint=org/tiny --config.model.revision=v9`, offline, the cache holding `main` only", "config.model.revision='v9': no snapshot of org/tiny for it in the Hub cache (cached refs: ['main']; HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/tiny", "--config.model.revision=v9"], hub_cache),
+    Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
+    Case("datasets-missing", "`--config.data.train.type=hf`, the `datasets` library not installed", "config.data.train.type='hf': needs the datasets library: pip install -e '.[hub]'", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/data"], without("datasets")),
+    Case("wandb-missing", "`--config.log.wandb=True`, the `wandb` library not installed", "config.log.wandb=True: needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)", EIGHT + ["--config.log.wandb=True"], without("wandb")),
     Case("checkpoint-config-garbled", "`--config.model.hf_checkpoint=ckpt`, its config.json cut short", "config.model.hf_checkpoint='ckpt': ckpt/config.json: invalid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": '{"architectures": '})),
     Case("checkpoint-unsupported-architecture", "`--config.model.hf_checkpoint=ckpt`, its config.json of a GPT2LMHeadModel (`model_type` gpt2)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: architectures=['GPT2LMHeadModel'] is not supported", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(model_type="gpt2", architectures=["GPT2LMHeadModel"])})),
     Case("checkpoint-unsupported-model-type", "`--config.model.hf_checkpoint=ckpt`, its config.json with `model_type` gpt2 beside `architectures` LlamaForCausalLM", "config.model.hf_checkpoint='ckpt': ckpt/config.json: model_type='gpt2' with architectures=['LlamaForCausalLM'] is not supported (that architecture's model_type is 'llama'); supported: LlamaForCausalLM (llama), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3)", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(model_type="gpt2")})),

@@ -30,6 +30,12 @@ DATA = [
 ]
 
 
+def local_data(path) -> list[str]:
+    """The configs read GSM8K from the Hub (openai/gsm8k); these runs read a local jsonl file."""
+    return [f"--config.data.{split}.{k}={v}" for split in ("train", "eval")
+            for k, v in (("type", "jsonl"), ("path", path))]  # fmt: skip
+
+
 def _stand_in(fixture, tmp_path):
     d = tmp_path / f"{fixture}-standin"
     shutil.copytree(os.path.join(FIXTURES, fixture), d)
@@ -61,7 +67,7 @@ def test_real_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
     ckpt, data = _stand_in(fixture, tmp_path)
     args = [
         f"--config={ROOT}/configs/{config}.py", f"--config.model.hf_checkpoint={ckpt}",
-        f"--config.data.train.path={data}", f"--config.data.eval.path={data}",
+        *local_data(data),
         "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
         "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
         "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
@@ -105,7 +111,7 @@ def test_code_config_one_step(config, fixture, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in CODE))
     args = [
         f"--config={ROOT}/configs/{config}.py", f"--config.model.hf_checkpoint={ckpt}",
-        f"--config.data.train.path={data}", f"--config.data.eval.path={data}",
+        *local_data(data),
         "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
         "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
         "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64", "--config.data.system_prompt=Code.",
@@ -140,7 +146,7 @@ def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
     workdir, out = tmp_path / "run", tmp_path / "exported"
     args = [
         f"--config={ROOT}/configs/qwen3_0_6b_gsm8k.py", f"--config.model.hf_checkpoint={ckpt}",
-        f"--config.data.train.path={data}", f"--config.data.eval.path={data}",
+        *local_data(data),
         "--config.mesh.fsdp=8", "--config.data.prompts_per_step=4", "--config.rl.num_generations=2",
         "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
         "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=16",  # 2 per shard

@@ -1,0 +1,112 @@
+"""Checkpoints and datasets by Hugging Face Hub id, resolved to a local snapshot directory.
+
+`resolve("Qwen/Qwen2.5-0.5B-Instruct", revision)` returns (directory, commit): a local directory
+is returned as it is (commit ""), anything else is a Hub repo id fetched with
+`huggingface_hub.snapshot_download` into the Hub cache that transformers and datasets use
+(`HF_HOME`, `HF_HUB_CACHE`), for the files the loader reads only (`MODEL_FILES`). The usual
+environment applies: `HF_TOKEN` for private and gated repos, `HF_HUB_OFFLINE=1` to resolve from
+the cache alone. `revision` is a commit, branch or tag ("" = the default branch); the commit it
+resolved to is returned so that a run can record it and pin it later.
+
+A missing repo, a gated one without a token, a revision that does not exist or a snapshot that is
+not cached while offline raises `HubError`, one line naming `field`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# What models/hf.py and models/tokenizer.py read from a checkpoint directory.
+MODEL_FILES = (
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "char_tokenizer.json",
+)  # fmt: skip
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_resolved: dict[tuple, tuple[str, str]] = {}  # (id, commit, repo type, cache) -> (dir, commit)
+
+
+class HubError(ValueError):
+    """A Hub id or revision that does not resolve; the message is one line naming the field."""
+
+
+def is_local(path: str) -> bool:
+    return os.path.isdir(os.path.expanduser(os.fspath(path)))
+
+
+def resolve(
+    path: str,
+    revision: str = "",
+    *,
+    field: str = "config.model.hf_checkpoint",
+    revision_field: str = "config.model.revision",
+    repo_type: str = "model",
+    allow_patterns=MODEL_FILES,
+) -> tuple[str, str]:
+    """(local directory, commit) of a local directory (commit "") or a Hub repo id."""
+    path = os.fspath(path)
+    if is_local(path):
+        return os.path.expanduser(path), ""
+    if not path or not _REPO_ID.match(path) or path.startswith((".", "/", "~")):
+        raise HubError(f"{field}={path!r}: not a local directory, nor a Hub repo id "
+                       "('org/name')")  # fmt: skip
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants, errors
+    except ImportError:
+        raise HubError(f"{field}={path!r}: not a local directory; a Hub id needs "
+                       "huggingface_hub: pip install -e '.[hub]'") from None  # fmt: skip
+    key = (path, revision, repo_type, constants.HF_HUB_CACHE)
+    if key in _resolved:  # a commit resolved before in this process (immutable)
+        return _resolved[key]
+    what = f"{field}={path!r}" + (f" ({revision_field}={revision!r})" if revision else "")
+    try:
+        directory = huggingface_hub.snapshot_download(
+            path, repo_type=repo_type, revision=revision or None,
+            allow_patterns=list(allow_patterns) if allow_patterns else None,
+        )  # fmt: skip
+    except errors.GatedRepoError:
+        raise HubError(f"{what}: a gated repo; accept its terms on huggingface.co and set "
+                       "HF_TOKEN (or `hf auth login`)") from None  # fmt: skip
+    except errors.RepositoryNotFoundError:
+        raise HubError(f"{what}: no such {repo_type} repo on the Hub (or it is private: set "
+                       "HF_TOKEN)") from None  # fmt: skip
+    except errors.RevisionNotFoundError:
+        raise HubError(f"{revision_field}={revision!r}: no such revision of {path} on "
+                       "the Hub") from None  # fmt: skip
+    except (errors.LocalEntryNotFoundError, _incomplete(errors)) as e:
+        raise HubError(_not_cached(path, revision, repo_type, field, revision_field, e)) from None
+    except errors.HfHubHTTPError as e:
+        raise HubError(f"{what}: {' '.join(str(e).split())[:200]}") from None
+    commit = os.path.basename(os.path.normpath(directory))
+    if not _COMMIT.match(commit):  # a snapshot directory is named by its commit
+        raise HubError(f"{what}: resolved to {directory}, not a snapshot of the Hub cache")
+    _resolved[(path, commit, *key[2:])] = (directory, commit)  # a branch or tag may move
+    return directory, commit
+
+
+def _incomplete(errors) -> type:
+    """huggingface_hub's error for a partial cached snapshot (newer releases only)."""
+    return getattr(errors, "IncompleteSnapshotError", errors.LocalEntryNotFoundError)
+
+
+def _not_cached(path, revision, repo_type, field, revision_field, e) -> str:
+    """The line for a snapshot that is not in the cache (offline, or the Hub unreachable)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    offline = "HF_HUB_OFFLINE=1" if constants.is_offline_mode() else "the Hub is unreachable"
+    folder = os.path.join(
+        constants.HF_HUB_CACHE, repo_folder_name(repo_id=path, repo_type=repo_type)
+    )
+    if not os.path.isdir(folder):
+        return (f"{field}={path!r}: not a local directory, and not in the Hub cache "
+                f"{constants.HF_HUB_CACHE} ({offline})")  # fmt: skip
+    refs = os.path.join(folder, "refs")
+    cached = sorted(os.listdir(refs)) if os.path.isdir(refs) else []
+    if "incomplete" in type(e).__name__.lower():
+        return f"{field}={path!r}: the cached snapshot is incomplete ({offline})"
+    return (f"{revision_field}={revision or 'main'!r}: no snapshot of {path} for it in "
+            f"the Hub cache (cached refs: {cached}; {offline})")  # fmt: skip

@@ -1,0 +1,236 @@
+"""Models and data by Hub id, offline, and W&B logging (issue 36).
+
+A Hub cache laid out as huggingface_hub lays it out (tests/hub_cache.py) holds, under the real ids,
+tiny stand-ins: `Qwen/Qwen2.5-0.5B-Instruct` is the Qwen2 fixture with a small BPE tokenizer
+(tests/launch/test_real_configs.py) at commit A on `main`, and at commit B (weights doubled) on
+the tag `v2`; `openai/gsm8k` is four GSM8K-style rows as parquet, laid out as on the Hub (README
+configs, subset `main`, splits train / test). With HF_HUB_OFFLINE=1 the README's real-model
+commands run as written, with the sizes test_real_configs uses, in one shared run: it trains by
+the ids, logs to W&B offline, resumes under the same W&B run, is refused once the snapshot under
+`main` changed, and launch.eval / export / generate read the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.hub_cache import add_directory, add_snapshot, offline_hub
+
+datasets = pytest.importorskip("datasets")
+
+MODEL, DATASET = "Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k"
+A, B, D = (hashlib.sha1(x).hexdigest() for x in (b"A", b"B", b"D"))
+# test_real_configs' fixture sizes (the 8 fake devices as data=2, fsdp=2, tensor=2)
+TINY = [
+    "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+    "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
+    "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
+    "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=8",
+    "--config.sampling.page_size=8", "--config.sampling.num_pages=64",
+    "--config.sampling.steps_per_call=4", "--config.rl.overlong_buffer=4",
+    "--config.eval.pass_k=1", "--config.eval.pass_n=1",
+]  # fmt: skip
+GSM8K_CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+---
+"""
+
+
+def gsm8k_repo(directory, rows) -> None:
+    """openai/gsm8k's layout: README configs, main/{train,test}-00000-of-00001.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.join(directory, "main"))
+    for split in ("train", "test"):
+        path = os.path.join(directory, "main", f"{split}-00000-of-00001.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with open(os.path.join(directory, "README.md"), "w") as f:
+        f.write(GSM8K_CARD)
+
+
+def doubled(src, dst) -> None:
+    """A copy of checkpoint directory src whose weights are doubled (another snapshot)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    save_file({k: v * 2 for k, v in load_file(path).items()}, path)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """The offline Hub cache (this process and its subprocesses), the working directory a
+    scratch directory; yields it."""
+    from tests.launch.test_real_configs import DATA, _stand_in
+
+    top = tmp_path_factory.mktemp("hub")
+    ckpt, _ = _stand_in("qwen2", top)
+    doubled(ckpt, top / "doubled")
+    gsm8k_repo(top / "gsm8k", DATA)
+    cache = top / "cache"
+    add_directory(cache, MODEL, ckpt, A, refs=("main",))
+    add_directory(cache, MODEL, top / "doubled", B, refs=("v2",))
+    add_directory(cache, DATASET, top / "gsm8k", D, refs=("main",), repo_type="dataset")
+    with pytest.MonkeyPatch.context() as mp:
+        offline_hub(mp, cache)
+        work = top / "work"  # the README's commands run from the repository root: its configs/
+        work.mkdir()
+        os.symlink(os.path.join(ROOT, "configs"), work / "configs")
+        mp.chdir(work)
+        yield top
+
+
+def test_revision_picks_the_snapshot(hub):
+    """model.revision: "" (main) is commit A, the tag v2 and commit B itself are B; the weights
+    read are those of the snapshot (B's are A's doubled)."""
+    import jax
+
+    from models.hf import load_hf
+    from models.hub import resolve
+    from models.sharding import flatten, make_mesh
+
+    a, b = resolve(MODEL), resolve(MODEL, "v2")
+    assert a[1] == A and b[1] == B and resolve(MODEL, B) == b
+    assert a[0].endswith(f"snapshots/{A}") and b[0].endswith(f"snapshots/{B}")
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    pa, pb = (flatten(load_hf(d, mesh)[2]) for d, _ in (a, b))
+    for k in pa:
+        np.testing.assert_array_equal(np.asarray(pb[k]), 2 * np.asarray(pa[k]), err_msg=k)
+
+
+def readme_commands() -> list[list[str]]:
+    """The README's real-model quick start (the block after `<!-- hub quick start -->`), one
+    argv per command, `python -m` and line continuations removed, comments dropped."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text.split("<!-- hub quick start -->", 1)[1].split("```bash\n", 1)[1].split("```")[0]
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            assert words[:2] == ["python", "-m"], line
+            out.append(words[2:])
+    return out
+
+
+def tb_scalars(workdir) -> dict[int, dict[str, np.float32]]:
+    """{step: {tag: value}} of the run's TensorBoard event files (float32, as written)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out: dict = {}
+    events = os.path.join(workdir, "tensorboard")
+    for name in sorted(os.listdir(events)):
+        for event in EventFileLoader(os.path.join(events, name)).Load():
+            for v in event.summary.value:
+                if v.metadata.plugin_data.plugin_name == "scalars":
+                    value = tensor_util.make_ndarray(v.tensor)
+                    out.setdefault(event.step, {})[v.tag] = np.float32(value)
+    return out
+
+
+def wandb_history(run_dir) -> dict[int, dict]:
+    """{step: {key: value}} of an offline W&B run's history, read back from its .wandb log with
+    W&B's own reader (`wandb leet inspect --json`)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "wandb")
+    out = subprocess.run([exe, "leet", "inspect", "--json", str(run_dir)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    rows: dict = {}
+    for line in out.splitlines():
+        record = json.loads(line)
+        if record.get("type") == "history":
+            item = record["history"]["item"]
+            rows.setdefault(item["_step"], {}).update(
+                {k: v for k, v in item.items() if not k.startswith("_")}
+            )
+    return rows
+
+
+@pytest.mark.slow
+def test_readme_commands_by_hub_id(hub, capsys, monkeypatch):
+    """The README's real-model commands as written (plus test_real_configs' sizes), offline."""
+    from launch import eval as eval_
+    from launch import export, generate, train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    entry = {"launch.train": train, "launch.eval": eval_, "launch.export": export,
+             "launch.generate": generate}  # fmt: skip
+    commands = readme_commands()
+    assert [c[0] for c in commands] == [
+        "launch.train", "launch.train", "launch.eval", "launch.export", "launch.generate"
+    ]  # fmt: skip
+    assert "--dry_run" in commands[0] and MODEL in commands[4]
+    workdir = commands[1][commands[1].index("--workdir") + 1]
+    with open("prompts.jsonl", "w") as f:  # launch.generate's input
+        f.write(json.dumps({"prompt": "Tom has 3 apples"}) + "\n")
+    steps = ["--config.num_steps=2", "--config.log.wandb=True"]
+    for argv in commands:
+        extra = TINY + steps if argv[0] == "launch.train" else []
+        assert entry[argv[0]].main(argv[1:] + extra) == 0, argv
+    out = capsys.readouterr().out
+    assert "estimated peak per device" in out  # the --dry_run
+
+    # trained by the ids; the commit is recorded in config.json and summary.json
+    config = json.load(open(os.path.join(workdir, "config.json")))
+    summary = json.load(open(os.path.join(workdir, "summary.json")))
+    assert config["model"]["hf_checkpoint"] == MODEL and config["model"]["hf_commit"] == A
+    assert config["data"]["train"]["path"] == DATASET and summary["hf_commit"] == A
+    assert summary["steps"] == 2
+    # launch.eval printed its JSON, launch.export wrote the checkpoint, generate its samples
+    assert json.loads(out.strip().splitlines()[-2])["step"] == 2
+    assert os.path.exists("exported/model.safetensors") and os.path.exists(
+        "exported/tokenizer.json"
+    )
+    assert len(open("out.jsonl").read().splitlines()) == 4  # --num_samples 4 of one prompt
+
+    # W&B: steps 0-2 hold the TensorBoard scalars, at float32
+    run_id = open(os.path.join(workdir, "wandb_run_id")).read()
+    runs = sorted(os.listdir(os.path.join(workdir, "wandb")))
+    runs = [r for r in runs if r.startswith("offline-run-")]
+    assert len(runs) == 1 and runs[0].endswith(run_id)
+    history, tb = wandb_history(os.path.join(workdir, "wandb", runs[0])), tb_scalars(workdir)
+    assert sorted(tb) == [0, 1, 2] and sorted(history) == [0, 1, 2]
+    for step in (0, 1, 2):
+        assert set(history[step]) == set(tb[step]), step
+        for tag, value in tb[step].items():
+            assert np.float32(history[step][tag]) == value, (step, tag)
+    assert "loss" in tb[1] and "eval/accuracy" in tb[0]
+
+    # a resumed run continues the same W&B run
+    train_argv = commands[1][1:] + TINY + ["--config.num_steps=3", "--config.log.wandb=True"]
+    assert train.main(train_argv) == 0
+    assert "resumed from step 2" in capsys.readouterr().err
+    runs = sorted(r for r in os.listdir(os.path.join(workdir, "wandb")) if r.startswith("off"))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)
+    resumed = wandb_history(os.path.join(workdir, "wandb", runs[1]))
+    assert 3 in resumed and resumed[3]["loss"] == np.float32(tb_scalars(workdir)[3]["loss"])
+
+    # the snapshot under `main` changed: the resume is refused, in one line, the run untouched
+    ref = os.path.join(os.environ["HF_HUB_CACHE"], "models--Qwen--Qwen2.5-0.5B-Instruct", "refs")
+    shutil.copy(os.path.join(ref, "v2"), os.path.join(ref, "main"))
+    try:
+        assert train.main(commands[1][1:] + TINY + ["--config.num_steps=4"]) == 2
+    finally:
+        add_snapshot(os.environ["HF_HUB_CACHE"], MODEL, {}, A, refs=("main",))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: config.model.hf_checkpoint='{MODEL}' resolves to commit {B}, but "
+                   f"this run started from commit {A}; resume with --config.model.revision={A} "
+                   "or use a new --workdir"]  # fmt: skip
+    assert json.load(open(os.path.join(workdir, "config.json")))["model"]["hf_commit"] == A
