@@ -1,0 +1,66 @@
+"""Data sources of type "hf" (rl/data.py): a `save_to_disk` directory (load_from_disk) and a
+directory of parquet files (datasets.load_dataset) give the records of the same rows as jsonl, in
+the same order, per process, through grain's random access, and resume as jsonl does."""
+
+import json
+
+import pytest
+
+from rl.data import HFRecords, load_records, make_prompt_iterator
+
+datasets = pytest.importorskip("datasets")
+
+ROWS = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}", "n": i} for i in range(11)]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same rows as jsonl, as a save_to_disk directory and as a parquet file (its name gives
+    the split, as on the Hub), as source configs."""
+    top = tmp_path_factory.mktemp("hf_data")
+    jsonl = top / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(top / "saved"))
+    (top / "parquet").mkdir()
+    datasets.Dataset.from_list(ROWS).to_parquet(
+        str(top / "parquet" / "train-00000-of-00001.parquet")
+    )
+    old, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, str(top / "cache")
+    field = {"prompt_field": "question"}
+    yield {
+        "jsonl": {"type": "jsonl", "path": str(jsonl), **field},
+        "saved": {"type": "hf", "path": str(top / "saved"), **field},
+        "parquet": {"type": "hf", "path": str(top / "parquet"), "split": "train", **field},
+    }
+    datasets.config.HF_DATASETS_CACHE = old  # (the Arrow cache load_dataset writes, above)
+
+
+def test_records_are_the_rows_in_order(sources):
+    """Same records as the jsonl lines; an "hf" source stays a random-access view of the Arrow
+    table (HFRecords), not a list."""
+    want = load_records(sources["jsonl"])
+    for name in ("saved", "parquet"):
+        got = load_records(sources[name])
+        assert isinstance(got, HFRecords) and len(got) == len(ROWS)
+        assert list(got) == want == ROWS, name
+        assert got[3] == ROWS[3] and got[-1] == ROWS[-1] and got[2:4] == ROWS[2:4]
+
+
+def test_batches_per_process_and_resume_equal_jsonl(sources):
+    """Each process's batches (2 processes, 4 prompts a step, 11 rows: steps straddle epochs)
+    are those of the jsonl rows, and an iterator set to a saved state goes on exactly."""
+    kwargs = dict(batch_size=4, seed=3, process_count=2)
+    for p in range(2):
+        runs = {}
+        for name, src in sources.items():
+            it = make_prompt_iterator(src, process_index=p, **kwargs)
+            runs[name] = [next(it) for _ in range(3)]
+            state = it.get_state()
+            resumed = make_prompt_iterator(src, process_index=p, **kwargs)
+            resumed.set_state(json.loads(json.dumps(state)))  # as the checkpoint stores it
+            runs[name] += [next(resumed) for _ in range(3)]
+            assert runs[name][3:] == [next(it) for _ in range(3)], name
+        assert runs["saved"] == runs["jsonl"] == runs["parquet"], p
+        assert all(len(batch) == 2 for batch in runs["jsonl"])
+    firsts = [make_prompt_iterator(sources["saved"], process_index=p, **kwargs) for p in range(2)]
+    assert next(firsts[0]) != next(firsts[1])  # the processes hold different halves
