@@ -39,12 +39,37 @@ def test_notebook_is_stored_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, cell.source[:80]
 
 
+def _real_model_dry_run(tmp_path, monkeypatch) -> bool:
+    """The real-model section runs its --dry_run only, offline, against a Hub cache holding the
+    tiny stand-ins under its ids (tests/launch/test_hub.py) and test_real_configs' sizes; without
+    the `hub` extra it is skipped. Returns whether it runs."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        monkeypatch.setenv("QUICKSTART_REAL", "skip")
+        return False
+    from tests.hub_cache import add_directory, offline_hub
+    from tests.launch.test_hub import DATASET, MODEL, TINY, A, D, gsm8k_repo
+    from tests.launch.test_real_configs import DATA, _stand_in
+
+    ckpt, _ = _stand_in("qwen2", tmp_path)
+    gsm8k_repo(tmp_path / "gsm8k", DATA)
+    add_directory(tmp_path / "hub", MODEL, ckpt, A)
+    add_directory(tmp_path / "hub", DATASET, tmp_path / "gsm8k", D, repo_type="dataset")
+    offline_hub(monkeypatch, tmp_path / "hub")
+    sizes = [f for f in TINY if not f.startswith("--config.mesh.")]  # the notebook sets the mesh
+    monkeypatch.setenv("QUICKSTART_REAL", "dry_run")
+    monkeypatch.setenv("QUICKSTART_REAL_FLAGS", " ".join(sizes))
+    return True
+
+
 @pytest.mark.slow
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     monkeypatch.setenv("QUICKSTART_STEPS", str(STEPS))
     monkeypatch.setenv("QUICKSTART_EVAL_PROMPTS", str(EVAL_PROMPTS))
     monkeypatch.setenv("QUICKSTART_WORKDIR", str(workdir))
+    real = _real_model_dry_run(tmp_path, monkeypatch)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb,
@@ -71,7 +96,15 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     for name in ("before", "after"):
         completions = (workdir / f"{name}.jsonl").read_text().splitlines()
         assert len(completions) == PROBLEMS
-    table = _text(cells[-1]).splitlines()[-(PROBLEMS + 1) :]
+    after = next(c for c in cells if "show(before=before, after=after)" in c.source)
+    table = _text(after).splitlines()[-(PROBLEMS + 1) :]
     assert table[0].split() == ["problem", "answer", "before", "after"]
     for line in table[1:]:
         assert line.split()[0].endswith("=") and line.count("✓") + line.count("✗") == 2, line
+
+    # The real-model section: its --dry_run by the Hub ids (one device here), no training.
+    dry = next(c for c in cells if '"--dry_run"' in c.source)
+    if real:
+        assert "estimated peak per device" in _text(dry), _text(dry)[-2000:]
+        assert "--config.model.hf_checkpoint" not in _text(dry)  # by the config's own ids
+    assert not any("GSM8K held-out greedy accuracy" in _text(c) for c in cells)
