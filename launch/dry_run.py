@@ -97,8 +97,9 @@ def dry_run(config) -> int:
     mesh = make_mesh(dict(config.mesh))
     rules = tuple(tuple(r) for r in config.rules)
     s = config.sampling
-    cfg = config_from_hf(model_dir(config), **model_overrides(config))
-    ids = generation_ids(model_dir(config))
+    path = model_dir(config, weights=False)  # a Hub id: its config files only
+    cfg = config_from_hf(path, **model_overrides(config))
+    ids = generation_ids(path)
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, rules)
     params = with_shardings(shapes, shardings)

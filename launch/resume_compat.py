@@ -64,7 +64,10 @@ def check_resumable(old: dict, new: dict) -> None:
     layout asked for (the same weights, the matmuls partitioned otherwise), and one saved before
     sampling.reserve and kv_watermark reserved budgets: it resumes with the reserve asked for. One
     saved before the partial-rollout fields existed resumes with them at their defaults
-    (partial rollouts off). One saved with env.sandbox_bwrap (renamed env.isolation) resumes
+    (partial rollouts off). One saved before env.tool_answer_calls existed took each tool answer
+    as soon as it was done (0): it resumes with the value asked for, as a partial run under
+    that rule never repeated itself (its carry followed the tools' latency), so no trajectory of
+    it is lost, and a synchronous one does not depend on it. One saved with env.sandbox_bwrap (renamed env.isolation) resumes
     with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
     before either existed with "auto"; env.isolation itself may change (RESUMABLE_CHANGES)."""
     if "env" in old and "isolation" not in old["env"]:
@@ -74,7 +77,7 @@ def check_resumable(old: dict, new: dict) -> None:
         new = _without(new, "model", "lora")
     for section, field in (("model", "attention"), ("sampling", "prefill_chunk"),
                            ("sampling", "weights_layout"), ("sampling", "reserve"),
-                           ("sampling", "kv_watermark")):  # fmt: skip
+                           ("sampling", "kv_watermark"), ("env", "tool_answer_calls")):  # fmt: skip
         if field not in old.get(section, {}):
             new = _without(new, section, field)
     for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
@@ -95,7 +98,8 @@ def check_resumable(old: dict, new: dict) -> None:
     if "data" in new:
         new = {**new, "data": {**new["data"], "train": train}}
     _check_commit(old, new)
-    diff = [f for f in changed_fields(old, new) if not f.startswith(RESUMABLE_CHANGES)]
+    # f + ".": a section absent from an old run (`log`) matches its prefix ("log.") too
+    diff = [f for f in changed_fields(old, new) if not (f + ".").startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
         raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir")

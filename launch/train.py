@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     try:
         config, config_path, opts = parse_args(sys.argv[1:] if argv is None else argv, FLAGS)
         init_distributed(config)
-        pin_model(config)  # a Hub id: resolved (fetched) once, its commit in config.model.hf_commit
+        # a Hub id: resolved (fetched) once, its commit in config.model.hf_commit
+        pin_model(config, weights=not opts["dry_run"])
         validate(config, jax.device_count(), runs_code=not opts["dry_run"])
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)

@@ -21,7 +21,7 @@ from launch.cli import UsageError, config_json
 from launch.resume_compat import check_resumable
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
-from models.hub import HubError, resolve
+from models.hub import CONFIG_FILES, MODEL_FILES, HubError, resolve
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import load_records, reward_inputs
@@ -241,6 +241,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
               f"{c.sampling.max_new_tokens}] (0 = the whole budget)")  # fmt: skip
         _need(v.max_tool_seconds > 0, "env.max_tool_seconds", v.max_tool_seconds, "must be > 0")
         _need(v.tool_workers >= 1, "env.tool_workers", v.tool_workers, "must be >= 1")
+        _need(v.tool_answer_calls >= 0, "env.tool_answer_calls", v.tool_answer_calls,
+              "must be >= 0 (0 = each answer as soon as it is done)")  # fmt: skip
         _need(c.sampling.min_new_tokens == 0, "sampling.min_new_tokens", c.sampling.min_new_tokens,
               "must be 0 with an environment (the sampler would ban stop ids at the start of "
               "every turn, the learner only at the start of the episode)")  # fmt: skip
@@ -311,7 +313,7 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
-    path = model_dir(c)
+    path = model_dir(c, weights=False)
     _need(os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint",
           c.model.hf_checkpoint, "has no config.json")  # fmt: skip
     for split in ("train", "eval"):
@@ -354,35 +356,42 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     check_rewards(c)
 
 
-def model_dir(c: ml_collections.ConfigDict) -> str:
+def model_dir(c: ml_collections.ConfigDict, weights: bool = True) -> str:
     """The local directory of config.model.hf_checkpoint: the directory itself, or a Hub id's
     snapshot in the Hub cache at config.model.hf_commit (the commit `pin_model` recorded; a
-    run's config.json has it) or else at config.model.revision (models/hub.py)."""
+    run's config.json has it) or else at config.model.revision (models/hub.py); without
+    `weights` only its config files are fetched (validation, --dry_run)."""
     m = c.model
+    rev = m.get("hf_commit", "") or m.get("revision", "")
     try:
-        return resolve(m.hf_checkpoint, m.get("hf_commit", "") or m.get("revision", ""))[0]
+        return resolve(m.hf_checkpoint, rev, allow_patterns=_files(weights))[0]
     except HubError as e:
         raise UsageError(str(e)) from None
 
 
-def pin_model(c: ml_collections.ConfigDict) -> None:
+def _files(weights: bool) -> tuple[str, ...]:
+    return MODEL_FILES if weights else CONFIG_FILES
+
+
+def pin_model(c: ml_collections.ConfigDict, weights: bool = True) -> None:
     """Resolves a Hub id in config.model.hf_checkpoint at config.model.revision (downloading
     what the loader reads) and records the commit in config.model.hf_commit ("" for a local
     directory), so config.json holds it and a resume that resolves to another commit is
     refused (launch/resume_compat.py). In a multi-process run process 0 resolves first, then
     every other process resolves that same commit into its own host's Hub cache (HF_HOME):
     hosts of a TPU slice have their own disks, and a shared HF_HOME works too, as process 0 has
-    filled it by then. An error on process 0 is raised on every process."""
+    filled it by then. An error on process 0 is raised on every process. Without `weights`
+    (--dry_run) only the config files are fetched."""
     m = c.model
     if jax.process_count() == 1:
-        m.hf_commit = _resolve_commit(c, m.get("revision", ""))
+        m.hf_commit = _resolve_commit(c, m.get("revision", ""), weights)
         return
     from jax.experimental import multihost_utils
 
     message = b""
     if jax.process_index() == 0:
         try:
-            message = b"ok:" + _resolve_commit(c, m.get("revision", "")).encode()
+            message = b"ok:" + _resolve_commit(c, m.get("revision", ""), weights).encode()
         except UsageError as e:
             message = b"error:" + str(e).encode()[:1000]
     buf = np.zeros(1024, np.uint8)
@@ -391,12 +400,12 @@ def pin_model(c: ml_collections.ConfigDict) -> None:
     if got.startswith("error:"):
         raise UsageError(got[len("error:") :])
     commit = got[len("ok:") :]
-    m.hf_commit = _resolve_commit(c, commit) if commit else _resolve_commit(c, "")
+    m.hf_commit = _resolve_commit(c, commit, weights) if commit else ""
 
 
-def _resolve_commit(c: ml_collections.ConfigDict, revision: str) -> str:
+def _resolve_commit(c: ml_collections.ConfigDict, revision: str, weights: bool) -> str:
     try:
-        return resolve(c.model.hf_checkpoint, revision)[1]
+        return resolve(c.model.hf_checkpoint, revision, allow_patterns=_files(weights))[1]
     except HubError as e:
         raise UsageError(str(e)) from None
 

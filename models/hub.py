@@ -23,9 +23,10 @@ MODEL_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "char_tokenizer.json",
 )  # fmt: skip
+CONFIG_FILES = ("config.json", "generation_config.json")  # what --dry_run and validation read
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_resolved: dict[tuple, tuple[str, str]] = {}  # (id, commit, repo type, cache) -> (dir, commit)
+_resolved: dict[tuple, tuple[str, str]] = {}  # (id, commit, type, cache, files) -> (dir, commit)
 
 
 class HubError(ValueError):
@@ -58,14 +59,16 @@ def resolve(
     except ImportError:
         raise HubError(f"{field}={path!r}: not a local directory; a Hub id needs "
                        "huggingface_hub: pip install -e '.[hub]'") from None  # fmt: skip
+    patterns = tuple(allow_patterns) if allow_patterns else None
     key = (path, revision, repo_type, constants.HF_HUB_CACHE)
-    if key in _resolved:  # a commit resolved before in this process (immutable)
-        return _resolved[key]
+    for files in (patterns, MODEL_FILES, None):  # a commit resolved before (immutable), with
+        if (*key, files) in _resolved:  # these files or with all the loader's
+            return _resolved[(*key, files)]
     what = f"{field}={path!r}" + (f" ({revision_field}={revision!r})" if revision else "")
     try:
         directory = huggingface_hub.snapshot_download(
             path, repo_type=repo_type, revision=revision or None,
-            allow_patterns=list(allow_patterns) if allow_patterns else None,
+            allow_patterns=list(patterns) if patterns else None,
         )  # fmt: skip
     except errors.GatedRepoError:
         raise HubError(f"{what}: a gated repo; accept its terms on huggingface.co and set "
@@ -83,7 +86,7 @@ def resolve(
     commit = os.path.basename(os.path.normpath(directory))
     if not _COMMIT.match(commit):  # a snapshot directory is named by its commit
         raise HubError(f"{what}: resolved to {directory}, not a snapshot of the Hub cache")
-    _resolved[(path, commit, *key[2:])] = (directory, commit)  # a branch or tag may move
+    _resolved[(path, commit, *key[2:], patterns)] = (directory, commit)  # a branch may move
     return directory, commit
 
 

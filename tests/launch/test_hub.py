@@ -116,6 +116,73 @@ def test_revision_picks_the_snapshot(hub):
         np.testing.assert_array_equal(np.asarray(pb[k]), 2 * np.asarray(pa[k]), err_msg=k)
 
 
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        ("RepositoryNotFoundError", "config.model.hf_checkpoint='org/x' (config.model.revision='v1'): no such model repo on the Hub (or it is private: set HF_TOKEN)"),
+        ("GatedRepoError", "config.model.hf_checkpoint='org/x' (config.model.revision='v1'): a gated repo; accept its terms on huggingface.co and set HF_TOKEN (or `hf auth login`)"),
+        ("RevisionNotFoundError", "config.model.revision='v1': no such revision of org/x on the Hub"),
+    ],
+)  # fmt: skip
+def test_hub_errors_online_are_one_line(error, message, monkeypatch):
+    """The Hub's answers for a missing repo, a gated one without a token and a missing revision
+    (raised here by a stand-in for snapshot_download: there is no network) become one line."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    from models.hub import HubError, resolve
+
+    response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/api/x"))
+
+    def refuse(*_, **__):
+        raise getattr(errors, error)("the Hub's message", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(HubError) as e:
+        resolve("org/x", "v1")
+    assert str(e.value) == message
+
+
+def test_resume_checks_the_commit_and_old_runs_resume():
+    """launch.resume_compat: a run saved before the Hub fields (no model.revision / hf_commit,
+    no log section, no data.train.name / revision) resumes; log.* and model.revision may change;
+    another commit under the same id is refused in one line naming both."""
+    from launch.cli import UsageError, config_json, parse_args
+    from launch.resume_compat import check_resumable
+
+    new = config_json(parse_args([], {})[0])
+    old = json.loads(json.dumps(new))
+    del old["model"]["revision"], old["model"]["hf_commit"], old["log"]
+    del old["data"]["train"]["name"], old["data"]["train"]["revision"]
+    check_resumable(old, new)
+    pinned = json.loads(json.dumps(new))
+    pinned["model"].update(hf_checkpoint=MODEL, hf_commit=A)
+    moved = json.loads(json.dumps(pinned))
+    moved["model"].update(hf_commit=B, revision="v2")
+    moved["log"].update(wandb=True, wandb_tags=["x"])
+    check_resumable(pinned, {**moved, "model": {**moved["model"], "hf_commit": A}})
+    with pytest.raises(UsageError, match=f"resolves to commit {B}, but this run started from "
+                       f"commit {A}; resume with --config.model.revision={A}"):  # fmt: skip
+        check_resumable(pinned, moved)
+
+
+def test_only_process_0_logs_to_wandb(tmp_path, monkeypatch):
+    """RunLogger on a process other than 0 (enabled=False) starts no W&B run and writes nothing,
+    even with log.wandb; wandb.init is never called there."""
+    import wandb
+
+    from launch.cli import parse_args
+    from launch.logger import RunLogger
+
+    monkeypatch.setattr(wandb, "init", lambda **_: pytest.fail("wandb.init on process 1"))
+    config = parse_args(["--config.log.wandb=True"], {})[0]
+    log = RunLogger(str(tmp_path), enabled=False, config=config)
+    log.scalars(1, {"loss": 1.0})
+    log.close()
+    assert log.wandb is None and os.listdir(tmp_path) == []
+
+
 def readme_commands() -> list[list[str]]:
     """The README's real-model quick start (the block after `<!-- hub quick start -->`), one
     argv per command, `python -m` and line continuations removed, comments dropped."""
