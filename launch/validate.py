@@ -24,7 +24,7 @@ from models.hf_config import CheckpointError, config_from_hf
 from models.hub import CONFIG_FILES, MODEL_FILES, HubError, resolve
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
-from rl.data import load_records, reward_inputs
+from rl.data import hub_dataset_dir, load_records, reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from rl.reward_registry import CODE_REWARDS
@@ -329,10 +329,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
             except ImportError:
                 _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
                       "pip install -e '.[hub]'")  # fmt: skip
-            try:  # a Hub id is fetched now (memoized: rl.data reads the same snapshot)
-                resolve(src.path, src.get("revision", ""), field=f"config.data.{split}.path",
-                        revision_field=f"config.data.{split}.revision", repo_type="dataset",
-                        allow_patterns=None)  # fmt: skip
+            try:  # a Hub id is fetched now, its one-line errors naming these fields
+                hub_dataset_dir(src.path, src.get("revision", ""), src.get("name") or None,
+                                field=f"config.data.{split}.path",
+                                revision_field=f"config.data.{split}.revision")  # fmt: skip
             except HubError as e:
                 raise UsageError(str(e)) from None
         else:

@@ -153,14 +153,56 @@ class HFRecords(Sequence):
             yield from (dict(zip(batch, row)) for row in zip(*batch.values()))
 
 
+def hub_dataset_dir(
+    path: str, revision: str = "", name: str | None = None, *,
+    field: str = "data source path", revision_field: str = "revision",
+) -> str:  # fmt: skip
+    """The local directory of an "hf" source's `path`: the directory itself, or a Hub dataset's
+    snapshot in the Hub cache at `revision`, fetched with the files of subset `name` only where
+    the dataset card's `configs` name them (`subset_files`), else all its files."""
+    from models.hub import is_local, resolve
+
+    if is_local(path):
+        return os.path.expanduser(path)
+    kw = dict(field=field, revision_field=revision_field, repo_type="dataset")
+    card, commit = resolve(path, revision, allow_patterns=("README.md",), **kw)
+    return resolve(path, commit, allow_patterns=subset_files(card, name), **kw)[0]
+
+
+def subset_files(directory: str, name: str | None) -> tuple[str, ...] | None:
+    """The file patterns of subset `name` (None: the card's default, or its only one) in the
+    `configs` of the dataset card directory/README.md (read with datasets' own MetadataConfigs),
+    with the card; None (every file) where the card does not say."""
+    card = os.path.join(directory, "README.md")
+    if not os.path.isfile(card):
+        return None
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    if name is None:
+        name = configs.get_default_config_name() or (
+            next(iter(configs)) if len(configs) == 1 else None
+        )
+    files = (configs.get(name) or {}).get("data_files")
+    if isinstance(files, (str, dict)):
+        files = [files]
+    paths = []
+    for f in files or []:
+        got = f.get("path") if isinstance(f, dict) else f
+        paths += [got] if isinstance(got, str) else list(got or [])
+    if not paths or not all(isinstance(p, str) for p in paths):
+        return None
+    data_dir = configs[name].get("data_dir")
+    return ("README.md", *(os.path.join(data_dir, p) if data_dir else p for p in paths))
+
+
 def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
     try:
         import datasets
     except ImportError:
         raise ImportError("a data source of type 'hf' needs the datasets library: "
                           "pip install -e '.[hub]'") from None  # fmt: skip
-    from models.hub import resolve
-
     path = os.fspath(_cfg_get(source_cfg, "path", ""))
     name = _cfg_get(source_cfg, "name", "") or None
     split = str(_cfg_get(source_cfg, "split", "train"))
@@ -174,9 +216,7 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
                 raise ValueError(f"{path}: no split {split!r} (has {sorted(ds)})")
             ds = ds[split]
     else:  # a directory of data files, or a Hub dataset id (fetched into the Hub cache)
-        directory, _ = resolve(path, str(_cfg_get(source_cfg, "revision", "")),
-                               field="data source path", revision_field="revision",
-                               repo_type="dataset", allow_patterns=None)  # fmt: skip
+        directory = hub_dataset_dir(path, str(_cfg_get(source_cfg, "revision", "")), name)
         try:
             ds = datasets.load_dataset(directory, name, split=split)
         except ValueError as e:  # an unknown subset or split

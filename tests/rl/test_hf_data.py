@@ -64,3 +64,34 @@ def test_batches_per_process_and_resume_equal_jsonl(sources):
         assert all(len(batch) == 2 for batch in runs["jsonl"])
     firsts = [make_prompt_iterator(sources["saved"], process_index=p, **kwargs) for p in range(2)]
     assert next(firsts[0]) != next(firsts[1])  # the processes hold different halves
+
+
+def test_a_hub_dataset_is_fetched_for_its_subset_only(tmp_path):
+    """subset_files: the files of the asked subset from the card's `configs` (openai/gsm8k has
+    `main` and `socratic`), the default or only subset without a name, all files (None) where the
+    card does not say."""
+    from rl.data import subset_files
+
+    card = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files: socratic/*.parquet
+  data_dir: extra
+---
+"""
+    (tmp_path / "README.md").write_text(card)
+    assert subset_files(str(tmp_path), "main") == ("README.md", "main/train-*", "main/test-*")
+    assert subset_files(str(tmp_path), "socratic") == ("README.md", "extra/socratic/*.parquet")
+    assert subset_files(str(tmp_path), None) is None  # two subsets, none the default
+    assert subset_files(str(tmp_path), "nope") is None  # load_dataset names the bad subset
+    (tmp_path / "README.md").write_text(card.split("- config_name: socratic")[0] + "---\n")
+    assert subset_files(str(tmp_path), None) == ("README.md", "main/train-*", "main/test-*")
+    (tmp_path / "README.md").write_text("# no card metadata\n")
+    assert subset_files(str(tmp_path), "main") is None
+    assert subset_files(str(tmp_path / "none"), "main") is None
