@@ -212,6 +212,7 @@ def get_config():
     # Model-written code (code_tests, repo, python_tests; docs/sandbox.md): auto = bubblewrap or
     # refuse to start, bwrap = the same, rlimits = the weak mode without namespaces (uid as root)
     c.env.isolation = "auto"  # auto | bwrap | rlimits
+    c.env.images_dir = ""  # repo: where records' image names are unpacked (launch.images unpack)
     # sampling.max_new_tokens is the episode's budget after the prompt: model + observation tokens.
 
     c.eval = ml_collections.ConfigDict()

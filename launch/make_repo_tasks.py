@@ -2,6 +2,8 @@
 
     python -m launch.make_repo_tasks --out DIR [--num 64 --seed 0 --tar]
     python -m launch.make_repo_tasks --out DIR --from_rows swe_gym.jsonl --repos CHECKOUTS
+    python -m launch.make_repo_tasks --out DIR --from_rows swe_gym.jsonl --images_dir IMAGES \
+        --image_template 'swebench/sweb.eval.x86_64.{docker_id}:latest'   # image tasks
 
 The second form converts SWE-Gym / SWE-smith / R2E-Gym rows whose repositories are checked out
 locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`).
@@ -372,6 +374,12 @@ def main(argv=None) -> None:
     p.add_argument("--tar", action="store_true", help="write .tar.gz snapshots, not directories")
     p.add_argument("--from_rows", help="convert SWE-Gym/SWE-smith/R2E-Gym jsonl rows instead")
     p.add_argument("--repos", help="with --from_rows: directory of checkouts <instance_id>/")
+    p.add_argument("--images_dir", help="with --from_rows: unpacked images (launch.images unpack)")
+    p.add_argument(
+        "--image_template",
+        help="with --from_rows: a row's image name, e.g. "
+        "swebench/sweb.eval.x86_64.{docker_id}:latest (rl/envs/repo_tasks.py)",
+    )
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.from_rows:
@@ -379,7 +387,7 @@ def main(argv=None) -> None:
 
         with open(a.from_rows) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        records, skipped = convert_rows(rows, a.repos)
+        records, skipped = convert_rows(rows, a.repos, a.images_dir, a.image_template)
         with open(os.path.join(a.out, "tasks.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         for reason in skipped[:10]:

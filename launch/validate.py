@@ -253,6 +253,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
         for name, low in REPO_ENV_MINIMA.items():
             if name in v:
                 _need(v[name] >= low, f"env.{name}", v[name], f"must be >= {low}")
+        images = v.get("images_dir") or ""
+        _need(not images or os.path.isdir(os.path.expanduser(images)), "env.images_dir", images,
+              "no such directory (unpack images there: python -m launch.images unpack SRC "
+              "--out DIR)")  # fmt: skip
     _need(c.rl.get("reward_timeout_s", 0) >= 0, "rl.reward_timeout_s",
           c.rl.get("reward_timeout_s", 0), "must be >= 0 (0 = no limit)")  # fmt: skip
     for name in ([] if env else list(c.rl.rewards)) + [c.eval.reward] * (not env):

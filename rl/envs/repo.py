@@ -64,6 +64,7 @@ import time
 
 from models.chat import message_delta_ids
 from models.special_text import Trusted
+from rl.envs import repo_images
 from rl.envs import repo_sandbox as rs
 from rl.envs.base import Environment, Episode, Turn, register_env
 from rl.envs.repo_grading import ERRORS, HARNESS, after_setup, pristine, score, tested_files
@@ -90,6 +91,7 @@ class RepoEpisode(Episode):
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
     restored: list = dataclasses.field(default_factory=list)  # test files grading put back
     restore: dict | None = None  # what grading puts back, read after `setup` (None: no setup)
+    view: object = None  # an image task's view (rl.envs.repo_images.View; its mode: view.mode)
 
 
 def check_record(record: dict) -> dict:
@@ -140,6 +142,8 @@ class RepoEnv(Environment):
         self.grader = rs.RepoSandbox(workers, test_limits, site, iso)
         self.python_bin = os.path.dirname(self.tools._python)  # its bin/ (pip...) on the PATH too
         self._mounted: set[str] = set()  # tmpfs workspaces not yet unmounted
+        self.images_dir = e.get("images_dir") or ""  # where a record's image name is unpacked
+        self.image_view = ""  # the view mode of image tasks, once one ran (repo_images.MODES)
         self.tools_in_template = None  # whether the chat template took `tools` (set by prompt)
 
     # ----- prompt and episode lifecycle -----
@@ -147,7 +151,8 @@ class RepoEnv(Environment):
     def prompt(self, record: dict, prompt_field: str = "problem") -> list[int]:
         d = self.config.data
         problem = check_record(record)["problem"] if "problem" in record else record[prompt_field]
-        user = INSTRUCTIONS.format(root=self.tools.shown_root(), problem=problem)
+        root = record.get("workdir") or rs.WORKDIR if record.get("image") else None
+        user = INSTRUCTIONS.format(root=root or self.tools.shown_root(), problem=problem)
         if not d.use_chat_template:  # plain text: the tools and the call syntax described
             self.tools_in_template = False
             head = (d.system_prompt + "\n\n" if d.system_prompt else "") + TOOLS_TEXT + "\n\n"
@@ -177,9 +182,9 @@ class RepoEnv(Environment):
         return tuple(ids) if len(ids) == 1 else ()
 
     def start(self, record: dict) -> RepoEpisode:
-        return RepoEpisode(
-            check_record(record)
-        )  # the workspace is made on the first tool call (a worker)
+        if check_record(record).get("image"):  # refused under rlimits; the image must be there
+            repo_images.check(record, self.tools.mode, self.images_dir)
+        return RepoEpisode(record)  # the workspace is made on the first tool call (a worker)
 
     def masked(self, episode: Episode) -> bool:
         """Whether the episode belongs out of the loss (an infrastructure error)."""
@@ -194,7 +199,14 @@ class RepoEnv(Environment):
             ep.mounted = rs.mount_tmpfs(ws, self.disk)
             if ep.mounted:
                 self._mounted.add(ws.path)
-            rs.copy_repo(ep.record["repo"], ws)
+            if ep.record.get("image"):  # the image's view, its python's site (repo_images)
+                image = repo_images.check(ep.record, self.tools.mode, self.images_dir)
+                mode = repo_images.view_mode(self.tools._bwrap, self.tools.as_root, ws.path)
+                ep.view = ws.view = repo_images.View(image, ws, mode)
+                self.image_view = mode
+                ep.view.probe(self.tools)
+            else:
+                rs.copy_repo(ep.record["repo"], ws)
         except Exception as err:  # noqa: BLE001 - no workspace: not the model's fault
             ep.infra_error = f"workspace: {type(err).__name__}: {err}"
             return False
@@ -206,14 +218,25 @@ class RepoEnv(Environment):
                 return False
             try:  # the test directories as setup left them are the task's (see after_setup)
                 tests = tuple(tested_files(ep.record))
-                ep.restore = after_setup(ws.path, ep.record["repo"], tests)
+                ep.restore = after_setup(self._host_root(ep), self._pristine(ep), tests)
             except ERRORS as err:
                 ep.infra_error = f"test files after setup: {err}"
                 return False
         return True
 
+    def _pristine(self, ep: RepoEpisode) -> str:
+        """The pristine repository on the host: the checkout, or the image's own workdir."""
+        if ep.view is not None:
+            return ep.view.image.host(ep.view.workdir)
+        return ep.record["repo"]
+
+    def _host_root(self, ep: RepoEpisode) -> str:
+        return ep.view.host_workdir if ep.view is not None else ep.workspace.path
+
     def close(self, episode: Episode) -> None:
         ws, episode.workspace = episode.workspace, None
+        if getattr(episode, "view", None) is not None:
+            episode.view.close()  # the overlay, before the workspace's tmpfs under it
         if getattr(episode, "restore", None) is not None:
             episode.restore = None  # the test directories' bytes: not kept with the episode
         if ws is not None:
@@ -341,11 +364,12 @@ class RepoEnv(Environment):
         if not self._ready(ep):
             return 0.0  # masked: see masked()
         try:
-            restore = ep.restore or pristine(rec["repo"], tuple(tested_files(rec)))
+            restore = ep.restore or pristine(self._pristine(ep), tuple(tested_files(rec)))
         except ERRORS as err:
             ep.infra_error = f"test files: {err}"
             return 0.0
         nodes = list(rec["fail_to_pass"]) + list(rec["pass_to_pass"])
         args = {"nodes": nodes, "per_test": self.per_test, "harness": HARNESS, **restore}
-        r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": self.grader.site})
+        site = ep.view.site if ep.view is not None else self.grader.site  # the image's own
+        r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": site})
         return score(ep, r, self.per_test, time.monotonic())

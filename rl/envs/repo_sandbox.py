@@ -116,7 +116,9 @@ class RepoSandbox(Sandbox):
             )
 
     def root(self, ws: Workspace) -> str:
-        """The workspace's path as its programs see it."""
+        """The workspace's path as its programs see it (an image's workdir in an image's view)."""
+        if (view := getattr(ws, "view", None)) is not None:
+            return view.workdir
         return WORKDIR if self._bwrap else ws.path
 
     def shown_root(self) -> str:
@@ -124,6 +126,8 @@ class RepoSandbox(Sandbox):
         return WORKDIR if self._bwrap else "your working directory"
 
     def _command(self, ws: Workspace, main: str) -> list[str]:
+        if (view := getattr(ws, "view", None)) is not None:  # an image task (repo_images.View)
+            return view.command(self, main)
         cmd = super()._command(ws, main)
         if not self._bwrap:
             return cmd
@@ -147,6 +151,8 @@ class RepoSandbox(Sandbox):
         path = ":".join(filter(None, (self.bin, extra_path, "/usr/local/bin:/usr/bin:/bin")))
         env = {"PATH": path, "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONPATH": f"{root}:{self.site}",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}  # fmt: skip
+        if (view := getattr(ws, "view", None)) is not None:
+            env = view.env(env)  # the image's PATH and env; its own site-packages
         r: RunResult = self.run(script, ws, stdin=json.dumps({**args, "root": root, "env": env}))
         out = {"_run": r, "_started": r.stdout.startswith(READY)}
         _, found, tail = r.stdout.rpartition(RESULT)

@@ -11,6 +11,18 @@ path.
 
     record = from_swe_row(row, repos_dir)   # {"instance_id", "repo", "problem", "fail_to_pass",
                                             #  "pass_to_pass", "setup"}
+    record = from_swe_row(row, images_dir=D, image_template="sweb.eval.x86_64.{instance_id}")
+                                            # {"instance_id", "image", ...}: runs in the image
+
+Image rows (rl/envs/repo_images.py): a row that names its image in a column (`image_name`, as
+SWE-smith's rows and mini-swe-agent read it; `docker_image`; `image`) uses it, else
+`image_template` maps the row to a name: its fields `{instance_id}`, `{repo}` and
+`{docker_id}` (the instance id with `__` replaced by `_1776_`, as SWE-bench's own image names
+write it), the result lowercased (Docker names are). mini-swe-agent's SWE-bench / SWE-Gym
+template is `swebench/sweb.eval.x86_64.{docker_id}:latest`. The image must be unpacked under
+`images_dir` (`python -m launch.images unpack`); its `/testbed` (or the row's `workdir`) must hold
+the named test files. A row's `workdir` and `python` pass through. A row with no checkout and
+no image is refused.
 
 A row is refused (ValueError naming the instance) when no checkout is found, when a test id is
 not a pytest node id (SWE-bench's Django and SymPy rows name tests their own way), or when a test
@@ -49,7 +61,42 @@ def _checkout(row: dict, repos_dir: str | None) -> str:
                      f" and repo={row.get('repo')!r})")  # fmt: skip
 
 
-def from_swe_row(row: dict, repos_dir: str | None = None) -> dict:
+def image_name(row: dict, template: str | None = None) -> str:
+    """The row's image name: its column, else `template` formatted (module docstring); "" if
+    neither."""
+    for key in ("image_name", "docker_image", "image"):
+        if isinstance(row.get(key), str) and row[key]:
+            return row[key]
+    if not template:
+        return ""
+    iid = row["instance_id"]
+    fields = {
+        "instance_id": iid,
+        "repo": row.get("repo", ""),
+        "docker_id": iid.replace("__", "_1776_"),
+    }
+    return template.format(**fields).lower()
+
+
+def _image_record(row, iid, f2p, p2p, name, images_dir) -> dict:
+    from rl.envs.repo_images import in_root, resolve
+
+    try:
+        rootfs, _ = resolve(name, images_dir)
+    except ValueError as err:
+        raise ValueError(f"{iid}: no local image: {err}") from None
+    workdir = row.get("workdir") or "/testbed"
+    tree = in_root(rootfs, workdir)
+    missing = sorted({n.split("::")[0] for n in f2p + p2p
+                      if not tree or not os.path.isfile(os.path.join(tree, n.split("::")[0]))})  # fmt: skip
+    if missing:
+        raise ValueError(f"{iid}: test files {missing[:3]} not in image {name}:{workdir}")
+    extra = {k: row[k] for k in ("workdir", "python") if row.get(k)}
+    return {"image": name, **extra}
+
+
+def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None = None,
+                 image_template: str | None = None) -> dict:  # fmt: skip
     """The `repo` environment's record of one SWE-style row (module docstring)."""
     iid = row["instance_id"]
     f2p, p2p = _ids(row, "FAIL_TO_PASS"), _ids(row, "PASS_TO_PASS")
@@ -58,8 +105,10 @@ def from_swe_row(row: dict, repos_dir: str | None = None) -> dict:
     for node in f2p + p2p:
         if "::" not in node or not node.split("::")[0].endswith(".py"):
             raise ValueError(f"{iid}: {node!r} is not a pytest node id (path.py::name)")
-    repo = _checkout(row, repos_dir)
-    if os.path.isdir(repo):
+    name = image_name(row, image_template) if images_dir or image_template else ""
+    where = _image_record(row, iid, f2p, p2p, name, images_dir) if name else None
+    repo = _checkout(row, repos_dir) if where is None else ""
+    if repo and os.path.isdir(repo):
         missing = sorted({n.split("::")[0] for n in f2p + p2p
                           if not os.path.isfile(os.path.join(repo, n.split("::")[0]))})  # fmt: skip
         if missing:
@@ -67,16 +116,18 @@ def from_swe_row(row: dict, repos_dir: str | None = None) -> dict:
     problem = row.get("problem_statement", row.get("problem"))
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"{iid}: no problem_statement")
-    return {"instance_id": iid, "repo": repo, "problem": problem, "fail_to_pass": f2p,
+    where = where or {"repo": repo}
+    return {"instance_id": iid, **where, "problem": problem, "fail_to_pass": f2p,
             "pass_to_pass": p2p, "setup": row.get("setup") or ""}  # fmt: skip
 
 
-def convert_rows(rows, repos_dir: str | None = None) -> tuple[list[dict], list[str]]:
+def convert_rows(rows, repos_dir: str | None = None, images_dir: str | None = None,
+                 image_template: str | None = None) -> tuple[list[dict], list[str]]:  # fmt: skip
     """(records, reasons): the rows that convert, and why each of the others did not."""
     records, skipped = [], []
     for row in rows:
         try:
-            records.append(from_swe_row(row, repos_dir))
+            records.append(from_swe_row(row, repos_dir, images_dir, image_template))
         except (ValueError, KeyError, json.JSONDecodeError) as err:
             skipped.append(str(err))
     return records, skipped

@@ -159,6 +159,8 @@ CATALOGUE = [
     Case("unknown-env", "`--config.env.name=nope`", "config.env.name='nope': no such environment", EIGHT + ["--config.env.name=nope"]),
     Case("env-zero-turns", "`--config.env.name=calculator --config.env.max_turns=0`", "config.env.max_turns=0: must be >= 1", ENV + ["--config.env.max_turns=0"]),
     Case("env-turn-over-budget", "`--config.env.name=calculator --config.env.max_turn_tokens=6`", "config.env.max_turn_tokens=6: must be in [0, sampling.max_new_tokens = 5]", ENV + ["--config.env.max_turn_tokens=6"]),
+    Case("env-images-dir-missing", "`--config.env.name=calculator --config.env.images_dir=/nope`", "config.env.images_dir='/nope': no such directory (unpack images there: python -m launch.images unpack SRC --out DIR)", ENV + ["--config.env.images_dir=/nope"]),
+    Case("env-answer-calls-negative", "`--config.env.name=calculator --config.env.tool_answer_calls=-1`", "config.env.tool_answer_calls=-1: must be >= 0 (0 = each answer as soon as it is done)", ENV + ["--config.env.tool_answer_calls=-1"]),
     Case("data-file-missing", "`data.train.path`: a jsonl file that does not exist", "config.data.train.path='missing.jsonl': no jsonl file there", EIGHT + JSONL + ["missing.jsonl"]),
     Case("checkpoint-missing", "`--config.model.hf_checkpoint=/nope`", "config.model.hf_checkpoint='/nope': not a local directory, nor a Hub repo id ('org/name')", EIGHT + ["--config.model.hf_checkpoint=/nope"]),
     Case("hub-id-missing", "`--config.model.hf_checkpoint=org/missing`, offline (`HF_HUB_OFFLINE=1`), not in the Hub cache", "config.model.hf_checkpoint='org/missing': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/missing"], hub_cache),

@@ -124,3 +124,132 @@ def tree(root) -> dict:
                 out[rel] = ("other", mode, None)
     links = sorted(sorted(v) for v in inodes.values() if len(v) > 1)
     return out, links
+
+
+# ----- a runnable test image: the host's interpreter and standard library, its own pytest -----
+
+PREFIX = "/opt/miniconda3/envs/testbed"  # SWE-bench's testbed env: the python the env probes
+_SKIP = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
+_TOOLS = ("bash", "sh", "cat", "ls", "head", "rm", "sleep", "seq", "env", "mkdir", "cp", "nohup",
+          "grep", "true", "echo", "sed", "du", "id", "tail", "wc")  # fmt: skip
+SITE_PACKAGES = ("_pytest", "pytest", "pluggy", "iniconfig", "packaging", "pygments")
+
+
+def _add(tar, host, name, mode=None):
+    m = tar.gettarinfo(host, name)
+    m.uid = m.gid = 0
+    m.uname = m.gname = "root"
+    if mode is not None:
+        m.mode = mode
+    if m.isreg():
+        with open(host, "rb") as f:
+            tar.addfile(m, f)
+    else:
+        tar.addfile(m)
+
+
+def _add_dir(tar, name, mode=0o755):
+    m = tarfile.TarInfo(name)
+    m.type, m.mode, m.mtime = tarfile.DIRTYPE, mode, MTIME
+    tar.addfile(m)
+
+
+def _add_tree(tar, host, name, skip=(), keep=lambda n: True):
+    _add_dir(tar, name)
+    for d, dirs, files in os.walk(host):
+        dirs[:] = sorted(x for x in dirs if x not in skip)
+        rel = os.path.relpath(d, host)
+        base = name if rel == "." else f"{name}/{rel}"
+        for x in dirs:
+            _add_dir(tar, f"{base}/{x}")
+        for x in sorted(files):
+            if keep(x):
+                _add(tar, os.path.join(d, x), f"{base}/{x}")
+
+
+def python_image(path, testbed: dict, marker: bytes, workdir="/testbed") -> str:
+    """An OCI layout at `path` of a runnable image: layer 1 the host's interpreter (at PREFIX),
+    its standard library (no site-packages, no tests) and the shared libraries it and a few
+    shell tools need; layer 2 the image's own site-packages (pytest and its dependencies copied
+    from the trainer's venv, and `imagemark`, a module only the image has) and the repository
+    `testbed` ({path: bytes}) at `workdir`. Its manifest digest."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    import pytest as _pytest_mod
+
+    base = sys.base_prefix
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    stdlib, exe = sysconfig.get_paths()["stdlib"], os.path.realpath(sys.executable)
+    dynload = os.path.join(stdlib, "lib-dynload")
+    tools = [os.path.realpath(subprocess.check_output(["bash", "-c", f"type -P {t}"],
+                                                      text=True).strip()) for t in _TOOLS]  # fmt: skip
+    objs = [exe, *tools] + [os.path.join(dynload, x) for x in os.listdir(dynload)]
+    out = subprocess.run(["ldd", *objs], capture_output=True, text=True).stdout
+    libs = sorted(
+        {
+            w
+            for line in out.splitlines()
+            if "=>" in line or line.startswith("\t/")
+            for w in line.split()
+            if w.startswith("/") and os.path.exists(w)
+        }
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ("usr", "usr/bin", "usr/lib", "usr/lib/x86_64-linux-gnu", "usr/lib64", "etc",
+                  "opt", "opt/miniconda3", "opt/miniconda3/envs", PREFIX[1:], PREFIX[1:] + "/bin",
+                  PREFIX[1:] + "/lib", "proc", "dev", "root"):  # fmt: skip
+            _add_dir(tar, d, 0o700 if d == "root" else 0o755)
+        _add_dir(tar, "tmp", 0o1777)
+        for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
+            m = tarfile.TarInfo(link)
+            m.type, m.linkname, m.mode, m.mtime = tarfile.SYMTYPE, target, 0o777, MTIME
+            tar.addfile(m)
+        for name, t in zip(_TOOLS, tools):
+            _add(tar, t, "usr/bin/" + name)
+        for lib in libs:
+            real = os.path.realpath(lib)
+            where = lib.replace("/lib64/", "/usr/lib64/", 1) if lib.startswith("/lib64/") else lib
+            where = where.replace("/lib/", "/usr/lib/", 1) if where.startswith("/lib/") else where
+            _add(tar, real, where[1:])
+        libpy = os.path.join(base, "lib", f"lib{ver}.so.1.0")
+        if os.path.exists(libpy):
+            _add(tar, os.path.realpath(libpy), f"usr/lib/x86_64-linux-gnu/lib{ver}.so.1.0")
+        _add(tar, exe, f"{PREFIX[1:]}/bin/{ver}")
+        for link in ("python", "python3"):
+            m = tarfile.TarInfo(f"{PREFIX[1:]}/bin/{link}")
+            m.type, m.linkname, m.mode, m.mtime = tarfile.SYMTYPE, ver, 0o777, MTIME
+            tar.addfile(m)
+        m = tarfile.TarInfo("usr/bin/python3")  # an absolute link, as /etc/alternatives has
+        m.type, m.linkname, m.mode, m.mtime = tarfile.SYMTYPE, f"{PREFIX}/bin/{ver}", 0o777, MTIME
+        tar.addfile(m)
+        keep_pyc = lambda n: not n.endswith(".pyc") or ".opt-" not in n
+        _add_tree(tar, stdlib, f"{PREFIX[1:]}/lib/{ver}", _SKIP, keep_pyc)
+    system = buf.getvalue()
+    site = os.path.dirname(os.path.dirname(_pytest_mod.__file__))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        sp = f"{PREFIX[1:]}/lib/{ver}/site-packages"
+        _add_dir(tar, sp)
+        for pkg in SITE_PACKAGES:
+            _add_tree(tar, os.path.join(site, pkg), f"{sp}/{pkg}", {"__pycache__"})
+            for x in os.listdir(site):
+                if x.startswith(pkg + "-") and x.endswith(".dist-info"):
+                    _add_tree(tar, os.path.join(site, x), f"{sp}/{x}")
+        _add(tar, os.path.join(site, "py.py"), f"{sp}/py.py")  # pytest's shim of the py library
+        m = tarfile.TarInfo(f"{sp}/imagemark.py")
+        m.size, m.mode, m.mtime = len(marker), 0o644, MTIME
+        tar.addfile(m, io.BytesIO(marker))
+        _add_dir(tar, workdir[1:])
+        for rel, data in sorted(testbed.items()):
+            parts = rel.split("/")
+            for i in range(1, len(parts)):
+                _add_dir(tar, f"{workdir[1:]}/{'/'.join(parts[:i])}")
+            m = tarfile.TarInfo(f"{workdir[1:]}/{rel}")
+            m.size, m.mode, m.mtime = len(data), 0o644, MTIME
+            tar.addfile(m, io.BytesIO(data))
+    top = buf.getvalue()
+    env = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "IMAGE_ENV=from-the-image")
+    return write_oci(path, [system, top], image_config([system, top], env, workdir))
