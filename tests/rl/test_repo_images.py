@@ -271,3 +271,19 @@ def test_a_swe_gym_row_converts_and_runs_against_a_local_image(env, image, tmp_p
     fix(env, ep)
     assert env.reward(ep) == 1.0, ep.infra_error
     env.close(ep)
+
+
+def test_the_copy_view_when_no_overlay_works(env, image, monkeypatch):
+    """The last mode (no overlay: a copy of /testbed alone over the read-only image) grades the
+    same, and its disk is the copy; the mode is forced here (this host mounts overlayfs)."""
+    key = (env.tools._bwrap, env.tools.as_root)
+    monkeypatch.setitem(repo_images._modes, key, "copy")
+    before = repo_images.tree_hash(image["rootfs"])
+    ep = env.start(task())
+    out = bash(env, ep, "echo x > /usr/bin/cat; echo t > /tmp/t && cat /tmp/t; ls /testbed")
+    assert ep.view.mode == "copy" and "Read-only file system" in out and "t\ncalc" in out, out
+    assert ep.view.disk() >= len(BLOB)
+    fix(env, ep)
+    assert env.reward(ep) == 1.0, ep.infra_error
+    env.close(ep)
+    assert repo_images.tree_hash(image["rootfs"]) == before
