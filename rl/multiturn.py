@@ -130,10 +130,12 @@ class EpisodeSampler:
                 self._close(ep)
         self.live.clear()
 
-    def loop(self, g: int, on_finish) -> EpisodeLoop:
-        """An episode loop on the engine whose turns go to this sampler's environment."""
+    def loop(self, g: int, on_finish, answer_calls=None) -> EpisodeLoop:
+        """An episode loop on the engine whose turns go to this sampler's environment; its tool
+        answers taken as soon as done, or with `answer_calls` on the loop's logical clock."""
         return EpisodeLoop(self.engine, g, on_finish=on_finish, respond=self.respond,
-                           max_turn_tokens=self.max_turn_tokens)  # fmt: skip
+                           max_turn_tokens=self.max_turn_tokens,
+                           answer_calls=answer_calls)  # fmt: skip
 
     def run(self, params, state, records, prompts, g, seed, request_ids):
         """(state, [(episodes, completions, rewards future)] per record): G episodes each."""

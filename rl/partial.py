@@ -35,16 +35,25 @@ Dynamic sampling (`rl.dynamic_sampling`): complete groups are judged (their scor
 once they could complete the batch or a slot has nothing to decode, so that rewards are computed
 behind decoding and yet every process, and a resumed run, decides alike (rewards must then be
 deterministic, as in synchronous steps; multi-process runs check that they agree). Multi-turn
-groups are judged while slots decode only once scored (decoding does not wait for grading),
-which makes those decisions follow the grading's timing, as the step already follows the tools'. A zero-variance group does not count towards B and,
+groups are judged while slots decode only once scored (decoding does not wait for grading): with
+`env.tool_answer_calls` = k, once k decode calls have been read since the group completed (its
+grading waited for if it is not done by then), as tool answers are taken; with 0, once graded,
+which makes those decisions follow the grading's timing. A zero-variance group does not count towards B and,
 while the step's R replacements last, a fresh prompt is queued in its place (request ids after
 the step's first B + extra). Once the R are spent and have all completed (as the synchronous
 refill waits for its last round), zero-variance groups count and top the batch up after the
 informative ones (`dynamic_sampling_shortfall`); the others are dropped at the step's end,
 dropped for their reward, not their length. Once a stop is requested no replacement is queued.
 
-Multi-turn episodes whose tool latency decides which groups end first make the step a group
-trains in depend on that latency (within the bound); single-turn rollouts are deterministic.
+Determinism: single-turn rollouts repeat themselves. With an environment, which episodes are cut
+at a stop, at which token, and which groups complete first follow the loop's logical clock
+(`sampling.episodes`, "Logical time"): a tool's answer asked for when decode call n was read is
+taken once call n + `env.tool_answer_calls` has been read, waiting for the tool only if it is not
+done by then, so a run repeats itself (and resumes exactly) whatever the tools' latency and
+`env.tool_workers`. With `env.tool_answer_calls=0` answers are taken as soon as done (the rule
+before the field existed): the step a group trains in then follows the tools' latency (within
+the bound). Wall-clock limits (`env.max_tool_seconds`, a sandbox's timeout) still end episodes
+by the clock on the wall, as they must.
 """
 
 from __future__ import annotations
@@ -70,14 +79,17 @@ class PartialRollouts:
         # Dynamic sampling: zero-variance groups replaced per step at most.
         self.budget = self.b * (c.rl.dynamic_sampling_max_tries - 1) if self.ds else 0
         sampler = rollouts.episodes
+        # Tool answers and multi-turn gradings taken on the loop's clock (0: as soon as done).
+        self.answer_calls = (c.env.get("tool_answer_calls", 0) or None) if sampler else None
         if sampler is None:
             self.loop = EpisodeLoop(rollouts.engine, self.g, on_finish=self._on_finish)
         else:
-            self.loop = sampler.loop(self.g, self._on_finish)
+            self.loop = sampler.loop(self.g, self._on_finish, self.answer_calls)
         self.groups: dict[int, tuple] = {}  # key -> (record, prompt), until trained
         self.done: dict[int, tuple] = {}  # key -> (completions, score future), complete
         self.scored: dict = {}  # key -> rl.rollout.Group, once its score was waited for
         self.zero: set[int] = set()  # keys in `done` judged zero-variance (dynamic sampling)
+        self.done_at: dict[int, int] = {}  # key in `done` -> the loop's clock when it completed
         self.next_key = 0
         self.generated: list[int] = []  # lengths of the episodes that ended in this step
         self.waits = 0  # decode calls of this step spent waiting for a group at the bound
@@ -90,6 +102,7 @@ class PartialRollouts:
             return
         record, prompt = self.groups[key]
         sampler = self.r.episodes
+        self.done_at[key] = self.loop.clock
         if sampler is None:
             self.done[key] = (results, self.r.score(record, prompt, results))
         else:
@@ -118,9 +131,10 @@ class PartialRollouts:
         """Dynamic sampling: scores the groups complete since the last judgement (waiting for
         them) once they could complete the batch, or a slot has nothing to decode (the loop is
         `starved`), or with `force`, and not before: slow rewards run behind decoding, yet every
-        process, and a resumed run, decides alike. Multi-turn groups (whose step already
-        follows tool latency) are judged without `force`, while slots decode, only once scored
-        on every process: decoding never stops for an environment's grading. A zero-variance group joins `zero`;
+        process, and a resumed run, decides alike. Multi-turn groups are judged without `force`,
+        while slots decode, only `answer_calls` decode calls after they completed (waited for
+        then), or without it once scored on every process: decoding does not stop for an
+        environment's grading before then. A zero-variance group joins `zero`;
         with `replace`, while the step's budget lasts, a fresh prompt is queued in its place."""
         new = [k for k in self.done if k not in self.scored]
         if not (self.ds and new):
@@ -128,9 +142,12 @@ class PartialRollouts:
         if not (force or self.loop.starved or self._informative() + len(new) >= self.b):
             return
         if self.r.episodes is not None and not force and self.loop.owner:  # while decoding
-            futures = [self.done[k][1][1] for k in new]
-            scored = {id(f) for f in agreed_done(futures, "rewards", "deterministic rewards")}
-            new = [k for k in new if id(self.done[k][1][1]) in scored]
+            if self.answer_calls is None:  # those graded by now
+                futures = [self.done[k][1][1] for k in new]
+                scored = {id(f) for f in agreed_done(futures, "rewards", "deterministic rewards")}
+                new = [k for k in new if id(self.done[k][1][1]) in scored]
+            else:  # those due on the loop's clock, as tool answers are (waited for if need be)
+                new = [k for k in new if self.done_at[k] + self.answer_calls <= self.loop.clock]
             if not new:
                 return
         check_rewards_agree([self._scored(k) for k in new])  # before deciding from them
@@ -229,6 +246,7 @@ class PartialRollouts:
         grp = self._scored(key)
         for d in (self.done, self.groups, self.scored):
             d.pop(key)
+        self.done_at.pop(key, None)
         self.zero.discard(key)
         self.loop.forget(key)
         return grp

@@ -25,10 +25,19 @@ def agreed_done(
         return [f for f, d in zip(futures, done) if d]
     done = multihost_utils.process_allgather(done).reshape(-1, len(futures)).all(axis=0)
     agreed = [f for f, d in zip(futures, done) if d]
-    if agreed:  # every process must append the same ids: a mismatch fails here, not later
-        digests = np.array([_digest(f) for f in agreed], np.int32)
-        check_agreed(digests, what, need)
+    check_answers(agreed, what, need)
     return agreed
+
+
+def check_answers(futures: list[Future], what="an environment's observations",
+                  need="deterministic tools") -> None:  # fmt: skip
+    """Raises unless the answers of `futures` (done) are the same on every process of a
+    multi-process run (`check_agreed`); the futures that every process takes at the same point
+    of the loop, whether by `agreed_done` or on the loop's logical clock (`sampling.episodes`)."""
+    if jax.process_count() == 1 or not futures:
+        return
+    # every process must append the same ids: a mismatch fails here, not later
+    check_agreed(np.array([_digest(f) for f in futures], np.int32), what, need)
 
 
 def check_agreed(values: np.ndarray, what: str, need: str) -> None:

@@ -27,9 +27,23 @@ next `run`, with new parameters, resumes them first (oldest first) and then admi
 `refresh=True` re-prefills a carried episode's whole history under the new parameters when it
 resumes, instead of keeping the KV the old parameters computed.
 
+Logical time (`answer_calls`; `env.tool_answer_calls` under partial rollouts): the loop's clock
+counts the decode calls it has read. By default a tool's answer is taken as soon as it is done,
+so which episodes decode in which call follows the tools' wall-clock latency: the tokens do not
+(keys, below), but where a stop cuts an episode, and which groups complete first, do. With
+`answer_calls=k` an answer asked for when call n was read is taken once call n + k has been read
+(the episode decodes again from the next call dispatched), in the order the turns ended, waiting
+for the tool only if it is not done by then; when no slot decodes, the clock moves on to the
+earliest answer due. Every decision (resumes, admissions, preemptions, a stop) is then a
+function of the clock and of the answers, never of when they came: a partial rollout repeats
+itself whatever the latency and the number of tool workers. The price: an answer done early
+waits for its call (other episodes use the slot meanwhile), and a tool slower than k calls
+stalls the loop until it answers (docs/performance.md measures k).
+
 Multi-process runs: every process runs the same loop on the same host values, so a future counts
-as done only once it is done on every process (`sampling.agreement`), and environments must give
-every process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
+as done only once it is done on every process (`sampling.agreement`; with `answer_calls` it is
+taken on the clock, the same everywhere, with no collective), and environments must give every
+process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
 Admission: a group goes in once a slot of a shard is free and that shard's pool holds what
@@ -52,7 +66,8 @@ with the same keys. A parked episode resumes once its shard has the pages of its
 first call; where nothing decodes on that shard, newer parked ones there are preempted for it.
 
 Determinism: a token is drawn with a key of (run seed, request, sample, cache position), so an
-episode's tokens depend neither on its slot nor on when its tool answered (within one `run`).
+episode's tokens depend neither on its slot nor on when its tool answered (within one `run`),
+and with `answer_calls` neither does the schedule.
 Resumed episodes go first, then new groups are admitted; the admission order is `add`'s order.
 """
 
@@ -65,7 +80,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import jax
 
 from sampling.admission import Admission
-from sampling.agreement import agreed_done
+from sampling.agreement import agreed_done, check_answers
 from sampling.preemption import Preemption
 from sampling.requests import Completion, Episode, Parked, check_requests
 
@@ -76,8 +91,10 @@ class EpisodeLoop(Admission, Preemption):
     is called as each episode ends; `respond` as in the module docstring (None: one turn)."""
 
     def __init__(self, engine, num_samples=1, *, on_finish=None, respond=None,
-                 max_turn_tokens=None):  # fmt: skip
+                 max_turn_tokens=None, answer_calls=None):  # fmt: skip
         e = engine.ecfg
+        if answer_calls is not None and answer_calls < 1:
+            raise ValueError(f"answer_calls={answer_calls}: need None (as soon as done) or >= 1")
         self.engine, self.g = engine, num_samples
         self.turn_cap = e.max_new_tokens if max_turn_tokens is None else int(max_turn_tokens)
         if not 1 <= self.turn_cap <= e.max_new_tokens:
@@ -85,6 +102,11 @@ class EpisodeLoop(Admission, Preemption):
         if not 1 <= num_samples <= e.num_slots:
             raise ValueError(f"num_samples={num_samples}: need 1..num_slots={e.num_slots}")
         self.on_finish, self.respond = on_finish, respond
+        # The tool hand-off ("Logical time" in the module docstring): None, an answer joins its
+        # episode once done; k, at the k-th decode call read after its turn's.
+        self.answer_calls = answer_calls
+        self.clock = 0  # decode calls read: the loop's logical time
+        self.due: dict[Future, int] = {}  # a waiting answer -> the clock it is taken at
         self.results: dict = {}  # key -> [Completion | None] * G
         self.admitted: dict = {}  # key -> version of the run that admitted it
         self._req: dict = {}  # key -> (prompt, budget, request id, pages admission sets aside)
@@ -213,7 +235,7 @@ class EpisodeLoop(Admission, Preemption):
         inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
         try:
             while not self.idle:
-                for fut in agreed_done(list(self.waiting)):
+                for fut in self._answers():
                     self._answered(self.waiting.pop(fut), fut.result())
                 if until is not None and until():
                     state = self._stop(state, inflight)
@@ -223,7 +245,10 @@ class EpisodeLoop(Admission, Preemption):
                 if not self.owner:
                     inflight = None  # every sequence it decoded has finished: nothing to read
                     if self.waiting:  # every episode waits for its tool: nothing to decode
-                        wait(list(self.waiting), return_when=FIRST_COMPLETED)
+                        if self.answer_calls is None:
+                            wait(list(self.waiting), return_when=FIRST_COMPLETED)
+                        else:  # no call to count: the clock moves to the next answer due
+                            self.clock = max(self.clock, min(self.due.values()))
                     continue
                 if engine.ecfg.demand and engine.shortfall():
                     # A shard lacks the pages of the next call: its newest sequences give theirs
@@ -244,6 +269,18 @@ class EpisodeLoop(Admission, Preemption):
             raise
         self.parked_here = [p for p in self.parked_here if p in engine._parked]
         return state
+
+    def _answers(self) -> list[Future]:
+        """The tools' answers to take now, in the order their turns ended: those done (on every
+        process), or with `answer_calls` those due on the clock, waited for if not done yet."""
+        if self.answer_calls is None:
+            return agreed_done(list(self.waiting))
+        due = [f for f in self.waiting if self.due[f] <= self.clock]
+        wait(due)  # returns at once when every one is done: the usual case
+        check_answers(due)
+        for f in due:
+            del self.due[f]
+        return due
 
     def _resume_ready(self, params, state, refresh: bool):
         """Episodes between turns (or parked mid-turn) first: they hold pages already (or, once
@@ -313,6 +350,7 @@ class EpisodeLoop(Admission, Preemption):
         """Reads a decode call: its tokens go to their episodes; ended turns are answered."""
         engine = self.engine
         r = self._last = engine.collect(ticket)
+        self.clock += 1
         mine = [s for s in r.slots if s in owners and self.owner.get(s) is owners[s]]
         steps = [int(r.num_generated[s]) - owners[s].seen for s in mine]
         engine.slot_steps[0] += sum(steps)  # tokens decoded ...
@@ -348,6 +386,8 @@ class EpisodeLoop(Admission, Preemption):
                 ep.parked, ep.kv_version = p, self.version
                 if isinstance(answer, Future):
                     self.waiting[answer] = ep
+                    if self.answer_calls is not None:
+                        self.due[answer] = self.clock + self.answer_calls
                 else:
                     self._answered(ep, answer)
         return state
@@ -391,7 +431,7 @@ class EpisodeLoop(Admission, Preemption):
             if not x.consumed and x.epoch is engine._epoch:
                 engine.pools[x.shard].free(x.pages)
                 x.consumed = True
-        self.pending, self.owner, self.waiting = [], {}, {}
+        self.pending, self.owner, self.waiting, self.due = [], {}, {}, {}
         self._set_open(None)
         self.ready = collections.deque()
 

@@ -189,3 +189,16 @@ def test_a_run_saved_with_sandbox_bwrap_resumes_with_the_isolation_it_meant(bwra
     changed["env"]["max_tool_calls"] = 1  # a trajectory field is still refused, and alone named
     with pytest.raises(UsageError, match=r"config \(env.max_tool_calls: \d+ -> 1\); use"):
         check_resumable(old, changed)
+
+
+def test_a_run_saved_before_tool_answer_calls_resumes_with_the_value_asked_for():
+    """Saved before env.tool_answer_calls existed (answers as soon as done, a carry that did not
+    repeat itself): it resumes under any value; a run saved with the field keeps its value."""
+    from launch.resume_compat import check_resumable
+
+    new = config_json(parse_args(["--config.env.tool_answer_calls=2"], {})[0])
+    old = {**new, "env": {k: v for k, v in new["env"].items() if k != "tool_answer_calls"}}
+    check_resumable(old, new)
+    check_resumable(old, {**new, "env": {**new["env"], "tool_answer_calls": 0}})
+    with pytest.raises(UsageError, match=r"env.tool_answer_calls: 2 -> 4"):
+        check_resumable(new, config_json(parse_args([], {})[0]))

@@ -46,11 +46,13 @@ class SlowGrading(Varied):
 
 @pytest.mark.slow  # two multi-turn rollouts on the mesh; a regression test
 def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
-    """Multi-turn groups are judged by dynamic sampling only once their grading has finished:
-    a grading that needs the loop to go on decoding (3 more decode calls) gets them; a loop
-    that waited for it would stall until the grading's timeout."""
+    """Multi-turn groups are judged by dynamic sampling env.tool_answer_calls decode calls after
+    they complete (their grading waited for then): a grading that needs the loop to go on
+    decoding (3 decode calls per episode, G = 4 graded in turn) gets them within 16 calls; a
+    loop that waited for it at once would stall until the grading's timeout."""
     config = parse_args([*ARGS, "--config.env.name=test_partial_slow_grading",
-                         "--config.rl.dynamic_sampling=True"], {})[0]  # fmt: skip
+                         "--config.rl.dynamic_sampling=True",
+                         "--config.env.tool_answer_calls=16"], {})[0]  # fmt: skip
     run = build(config)
     data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
     rollouts = run.rollouts()
@@ -95,9 +97,11 @@ def test_an_episode_waiting_on_its_tool_is_carried_and_resumes_under_the_new_ver
     """A tool call still running when the step's batch is complete stays in flight across the
     learner step (its group carried); the next step takes its answer, decodes the episode's
     next turn under version 1 and trains it: first turn drawn by version 0, the observation in
-    place, the row as sampled."""
+    place, the row as sampled. Under env.tool_answer_calls=0 (each answer as soon as it is
+    done): under a k > 0 the loop would wait for the held answer k calls after its turn."""
     config = parse_args([*ARGS, "--config.env.name=test_partial_gated",
-                         "--config.rl.max_staleness=4"], {})[0]  # fmt: skip
+                         "--config.rl.max_staleness=4",
+                         "--config.env.tool_answer_calls=0"], {})[0]  # fmt: skip
     run = build(config)
     data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
     rollouts, Gated.held = run.rollouts(), []

@@ -97,8 +97,11 @@ def _spy(engine, version):
 @pytest.mark.parametrize("refresh, dynamic", [(False, False), (True, False), (False, True)],
                          ids=["keep_kv", "refresh_kv", "dynamic_sampling"])  # fmt: skip
 def test_carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
+    # Answers taken one decode call after their turn's (env.tool_answer_calls=1): the schedule
+    # that makes groups wait at the staleness bound here.
     config = parse_args([*ARGS, f"--config.rl.refresh_kv_on_update={refresh}",
-                         f"--config.rl.dynamic_sampling={dynamic}"], {})[0]  # fmt: skip
+                         f"--config.rl.dynamic_sampling={dynamic}",
+                         "--config.env.tool_answer_calls=1"], {})[0]  # fmt: skip
     run = build(config)
     data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
     rollouts = run.rollouts()
