@@ -39,7 +39,7 @@ from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.preemption import Preemption
-from launch.validate import pin_model, prepare_workdir, validate
+from launch.validate import check_isolation, pin_model, prepare_workdir, validate
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
@@ -178,9 +178,11 @@ def main(argv=None) -> int:
     try:
         config, config_path, opts = parse_args(sys.argv[1:] if argv is None else argv, FLAGS)
         init_distributed(config)
+        # first: whether this machine may run the config at all (before any Hub download)
+        check_isolation(config, probe=not opts["dry_run"])
         # a Hub id: resolved (fetched) once, its commit in config.model.hf_commit
         pin_model(config, weights=not opts["dry_run"])
-        validate(config, jax.device_count(), runs_code=not opts["dry_run"])
+        validate(config, jax.device_count(), runs_code=False)  # the sandbox is probed above
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)
     except UsageError as e:

@@ -19,8 +19,9 @@ import jax
 _OPTIMIZE = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
 # XLA:CPU's elemental emitters instead of its fusion emitters (MLIR): they compile about twice as
 # fast (tests/rl/test_learner.py, cold cache: 99 -> 47 s of CPU; the tiny learner step 2.7 ->
-# 1.0 s). The HLO passes before codegen are the same, so HLO and collective counts are unchanged;
-# the kernels differ in instruction choice only, which the tests' tolerances (references in numpy,
+# 1.0 s). Collectives and buffer sizes are unchanged, but scatters are expanded into while loops
+# (tests/launch/test_bench_mesh.py, which reads loop structure, runs its bench with the default);
+# numerics differ in instruction choice only, which the tests' tolerances (references in numpy,
 # dense attention) allow, and runs compared bitwise are compiled alike. CPU-only: accelerators'
 # compiles, and users' runs, never see it. Carried to subprocesses with XLA_FLAGS.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
