@@ -18,7 +18,12 @@ x 8 samples, prompts of 64 tokens, temperature 1, no top-k / top-p, KL β 0.04.
 Each key is the median of `--reps` iterations after a warm-up iteration (compilation).
 With `--partial_rollouts` (and `--lengths skewed`) the command runs partial.py instead, and with
 `--num_slots` / `--num_pages` (and `--lengths skewed`) capacity.py: KV pages on demand against
-budget reservation, each sample admitted with a 512-token budget.
+budget reservation, each sample admitted with a 512-token budget. With `--partial_rollouts
+--tool_ms MS` the partial loop only, multi-turn: each model turn of at most `--turn_tokens`
+followed by a tool answering 4 ids after a seeded uniform(0, MS) ms on `--tool_workers` threads,
+under each tool hand-off rule of `--tool_answer_calls` (0: an answer as soon as it is done, the
+wall-clock rule; k: k decode calls after its turn, `sampling.episodes` "Logical time"):
+rollout seconds, slot utilization and trained tokens per rollout second (no learner step).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import statistics
 import jax
 
 from launch.bench import capacity, partial
-from launch.bench.common import finish, integer, one_of, parse, parser
+from launch.bench.common import finish, integer, integers, one_of, parse, parser
 from launch.bench.iteration import Loop
 
 
@@ -78,6 +83,15 @@ def main(argv) -> int:
                    help="--partial_rollouts: groups in flight beyond B (default B)")  # fmt: skip
     p.add_argument("--max_staleness", type=integer(0), default=4,
                    help="--partial_rollouts: eta")  # fmt: skip
+    p.add_argument("--tool_ms", type=integer(1), default=None,
+                   help="--partial_rollouts: multi-turn, tools delayed by uniform(0, MS) ms")  # fmt: skip
+    p.add_argument("--turn_tokens", type=integer(), default=32,
+                   help="--tool_ms: model tokens per turn at most")  # fmt: skip
+    p.add_argument("--tool_workers", type=integer(), default=8,
+                   help="--tool_ms: tool threads")  # fmt: skip
+    p.add_argument("--tool_answer_calls", type=integers(0),
+                   default=[0, 1, 2, 4, 8],
+                   help="--tool_ms: the rules compared, comma-separated (0 = wall-clock)")  # fmt: skip
     p.add_argument("--num_slots", type=integer(), default=None,
                    help="--lengths skewed: compare sampling.reserve demand / budget on this many "
                         "slots (capacity.py; default 32)")  # fmt: skip
@@ -99,5 +113,8 @@ def main(argv) -> int:
         return finish(args, r, table(r))
     if args.lengths != "skewed":
         p.error(f"--partial_rollouts: needs --lengths=skewed (got --lengths={args.lengths})")
+    if args.tool_ms is not None:
+        r = partial.bench_tools(args)
+        return finish(args, r, partial.tools_table(r))
     r = partial.bench_partial(args)
     return finish(args, r, partial.table(r))

@@ -36,8 +36,10 @@ batches hold more or fewer tokens than the synchronous ones, so a run can measur
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -54,19 +56,40 @@ def _trace(engine) -> list[float]:
     return [round(a / t, 4) for a, t in engine.slot_trace if t]
 
 
+OBSERVATION = [5, 6, 7, 8]  # --tool_ms: every tool answer's ids
+
+
 class Partial:
     """The partial loop of the benchmark: an EpisodeLoop of G-sample groups carried across
-    iterations."""
+    iterations. With `tools` (ms, turn tokens, workers, answer_calls): multi-turn, each model turn
+    of at most `turn tokens` followed by a tool answering OBSERVATION after uniform(0, ms) ms
+    (seeded), on `workers` threads; answers taken as soon as done (answer_calls None) or on the
+    loop's clock (`sampling.episodes`, "Logical time")."""
 
-    def __init__(self, loop: Loop, extra: int, eta: int):
+    def __init__(self, loop: Loop, extra: int, eta: int, tools=None):
         e = loop.engine
         self.engine = Engine(e.cfg, e.graphdef, e.ecfg, e.sampling)  # its own slots and pages
         self.state = self.engine.init_state()
         self.loop, self.b, self.extra, self.eta = loop, len(loop.prompts), extra, eta
         self.budgets = loop.lengths.reshape(self.b, loop.g).tolist()
         self.done: dict[int, list] = {}  # key -> the group's Completions, complete, not trained
-        self.episodes = EpisodeLoop(self.engine, loop.g, on_finish=self._finish)
+        self.pool = None
+        if tools is None:
+            self.episodes = EpisodeLoop(self.engine, loop.g, on_finish=self._finish)
+        else:
+            self.ms, turn, workers, calls = tools
+            self.pool, self.rng = ThreadPoolExecutor(workers), random.Random(0)
+            self.episodes = EpisodeLoop(self.engine, loop.g, on_finish=self._finish,
+                                        respond=self._respond,
+                                        max_turn_tokens=min(turn, e.ecfg.max_new_tokens),
+                                        answer_calls=calls)  # fmt: skip
         self.next, self.version = 0, 0
+
+    def _respond(self, key, k, turn, left):
+        if left < len(OBSERVATION) + 1:
+            return None  # no room for an answer and one more token: the episode ends
+        delay = self.rng.uniform(0.0, self.ms / 1000)
+        return self.pool.submit(lambda: (time.sleep(delay), OBSERVATION)[1])
 
     def _finish(self, key, k, completion) -> None:
         results = self.episodes.results[key]
@@ -186,3 +209,60 @@ def table(r: dict) -> str:
     rows.append(("learned tokens/s speedup at utilization 1", "", f"{u1:.2f}x"))
     w = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in rows)
+
+
+def _rollout(partial: Partial) -> dict:
+    """One timed rollout of the partial loop (no learner step: the rule does not change it)."""
+    engine = partial.engine
+    before = list(engine.slot_steps)
+    t0 = time.perf_counter()
+    groups = partial.rollout()
+    seconds = time.perf_counter() - t0
+    active, total = (a - b for a, b in zip(engine.slot_steps, before))
+    tokens = sum(c.length for g in groups for c in g.completions)
+    return {"rollout_seconds": seconds, "slot_utilization": active / max(total, 1),
+            "tokens": tokens}  # fmt: skip
+
+
+def bench_tools(args) -> dict:
+    """--tool_ms: the partial loop, multi-turn with jittered tools, under each tool hand-off rule
+    of --tool_answer_calls (0: each answer as soon as it is done; k: on the loop's clock),
+    alternating rule by rule, after eta + 2 warm-up rollouts each."""
+    loop = Loop(args)
+    extra = len(loop.prompts) if args.extra_groups is None else args.extra_groups
+    tools = lambda k: (args.tool_ms, args.turn_tokens, args.tool_workers, k or None)  # noqa: E731
+    loops = {k: Partial(loop, extra, args.max_staleness, tools(k)) for k in args.tool_answer_calls}
+    for _ in range(args.max_staleness + 2):  # compiles, then the carry-over fills up
+        for p in loops.values():
+            _rollout(p)
+    runs = {k: [] for k in loops}
+    for _ in range(args.reps):
+        for k, p in loops.items():
+            runs[k].append(_rollout(p))
+    for p in loops.values():
+        p.pool.shutdown()
+    r = {"device": jax.devices()[0].platform, "reps": args.reps,
+         "num_slots": loop.engine.ecfg.num_slots, "batch_sequences": len(loop.lengths),
+         "extra_groups": extra, "max_staleness": args.max_staleness, "tool_ms": args.tool_ms,
+         "turn_tokens": args.turn_tokens, "tool_workers": args.tool_workers,
+         "steps_per_call": loop.engine.ecfg.steps_per_call, "rules": {}}  # fmt: skip
+    for k, its in runs.items():
+        r["rules"][str(k)] = {
+            "rollout_seconds": statistics.median(it["rollout_seconds"] for it in its),
+            "slot_utilization": statistics.median(it["slot_utilization"] for it in its),
+            # trained completion tokens (observations included) over the rollouts' seconds
+            "tokens_per_s": sum(it["tokens"] for it in its)
+            / sum(it["rollout_seconds"] for it in its),
+        }
+    return r
+
+
+def tools_table(r: dict) -> str:
+    rows = [("tool_answer_calls", "rollout s", "slot utilization", "trained tokens/s")]
+    for k, v in r["rules"].items():
+        name = "0 (as soon as done)" if k == "0" else k
+        rows.append((name, f"{v['rollout_seconds']:.3f}", f"{v['slot_utilization']:.3f}",
+                     f"{v['tokens_per_s']:.0f}"))  # fmt: skip
+    w = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(f"{c:>{w[i]}}" if i else f"{c:<{w[i]}}" for i, c in enumerate(row))
+                     for row in rows)  # fmt: skip
