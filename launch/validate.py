@@ -24,7 +24,7 @@ from models.hf_config import CheckpointError, config_from_hf
 from models.hub import CONFIG_FILES, MODEL_FILES, HubError, resolve
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
-from rl.data import hub_dataset_dir, load_records, reward_inputs
+from rl.data import SourceError, hub_dataset_dir, load_records, reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from rl.reward_registry import CODE_REWARDS
@@ -337,8 +337,13 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
                 hub_dataset_dir(src.path, src.get("revision", ""), src.get("name") or None,
                                 field=f"config.data.{split}.path",
                                 revision_field=f"config.data.{split}.revision")  # fmt: skip
+                load_records(src)  # its subset, split and prompt field (datasets caches it)
             except HubError as e:
                 raise UsageError(str(e)) from None
+            except SourceError as e:  # "split='x': ..." -> config.data.train.split='x': ...
+                raise UsageError(f"config.data.{split}.{e}") from None
+            except (ValueError, OSError):  # an empty or unreadable dataset: launch.train.prepare
+                pass  # reports it, as it does a jsonl file's
         else:
             _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
                   f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}")  # fmt: skip

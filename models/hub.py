@@ -86,6 +86,16 @@ def resolve(
     commit = os.path.basename(os.path.normpath(directory))
     if not _COMMIT.match(commit):  # a snapshot directory is named by its commit
         raise HubError(f"{what}: resolved to {directory}, not a snapshot of the Hub cache")
+    if (
+        repo_type == "model"
+        and patterns
+        and "*.safetensors" in patterns
+        and not any(name.endswith(".safetensors") for name in os.listdir(directory))
+    ):  # offline, huggingface_hub returns a cached snapshot whatever files it holds
+        raise HubError(f"{what}: the snapshot {commit} has no *.safetensors weights" + (
+            " in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it "
+            "once without HF_HUB_OFFLINE" if constants.is_offline_mode() else
+            " (only safetensors checkpoints are read)"))  # fmt: skip
     _resolved[(path, commit, *key[2:], patterns)] = (directory, commit)  # a branch may move
     return directory, commit
 
@@ -108,8 +118,11 @@ def _not_cached(path, revision, repo_type, field, revision_field, e) -> str:
         return (f"{field}={path!r}: not a local directory, and not in the Hub cache "
                 f"{constants.HF_HUB_CACHE} ({offline})")  # fmt: skip
     refs = os.path.join(folder, "refs")
-    cached = sorted(os.listdir(refs)) if os.path.isdir(refs) else []
+    cached = sorted(os.path.relpath(os.path.join(root, name), refs)
+                    for root, _, names in os.walk(refs) for name in names)  # fmt: skip
     if "incomplete" in type(e).__name__.lower():
         return f"{field}={path!r}: the cached snapshot is incomplete ({offline})"
+    short = re.fullmatch(r"[0-9a-f]{4,39}", revision or "")  # offline: refs and full commits only
     return (f"{revision_field}={revision or 'main'!r}: no snapshot of {path} for it in "
-            f"the Hub cache (cached refs: {cached}; {offline})")  # fmt: skip
+            f"the Hub cache (cached refs: {cached}; {offline}"
+            + ("; offline, a commit is its full 40 hex digits" if short else "") + ")")  # fmt: skip

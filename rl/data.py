@@ -10,8 +10,10 @@ columns out for `rl.rewards.combined_rewards`.
 Source config (a dict or ml_collections.ConfigDict; missing keys take the defaults shown):
     type: "jsonl" | "parquet" | "hf" | "arithmetic" | "repo_fix"
     path: file path, list of paths, or glob pattern   (jsonl / parquet)
-    path, name, split, revision   (hf: a Hub dataset id, a directory of data files or a
-        `save_to_disk` directory; `name` the subset, `revision` a Hub commit, branch or tag)
+    path, name, split, revision   (hf: a Hub dataset id, a directory of data files, a data file
+        or glob (.parquet / .jsonl / .json / .csv / .arrow, all of them the split) or a
+        `save_to_disk` directory; `name` the subset, `revision` a Hub commit, branch or tag; a
+        bad name, split or prompt_field raises SourceError naming it)
     prompt_field: "prompt"
     num: 10_000, digits: 2, ops: "+", split: "train", eval_fraction: 0.1, seed: 0   (arithmetic,
         see rl.tasks.arithmetic_records; the held-out set is the same config with split="eval")
@@ -162,7 +164,7 @@ def hub_dataset_dir(
     the dataset card's `configs` name them (`subset_files`), else all its files."""
     from models.hub import is_local, resolve
 
-    if is_local(path):
+    if is_local(path) or _data_files(path):
         return os.path.expanduser(path)
     kw = dict(field=field, revision_field=revision_field, repo_type="dataset")
     card, commit = resolve(path, revision, allow_patterns=("README.md",), **kw)
@@ -197,6 +199,45 @@ def subset_files(directory: str, name: str | None) -> tuple[str, ...] | None:
     return ("README.md", *(os.path.join(data_dir, p) if data_dir else p for p in paths))
 
 
+class SourceError(ValueError):
+    """A bad field of an "hf" source, `field` ("name", "split", "prompt_field"): the message
+    starts with `field=value: `, so that launch.validate names it as config.data.<split>.<field>."""
+
+    def __init__(self, field: str, value: Any, message: str):
+        self.field = field
+        super().__init__(f"{field}={value!r}: {message}")
+
+
+# "hf" sources whose path is a data file (or a glob of them): the datasets builder per extension
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
+                      ".arrow": "arrow"}  # fmt: skip
+
+
+def _data_files(path: str) -> list[str] | None:
+    """The files of an "hf" source's path that names data files (a file or a glob), else None."""
+    path = os.path.expanduser(path)
+    if glob.has_magic(path):
+        found = sorted(f for f in glob.glob(path) if os.path.isfile(f))
+        return found or None
+    return [path] if os.path.isfile(path) else None
+
+
+def _split_names(split: str) -> list[str]:
+    """The split names of a datasets split spec ("train", "train[:100]", "train+test")."""
+    return [part.split("[")[0].strip() for part in split.split("+")]
+
+
+def _check_prompt_field(datasets, args, split: str, prompt_field: str, where: str) -> None:
+    """The first row's columns hold prompt_field, read by streaming it: before load_dataset
+    generates the Arrow cache (minutes for a large dataset, and progress bars on stderr)."""
+    stream = datasets.load_dataset(*args[0], split=_split_names(split)[0], streaming=True,
+                                   **args[1])  # fmt: skip
+    first = next(iter(stream), None)
+    if first is not None and prompt_field not in first:
+        raise SourceError("prompt_field", prompt_field, f"no such column in {where} split "
+                          f"{split!r} (columns: {sorted(first)})")  # fmt: skip
+
+
 def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
     try:
         import datasets
@@ -206,25 +247,47 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
     path = os.fspath(_cfg_get(source_cfg, "path", ""))
     name = _cfg_get(source_cfg, "name", "") or None
     split = str(_cfg_get(source_cfg, "split", "train"))
-    where = f"{path}" + (f" ({name})" if name else "") + f" split {split!r}"
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(
-        os.path.join(path, "state.json")
+    where = f"{path}" + (f" (subset {name})" if name else "")
+    local = os.path.expanduser(path)
+    files = _data_files(path)
+    if os.path.isfile(os.path.join(local, "dataset_dict.json")) or os.path.isfile(
+        os.path.join(local, "state.json")
     ):  # a save_to_disk directory (a DatasetDict or a Dataset)
-        ds = datasets.load_from_disk(path)
+        ds = datasets.load_from_disk(local)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ValueError(f"{path}: no split {split!r} (has {sorted(ds)})")
+                raise SourceError("split", split, f"no such split of {path} (it has "
+                                  f"{sorted(ds)})")  # fmt: skip
             ds = ds[split]
+    elif files:  # data files: datasets' builder for their format, all of them the split
+        ext = os.path.splitext(files[0])[1].lower()
+        if ext not in DATA_FILE_BUILDERS or any(not f.lower().endswith(ext) for f in files):
+            raise SourceError("path", path, "data files must all be one of "
+                              f"{sorted(DATA_FILE_BUILDERS)}")  # fmt: skip
+        args = (DATA_FILE_BUILDERS[ext],), dict(data_files={split: files})
+        _check_prompt_field(datasets, args, split, prompt_field, where)
+        ds = datasets.load_dataset(*args[0], split=split, **args[1])
     else:  # a directory of data files, or a Hub dataset id (fetched into the Hub cache)
         directory = hub_dataset_dir(path, str(_cfg_get(source_cfg, "revision", "")), name)
+        try:  # the subset and split are checked before any split is generated
+            builder = datasets.load_dataset_builder(directory, name)
+        except ValueError as e:  # an unknown or missing subset
+            raise SourceError("name", name or "", f"{path}: "
+                              f"{' '.join(str(e).split())[:300]}") from None  # fmt: skip
+        known = [str(s) for s in builder.config.data_files or builder.info.splits or []]
+        missing = [s for s in _split_names(split) if s not in known]
+        if known and missing:
+            raise SourceError("split", split, f"no such split of {where} (it has {known})")
+        _check_prompt_field(datasets, ((directory, name), {}), split, prompt_field, where)
         try:
             ds = datasets.load_dataset(directory, name, split=split)
-        except ValueError as e:  # an unknown subset or split
-            raise ValueError(f"{where}: {' '.join(str(e).split())[:300]}") from None
+        except ValueError as e:  # a split spec datasets refuses
+            raise SourceError("split", split, f"{where}: "
+                              f"{' '.join(str(e).split())[:300]}") from None  # fmt: skip
     if prompt_field not in ds.column_names:
-        raise ValueError(f"{where}: no prompt field {prompt_field!r} (columns: "
-                         f"{ds.column_names}); set the source's prompt_field")  # fmt: skip
-    return HFRecords(ds, where)
+        raise SourceError("prompt_field", prompt_field, f"no such column in {where} split "
+                          f"{split!r} (columns: {sorted(ds.column_names)})")  # fmt: skip
+    return HFRecords(ds, f"{where} split {split!r}")
 
 
 def load_records(source_cfg: Any) -> Sequence[dict]:

@@ -35,8 +35,8 @@ def add_snapshot(cache, repo_id: str, files: dict, commit: str, refs=("main",), 
         link = os.path.join(repo, "snapshots", commit, name)
         os.makedirs(os.path.dirname(link), exist_ok=True)
         os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
-    for ref in refs:
-        os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    for ref in refs:  # a branch may hold slashes ("feature/x"): refs/feature/x
+        os.makedirs(os.path.dirname(os.path.join(repo, "refs", ref)), exist_ok=True)
         with open(os.path.join(repo, "refs", ref), "w") as f:
             f.write(commit)
     found = {(r.repo_id, r.repo_type): r for r in scan_cache_dir(cache).repos}

@@ -86,6 +86,30 @@ def hub_cache(monkeypatch):
     offline_hub(monkeypatch, os.path.abspath("hub"), datasets_cache=os.path.abspath("datasets"))
 
 
+def hub_partial(monkeypatch):
+    """hub_cache, and org/partial at `main`: the asset's config files only (what a --dry_run
+    fetches), no weights."""
+    from tests.hub_cache import add_snapshot
+
+    hub_cache(monkeypatch)
+    files = {n: os.path.join(ASSET, n) for n in ("config.json", "generation_config.json")}
+    add_snapshot(os.path.abspath("hub"), "org/partial", files, "1" * 40)
+
+
+def parquet_rows(monkeypatch):
+    """data/train.parquet: two arithmetic rows (prompt, answer); datasets' Arrow cache beside the
+    working directory (not in it: the case must change nothing there)."""
+    import datasets.config
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.mkdir("data")
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join("data", "train.parquet"))
+    cache = os.path.join(os.path.dirname(os.getcwd()), os.path.basename(os.getcwd()) + "-ds")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+
+
 def without(module: str):
     """`module` cannot be imported (as where it is not installed)."""
 
@@ -166,6 +190,10 @@ CATALOGUE = [
     Case("hub-id-missing", "`--config.model.hf_checkpoint=org/missing`, offline (`HF_HUB_OFFLINE=1`), not in the Hub cache", "config.model.hf_checkpoint='org/missing': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/missing"], hub_cache),
     Case("hub-revision-missing", "`--config.model.hf_checkpoint=org/tiny --config.model.revision=v9`, offline, the cache holding `main` only", "config.model.revision='v9': no snapshot of org/tiny for it in the Hub cache (cached refs: ['main']; HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/tiny", "--config.model.revision=v9"], hub_cache),
     Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
+    Case("hub-snapshot-no-weights", "`--config.model.hf_checkpoint=org/partial`, offline, the cache holding its config files only (what a `--dry_run` fetched)", "config.model.hf_checkpoint='org/partial': the snapshot 1111111111111111111111111111111111111111 has no *.safetensors weights in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE", EIGHT + ["--config.model.hf_checkpoint=org/partial"], hub_partial),
+    Case("hf-data-split-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.split=validation`, data/ holding train.parquet", "config.data.train.split='validation': no such split of data (it has ['train'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.split=validation"], parquet_rows),
+    Case("hf-data-subset-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.name=main`, data/ without subsets", "config.data.train.name='main': data: BuilderConfig 'main' not found. Available: ['default']", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.name=main"], parquet_rows),
+    Case("hf-data-no-prompt-field", "`--config.data.train.type=hf --config.data.train.path=data/train.parquet --config.data.train.prompt_field=question`, a file without that column", "config.data.train.prompt_field='question': no such column in data/train.parquet split 'train' (columns: ['answer', 'prompt'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/train.parquet", "--config.data.train.prompt_field=question"], parquet_rows),
     Case("datasets-missing", "`--config.data.train.type=hf`, the `datasets` library not installed", "config.data.train.type='hf': needs the datasets library: pip install -e '.[hub]'", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/data"], without("datasets")),
     Case("wandb-missing", "`--config.log.wandb=True`, the `wandb` library not installed", "config.log.wandb=True: needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)", EIGHT + ["--config.log.wandb=True"], without("wandb")),
     Case("checkpoint-config-garbled", "`--config.model.hf_checkpoint=ckpt`, its config.json cut short", "config.model.hf_checkpoint='ckpt': ckpt/config.json: invalid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": '{"architectures": '})),

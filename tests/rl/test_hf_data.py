@@ -31,6 +31,8 @@ def sources(tmp_path_factory):
         "jsonl": {"type": "jsonl", "path": str(jsonl), **field},
         "saved": {"type": "hf", "path": str(top / "saved"), **field},
         "parquet": {"type": "hf", "path": str(top / "parquet"), "split": "train", **field},
+        # one file: load_dataset("parquet", data_files=...)
+        "file": {"type": "hf", "path": str(top / "parquet" / "train-*.parquet"), **field},
     }
     datasets.config.HF_DATASETS_CACHE = old  # (the Arrow cache load_dataset writes, above)
 
@@ -39,7 +41,7 @@ def test_records_are_the_rows_in_order(sources):
     """Same records as the jsonl lines; an "hf" source stays a random-access view of the Arrow
     table (HFRecords), not a list."""
     want = load_records(sources["jsonl"])
-    for name in ("saved", "parquet"):
+    for name in ("saved", "parquet", "file"):
         got = load_records(sources[name])
         assert isinstance(got, HFRecords) and len(got) == len(ROWS)
         assert list(got) == want == ROWS, name
@@ -60,7 +62,7 @@ def test_batches_per_process_and_resume_equal_jsonl(sources):
             resumed.set_state(json.loads(json.dumps(state)))  # as the checkpoint stores it
             runs[name] += [next(resumed) for _ in range(3)]
             assert runs[name][3:] == [next(it) for _ in range(3)], name
-        assert runs["saved"] == runs["jsonl"] == runs["parquet"], p
+        assert runs["saved"] == runs["jsonl"] == runs["parquet"] == runs["file"], p
         assert all(len(batch) == 2 for batch in runs["jsonl"])
     firsts = [make_prompt_iterator(sources["saved"], process_index=p, **kwargs) for p in range(2)]
     assert next(firsts[0]) != next(firsts[1])  # the processes hold different halves
@@ -95,3 +97,27 @@ configs:
     (tmp_path / "README.md").write_text("# no card metadata\n")
     assert subset_files(str(tmp_path), "main") is None
     assert subset_files(str(tmp_path / "none"), "main") is None
+
+
+@pytest.mark.parametrize(
+    "source, changes, message",
+    [
+        ("parquet", {"split": "test"}, "split='test': no such split of {parquet} (it has ['train'])"),
+        ("parquet", {"split": "train+test[:2]"}, "split='train+test[:2]': no such split of {parquet} (it has ['train'])"),
+        ("saved", {"prompt_field": "q"}, "prompt_field='q': no such column in {saved} split 'train' (columns: ['answer', 'n', 'question'])"),
+        ("parquet", {"prompt_field": "q"}, "prompt_field='q': no such column in {parquet} split 'train' (columns: ['answer', 'n', 'question'])"),
+        ("file", {"prompt_field": "q"}, "prompt_field='q': no such column in {file} split 'train' (columns: ['answer', 'n', 'question'])"),
+        ("parquet", {"name": "nope"}, "name='nope': {parquet}: BuilderConfig 'nope' not found. Available: ['default']"),
+    ],
+)  # fmt: skip
+def test_bad_fields_name_the_field(sources, source, changes, message):
+    """A wrong split, subset or prompt field of an "hf" source raises SourceError, its message
+    starting with the field (launch.validate prefixes config.data.<split>.); the split and the
+    prompt field are checked before load_dataset generates the Arrow cache."""
+    from rl.data import SourceError
+
+    paths = {k: v["path"] for k, v in sources.items()}
+    with pytest.raises(SourceError) as e:
+        load_records({**sources[source], **changes})
+    assert str(e.value) == message.format(**paths)
+    assert e.value.field == next(iter(changes))
