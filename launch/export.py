@@ -12,7 +12,8 @@ char_tokenizer.json), where present, are copied along so the directory is self-c
 `--adapter` (LoRA runs) writes only the adapters, as the `peft` library saves them:
 adapter_config.json and adapter_model.safetensors, to load with
 `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<base>), DIR)`, where
-<base> is the run's starting checkpoint (config.model.hf_checkpoint).
+<base> is the run's starting checkpoint (config.model.hf_checkpoint; a Hub id with the commit the
+run started from as adapter_config.json's `revision`, which peft's AutoPeftModel loads it at).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     CHAR_TOKENIZER_FILE,
 )
+
+
+def adapter_base(config) -> tuple[str, str | None]:
+    """The base model of a LoRA run's exported adapter, as adapter_config.json names it: a Hub
+    id as it is with the commit the run started from (peft loads the base at that revision, not
+    at the default branch, which may have moved), or the absolute path of a local directory."""
+    ref, commit = config.model.hf_checkpoint, config.model.get("hf_commit", "")
+    return (ref, commit) if commit else (os.path.abspath(ref), None)
 
 
 def main(argv=None) -> int:
@@ -61,9 +70,8 @@ def main(argv=None) -> int:
     except UsageError as e:
         return fail(str(e))
     if args.adapter:
-        ref = run.config.model.hf_checkpoint  # a Hub id as it is (peft resolves it), or a directory
-        base = ref if run.config.model.get("hf_commit") else os.path.abspath(ref)
-        save_adapter(args.out, run.model_cfg, run.state.params, base, dtype=args.dtype)
+        base, revision = adapter_base(run.config)
+        save_adapter(args.out, run.model_cfg, run.state.params, base, args.dtype, revision)
     else:
         save_hf(args.out, run.model_cfg, run.state.params, run.ids, dtype=args.dtype)
     for name in TOKENIZER_FILES:

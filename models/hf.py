@@ -221,16 +221,20 @@ def save_hf(
     _write_json(os.path.join(out_dir, "generation_config.json"), generation_config_to_hf(ids))
 
 
-def save_adapter(out_dir: str, cfg: ModelConfig, params, base_model: str, dtype=None) -> None:
-    """Writes a LoRA run's adapters as `peft` saves them: adapter_config.json and
-    adapter_model.safetensors (`models.lora.peft_tensors`)."""
+def save_adapter(
+    out_dir: str, cfg: ModelConfig, params, base_model: str, dtype=None, revision=None
+) -> None:
+    """Writes a LoRA run's adapters as `peft` saves them: adapter_config.json (the base and, for
+    a Hub id, its commit `revision`) and adapter_model.safetensors (`models.lora.peft_tensors`)."""
     dtype = _export_dtype(dtype, cfg)
     os.makedirs(out_dir, exist_ok=True)
     tensors = {k: v.astype(_DTYPES[dtype]) for k, v in lora.peft_tensors(cfg, params).items()}
     save_file(
         tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"}
     )
-    _write_json(os.path.join(out_dir, "adapter_config.json"), lora.peft_config(cfg, base_model))
+    _write_json(
+        os.path.join(out_dir, "adapter_config.json"), lora.peft_config(cfg, base_model, revision)
+    )
 
 
 def _export_dtype(dtype: str | None, cfg: ModelConfig) -> str:

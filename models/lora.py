@@ -152,10 +152,12 @@ def peft_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
     return out
 
 
-def peft_config(cfg: ModelConfig, base_model: str) -> dict:
-    """adapter_config.json of `peft_tensors`."""
+def peft_config(cfg: ModelConfig, base_model: str, revision: str | None = None) -> dict:
+    """adapter_config.json of `peft_tensors`; `revision` the base's Hub commit (peft's
+    AutoPeftModel loads the base at it; None: a local directory, or the default branch)."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
         "target_modules": [HF_NAMES[n].split(".")[1] for n in TARGETS if n in cfg.lora_targets],
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,

@@ -353,3 +353,22 @@ def test_kill9_resume_on_a_saved_dataset_is_exact(tmp_path):
     assert a["params_fingerprint"] == b["params_fingerprint"]
     assert train_metrics(straight) == train_metrics(killed)
     assert sorted(train_metrics(killed)) == list(range(1, KILL_STEPS + 1))
+
+
+def test_adapter_of_a_hub_run_names_the_base_commit():
+    """launch.export --adapter of a run started from a Hub id writes the id with the commit the
+    run started from (peft's `revision`, which AutoPeftModel loads the base at), not the default
+    branch; a local directory stays an absolute path without a revision."""
+    from launch.cli import parse_args
+    from launch.export import adapter_base
+    from models import lora
+    from models.hf_config import config_from_hf
+
+    hub_run = parse_args([f"--config.model.hf_checkpoint={MODEL}", f"--config.model.hf_commit={B}",
+                          "--config.model.revision=v2"], {})[0]  # fmt: skip
+    assert adapter_base(hub_run) == (MODEL, B)
+    local = parse_args([], {})[0]
+    assert adapter_base(local) == (os.path.abspath(local.model.hf_checkpoint), None)
+    cfg = config_from_hf(local.model.hf_checkpoint, lora_rank=2)
+    written = lora.peft_config(cfg, MODEL, B)  # peft.PeftConfig's fields of these names
+    assert (written["base_model_name_or_path"], written["revision"]) == (MODEL, B)
