@@ -7,6 +7,8 @@ run's config; a field that can change the trajectory and differs refuses the res
 
 from __future__ import annotations
 
+import json
+
 from launch.cli import UsageError
 from rl.sandbox import isolation_of
 
@@ -55,7 +57,7 @@ def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def check_resumable(old: dict, new: dict) -> None:
+def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
     """Refuses a resume whose config changes a field that can change the trajectory. A run
     saved before config.model.lora existed had none: it resumes with LoRA off. One saved before
     config.model.attention existed ran dense attention: it resumes with the attention asked for
@@ -70,7 +72,12 @@ def check_resumable(old: dict, new: dict) -> None:
     that rule never repeated itself (its carry followed the tools' latency), so no trajectory of
     it is lost, and a synchronous one does not depend on it. One saved with env.sandbox_bwrap (renamed env.isolation) resumes
     with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
-    before either existed with "auto"; env.isolation itself may change (RESUMABLE_CHANGES)."""
+    before either existed with "auto"; env.isolation itself may change (RESUMABLE_CHANGES).
+    With `hint`, a refusal names the flags that restore the saved values where they let it resume
+    (a GSM8K run from before its config read openai/gsm8k: its checkpoint directory and jsonl
+    files). Such a run is not resumed on the Hub ids by itself: a local jsonl file need not hold
+    the Hub's rows in the Hub's order, nor a local directory the Hub's weights."""
+    saved, asked = old, new
     if "env" in old and "isolation" not in old["env"]:
         env = {k: v for k, v in old["env"].items() if k != "sandbox_bwrap"}
         old = {**old, "env": {**env, "isolation": isolation_of(old["env"])}}
@@ -103,7 +110,32 @@ def check_resumable(old: dict, new: dict) -> None:
     diff = [f for f in changed_fields(old, new) if not (f + ".").startswith(RESUMABLE_CHANGES)]
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
-        raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir")
+        flags = _restoring_flags(saved, asked, diff) if hint else ""
+        raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir"
+                         + (f", or resume with the saved values: {flags}" if flags else ""))  # fmt: skip
+
+
+def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:
+    """The --config flags that set the changed `fields` that hold a plain value in the saved
+    config back to it, if the run then resumes (a field absent from the old run, such as
+    data.train.name, may then drop out); else ""."""
+    import shlex
+
+    flags, restored = [], json.loads(json.dumps(new))
+    for f in fields:
+        value = _get(old, f)
+        if isinstance(value, (str, int, float, bool)):
+            flags.append(f"--config.{f}={shlex.quote(str(value))}")
+            *parents, last = f.split(".")
+            d = restored
+            for part in parents:
+                d = d.setdefault(part, {})
+            d[last] = value
+    try:
+        check_resumable(old, restored, hint=False)
+    except UsageError:
+        return ""
+    return " ".join(flags)
 
 
 def _check_commit(old: dict, new: dict) -> None:

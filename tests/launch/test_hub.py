@@ -372,3 +372,36 @@ def test_adapter_of_a_hub_run_names_the_base_commit():
     cfg = config_from_hf(local.model.hf_checkpoint, lora_rank=2)
     written = lora.peft_config(cfg, MODEL, B)  # peft.PeftConfig's fields of these names
     assert (written["base_model_name_or_path"], written["revision"]) == (MODEL, B)
+
+
+def test_an_old_gsm8k_run_is_told_the_flags_that_resume_it():
+    """A GSM8K run from before its config read the Hub ids (a local checkpoint directory and
+    jsonl files; no model.revision / hf_commit, data.train.name / revision, log section) is not
+    resumed on the ids (a jsonl file need not hold the Hub's rows in its order): the refusal names
+    the flags that restore the saved values, and with them it resumes."""
+    from launch.cli import UsageError, config_json, parse_args
+    from launch.resume_compat import check_resumable
+
+    gsm8k = ["--config", os.path.join(ROOT, "configs", "qwen2_5_0_5b_gsm8k.py")]
+    new = config_json(parse_args(gsm8k, {})[0])
+    old = json.loads(json.dumps(new))
+    del old["model"]["revision"], old["model"]["hf_commit"], old["log"]
+    old["model"]["hf_checkpoint"] = "/home/me/models/Qwen2.5-0.5B-Instruct"
+    train = {k: v for k, v in old["data"]["train"].items() if k not in ("name", "revision")}
+    old["data"]["train"] = {**train, "type": "jsonl", "path": "/home/me/gsm8k/train set.jsonl"}
+    flags = ["--config.data.train.path=/home/me/gsm8k/train set.jsonl",
+             "--config.data.train.type=jsonl",
+             "--config.model.hf_checkpoint=/home/me/models/Qwen2.5-0.5B-Instruct"]  # fmt: skip
+    with pytest.raises(UsageError) as e:
+        check_resumable(old, new)
+    assert str(e.value).startswith("cannot resume with a changed config (data.train.name: None")
+    assert str(e.value).endswith(
+        "; use a new --workdir, or resume with the saved values: --config.data.train.path="
+        "'/home/me/gsm8k/train set.jsonl' --config.data.train.type=jsonl "
+        "--config.model.hf_checkpoint=/home/me/models/Qwen2.5-0.5B-Instruct"
+    )
+    check_resumable(old, config_json(parse_args(gsm8k + flags, {})[0]))
+    with pytest.raises(UsageError, match=r"data.train.type: 'jsonl' -> 'hf'\); use a new "
+                       r"--workdir, or resume with the saved values: --config.data.train.type="
+                       r"jsonl$"):  # fmt: skip
+        check_resumable(old, config_json(parse_args(gsm8k + flags[:1] + flags[2:], {})[0]))
