@@ -62,7 +62,8 @@ def prepare(config) -> tuple[Run, object, list]:
 
             for r in records:
                 check_record(r)
-        tokenize_prompts(records, run.tokenizer, config, config.data[split].prompt_field)
+        field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
+        tokenize_prompts(records, run.tokenizer, config, field, keep=False)
     return run, data, eval_records
 
 

@@ -471,24 +471,30 @@ def format_prompt(
     return tokenizer.encode_rendered(text, add_bos=tokenizer.add_bos_token)
 
 
-def tokenize_prompts(records: Sequence[Mapping], tokenizer: Tokenizer, config, prompt_field: str):
+def tokenize_prompts(
+    records: Sequence[Mapping], tokenizer: Tokenizer, config, prompt_field: str, keep: bool = True
+):
     """Prompt ids of records under a training config's data settings (chat template, system
-    prompt, template kwargs); a prompt longer than config.sampling.max_prompt_len is an error."""
+    prompt, template kwargs); a prompt longer than config.sampling.max_prompt_len is an error.
+    Without `keep` the ids are only checked, one record at a time, and None is returned: a
+    large "hf" source is not copied into a list of token lists (launch.train.prepare)."""
     d = config.data
-    prompts = [
-        format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None, prompt_field,
-                      d.chat_template_kwargs.to_dict())
-        for r in records
-    ]  # fmt: skip
-    i = max(range(len(prompts)), key=lambda j: len(prompts[j]), default=None)
-    if i is not None and len(prompts[i]) > config.sampling.max_prompt_len:
-        text = repr(records[i][prompt_field])
+    prompts, longest, where = [], -1, None
+    for i, r in enumerate(records):
+        ids = format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None,
+                            prompt_field, d.chat_template_kwargs.to_dict())  # fmt: skip
+        if len(ids) > longest:  # the first of the longest
+            longest, where = len(ids), i
+        if keep:
+            prompts.append(ids)
+    if where is not None and longest > config.sampling.max_prompt_len:
+        text = repr(records[where][prompt_field])
         text = text if len(text) <= 60 else text[:57] + "..."
         raise ValueError(
-            f"a prompt has {len(prompts[i])} tokens > config.sampling.max_prompt_len="
-            f"{config.sampling.max_prompt_len} (record {i}: {text})"
+            f"a prompt has {longest} tokens > config.sampling.max_prompt_len="
+            f"{config.sampling.max_prompt_len} (record {where}: {text})"
         )
-    return prompts
+    return prompts if keep else None
 
 
 def reward_inputs(

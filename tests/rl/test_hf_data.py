@@ -121,3 +121,27 @@ def test_bad_fields_name_the_field(sources, source, changes, message):
         load_records({**sources[source], **changes})
     assert str(e.value) == message.format(**paths)
     assert e.value.field == next(iter(changes))
+
+
+def test_prompts_are_checked_without_a_list():
+    """launch.train.prepare's length check (keep=False) reads an "hf" source row by row and keeps
+    no token lists; it names the same first longest record as the kept ids do."""
+    from launch.cli import parse_args
+    from models.tokenizer import load_tokenizer
+    from rl.data import tokenize_prompts
+    from rl.tasks import arithmetic_records
+
+    config = parse_args(["--config.sampling.max_prompt_len=64"], {})[0]
+    tokenizer = load_tokenizer(config.model.hf_checkpoint)  # the demo's character tokenizer
+    rows = arithmetic_records(seed=0, num=20, digits=3, ops="+-*")
+    records = HFRecords(datasets.Dataset.from_list(rows), "rows")
+    kept = tokenize_prompts(records, tokenizer, config, "prompt")
+    assert tokenize_prompts(records, tokenizer, config, "prompt", keep=False) is None
+    longest = max(len(p) for p in kept)
+    config.sampling.max_prompt_len = longest - 1
+    first = next(i for i, p in enumerate(kept) if len(p) == longest)
+    for keep in (True, False):
+        with pytest.raises(
+            ValueError, match=rf"a prompt has {longest} tokens > .*\(record {first}:"
+        ):
+            tokenize_prompts(records, tokenizer, config, "prompt", keep=keep)
