@@ -1,7 +1,7 @@
 """Partial rollouts with a tool repeat themselves whatever the tool's latency (issue 35, must-show
 5): the CPU tool demo (configs/calc_tool.py) with partial rollouts, its calculator behind random
-0-60 ms delays (tests/launch/jittered_tools.py, unseeded) on 8 or on 2 tool workers, ends with
-the parameters of the instant tool, and a kill -9 then resume of it equals the straight run.
+0-60 ms delays (tests/launch/jittered_tools.py, unseeded) on 8 tool workers, ends with the
+parameters of the instant tool, and so does one on 2 workers killed (kill -9) and resumed.
 Tool answers are taken on the loop's logical clock (env.tool_answer_calls, sampling.episodes:
 "Logical time"), so which episodes a stop cuts, and where, follows decode calls, not the wall
 clock. (The wall-clock rule, env.tool_answer_calls=0, ended these runs with different
@@ -57,33 +57,38 @@ def _fingerprint(workdir):
     return json.load(open(workdir / "summary.json"))["params_fingerprint"]
 
 
+CARRY = ("rollout/carried_episodes", "rollout/carried_groups", "rollout/staleness_max",
+         "rollout/offpolicy_token_frac")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Straight runs: the instant tool, and the jittered one on 8 and on 2 tool workers."""
+    """Straight runs: the instant tool, and the jittered one on 8 tool workers (the 2-worker run
+    is the killed and resumed one, below: one run fewer)."""
     out = {}
-    for name, jitter, extra in [("instant", False, []), ("jitter8", True, []),
-                                ("jitter2", True, ["--config.env.tool_workers=2"])]:  # fmt: skip
+    for name, jitter in (("instant", False), ("jitter8", True)):
         out[name] = tmp_path_factory.mktemp(name)
-        _train(out[name], jitter, *extra)
+        _train(out[name], jitter)
     return out
+
+
+def _same_as_instant(runs, workdir, name):
+    instant, rows = _rows(runs["instant"]), {r["step"]: r for r in _rows(workdir)}
+    # the delays were there: ~30 ms per call on average, against microseconds
+    tool_s = [r["episode/tool_seconds"] / max(r["episode/tool_calls"], 1e-9) for r in rows.values()]
+    assert min(tool_s) > 0.005, (name, tool_s)
+    assert max(r["episode/tool_seconds"] for r in instant) < 0.005
+    assert _fingerprint(workdir) == _fingerprint(runs["instant"]), name
+    assert train_metrics(workdir) == train_metrics(runs["instant"]), name
+    for key in CARRY:
+        assert [rows[r["step"]][key] for r in instant] == [r[key] for r in instant], (name, key)
 
 
 def test_jittered_tools_train_exactly_as_the_instant_tool(runs):
     instant = _rows(runs["instant"])
     assert any(r["rollout/carried_episodes"] > 0 for r in instant)  # stops cut episodes ...
     assert any(r["rollout/offpolicy_token_frac"] > 0 for r in instant)  # ... trained later
-    for name in ("jitter8", "jitter2"):
-        # the delays were there: ~30 ms per call on average, against microseconds
-        tool_s = [r["episode/tool_seconds"] / max(r["episode/tool_calls"], 1e-9)
-                  for r in _rows(runs[name])]  # fmt: skip
-        assert min(tool_s) > 0.005, (name, tool_s)
-        assert max(r["episode/tool_seconds"] for r in instant) < 0.005
-        assert _fingerprint(runs[name]) == _fingerprint(runs["instant"]), name
-        assert train_metrics(runs[name]) == train_metrics(runs["instant"]), name
-        rows = _rows(runs[name])
-        for key in ("rollout/carried_episodes", "rollout/carried_groups",
-                    "rollout/staleness_max", "rollout/offpolicy_token_frac"):  # fmt: skip
-            assert [r[key] for r in rows] == [r[key] for r in instant], (name, key)
+    _same_as_instant(runs, runs["jitter8"], "jitter8")
 
 
 def _latest(workdir) -> int:
@@ -95,9 +100,10 @@ def _latest(workdir) -> int:
 
 
 def test_kill9_then_resume_of_the_jittered_run_is_exact(runs, tmp_path):
-    killed, log = tmp_path / "killed", tmp_path / "kill.log"
+    """On 2 tool workers, killed in step 4 and resumed: the instant tool's run all the same."""
+    killed, log, two = tmp_path / "killed", tmp_path / "kill.log", "--config.env.tool_workers=2"
     with open(log, "w") as err:
-        proc = subprocess.Popen(_cmd(killed, True), cwd=ROOT, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(_cmd(killed, True, two), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=err)  # fmt: skip
         while proc.poll() is None and _latest(killed) == 0:
             time.sleep(0.01)  # polling files another process writes; nothing is timed
@@ -106,7 +112,6 @@ def test_kill9_then_resume_of_the_jittered_run_is_exact(runs, tmp_path):
         proc.kill()
         proc.wait()
     assert _latest(killed) == 3
-    out = _train(killed, True)
+    out = _train(killed, True, two)
     assert "resumed from step 3" in out.stderr, out.stderr[-3000:]
-    assert _fingerprint(killed) == _fingerprint(runs["jitter8"])
-    assert train_metrics(killed) == train_metrics(runs["jitter8"])
+    _same_as_instant(runs, killed, "jitter2, killed and resumed")
