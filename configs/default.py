@@ -75,6 +75,7 @@ def get_config():
     c.data.train.path = ""  # file path or glob (jsonl / parquet); hf: Hub id or local directory
     c.data.train.name = ""  # hf: the dataset's subset (config name; "" = its default)
     c.data.train.revision = ""  # hf: commit, branch or tag of a Hub dataset ("" = default)
+    c.data.train.hf_commit = ""  # set by launch.train: the commit a Hub dataset id resolved to
     c.data.train.prompt_field = "prompt"  # record field holding the prompt
     c.data.train.num = 20000  # arithmetic: records generated
     c.data.train.digits = 2  # arithmetic: digits per operand

@@ -26,6 +26,8 @@ RESUMABLE_CHANGES = (
 # Fields added with Hub ids (models/hub.py, rl/data.py's "hf" sources): a run saved before them
 # resumes while they hold these values (a local checkpoint directory), and data.train.name and
 # revision whatever they hold while data.train.type is not "hf" (they are read by "hf" only).
+# data.train.hf_commit (launch.validate.pin_data) is compared as model.hf_commit is, the revision
+# then free to change; a run saved before it existed resumes unchecked.
 HUB_DEFAULTS = (("model", "revision", ""), ("model", "hf_commit", ""))
 DATA_DEFAULTS = {"name": "", "revision": ""}
 
@@ -97,15 +99,18 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
     for section, field, default in HUB_DEFAULTS:
         if field not in old.get(section, {}) and new.get(section, {}).get(field) == default:
             new = _without(new, section, field)
-    train = new.get("data", {}).get("train", {})
+    train, old_train = new.get("data", {}).get("train", {}), old.get("data", {}).get("train", {})
     for field, default in DATA_DEFAULTS.items():  # only "hf" sources read them
-        if field not in old.get("data", {}).get("train", {}) and (
-            train.get(field) == default or train.get("type") != "hf"
-        ):
+        if field not in old_train and (train.get(field) == default or train.get("type") != "hf"):
             train = _without({"t": train}, "t", field)["t"]
+    if "hf_commit" not in old_train:  # a run from before data commits were pinned: unchecked
+        train = _without({"t": train}, "t", "hf_commit")["t"]
+    elif old_train["hf_commit"]:  # the commit is compared (_check_commit), not the revision
+        train = {**train, "revision": old_train.get("revision")}
     if "data" in new:
         new = {**new, "data": {**new["data"], "train": train}}
     _check_commit(old, new)
+    _check_commit(old, new, "data", "train", "path")
     # f + ".": a section absent from an old run (`log`) matches its prefix ("log.") too
     diff = [f for f in changed_fields(old, new) if not (f + ".").startswith(RESUMABLE_CHANGES)]
     if diff:
@@ -138,18 +143,25 @@ def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:
     return " ".join(flags)
 
 
-def _check_commit(old: dict, new: dict) -> None:
-    """The Hub commit config.model.hf_checkpoint resolved to (launch.validate.pin_model) is the
-    one the run started from: a snapshot that changed under the same id and revision (a moved
-    branch, a re-filled cache) would change the weights under the checkpoints."""
-    was, now = old.get("model", {}).get("hf_commit", ""), new.get("model", {}).get("hf_commit", "")
+def _check_commit(old: dict, new: dict, *where: str) -> None:
+    """The Hub commit that config.model.hf_checkpoint (launch.validate.pin_model), or with
+    `where` ("data", "train", "path") config.data.train.path (pin_data), resolved to is the one
+    the run started from: a snapshot that changed under the same id and revision (a moved
+    branch, a re-filled cache) would change the weights under the checkpoints, or the rows
+    under the data iterator's state."""
+    *section, field = where or ("model", "hf_checkpoint")
+    was, now = (
+        _get(old, ".".join([*section, "hf_commit"])),
+        _get(new, ".".join([*section, "hf_commit"])),
+    )
     if was == now or not was:  # the same snapshot, or a local directory before (compared as such)
         return
-    ref = new.get("model", {}).get("hf_checkpoint")
+    name = ".".join(["config", *section, field])
+    revision = ".".join(["config", *section, "revision"])
     raise UsageError(
-        f"config.model.hf_checkpoint={ref!r} resolves to commit {now or '(a local directory)'}, "
-        f"but this run started from commit {was}; resume with --config.model.revision={was} "
-        "or use a new --workdir"
+        f"{name}={_get(new, '.'.join([*section, field]))!r} resolves to commit "
+        f"{now or '(a local directory)'}, but this run started from commit {was}; resume with "
+        f"--{revision}={was} or use a new --workdir"
     )
 
 

@@ -39,7 +39,7 @@ from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.preemption import Preemption
-from launch.validate import check_isolation, pin_model, prepare_workdir, validate
+from launch.validate import check_isolation, pin_data, pin_model, prepare_workdir, validate
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
@@ -89,6 +89,8 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         print(config)
     if config.model.get("hf_commit"):  # the Hub snapshot the run's weights came from
         summary["hf_commit"] = config.model.hf_commit
+    if config.data.train.get("hf_commit"):  # and the Hub dataset's its prompts came from
+        summary["data_hf_commit"] = config.data.train.hf_commit
     log = RunLogger(workdir, enabled=main_process, config=config)
     if start == 0:
         summary["accuracy_before"] = _evaluate(run, state, eval_records, log, 0)["accuracy"]
@@ -183,6 +185,7 @@ def main(argv=None) -> int:
         check_isolation(config, probe=not opts["dry_run"])
         # a Hub id: resolved (fetched) once, its commit in config.model.hf_commit
         pin_model(config, weights=not opts["dry_run"])
+        pin_data(config)  # a Hub dataset id: its commit in config.data.train.hf_commit
         validate(config, jax.device_count(), runs_code=False)  # the sandbox is probed above
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)

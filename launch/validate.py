@@ -21,10 +21,10 @@ from launch.cli import UsageError, config_json
 from launch.resume_compat import check_resumable
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
-from models.hub import CONFIG_FILES, MODEL_FILES, HubError, resolve
+from models.hub import CONFIG_FILES, MODEL_FILES, HubError, is_local, resolve
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
-from rl.data import SourceError, hub_dataset_dir, load_records, reward_inputs
+from rl.data import SourceError, hub_dataset_dir, load_records, names_files, reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from rl.reward_registry import CODE_REWARDS
@@ -334,7 +334,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
                 _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
                       "pip install -e '.[hub]'")  # fmt: skip
             try:  # a Hub id is fetched now, its one-line errors naming these fields
-                hub_dataset_dir(src.path, src.get("revision", ""), src.get("name") or None,
+                rev = src.get("hf_commit") or src.get("revision", "")  # pin_data's commit
+                hub_dataset_dir(src.path, rev, src.get("name") or None,
                                 field=f"config.data.{split}.path",
                                 revision_field=f"config.data.{split}.revision")  # fmt: skip
                 load_records(src)  # its subset, split and prompt field (datasets caches it)
@@ -392,15 +393,35 @@ def pin_model(c: ml_collections.ConfigDict, weights: bool = True) -> None:
     filled it by then. An error on process 0 is raised on every process. Without `weights`
     (--dry_run) only the config files are fetched."""
     m = c.model
-    if jax.process_count() == 1:
-        m.hf_commit = _resolve_commit(c, m.get("revision", ""), weights)
+    m.hf_commit = _agreed(lambda rev: _resolve_commit(c, rev, weights), m.get("revision", ""))
+
+
+def pin_data(c: ml_collections.ConfigDict) -> None:
+    """pin_model for the training data: an "hf" source's Hub dataset id at data.train.revision
+    has its commit recorded in data.train.hf_commit ("" for local files), read at it from then
+    on, and checked on resume (launch/resume_compat.py): the iterator state indexes the rows,
+    so a branch that moved under a run would change what it trains on."""
+    src = c.data.train
+    if src.type != "hf" or "hf_commit" not in src or not src.path:
+        return  # (validate names an empty path)
+    try:
+        import datasets  # noqa: F401
+    except ImportError:  # validate names the missing library
         return
+    src.hf_commit = _agreed(lambda rev: _dataset_commit(src, rev), src.get("revision", ""))
+
+
+def _agreed(resolve_commit, revision: str) -> str:
+    """resolve_commit(revision) on process 0, then resolve_commit(that commit) on the others
+    (their own caches), "" everywhere for a local path; process 0's UsageError on all."""
+    if jax.process_count() == 1:
+        return resolve_commit(revision)
     from jax.experimental import multihost_utils
 
     message = b""
     if jax.process_index() == 0:
         try:
-            message = b"ok:" + _resolve_commit(c, m.get("revision", ""), weights).encode()
+            message = b"ok:" + resolve_commit(revision).encode()
         except UsageError as e:
             message = b"error:" + str(e).encode()[:1000]
     buf = np.zeros(1024, np.uint8)
@@ -409,7 +430,18 @@ def pin_model(c: ml_collections.ConfigDict, weights: bool = True) -> None:
     if got.startswith("error:"):
         raise UsageError(got[len("error:") :])
     commit = got[len("ok:") :]
-    m.hf_commit = _resolve_commit(c, commit, weights) if commit else ""
+    return resolve_commit(commit) if commit else ""
+
+
+def _dataset_commit(src, revision: str) -> str:
+    if is_local(src.path) or names_files(src.path):
+        return ""  # (validate names a missing file)
+    try:  # the card only: the subset's files are fetched by validate / rl.data at this commit
+        return resolve(src.path, revision, field="config.data.train.path",
+                       revision_field="config.data.train.revision", repo_type="dataset",
+                       allow_patterns=("README.md",))[1]  # fmt: skip
+    except HubError as e:
+        raise UsageError(str(e)) from None
 
 
 def _resolve_commit(c: ml_collections.ConfigDict, revision: str, weights: bool) -> str:

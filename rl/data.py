@@ -162,10 +162,12 @@ def hub_dataset_dir(
     """The local directory of an "hf" source's `path`: the directory itself, or a Hub dataset's
     snapshot in the Hub cache at `revision`, fetched with the files of subset `name` only where
     the dataset card's `configs` name them (`subset_files`), else all its files."""
-    from models.hub import is_local, resolve
+    from models.hub import HubError, is_local, resolve
 
-    if is_local(path) or _data_files(path):
+    if is_local(path) or data_files(path):
         return os.path.expanduser(path)
+    if names_files(path):
+        raise HubError(f"{field}={path!r}: no such data file")  # not a Hub id: a typo'd file
     kw = dict(field=field, revision_field=revision_field, repo_type="dataset")
     card, commit = resolve(path, revision, allow_patterns=("README.md",), **kw)
     return resolve(path, commit, allow_patterns=subset_files(card, name), **kw)[0]
@@ -213,7 +215,13 @@ DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", 
                       ".arrow": "arrow"}  # fmt: skip
 
 
-def _data_files(path: str) -> list[str] | None:
+def names_files(path: str) -> bool:
+    """Whether an "hf" source's path is meant as data files (a glob, or a data file's
+    extension), whether or not they exist: such a path is never taken for a Hub id."""
+    return glob.has_magic(path) or os.path.splitext(path)[1].lower() in DATA_FILE_BUILDERS
+
+
+def data_files(path: str) -> list[str] | None:
     """The files of an "hf" source's path that names data files (a file or a glob), else None."""
     path = os.path.expanduser(path)
     if glob.has_magic(path):
@@ -249,7 +257,7 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
     split = str(_cfg_get(source_cfg, "split", "train"))
     where = f"{path}" + (f" (subset {name})" if name else "")
     local = os.path.expanduser(path)
-    files = _data_files(path)
+    files = data_files(path)
     if os.path.isfile(os.path.join(local, "dataset_dict.json")) or os.path.isfile(
         os.path.join(local, "state.json")
     ):  # a save_to_disk directory (a DatasetDict or a Dataset)
@@ -268,7 +276,8 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         _check_prompt_field(datasets, args, split, prompt_field, where)
         ds = datasets.load_dataset(*args[0], split=split, **args[1])
     else:  # a directory of data files, or a Hub dataset id (fetched into the Hub cache)
-        directory = hub_dataset_dir(path, str(_cfg_get(source_cfg, "revision", "")), name)
+        revision = _cfg_get(source_cfg, "hf_commit", "") or _cfg_get(source_cfg, "revision", "")
+        directory = hub_dataset_dir(path, str(revision), name)
         try:  # the subset and split are checked before any split is generated
             builder = datasets.load_dataset_builder(directory, name)
         except ValueError as e:  # an unknown or missing subset

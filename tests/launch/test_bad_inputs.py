@@ -98,8 +98,9 @@ def hub_partial(monkeypatch):
 
 def parquet_rows(monkeypatch):
     """data/train.parquet: two arithmetic rows (prompt, answer); datasets' Arrow cache beside the
-    working directory (not in it: the case must change nothing there)."""
-    import datasets.config
+    working directory (not in it: the case must change nothing there). Skipped without the
+    `hub` extra (datasets)."""
+    datasets = pytest.importorskip("datasets")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -191,6 +192,7 @@ CATALOGUE = [
     Case("hub-revision-missing", "`--config.model.hf_checkpoint=org/tiny --config.model.revision=v9`, offline, the cache holding `main` only", "config.model.revision='v9': no snapshot of org/tiny for it in the Hub cache (cached refs: ['main']; HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/tiny", "--config.model.revision=v9"], hub_cache),
     Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
     Case("hub-snapshot-no-weights", "`--config.model.hf_checkpoint=org/partial`, offline, the cache holding its config files only (what a `--dry_run` fetched)", "config.model.hf_checkpoint='org/partial': the snapshot 1111111111111111111111111111111111111111 has no *.safetensors weights in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE", EIGHT + ["--config.model.hf_checkpoint=org/partial"], hub_partial),
+    Case("hf-data-file-missing", "`--config.data.train.type=hf --config.data.train.path=data/tain.parquet` (a typo)", "config.data.train.path='data/tain.parquet': no such data file", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/tain.parquet"], parquet_rows),
     Case("hf-data-split-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.split=validation`, data/ holding train.parquet", "config.data.train.split='validation': no such split of data (it has ['train'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.split=validation"], parquet_rows),
     Case("hf-data-subset-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.name=main`, data/ without subsets", "config.data.train.name='main': data: BuilderConfig 'main' not found. Available: ['default']", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.name=main"], parquet_rows),
     Case("hf-data-no-prompt-field", "`--config.data.train.type=hf --config.data.train.path=data/train.parquet --config.data.train.prompt_field=question`, a file without that column", "config.data.train.prompt_field='question': no such column in data/train.parquet split 'train' (columns: ['answer', 'prompt'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/train.parquet", "--config.data.train.prompt_field=question"], parquet_rows),

@@ -260,6 +260,7 @@ def test_readme_commands_by_hub_id(hub, capsys, monkeypatch):
     summary = json.load(open(os.path.join(workdir, "summary.json")))
     assert config["model"]["hf_checkpoint"] == MODEL and config["model"]["hf_commit"] == A
     assert config["data"]["train"]["path"] == DATASET and summary["hf_commit"] == A
+    assert config["data"]["train"]["hf_commit"] == D and summary["data_hf_commit"] == D
     assert summary["steps"] == 2
     # launch.eval printed its JSON, launch.export wrote the checkpoint, generate its samples
     assert json.loads(out.strip().splitlines()[-2])["step"] == 2
@@ -405,3 +406,45 @@ def test_an_old_gsm8k_run_is_told_the_flags_that_resume_it():
                        r"--workdir, or resume with the saved values: --config.data.train.type="
                        r"jsonl$"):  # fmt: skip
         check_resumable(old, config_json(parse_args(gsm8k + flags[:1] + flags[2:], {})[0]))
+
+
+def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
+    """launch.validate.pin_data records the commit openai/gsm8k resolved to in
+    data.train.hf_commit and the source is read at it; once `main` points at another commit a
+    resume is refused in one line naming data.train.path and both commits, and resumes with
+    --config.data.train.revision=<the old commit>. A local source pins nothing."""
+    from launch.cli import UsageError, config_json, parse_args
+    from launch.resume_compat import check_resumable
+    from launch.validate import pin_data
+    from rl.data import load_records
+
+    argv = ["--config", os.path.join(ROOT, "configs", "qwen2_5_0_5b_gsm8k.py")]
+    config = parse_args(argv, {})[0]
+    pin_data(config)
+    assert config.data.train.hf_commit == D
+    saved, rows = config_json(config), list(load_records(config.data.train))
+    other = hashlib.sha1(b"D2").hexdigest()
+    gsm8k = os.path.join(str(hub), "gsm8k")
+    add_directory(os.environ["HF_HUB_CACHE"], DATASET, gsm8k, other, repo_type="dataset")
+    try:
+        moved = parse_args(argv, {})[0]
+        pin_data(moved)
+        assert moved.data.train.hf_commit == other
+        with pytest.raises(UsageError) as e:
+            check_resumable(saved, config_json(moved))
+        assert str(e.value) == (
+            f"config.data.train.path='{DATASET}' resolves to commit {other}, but this run "
+            f"started from commit {D}; resume with --config.data.train.revision={D} or use a "
+            "new --workdir"
+        )
+        pinned = parse_args(argv + [f"--config.data.train.revision={D}"], {})[0]
+        pin_data(pinned)
+        check_resumable(saved, config_json(pinned))
+        assert list(load_records(pinned.data.train)) == rows
+    finally:
+        add_snapshot(
+            os.environ["HF_HUB_CACHE"], DATASET, {}, D, refs=("main",), repo_type="dataset"
+        )
+    local = parse_args(argv + ["--config.data.train.path=" + gsm8k], {})[0]
+    pin_data(local)
+    assert local.data.train.hf_commit == ""
