@@ -6,7 +6,11 @@
         --image_template 'swebench/sweb.eval.x86_64.{docker_id}:latest'   # image tasks
 
 The second form converts SWE-Gym / SWE-smith / R2E-Gym rows whose repositories are checked out
-locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`).
+locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`). The rows are a
+jsonl file or a `datasets` dataset: a Hub dataset id read as rl/data.py reads an "hf" source
+(`--from_rows SWE-Gym/SWE-Gym --split train [--name SUBSET --revision COMMIT]`; HF_HUB_OFFLINE=1
+reads the Hub cache), a save_to_disk directory, a directory of data files or a parquet file. A
+bad id, subset, split or revision stops with one line naming the flag.
 
 Each task is a directory DIR/repos/<id> (or a DIR/repos/<id>.tar.gz snapshot with --tar) holding a
 package of two modules and their tests (`tests/test_<module>.py`, plain pytest functions), and one
@@ -31,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tarfile
 import textwrap
 
@@ -366,13 +371,22 @@ def make_tasks(out: str, num: int, seed: int = 0, tar: bool = False) -> list[dic
     return rows
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output directory (repos/ and tasks.jsonl)")
     p.add_argument("--num", type=int, default=64, help="tasks to generate")
     p.add_argument("--seed", type=int, default=0, help="generator seed")
     p.add_argument("--tar", action="store_true", help="write .tar.gz snapshots, not directories")
-    p.add_argument("--from_rows", help="convert SWE-Gym/SWE-smith/R2E-Gym jsonl rows instead")
+    p.add_argument(
+        "--from_rows",
+        help="convert SWE-Gym/SWE-smith/R2E-Gym rows instead: a jsonl file, a Hub dataset id "
+        "(SWE-Gym/SWE-Gym), a save_to_disk directory, a directory of data files or a parquet file",
+    )
+    p.add_argument("--name", default="", help="with a --from_rows dataset: its subset")
+    p.add_argument("--split", default="train", help="with a --from_rows dataset: its split")
+    p.add_argument(
+        "--revision", default="", help="with a --from_rows Hub id: a commit, branch or tag"
+    )
     p.add_argument("--repos", help="with --from_rows: directory of checkouts <instance_id>/")
     p.add_argument("--images_dir", help="with --from_rows: unpacked images (launch.images unpack)")
     p.add_argument(
@@ -381,23 +395,31 @@ def main(argv=None) -> None:
         "swebench/sweb.eval.x86_64.{docker_id}:latest (rl/envs/repo_tasks.py)",
     )
     a = p.parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
     if a.from_rows:
-        from rl.envs.repo_tasks import convert_rows
+        from launch.cli import fail
+        from rl.envs.repo_tasks import RowsError, convert_rows, read_rows
 
-        with open(a.from_rows) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        try:
+            rows, commit = read_rows(a.from_rows, name=a.name or None, split=a.split,
+                                     revision=a.revision)  # fmt: skip
+        except RowsError as e:
+            return fail(str(e))
+        os.makedirs(a.out, exist_ok=True)
         records, skipped = convert_rows(rows, a.repos, a.images_dir, a.image_template)
         with open(os.path.join(a.out, "tasks.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         for reason in skipped[:10]:
             print(f"skipped {reason}")
-        print(f"wrote {len(records)} of {len(rows)} rows to {os.path.join(a.out, 'tasks.jsonl')}")
-        return
+        at = f" ({a.from_rows} at commit {commit})" if commit else ""
+        print(f"wrote {len(records)} of {len(rows)} rows to {os.path.join(a.out, 'tasks.jsonl')}"
+              + at)  # fmt: skip
+        return 0
+    os.makedirs(a.out, exist_ok=True)
     rows = make_tasks(a.out, a.num, a.seed, a.tar)
     kinds = {k: sum(r["bug"] == k for r in rows) for k in KINDS}
     print(f"wrote {len(rows)} tasks to {os.path.join(a.out, 'tasks.jsonl')}: {kinds}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -31,20 +31,37 @@ shell command run once per workspace, e.g. `pip install -e . --no-deps`; the san
 network) passes through when the row has it. A row's `test_cmd` is not carried over: the
 environment grades FAIL_TO_PASS / PASS_TO_PASS with pytest and refuses a record that sets
 `test_cmd` (rl.envs.repo.check_record).
+
+Where the rows come from (`read_rows`): a jsonl file, read line by line as today; anything else
+is an "hf" data source of rl/data.py, resolved by its code: a Hub dataset id
+(`SWE-Gym/SWE-Gym`, with subset `name`, `split` and `revision`; fetched into the Hub cache,
+HF_HUB_OFFLINE=1 reading the cache alone), a `save_to_disk` directory, a directory of data
+files, or a parquet / json / csv file or glob. A local directory whose path reads like an id
+(`./SWE-Gym/SWE-Gym` under the working directory) is read, not the Hub id: rl/data.py's rule.
+A bad id, revision, subset or split, or a dataset without an `instance_id` column, is one line
+naming the flag (`HubError` / `RowsError`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 
-def _ids(row: dict, key: str) -> list[str]:
-    value = row.get(key, row.get(key.lower(), []))
+def _ids(row: dict, key: str, required: bool = False) -> list[str]:
+    value = row.get(key, row.get(key.lower()))
+    if value is None:  # (a column a dataset's other rows have is None in this one)
+        if required:
+            raise ValueError(f"{row['instance_id']}: no {key}")
+        return []
     if isinstance(value, str):
-        value = json.loads(value) if value.strip() else []
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{row['instance_id']}: {key} is not a JSON list ({e})") from None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{row.get('instance_id')}: {key} must be a list of test ids")
+        raise ValueError(f"{row['instance_id']}: {key} must be a list of test ids")
     return value
 
 
@@ -98,8 +115,12 @@ def _image_record(row, iid, f2p, p2p, name, images_dir) -> dict:
 def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None = None,
                  image_template: str | None = None) -> dict:  # fmt: skip
     """The `repo` environment's record of one SWE-style row (module docstring)."""
-    iid = row["instance_id"]
-    f2p, p2p = _ids(row, "FAIL_TO_PASS"), _ids(row, "PASS_TO_PASS")
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be an object, got {type(row).__name__}")
+    iid = row.get("instance_id")
+    if not isinstance(iid, str) or not iid:
+        raise ValueError(f"no instance_id (got {iid!r})")
+    f2p, p2p = _ids(row, "FAIL_TO_PASS", required=True), _ids(row, "PASS_TO_PASS")
     if not f2p:
         raise ValueError(f"{iid}: FAIL_TO_PASS is empty")
     for node in f2p + p2p:
@@ -123,11 +144,70 @@ def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None
 
 def convert_rows(rows, repos_dir: str | None = None, images_dir: str | None = None,
                  image_template: str | None = None) -> tuple[list[dict], list[str]]:  # fmt: skip
-    """(records, reasons): the rows that convert, and why each of the others did not."""
+    """(records, reasons): the rows that convert, and why each of the others did not (a row
+    without an instance id named by its number, from 1)."""
     records, skipped = [], []
-    for row in rows:
+    for n, row in enumerate(rows, 1):
         try:
             records.append(from_swe_row(row, repos_dir, images_dir, image_template))
-        except (ValueError, KeyError, json.JSONDecodeError) as err:
-            skipped.append(str(err))
+        except (ValueError, KeyError) as err:
+            iid = row.get("instance_id") if isinstance(row, dict) else None
+            reason = str(err) if isinstance(err, ValueError) else f"no {err}"
+            skipped.append(reason if isinstance(iid, str) and iid else f"row {n}: {reason}")
     return records, skipped
+
+
+class RowsError(ValueError):
+    """Rows that cannot be read at all: one line naming the flag (`read_rows`' `flags`)."""
+
+
+FLAGS = {"path": "--from_rows", "name": "--name", "split": "--split", "revision": "--revision"}
+
+
+def read_rows(path: str, *, name: str | None = None, split: str = "train", revision: str = "",
+              flags: dict | None = None) -> tuple[Sequence[dict], str]:  # fmt: skip
+    """(rows, commit) of SWE-style rows at `path` (module docstring): a jsonl file's lines as
+    dicts, or an "hf" source's rows read by rl/data.py (`HFRecords`, random access, no copy),
+    and the Hub commit they were read at ("" for local files). Raises RowsError (one line naming
+    `flags`' flag of the bad path, subset, split or revision)."""
+    from models.hub import HubError
+    from rl.data import SourceError, hub_dataset_dir, load_records, read_jsonl
+
+    flag = {**FLAGS, **(flags or {})}
+    path = os.fspath(path)
+    if path.endswith(".jsonl") and os.path.isfile(os.path.expanduser(path)):
+        if name or revision or split != "train":
+            raise RowsError(f"{flag['path']}={path!r}: a jsonl file has no subset, split or "
+                            f"revision ({flag['name']}, {flag['split']}, {flag['revision']})")  # fmt: skip
+        try:
+            return [row for _, row in read_jsonl(os.path.expanduser(path))], ""
+        except ValueError as e:  # path:line: not valid JSON / not UTF-8
+            raise RowsError(f"{flag['path']}: {e}") from None
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise RowsError(f"{flag['path']}={path!r}: reading rows other than jsonl needs the "
+                        "datasets library: pip install -e '.[hub]'") from None  # fmt: skip
+    try:  # the Hub id resolved once, by rl/data.py's code, its errors naming our flags
+        directory = hub_dataset_dir(path, revision, name, field=flag["path"],
+                                    revision_field=flag["revision"])  # fmt: skip
+    except HubError as e:
+        raise RowsError(str(e)) from None
+    hub = directory != os.path.expanduser(path)  # (local paths come back as they are)
+    commit = os.path.basename(os.path.normpath(directory)) if hub else ""  # snapshots/<commit>
+    source = {"type": "hf", "path": path, "name": name or "", "split": split,
+              "revision": revision, "hf_commit": commit, "prompt_field": "instance_id"}  # fmt: skip
+    try:
+        rows = load_records(source)
+    except SourceError as e:
+        if e.field == "prompt_field":  # the column the rows are checked for
+            what = str(e).split(": ", 1)[1].replace("no such column", "no 'instance_id' column")
+            raise RowsError(f"{flag['path']}={path!r}: {what}") from None
+        raise RowsError(f"{flag.get(e.field, e.field)}{str(e)[len(e.field) :]}") from None
+    except (ValueError, OSError) as e:  # no such file, an empty dataset, an unreadable one
+        raise RowsError(f"{flag['path']}={path!r}: {' '.join(str(e).split())[:300]}") from None
+    columns = rows.dataset.column_names
+    if not {"FAIL_TO_PASS", "fail_to_pass"} & set(columns):
+        raise RowsError(f"{flag['path']}={path!r}: no FAIL_TO_PASS column (columns: "
+                        f"{sorted(columns)})")  # fmt: skip
+    return rows, commit

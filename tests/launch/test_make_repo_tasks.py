@@ -144,3 +144,117 @@ def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
             assert reward == float(fixed) and ep.metrics["pass_to_pass_frac"] == 1.0
     finally:
         env.shutdown()
+
+
+SWE_GYM_CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*
+---
+"""
+
+
+def test_rows_from_a_hub_dataset_convert_as_the_jsonl_rows(tmp_path, monkeypatch, capsys):
+    """--from_rows takes a Hub dataset id (offline, from a Hub cache in huggingface_hub's layout),
+    a save_to_disk directory or a parquet file as well as jsonl: SWE-Gym-format rows (JSON-string
+    test lists, repo + base_commit, a checkout under --repos) give the same records and the same
+    skip reasons as the jsonl rows; --revision picks a snapshot; a bad id, revision, split, subset
+    or a dataset without instance_id / FAIL_TO_PASS is one line naming the flag."""
+    import hashlib
+    import shutil
+
+    datasets = pytest.importorskip("datasets")
+    from tests.hub_cache import add_directory, offline_hub
+
+    gen = tmp_path / "gen"
+    main(["--out", str(gen), "--num", "2", "--seed", "5"])
+    capsys.readouterr()
+    tasks = [json.loads(x) for x in open(gen / "tasks.jsonl")]
+    checkouts = tmp_path / "checkouts"
+    for i, task in enumerate(tasks):
+        shutil.copytree(task["repo"], checkouts / f"org__pkg-{i}")
+    rows = [{"instance_id": f"org__pkg-{i}", "repo": "org/pkg", "base_commit": f"{i:040x}",
+             "problem_statement": t["problem"], "FAIL_TO_PASS": json.dumps(t["fail_to_pass"]),
+             "PASS_TO_PASS": json.dumps(t["pass_to_pass"]), "version": "1.0"}
+            for i, t in enumerate(tasks)]  # fmt: skip
+    rows += [
+        {**rows[0], "instance_id": "org__pkg-9"},  # no checkout
+        {**rows[1], "instance_id": "org__pkg-1b", "FAIL_TO_PASS": None},  # (null in Arrow)
+        {**rows[1], "instance_id": None},
+        {**rows[1], "instance_id": "org__pkg-1c", "PASS_TO_PASS": "[not json"},
+    ]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+                             for r in rows))  # fmt: skip
+    repo = tmp_path / "swe_gym"  # SWE-Gym/SWE-Gym's layout: a card, data/train-*.parquet
+    (repo / "data").mkdir(parents=True)
+    (repo / "README.md").write_text(SWE_GYM_CARD)
+    datasets.Dataset.from_list(rows).to_parquet(str(repo / "data/train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    cache, (c1, c0) = tmp_path / "hub", (hashlib.sha1(x).hexdigest() for x in (b"1", b"0"))
+    add_directory(cache, "SWE-Gym/SWE-Gym", repo, c1, refs=("main",), repo_type="dataset")
+    datasets.Dataset.from_list(rows[:1]).to_parquet(str(repo / "data/train-00000-of-00001.parquet"))
+    add_directory(cache, "SWE-Gym/SWE-Gym", repo, c0, refs=("v0",), repo_type="dataset")
+    offline_hub(monkeypatch, cache)
+
+    def convert(*flags):
+        out = tmp_path / f"out{len(os.listdir(tmp_path))}"
+        assert main(["--out", str(out), "--repos", str(checkouts), "--from_rows", *flags]) == 0
+        printed = capsys.readouterr().out.replace(str(out), "OUT").splitlines()
+        return [json.loads(x) for x in open(out / "tasks.jsonl")], printed
+
+    want, printed = convert(str(jsonl))
+    assert [r["instance_id"] for r in want] == ["org__pkg-0", "org__pkg-1"]
+    assert want[0] == {
+        "instance_id": "org__pkg-0", "repo": str(checkouts / "org__pkg-0"),
+        "problem": tasks[0]["problem"], "fail_to_pass": tasks[0]["fail_to_pass"],
+        "pass_to_pass": tasks[0]["pass_to_pass"], "setup": "",
+    }  # fmt: skip
+    assert printed[:-1] == [
+        f"skipped org__pkg-9: no local checkout (looked for repo_path, {checkouts}/org__pkg-9"
+        "[.tar.gz] and repo='org/pkg')",
+        "skipped org__pkg-1b: no FAIL_TO_PASS",
+        "skipped row 5: no instance_id (got None)",
+        "skipped org__pkg-1c: PASS_TO_PASS is not a JSON list (Expecting value: line 1 column 2 "
+        "(char 1))",
+    ]
+    assert printed[-1] == "wrote 2 of 6 rows to OUT/tasks.jsonl"
+    parquet = str(repo / "../hub_file.parquet")
+    shutil.copy(os.path.join(cache, "datasets--SWE-Gym--SWE-Gym", "snapshots", c1,
+                             "data/train-00000-of-00001.parquet"), parquet)  # fmt: skip
+    for flags in (["SWE-Gym/SWE-Gym"], ["SWE-Gym/SWE-Gym", "--split", "train", "--revision",
+                  "main"], [str(tmp_path / "saved")], [parquet]):  # fmt: skip
+        got, said = convert(*flags)
+        assert got == want and said[:-1] == printed[:-1], flags
+        at = f" (SWE-Gym/SWE-Gym at commit {c1})" if "SWE-Gym/SWE-Gym" in flags else ""
+        assert said[-1] == printed[-1] + at, said[-1]
+    assert convert("SWE-Gym/SWE-Gym", "--revision", "v0")[0] == want[:1]
+    assert convert("SWE-Gym/SWE-Gym", "--revision", c0)[1][-1].endswith(f"at commit {c0})")
+
+    datasets.Dataset.from_list([{"question": "q"}]).save_to_disk(str(tmp_path / "gsm"))
+    datasets.Dataset.from_list([{"instance_id": "x"}]).save_to_disk(str(tmp_path / "no_f2p"))
+    refused = [
+        (["SWE-Gym/nope"], f"--from_rows='SWE-Gym/nope': not a local directory, and not in the "
+         f"Hub cache {cache} (HF_HUB_OFFLINE=1)"),
+        (["SWE-Gym/SWE-Gym", "--revision", "v9"], "--revision='v9': no snapshot of "
+         "SWE-Gym/SWE-Gym for it in the Hub cache (cached refs: ['main', 'v0']; HF_HUB_OFFLINE=1)"),
+        (["SWE-Gym/SWE-Gym", "--split", "test"], "--split='test': no such split of "
+         "SWE-Gym/SWE-Gym (it has ['train'])"),
+        (["SWE-Gym/SWE-Gym", "--name", "lite"], "--name='lite': SWE-Gym/SWE-Gym: BuilderConfig "
+         "'lite' not found. Available: ['default']"),
+        ([str(tmp_path / "gsm")], f"--from_rows='{tmp_path}/gsm': no 'instance_id' column in "
+         f"{tmp_path}/gsm split 'train' (columns: ['question'])"),
+        ([str(tmp_path / "no_f2p")], f"--from_rows='{tmp_path}/no_f2p': no FAIL_TO_PASS column "
+         "(columns: ['instance_id'])"),
+        ([str(tmp_path / "rows.parquet")], f"--from_rows='{tmp_path}/rows.parquet': no such "
+         "data file"),
+        ([str(jsonl), "--split", "test"], f"--from_rows='{jsonl}': a jsonl file has no subset, "
+         "split or revision (--name, --split, --revision)"),
+    ]  # fmt: skip
+    capsys.readouterr()
+    for flags, message in refused:
+        assert main(["--out", str(tmp_path / "bad"), "--from_rows", *flags]) == 2, flags
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "bad").exists()
