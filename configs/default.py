@@ -87,6 +87,7 @@ def get_config():
     c.data.eval.path = ""
     c.data.eval.name = ""
     c.data.eval.revision = ""
+    c.data.eval.hf_commit = ""  # set by launch.train: what launch.eval reads the rows at
     c.data.eval.prompt_field = "prompt"
     c.data.eval.num = 200  # held-out prompts per evaluation
     c.data.eval.digits = 2

@@ -21,7 +21,7 @@ from launch.cli import UsageError, config_json
 from launch.resume_compat import check_resumable
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
-from models.hub import CONFIG_FILES, MODEL_FILES, HubError, is_local, resolve
+from models.hub import CONFIG_FILES, MODEL_FILES, HubError, is_local, resolve, shadowing
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import SourceError, hub_dataset_dir, load_records, names_files, reward_inputs
@@ -319,7 +319,7 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
         _need(c[field] >= 0, field, c[field], "must be >= 0")
     path = model_dir(c, weights=False)
     _need(os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint",
-          c.model.hf_checkpoint, "has no config.json")  # fmt: skip
+          c.model.hf_checkpoint, "has no config.json" + shadowing(c.model.hf_checkpoint))  # fmt: skip
     for split in ("train", "eval"):
         src = c.data[split]
         if src.type in ("jsonl", "parquet"):
@@ -342,7 +342,7 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
             except HubError as e:
                 raise UsageError(str(e)) from None
             except SourceError as e:  # "split='x': ..." -> config.data.train.split='x': ...
-                raise UsageError(f"config.data.{split}.{e}") from None
+                raise UsageError(f"config.data.{split}.{e}{shadowing(src.path)}") from None
             except (ValueError, OSError):  # an empty or unreadable dataset: launch.train.prepare
                 pass  # reports it, as it does a jsonl file's
         else:
@@ -357,7 +357,8 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     try:
         vocab = config_from_hf(path).vocab_size
     except CheckpointError as e:
-        raise UsageError(f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}") from None
+        raise UsageError(f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}"
+                         + shadowing(c.model.hf_checkpoint)) from None  # fmt: skip
     stops = c.sampling.stop_ids
     _need(all(isinstance(i, int) and 0 <= i < vocab for i in stops), "sampling.stop_ids", stops,
           f"must be token ids in [0, {vocab}) (the checkpoint's vocabulary)")  # fmt: skip
@@ -397,18 +398,22 @@ def pin_model(c: ml_collections.ConfigDict, weights: bool = True) -> None:
 
 
 def pin_data(c: ml_collections.ConfigDict) -> None:
-    """pin_model for the training data: an "hf" source's Hub dataset id at data.train.revision
-    has its commit recorded in data.train.hf_commit ("" for local files), read at it from then
-    on, and checked on resume (launch/resume_compat.py): the iterator state indexes the rows,
-    so a branch that moved under a run would change what it trains on."""
-    src = c.data.train
-    if src.type != "hf" or "hf_commit" not in src or not src.path:
-        return  # (validate names an empty path)
+    """pin_model for the data: an "hf" source's Hub dataset id at data.<split>.revision has its
+    commit recorded in data.<split>.hf_commit ("" for local files), and is read at it from then
+    on. The training data's is checked on resume (launch/resume_compat.py): the iterator state
+    indexes the rows, so a branch that moved under a run would change what it trains on. The
+    eval data's lets launch.eval read the rows the run evaluated; data.eval may change on resume
+    (its commit then recorded anew)."""
     try:
         import datasets  # noqa: F401
     except ImportError:  # validate names the missing library
         return
-    src.hf_commit = _agreed(lambda rev: _dataset_commit(src, rev), src.get("revision", ""))
+    for split in ("train", "eval"):
+        src = c.data[split]
+        if src.type != "hf" or "hf_commit" not in src or not src.path:
+            continue  # (validate names an empty path)
+        src.hf_commit = _agreed(lambda rev, s=src, n=split: _dataset_commit(s, rev, n),
+                                src.get("revision", ""))  # fmt: skip
 
 
 def _agreed(resolve_commit, revision: str) -> str:
@@ -433,12 +438,12 @@ def _agreed(resolve_commit, revision: str) -> str:
     return resolve_commit(commit) if commit else ""
 
 
-def _dataset_commit(src, revision: str) -> str:
+def _dataset_commit(src, revision: str, split: str = "train") -> str:
     if is_local(src.path) or names_files(src.path):
         return ""  # (validate names a missing file)
     try:  # the card only: the subset's files are fetched by validate / rl.data at this commit
-        return resolve(src.path, revision, field="config.data.train.path",
-                       revision_field="config.data.train.revision", repo_type="dataset",
+        return resolve(src.path, revision, field=f"config.data.{split}.path",
+                       revision_field=f"config.data.{split}.revision", repo_type="dataset",
                        allow_patterns=("README.md",))[1]  # fmt: skip
     except HubError as e:
         raise UsageError(str(e)) from None

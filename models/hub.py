@@ -37,6 +37,19 @@ def is_local(path: str) -> bool:
     return os.path.isdir(os.path.expanduser(os.fspath(path)))
 
 
+def shadowing(path) -> str:
+    """For an error message: " (...)" saying that `path`, spelled like a Hub id ("org/name"),
+    was read as the local directory of that name, which comes first (as transformers'
+    from_pretrained and datasets' load_dataset take it); "" for any other path."""
+    path = os.fspath(path)
+    if "/" not in path or path.startswith((".", "/", "~")) or not _REPO_ID.match(path):
+        return ""
+    if not is_local(path):
+        return ""
+    return (f" ({path} is the local directory {os.path.abspath(path)}, read before the Hub id "
+            f"of that spelling: move it, or run elsewhere, to use the Hub's)")  # fmt: skip
+
+
 def resolve(
     path: str,
     revision: str = "",

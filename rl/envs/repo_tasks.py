@@ -170,7 +170,7 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
     dicts, or an "hf" source's rows read by rl/data.py (`HFRecords`, random access, no copy),
     and the Hub commit they were read at ("" for local files). Raises RowsError (one line naming
     `flags`' flag of the bad path, subset, split or revision)."""
-    from models.hub import HubError
+    from models.hub import HubError, shadowing
     from rl.data import SourceError, hub_dataset_dir, load_records, read_jsonl
 
     flag = {**FLAGS, **(flags or {})}
@@ -197,17 +197,19 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
     commit = os.path.basename(os.path.normpath(directory)) if hub else ""  # snapshots/<commit>
     source = {"type": "hf", "path": path, "name": name or "", "split": split,
               "revision": revision, "hf_commit": commit, "prompt_field": "instance_id"}  # fmt: skip
+    local = "" if hub else shadowing(path)  # an "org/name" that is a local directory here
     try:
         rows = load_records(source)
     except SourceError as e:
         if e.field == "prompt_field":  # the column the rows are checked for
             what = str(e).split(": ", 1)[1].replace("no such column", "no 'instance_id' column")
-            raise RowsError(f"{flag['path']}={path!r}: {what}") from None
-        raise RowsError(f"{flag.get(e.field, e.field)}{str(e)[len(e.field) :]}") from None
+            raise RowsError(f"{flag['path']}={path!r}: {what}{local}") from None
+        raise RowsError(f"{flag.get(e.field, e.field)}{str(e)[len(e.field) :]}{local}") from None
     except (ValueError, OSError) as e:  # no such file, an empty dataset, an unreadable one
-        raise RowsError(f"{flag['path']}={path!r}: {' '.join(str(e).split())[:300]}") from None
+        what = " ".join(str(e).split())[:300]
+        raise RowsError(f"{flag['path']}={path!r}: {what}{local}") from None
     columns = rows.dataset.column_names
     if not {"FAIL_TO_PASS", "fail_to_pass"} & set(columns):
         raise RowsError(f"{flag['path']}={path!r}: no FAIL_TO_PASS column (columns: "
-                        f"{sorted(columns)})")  # fmt: skip
+                        f"{sorted(columns)}){local}")  # fmt: skip
     return rows, commit

@@ -96,6 +96,12 @@ def hub_partial(monkeypatch):
     add_snapshot(os.path.abspath("hub"), "org/partial", files, "1" * 40)
 
 
+def shadowed(monkeypatch):
+    """hub_cache, and an empty directory org/tiny here: a local directory spelled like the id."""
+    hub_cache(monkeypatch)
+    os.makedirs(os.path.join("org", "tiny"))
+
+
 def parquet_rows(monkeypatch):
     """data/train.parquet: two arithmetic rows (prompt, answer); datasets' Arrow cache beside the
     working directory (not in it: the case must change nothing there). Skipped without the
@@ -190,6 +196,7 @@ CATALOGUE = [
     Case("checkpoint-missing", "`--config.model.hf_checkpoint=/nope`", "config.model.hf_checkpoint='/nope': not a local directory, nor a Hub repo id ('org/name')", EIGHT + ["--config.model.hf_checkpoint=/nope"]),
     Case("hub-id-missing", "`--config.model.hf_checkpoint=org/missing`, offline (`HF_HUB_OFFLINE=1`), not in the Hub cache", "config.model.hf_checkpoint='org/missing': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/missing"], hub_cache),
     Case("hub-revision-missing", "`--config.model.hf_checkpoint=org/tiny --config.model.revision=v9`, offline, the cache holding `main` only", "config.model.revision='v9': no snapshot of org/tiny for it in the Hub cache (cached refs: ['main']; HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/tiny", "--config.model.revision=v9"], hub_cache),
+    Case("hub-id-shadowed", "`--config.model.hf_checkpoint=org/tiny`, an empty directory org/tiny in the working directory (the Hub cache holding org/tiny)", "config.model.hf_checkpoint='org/tiny': has no config.json (org/tiny is the local directory <cwd>/org/tiny, read before the Hub id of that spelling: move it, or run elsewhere, to use the Hub's)", EIGHT + ["--config.model.hf_checkpoint=org/tiny"], shadowed),
     Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
     Case("hub-snapshot-no-weights", "`--config.model.hf_checkpoint=org/partial`, offline, the cache holding its config files only (what a `--dry_run` fetched)", "config.model.hf_checkpoint='org/partial': the snapshot 1111111111111111111111111111111111111111 has no *.safetensors weights in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE", EIGHT + ["--config.model.hf_checkpoint=org/partial"], hub_partial),
     Case("hf-data-file-missing", "`--config.data.train.type=hf --config.data.train.path=data/tain.parquet` (a typo)", "config.data.train.path='data/tain.parquet': no such data file", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/tain.parquet"], parquet_rows),

@@ -261,6 +261,7 @@ def test_readme_commands_by_hub_id(hub, capsys, monkeypatch):
     assert config["model"]["hf_checkpoint"] == MODEL and config["model"]["hf_commit"] == A
     assert config["data"]["train"]["path"] == DATASET and summary["hf_commit"] == A
     assert config["data"]["train"]["hf_commit"] == D and summary["data_hf_commit"] == D
+    assert config["data"]["eval"]["hf_commit"] == D  # what launch.eval reads the rows at
     assert summary["steps"] == 2
     # launch.eval printed its JSON, launch.export wrote the checkpoint, generate its samples
     assert json.loads(out.strip().splitlines()[-2])["step"] == 2
@@ -410,26 +411,33 @@ def test_an_old_gsm8k_run_is_told_the_flags_that_resume_it():
 
 def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
     """launch.validate.pin_data records the commit openai/gsm8k resolved to in
-    data.train.hf_commit and the source is read at it; once `main` points at another commit a
-    resume is refused in one line naming data.train.path and both commits, and resumes with
-    --config.data.train.revision=<the old commit>. A local source pins nothing."""
+    data.train.hf_commit and data.eval.hf_commit and the sources are read at them; once `main`
+    points at another commit (its rows reversed) a resume is refused in one line naming
+    data.train.path and both commits, and resumes with --config.data.train.revision=<the old
+    commit> on the old rows; the eval source (it may change on resume) is still read at the
+    recorded commit, what launch.eval reads. A local source pins nothing."""
     from launch.cli import UsageError, config_json, parse_args
     from launch.resume_compat import check_resumable
     from launch.validate import pin_data
     from rl.data import load_records
+    from tests.launch.test_real_configs import DATA
 
     argv = ["--config", os.path.join(ROOT, "configs", "qwen2_5_0_5b_gsm8k.py")]
     config = parse_args(argv, {})[0]
     pin_data(config)
-    assert config.data.train.hf_commit == D
+    assert config.data.train.hf_commit == config.data.eval.hf_commit == D
     saved, rows = config_json(config), list(load_records(config.data.train))
+    eval_rows = list(load_records(config.data.eval))
+    assert rows == eval_rows == DATA and len(DATA) > 1
     other = hashlib.sha1(b"D2").hexdigest()
-    gsm8k = os.path.join(str(hub), "gsm8k")
-    add_directory(os.environ["HF_HUB_CACHE"], DATASET, gsm8k, other, repo_type="dataset")
+    moved_dir = os.path.join(str(hub), "gsm8k_moved")
+    gsm8k_repo(moved_dir, DATA[::-1])
+    add_directory(os.environ["HF_HUB_CACHE"], DATASET, moved_dir, other, repo_type="dataset")
     try:
         moved = parse_args(argv, {})[0]
         pin_data(moved)
-        assert moved.data.train.hf_commit == other
+        assert moved.data.train.hf_commit == moved.data.eval.hf_commit == other
+        assert list(load_records(moved.data.train)) == DATA[::-1]
         with pytest.raises(UsageError) as e:
             check_resumable(saved, config_json(moved))
         assert str(e.value) == (
@@ -439,12 +447,14 @@ def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
         )
         pinned = parse_args(argv + [f"--config.data.train.revision={D}"], {})[0]
         pin_data(pinned)
-        check_resumable(saved, config_json(pinned))
+        check_resumable(saved, config_json(pinned))  # (the eval commit may change)
         assert list(load_records(pinned.data.train)) == rows
+        assert list(load_records(config.data.eval)) == eval_rows  # at the recorded commit
     finally:
         add_snapshot(
             os.environ["HF_HUB_CACHE"], DATASET, {}, D, refs=("main",), repo_type="dataset"
         )
-    local = parse_args(argv + ["--config.data.train.path=" + gsm8k], {})[0]
+    local = parse_args(argv + ["--config.data.train.path=" + os.path.join(str(hub), "gsm8k")],
+                       {})[0]  # fmt: skip
     pin_data(local)
     assert local.data.train.hf_commit == ""

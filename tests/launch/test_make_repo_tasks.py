@@ -258,3 +258,13 @@ def test_rows_from_a_hub_dataset_convert_as_the_jsonl_rows(tmp_path, monkeypatch
         assert main(["--out", str(tmp_path / "bad"), "--from_rows", *flags]) == 2, flags
         assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "bad").exists()
+    (tmp_path / "cwd" / "SWE-Gym" / "SWE-Gym").mkdir(parents=True)  # spelled like the id
+    (tmp_path / "cwd" / "SWE-Gym" / "SWE-Gym" / "notes.txt").write_text("not rows\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["--out", str(tmp_path / "bad"), "--from_rows", "SWE-Gym/SWE-Gym"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --from_rows='SWE-Gym/SWE-Gym': no 'instance_id' column in SWE-Gym/SWE-Gym split "
+        "'train' (columns: ['text']) (SWE-Gym/SWE-Gym is the local directory "
+        f"{tmp_path}/cwd/SWE-Gym/SWE-Gym, read before the Hub id of that spelling: move it, or "
+        "run elsewhere, to use the Hub's)\n"
+    )
