@@ -371,5 +371,6 @@ class RepoEnv(Environment):
         nodes = list(rec["fail_to_pass"]) + list(rec["pass_to_pass"])
         args = {"nodes": nodes, "per_test": self.per_test, "harness": HARNESS, **restore}
         site = ep.view.site if ep.view is not None else self.grader.site  # the image's own
-        r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": site})
+        sites = {"sites": ep.view.sites} if ep.view is not None else {}  # its .pth files too
+        r = self.grader.program(rs.GRADE, ep.workspace, {**args, "site": site, **sites})
         return score(ep, r, self.per_test, time.monotonic())

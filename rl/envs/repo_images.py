@@ -32,7 +32,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import json
 import os
+import posixpath
 import shutil
 import stat
 import subprocess
@@ -46,15 +48,18 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CTL = "/dev/.sandbox"  # the sandbox's helpers inside the view
 MODES = ("bwrap-overlay", "overlayfs", "copy")
 _PROBE = r"""
-import sys, sysconfig
-site = sysconfig.get_paths()["purelib"]
-sys.path[:0] = [site]
+import json, os, sys
+import site  # run as the python runs without -S: its venv, its site dirs, their .pth files
+site.main()
+sites = [p for p in getattr(site, "getsitepackages", lambda: [])() if os.path.isdir(p)]
 try:
     import pytest
+    pytest.hookimpl(wrapper=True)  # the graded run's hook wrappers need pluggy >= 1.1
 except BaseException as e:
-    print("pytest cannot be imported from %s: %s: %s" % (site, type(e).__name__, e))
+    print("pytest cannot be used from %s: %s: %s" % (sites, type(e).__name__, e))
     sys.exit(1)
-print("ok " + site)
+where = os.path.dirname(os.path.dirname(pytest.__file__))
+print("ok " + json.dumps({"site": where, "sites": sites}))
 """
 _libc = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV = 2, 4
@@ -70,6 +75,16 @@ class Image:
     env: tuple  # the image config's Env, ("K=V", ...), PATH included
     workdir: str  # the repository inside the image (/testbed)
     python: str  # inside the image
+
+    @property
+    def env_root(self) -> str:
+        """The python's own environment when it lies inside the workdir (a `/testbed/.venv`, as
+        R2E-Gym's images have), "" otherwise. Views bind it read-only from the image: the model
+        edits the workdir, and a venv it could write (a .pth file, pytest's own modules, the
+        interpreter) would run its code in the graded run before the tamper check's snapshot."""
+        d = posixpath.dirname(posixpath.dirname(posixpath.normpath(self.python)))
+        top = posixpath.normpath(self.workdir)
+        return d if d.startswith(top.rstrip("/") + "/") else ""
 
     @property
     def path(self) -> str:
@@ -146,7 +161,13 @@ def load(record: dict, images_dir: str | None) -> Image:
     if not probe.host(workdir) or not os.path.isdir(probe.host(workdir)):
         raise ValueError(f"image {record['image']!r} has no {workdir} (the record's workdir)")
     python = find_python(rootfs, probe.path, workdir, record.get("python") or "")
-    return dataclasses.replace(probe, python=python)
+    image = dataclasses.replace(probe, python=python)
+    top = posixpath.normpath(workdir).rstrip("/") + "/"
+    if posixpath.normpath(python).startswith(top) and not image.env_root:
+        raise ValueError(f"image {record['image']!r}: its python {python} lies in the workdir "
+                         "outside an environment (<workdir>/<env>/bin/python) that the sandbox "
+                         "keeps read-only: the model could replace it")  # fmt: skip
+    return image
 
 
 def check(record: dict, mode: str, images_dir: str | None) -> Image:
@@ -210,9 +231,11 @@ def view_mode(bwrap: str, as_root: bool, tmp: str) -> str:
         return _modes[key]
 
 
-def _chown_tree(top: str, uid: int) -> None:
+def _chown_tree(top: str, uid: int, skip: str = "") -> None:
+    """lchown of every entry under `top`, but not under host path `skip` (left as it was)."""
     os.lchown(top, uid, uid)
     for d, dirs, files in os.walk(top):
+        dirs[:] = [n for n in dirs if os.path.join(d, n) != skip]
         for n in dirs + files:
             os.lchown(os.path.join(d, n), uid, uid)
 
@@ -223,6 +246,7 @@ class View:
 
     def __init__(self, image: Image, ws, mode: str):
         self.image, self.ws, self.mode, self.mounted, self.site = image, ws, mode, False, ""
+        self.sites: list[str] = []  # the python's site dirs (their .pth files run when graded)
         self.workdir, p = image.workdir, ws.path
         self.upper, self.work, self.merged = (os.path.join(p, n) for n in ("upper", "work", "root"))
         self.bin = os.path.join(p, "bin")  # python, python3 -> the image's python (CTL/bin)
@@ -232,7 +256,12 @@ class View:
         uid = ws.uid
         if mode == "copy":
             self.testbed, self.tmp = os.path.join(p, "testbed"), os.path.join(p, "tmp")
-            shutil.copytree(image.host(self.workdir), self.testbed, symlinks=True)
+            env_rel = image.env_root[len(self.workdir.rstrip("/")) + 1 :]
+            skip = os.path.join(image.host(self.workdir), env_rel) if env_rel else ""
+            shutil.copytree(image.host(self.workdir), self.testbed, symlinks=True,
+                            ignore=lambda d, ns: [n for n in ns if os.path.join(d, n) == skip])  # fmt: skip
+            if env_rel:  # bound read-only from the image (root_args): not copied
+                os.makedirs(os.path.join(self.testbed, env_rel))
             os.mkdir(self.tmp, 0o700)
             if uid >= 0:
                 _chown_tree(self.testbed, uid)
@@ -250,14 +279,19 @@ class View:
         self.mounted = True
         self.host_workdir = in_root(self.merged, self.workdir)
         if uid >= 0:  # the episode's uid owns its workdir (metacopy: no data copied up)
-            _chown_tree(self.host_workdir, uid)
+            env_rel = image.env_root[len(self.workdir.rstrip("/")) + 1 :]
+            skip = os.path.join(self.host_workdir, env_rel) if env_rel else ""
+            _chown_tree(self.host_workdir, uid, skip)
 
     def root_args(self) -> list[str]:
+        env = self.image.env_root  # the python's venv inside the workdir: the image's, read-only
+        keep = ["--ro-bind", self.image.host(env), env] if env and self.image.host(env) else []
         if self.mode == "overlayfs":
-            return ["--bind", self.merged, "/"]
+            return ["--bind", self.merged, "/", *keep]
         if self.mode == "bwrap-overlay":
-            return ["--overlay-src", self.image.rootfs, "--overlay", self.upper, self.work, "/"]
-        args = ["--ro-bind", self.image.rootfs, "/", "--bind", self.testbed, self.workdir]
+            return ["--overlay-src", self.image.rootfs, "--overlay", self.upper, self.work, "/",
+                    *keep]  # fmt: skip
+        args = ["--ro-bind", self.image.rootfs, "/", "--bind", self.testbed, self.workdir, *keep]
         tmp = self.image.host("/tmp")
         return args + (["--bind", self.tmp, "/tmp"] if tmp and os.path.isdir(tmp) else [])
 
@@ -281,8 +315,11 @@ class View:
                 "PYTHONPATH": f"{root}:{self.site}" if self.site else root}  # fmt: skip
 
     def probe(self, sb) -> str:
-        """The image python's site-packages (once per image, python and mode; the probe runs in
-        this view before the model acts); raises RuntimeError saying why pytest cannot load."""
+        """The site-packages the image python imports pytest from (once per image, python and
+        mode; the probe runs in this view before the model acts, with the python's `site`
+        module as it starts without -S: its venv and site dirs), and all its site dirs
+        (`sites`: the graded run processes their .pth files as that python would); raises
+        RuntimeError saying why pytest cannot load (pluggy < 1.1 included)."""
         key = (self.image.rootfs, self.image.python, self.mode)
         with _lock:
             known = _sites.get(key)
@@ -294,7 +331,14 @@ class View:
                 _sites[key] = known
         if not known.startswith("ok "):
             raise RuntimeError(f"image {self.image.name!r} ({self.image.python}): {known}")
-        self.site = known[3:]
+        found, top, env = json.loads(known[3:]), self.workdir.rstrip("/") + "/", self.image.env_root
+        mine = [d for d in found["sites"] + [found["site"]]  # the model's files: never the
+                if (d + "/").startswith(top)  # harness's, nor trusted
+                and not (env and (d + "/").startswith(env + "/"))]  # fmt: skip
+        if found["site"] in mine:
+            raise RuntimeError(f"image {self.image.name!r} ({self.image.python}): pytest is "
+                               f"imported from {found['site']}, in the workdir the model edits")  # fmt: skip
+        self.site, self.sites = found["site"], [d for d in found["sites"] if d not in mine]
         return self.site
 
     def disk(self) -> int:

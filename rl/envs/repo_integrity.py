@@ -62,7 +62,7 @@ GUARD = r"""
 import ast, builtins, hashlib, importlib.abc, importlib.machinery, stat, types, zipimport
 from _pytest.assertion import rewrite
 ROOTS = ("pytest", "_pytest", "pluggy", "unittest", "__main__")
-SITE_REAL = os.path.join(os.path.realpath(SITE), "")
+SITE_REAL = tuple(os.path.join(os.path.realpath(d), "") for d in [SITE] + A.get("sites", []))
 LEGACY = os.path.join(SITE, "_pytest", "legacypath.py")
 FUNC = (types.FunctionType, classmethod, staticmethod, property)
 TESTCASE, CONFIG, CLASSES, VERIFIED = unittest.TestCase, [], [], {}

@@ -242,7 +242,17 @@ GRADE = (
     _START
     + r"""
 import base64, shutil, signal, tempfile, time
-sys.path[:0] = [A["site"]]  # pytest from here, now; the workspace joins once pytest has started
+# pytest from the site, now; the workspace joins once pytest has started
+if A.get("sites"):  # an image's python: its site dirs in its order and their .pth files, as its
+    import site as _site  # site module adds them; what those add in the workspace joins later
+    _had = list(sys.path)
+    for _d in A["sites"]:
+        _site.addsitedir(_d)
+    LATER = [p for p in sys.path if p not in _had and p not in A["sites"]
+             and (p + "/").startswith(A["root"] + "/")]
+    sys.path[:] = [p for p in sys.path if p not in LATER]
+else:
+    sys.path[:0], LATER = [A["site"]], []
 import unittest, pytest, _pytest.config
 for name in _pytest.config.default_plugins:
     __import__("_pytest." + name)  # what pytest.main imports, before the model's code can run
@@ -291,6 +301,7 @@ class Collect:
         CONFIG.append(early_config)  # how pytest rewrites asserts (the guard compiles so too)
         phase("collect")
         sys.path.insert(0, root)
+        sys.path += [p for p in LATER if p not in sys.path]
         signal.signal(signal.SIGALRM, collect_alarm)
         signal.alarm(A["per_test"])
         try:

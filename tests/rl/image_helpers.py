@@ -131,7 +131,7 @@ def tree(root) -> dict:
 PREFIX = "/opt/miniconda3/envs/testbed"  # SWE-bench's testbed env: the python the env probes
 _SKIP = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
 _TOOLS = ("bash", "sh", "cat", "ls", "head", "rm", "sleep", "seq", "env", "mkdir", "cp", "nohup",
-          "grep", "true", "echo", "sed", "du", "id", "tail", "wc")  # fmt: skip
+          "grep", "true", "echo", "sed", "du", "id", "tail", "wc", "mv")  # fmt: skip
 SITE_PACKAGES = ("_pytest", "pytest", "pluggy", "iniconfig", "packaging", "pygments")
 
 
@@ -154,6 +154,12 @@ def _add_dir(tar, name, mode=0o755):
     tar.addfile(m)
 
 
+def _file(tar, name, data: bytes, mode=0o644):
+    m = tarfile.TarInfo(name)
+    m.size, m.mode, m.mtime = len(data), mode, MTIME
+    tar.addfile(m, io.BytesIO(data))
+
+
 def _add_tree(tar, host, name, skip=(), keep=lambda n: True):
     _add_dir(tar, name)
     for d, dirs, files in os.walk(host):
@@ -171,8 +177,9 @@ def python_image(path, testbed: dict, marker: bytes, workdir="/testbed") -> str:
     """An OCI layout at `path` of a runnable image: layer 1 the host's interpreter (at PREFIX),
     its standard library (no site-packages, no tests) and the shared libraries it and a few
     shell tools need; layer 2 the image's own site-packages (pytest and its dependencies copied
-    from the trainer's venv, and `imagemark`, a module only the image has) and the repository
-    `testbed` ({path: bytes}) at `workdir`. Its manifest digest."""
+    from the trainer's venv, `imagemark`, a module only the image has, and a .pth file naming
+    /opt/pthlib, which holds `pthmark`), the repository `testbed` ({path: bytes}) at `workdir`
+    and a venv at `<workdir>/.venv` over the base python, whose own `imagemark` says "venv". Its manifest digest."""
     import subprocess
     import sys
     import sysconfig
@@ -239,17 +246,27 @@ def python_image(path, testbed: dict, marker: bytes, workdir="/testbed") -> str:
                 if x.startswith(pkg + "-") and x.endswith(".dist-info"):
                     _add_tree(tar, os.path.join(site, x), f"{sp}/{x}")
         _add(tar, os.path.join(site, "py.py"), f"{sp}/py.py")  # pytest's shim of the py library
-        m = tarfile.TarInfo(f"{sp}/imagemark.py")
-        m.size, m.mode, m.mtime = len(marker), 0o644, MTIME
-        tar.addfile(m, io.BytesIO(marker))
+        _file(tar, f"{sp}/imagemark.py", marker)
+        _file(tar, f"{sp}/imagepth.pth", b"/opt/pthlib\n")  # a .pth file: graded runs read it
+        _add_dir(tar, "opt/pthlib")
+        _file(tar, "opt/pthlib/pthmark.py", b'WHERE = "pth"\n')
         _add_dir(tar, workdir[1:])
+        # a venv in the workdir, as R2E-Gym's images have (a record names its python): the base
+        # python's site-packages included, its own imagemark first
+        venv = f"{workdir[1:]}/.venv"
+        for d in ("", "/bin", "/lib", f"/lib/{ver}", f"/lib/{ver}/site-packages"):
+            _add_dir(tar, venv + d)
+        cfg = f"home = {PREFIX}/bin\ninclude-system-site-packages = true\n"
+        _file(tar, f"{venv}/pyvenv.cfg", cfg.encode())
+        m = tarfile.TarInfo(f"{venv}/bin/python")
+        m.type, m.linkname, m.mode, m.mtime = tarfile.SYMTYPE, f"{PREFIX}/bin/{ver}", 0o777, MTIME
+        tar.addfile(m)
+        _file(tar, f"{venv}/lib/{ver}/site-packages/imagemark.py", b'WHERE = "venv"\n')
         for rel, data in sorted(testbed.items()):
             parts = rel.split("/")
             for i in range(1, len(parts)):
                 _add_dir(tar, f"{workdir[1:]}/{'/'.join(parts[:i])}")
-            m = tarfile.TarInfo(f"{workdir[1:]}/{rel}")
-            m.size, m.mode, m.mtime = len(data), 0o644, MTIME
-            tar.addfile(m, io.BytesIO(data))
+            _file(tar, f"{workdir[1:]}/{rel}", data)
     top = buf.getvalue()
     env = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "IMAGE_ENV=from-the-image")
     return write_oci(path, [system, top], image_config([system, top], env, workdir))

@@ -32,6 +32,8 @@ TESTBED = {
     "tests/test_ops.py": b"""import sys
 
 import imagemark  # only the image has it: grading used the image's python and site-packages
+import pthmark  # only a .pth file of the image's site-packages names its directory
+import pytest
 
 from calc import add
 
@@ -42,6 +44,17 @@ def test_add():
 
 def test_image():
     assert imagemark.WHERE == "image" and sys.executable.startswith("/opt/miniconda3/envs/")
+    assert pytest.__file__.startswith("/opt/miniconda3/envs/testbed/lib/") and pthmark.WHERE
+""",
+    "tests/test_venv.py": b"""import sys
+
+import imagemark
+import pthmark
+
+
+def test_venv():  # the venv's site-packages first, then the base's (and its .pth file)
+    assert imagemark.WHERE == "venv" and pthmark.WHERE == "pth"
+    assert sys.executable == "/testbed/.venv/bin/python"
 """,
 }
 F2P, P2P = ["tests/test_ops.py::test_add"], ["tests/test_ops.py::test_image"]
@@ -143,6 +156,33 @@ def test_image_records_probe_the_python_and_refuse_what_cannot_run(env, image, t
         repo_images.check(task(), "rlimits", image["dir"])
     for img in (image["path"], image["rootfs"]):  # a directory names its image too
         assert repo_images.load(task(image=img), None).rootfs == image["rootfs"]
+
+
+def test_a_venv_in_the_workdir_grades_and_stays_the_images(env, image):
+    """A record whose python is /testbed/.venv's (R2E-Gym's layout): graded with the venv's
+    site-packages before the base's, .pth files read; the venv is the image's, read-only, in
+    every run (a .pth file or a pytest of the model's there would run before the tamper check)."""
+    before = repo_images.tree_hash(image["rootfs"])
+    venv = "/testbed/.venv/lib/" + os.path.basename(os.path.dirname(os.__file__))
+    rec = task(python="/testbed/.venv/bin/python", pass_to_pass=["tests/test_venv.py::test_venv"])
+    ep = env.start(rec)
+    out = bash(env, ep, f"echo 'import os' > {venv}/site-packages/evil.pth; "
+               "mv /testbed/.venv /testbed/v2; rm -rf /testbed/.venv; ls /testbed/.venv")  # fmt: skip
+    assert not env.masked(ep), ep.infra_error
+    assert f"{venv}/site-packages/evil.pth: Read-only file system" in out, out
+    assert "mv: cannot move '/testbed/.venv'" in out and "bin\nlib\npyvenv.cfg" in out, out
+    fix(env, ep)
+    assert env.reward(ep) == 1.0, (ep.infra_error, ep.tamper, ep.metrics)
+    env.close(ep)
+    assert repo_images.tree_hash(image["rootfs"]) == before
+
+
+def test_a_python_the_model_could_replace_is_refused(tmp_path):
+    (tmp_path / "testbed/tools").mkdir(parents=True)  # /testbed/tools/python: no venv around it
+    (tmp_path / "testbed/tools/python").write_text("")
+    (tmp_path / "testbed/tools/python").chmod(0o755)
+    with pytest.raises(ValueError, match="outside an environment"):
+        repo_images.load(task(image=str(tmp_path), python="/testbed/tools/python"), None)
 
 
 def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, tmp_path):
