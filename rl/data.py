@@ -29,6 +29,10 @@ Choices a reader may question:
   downloads to (HF_HOME; HF_HUB_OFFLINE=1 reads the cache alone; HF_TOKEN), then read with
   `datasets.load_dataset(snapshot, name, split=split)`, as is a directory of data files;
   `load_from_disk` reads a `save_to_disk` directory. Its rows are the records, in its order.
+- A record is JSON (the processes share each step's batch as JSON, the checkpoint keeps the
+  carried records as JSON): Arrow dates and times of a parquet file or a dataset become ISO 8601
+  text, durations seconds, decimals text (`jsonable`), as a jsonl file of the rows would hold
+  them; a column of bytes (binary, Image, Audio) is refused, naming it.
 - Sharding takes the whole global batch on every process and keeps a contiguous slice of it
   (`[p * B/P, (p+1) * B/P)`), rather than grain's strided `ds[p::P]`. Then the process-ordered
   concatenation of local batches is exactly the single-process global batch, which is the order
@@ -41,6 +45,8 @@ Choices a reader may question:
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import glob
 import json
 import os
@@ -130,7 +136,55 @@ def _read_parquet(path: str, prompt_field: str) -> list[dict]:
             f"{path}: no prompt field {prompt_field!r} (columns: {table.column_names}); "
             "set the source's prompt_field"
         )
-    return table.to_pylist()
+    _check_jsonable(table.schema, path, hf=False)
+    return [jsonable(row) for row in table.to_pylist()]
+
+
+def jsonable(value: Any) -> Any:
+    """A row's value as a record carries it: records travel as JSON (the per-step batch shared
+    by the processes, the carry the checkpoint holds), so Arrow's dates and times become ISO
+    8601 text, durations seconds and decimals text, in lists and dicts too; JSON values pass.
+    (A jsonl file of the same rows would hold that text.)"""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    return value
+
+
+def _holds_bytes(t) -> bool:
+    """Whether pyarrow type t is, or holds, binary data."""
+    import pyarrow as pa
+
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return True
+    if getattr(pa.types, "is_binary_view", lambda _: False)(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_holds_bytes(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _holds_bytes(t.key_type) or _holds_bytes(t.item_type)
+    if hasattr(t, "value_type"):  # list, large list, fixed-size list, dictionary
+        return _holds_bytes(t.value_type)
+    return False
+
+
+def _check_jsonable(schema, where: str, hf: bool = True) -> None:
+    """Refuses columns of bytes (binary, or datasets' Image / Audio features, stored as bytes):
+    a record cannot carry them (`jsonable`), and a prompt dataset has no use for them. An "hf"
+    source's error names its path (SourceError), a parquet file's the file."""
+    bad = [f.name for f in schema if _holds_bytes(f.type)]
+    if bad:
+        why = (f"columns {bad} hold bytes (binary, or an Image / Audio feature), which a record "
+               "cannot carry (records travel as JSON: the processes' batches, checkpoints); "
+               "remove them (datasets' remove_columns, then save_to_disk) and read that")  # fmt: skip
+        raise SourceError("path", where, why) if hf else ValueError(f"{where}: {why}")
 
 
 class HFRecords(Sequence):
@@ -145,14 +199,14 @@ class HFRecords(Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self.dataset[j] for j in range(*i.indices(len(self)))]
+            return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        return self.dataset[int(i) % len(self)]
+        return jsonable(self.dataset[int(i) % len(self)])
 
     def __iter__(self):
         for batch in self.dataset.iter(batch_size=1024):
-            yield from (dict(zip(batch, row)) for row in zip(*batch.values()))
+            yield from (jsonable(dict(zip(batch, row))) for row in zip(*batch.values()))
 
 
 def hub_dataset_dir(
@@ -235,11 +289,15 @@ def _split_names(split: str) -> list[str]:
     return [part.split("[")[0].strip() for part in split.split("+")]
 
 
-def _check_prompt_field(datasets, args, split: str, prompt_field: str, where: str) -> None:
-    """The first row's columns hold prompt_field, read by streaming it: before load_dataset
-    generates the Arrow cache (minutes for a large dataset, and progress bars on stderr)."""
+def _check_prompt_field(datasets, args, split: str, prompt_field: str, where: str,
+                        path: str) -> None:  # fmt: skip
+    """The first row's columns hold prompt_field, read by streaming it, and no column holds bytes
+    (where the files' schema says): before load_dataset generates the Arrow cache (minutes for
+    a large dataset, and progress bars on stderr)."""
     stream = datasets.load_dataset(*args[0], split=_split_names(split)[0], streaming=True,
                                    **args[1])  # fmt: skip
+    if stream.features is not None:  # (known from the files' schema: parquet, arrow)
+        _check_jsonable(stream.features.arrow_schema, path)
     first = next(iter(stream), None)
     if first is not None and prompt_field not in first:
         raise SourceError("prompt_field", prompt_field, f"no such column in {where} split "
@@ -273,7 +331,7 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
             raise SourceError("path", path, "data files must all be one of "
                               f"{sorted(DATA_FILE_BUILDERS)}")  # fmt: skip
         args = (DATA_FILE_BUILDERS[ext],), dict(data_files={split: files})
-        _check_prompt_field(datasets, args, split, prompt_field, where)
+        _check_prompt_field(datasets, args, split, prompt_field, where, path)
         ds = datasets.load_dataset(*args[0], split=split, **args[1])
     else:  # a directory of data files, or a Hub dataset id (fetched into the Hub cache)
         revision = _cfg_get(source_cfg, "hf_commit", "") or _cfg_get(source_cfg, "revision", "")
@@ -287,7 +345,7 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         missing = [s for s in _split_names(split) if s not in known]
         if known and missing:
             raise SourceError("split", split, f"no such split of {where} (it has {known})")
-        _check_prompt_field(datasets, ((directory, name), {}), split, prompt_field, where)
+        _check_prompt_field(datasets, ((directory, name), {}), split, prompt_field, where, path)
         try:
             ds = datasets.load_dataset(directory, name, split=split)
         except ValueError as e:  # a split spec datasets refuses
@@ -296,6 +354,7 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
     if prompt_field not in ds.column_names:
         raise SourceError("prompt_field", prompt_field, f"no such column in {where} split "
                           f"{split!r} (columns: {sorted(ds.column_names)})")  # fmt: skip
+    _check_jsonable(ds.data.schema, path)
     return HFRecords(ds, f"{where} split {split!r}")
 
 

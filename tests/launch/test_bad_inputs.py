@@ -117,6 +117,17 @@ def parquet_rows(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
 
 
+def parquet_bytes(monkeypatch):
+    """parquet_rows, and data/blob.parquet: the rows with a column of bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet_rows(monkeypatch)
+    table = pq.read_table(os.path.join("data", "train.parquet"))
+    blob = table.append_column("image", pa.array([b"\x89PNG", b"\x89PNG"], pa.binary()))
+    pq.write_table(blob, os.path.join("data", "blob.parquet"))
+
+
 def without(module: str):
     """`module` cannot be imported (as where it is not installed)."""
 
@@ -203,6 +214,7 @@ CATALOGUE = [
     Case("hf-data-split-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.split=validation`, data/ holding train.parquet", "config.data.train.split='validation': no such split of data (it has ['train'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.split=validation"], parquet_rows),
     Case("hf-data-subset-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.name=main`, data/ without subsets", "config.data.train.name='main': data: BuilderConfig 'main' not found. Available: ['default']", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.name=main"], parquet_rows),
     Case("hf-data-no-prompt-field", "`--config.data.train.type=hf --config.data.train.path=data/train.parquet --config.data.train.prompt_field=question`, a file without that column", "config.data.train.prompt_field='question': no such column in data/train.parquet split 'train' (columns: ['answer', 'prompt'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/train.parquet", "--config.data.train.prompt_field=question"], parquet_rows),
+    Case("hf-data-bytes-column", "`--config.data.train.type=hf --config.data.train.path=data/blob.parquet`, a file with a column of bytes", "config.data.train.path='data/blob.parquet': columns ['image'] hold bytes (binary, or an Image / Audio feature), which a record cannot carry (records travel as JSON: the processes' batches, checkpoints); remove them (datasets' remove_columns, then save_to_disk) and read that", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/blob.parquet"], parquet_bytes),
     Case("datasets-missing", "`--config.data.train.type=hf`, the `datasets` library not installed", "config.data.train.type='hf': needs the datasets library: pip install -e '.[hub]'", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/data"], without("datasets")),
     Case("wandb-missing", "`--config.log.wandb=True`, the `wandb` library not installed", "config.log.wandb=True: needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)", EIGHT + ["--config.log.wandb=True"], without("wandb")),
     Case("checkpoint-config-garbled", "`--config.model.hf_checkpoint=ckpt`, its config.json cut short", "config.model.hf_checkpoint='ckpt': ckpt/config.json: invalid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": '{"architectures": '})),

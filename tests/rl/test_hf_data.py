@@ -145,3 +145,54 @@ def test_prompts_are_checked_without_a_list():
             ValueError, match=rf"a prompt has {longest} tokens > .*\(record {first}:"
         ):
             tokenize_prompts(records, tokenizer, config, "prompt", keep=keep)
+
+
+def test_values_json_cannot_carry(tmp_path, monkeypatch):
+    """Arrow's dates, times, durations and decimals (nested ones too) arrive as the text / seconds
+    a jsonl file of the rows would hold, for an "hf" source and a parquet one, so the records
+    survive the JSON that the processes' batches and the checkpointed carry travel as (a
+    datetime made json.dumps raise there); a column of bytes is refused in one line naming it."""
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rl.data import PromptStream, SourceError
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    when = datetime.datetime(2024, 1, 2, 3, 4, 5)
+    table = pa.table({
+        "prompt": ["a", "b", "c"],
+        "ts": pa.array([when] * 3, pa.timestamp("s")),
+        "day": pa.array([when.date()] * 3, pa.date32()),
+        "took": pa.array([datetime.timedelta(seconds=3)] * 3, pa.duration("s")),
+        "price": pa.array([decimal.Decimal("1.25")] * 3, pa.decimal128(5, 2)),
+        "nested": [[[1, 2], [3]], [[4]], []],
+        "meta": [{"at": when, "tags": ["x"]}] * 3,
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "train.parquet")
+    text = {"ts": "2024-01-02T03:04:05", "day": "2024-01-02", "took": 3.0, "price": "1.25",
+            "meta": {"at": "2024-01-02T03:04:05", "tags": ["x"]}}  # fmt: skip
+    want = [{"prompt": p, **text, "nested": n} for p, n in zip("abc", [[[1, 2], [3]], [[4]], []])]
+    for kind in ("hf", "parquet"):
+        src = {"type": kind, "path": str(tmp_path / "train.parquet")}
+        got = load_records(src)
+        assert [dict(r) for r in got] == want == json.loads(json.dumps(list(got))), kind
+        assert got[1] == want[1]
+        stream = PromptStream(make_prompt_iterator(src, batch_size=2, seed=0))
+        assert len(stream.take(1)) == 1  # one record carried to the next draw
+        state = json.loads(json.dumps(stream.get_state()))  # what the checkpoint stores
+        assert len(state["carry"]) == 1 and state["carry"][0]["ts"] == "2024-01-02T03:04:05"
+    pq.write_table(table.append_column("blob", pa.array([b"\x00"] * 3, pa.binary())),
+                   tmp_path / "blob.parquet")  # fmt: skip
+    path = str(tmp_path / "blob.parquet")
+    why = ("columns ['blob'] hold bytes (binary, or an Image / Audio feature), which a record "
+           "cannot carry (records travel as JSON: the processes' batches, checkpoints); remove "
+           "them (datasets' remove_columns, then save_to_disk) and read that")  # fmt: skip
+    with pytest.raises(SourceError) as e:
+        load_records({"type": "hf", "path": path})
+    assert str(e.value) == f"path={path!r}: {why}" and e.value.field == "path"
+    with pytest.raises(ValueError) as e:
+        load_records({"type": "parquet", "path": path})
+    assert str(e.value) == f"{path}: {why}"
