@@ -15,14 +15,22 @@ there: an image that cannot is an infrastructure error (masked), with the reason
 Each episode gets a private writable view of the image; the image's files are never copied or
 written. The first of these that works here (`view_mode()`, reported in `episode.view` and
 `RepoEnv.image_view`):
-- "bwrap-overlay": bubblewrap's own overlay (`--overlay-src IMAGE --overlay UPPER WORK /`,
-  bubblewrap >= 0.9), when not root (a user namespace shows the image's files as ours);
+- "bwrap-overlay": the image bound read-only as the root and bubblewrap's own overlay over the
+  workdir (`--overlay-src IMAGE/WORKDIR --overlay UPPER WORK WORKDIR`, bubblewrap >= 0.9) and a
+  private /tmp, when not root (a user namespace shows the image's files as ours: a writable
+  root would let the model replace the libraries the graded run loads); untested here
+  (bubblewrap 0.8.0);
 - "overlayfs": as root, a kernel overlayfs (lower: the image, upper and work: the episode's
   workspace, a tmpfs of `env.workspace_bytes`) mounted at the first tool call and unmounted at the
   end. Mounted with metacopy=on: giving the episode's uid its workdir (chown) copies up metadata
   only. The sandbox binds the merged tree as its root;
 - "copy": the image bound read-only as the root and a copy of the workdir alone (plus a private
   /tmp) bound over it: the image's system files are not copied.
+In every mode the python's prefixes and site dirs (the probe's sys.prefix, sys.base_prefix and
+site dirs; a venv in the workdir from the start) are bound read-only from the image over the
+view: the graded run imports pytest and runs .pth files from there before the tamper check's
+snapshot, and an image whose env the episode may write (a conda env made world-writable) would
+otherwise let the model plant code there.
 Programs see the sandbox's helpers (the program, `python`/`python3` links to the image's python)
 under /dev/.sandbox, inside the new /dev bubblewrap makes: nothing is created in the image.
 """
@@ -59,7 +67,7 @@ except BaseException as e:
     print("pytest cannot be used from %s: %s: %s" % (sites, type(e).__name__, e))
     sys.exit(1)
 where = os.path.dirname(os.path.dirname(pytest.__file__))
-print("ok " + json.dumps({"site": where, "sites": sites}))
+print("ok " + json.dumps({"site": where, "sites": sites, "prefixes": [sys.prefix, sys.base_prefix]}))
 """
 _libc = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV = 2, 4
@@ -247,6 +255,7 @@ class View:
     def __init__(self, image: Image, ws, mode: str):
         self.image, self.ws, self.mode, self.mounted, self.site = image, ws, mode, False, ""
         self.sites: list[str] = []  # the python's site dirs (their .pth files run when graded)
+        self.keep: list[str] = []  # its prefixes and site dirs: bound read-only (probe)
         self.workdir, p = image.workdir, ws.path
         self.upper, self.work, self.merged = (os.path.join(p, n) for n in ("upper", "work", "root"))
         self.bin = os.path.join(p, "bin")  # python, python3 -> the image's python (CTL/bin)
@@ -271,7 +280,8 @@ class View:
         for d in (self.upper, self.work):
             os.mkdir(d, 0o755)
         if mode == "bwrap-overlay":  # bubblewrap mounts it, per run; no host path to read
-            self.host_workdir = ""
+            self.tmp, self.host_workdir = os.path.join(p, "tmp"), ""
+            os.mkdir(self.tmp, 0o700)
             return
         os.mkdir(self.merged, 0o755)
         if why := _mount_overlay(image.rootfs, self.upper, self.work, self.merged):
@@ -286,12 +296,18 @@ class View:
     def root_args(self) -> list[str]:
         env = self.image.env_root  # the python's venv inside the workdir: the image's, read-only
         keep = ["--ro-bind", self.image.host(env), env] if env and self.image.host(env) else []
+        for d in self.keep:  # and its prefixes and site dirs (probe)
+            keep += [] if d == env else ["--ro-bind", self.image.host(d), d]
         if self.mode == "overlayfs":
             return ["--bind", self.merged, "/", *keep]
-        if self.mode == "bwrap-overlay":
-            return ["--overlay-src", self.image.rootfs, "--overlay", self.upper, self.work, "/",
-                    *keep]  # fmt: skip
-        args = ["--ro-bind", self.image.rootfs, "/", "--bind", self.testbed, self.workdir, *keep]
+        if self.mode == "bwrap-overlay":  # the image read-only (in a user namespace the model
+            # owns every file of it: /usr/lib's too), the overlay over the workdir alone
+            args = ["--ro-bind", self.image.rootfs, "/", "--overlay-src",
+                    self.image.host(self.workdir), "--overlay", self.upper, self.work,
+                    self.workdir, *keep]  # fmt: skip
+        else:
+            args = ["--ro-bind", self.image.rootfs, "/", "--bind", self.testbed, self.workdir]
+            args += keep
         tmp = self.image.host("/tmp")
         return args + (["--bind", self.tmp, "/tmp"] if tmp and os.path.isdir(tmp) else [])
 
@@ -339,6 +355,12 @@ class View:
             raise RuntimeError(f"image {self.image.name!r} ({self.image.python}): pytest is "
                                f"imported from {found['site']}, in the workdir the model edits")  # fmt: skip
         self.site, self.sites = found["site"], [d for d in found["sites"] if d not in mine]
+        # The python's prefixes and site dirs are the image's, read-only, in every later run: an
+        # image whose env the episode's uid may write (conda envs made world-writable) would let
+        # the model plant a .pth file or a pytest that runs before the tamper check.
+        dirs = {posixpath.normpath(d) for d in found["prefixes"] + self.sites if d}
+        dirs = {d for d in dirs if not top.startswith(d.rstrip("/") + "/") and self.image.host(d)}
+        self.keep = sorted(d for d in dirs if not any(d.startswith(k + "/") for k in dirs))
         return self.site
 
     def disk(self) -> int:
@@ -347,6 +369,8 @@ class View:
 
         if self.mode == "copy":
             return disk_usage(self.testbed) + disk_usage(self.tmp)
+        if self.mode == "bwrap-overlay":
+            return disk_usage(self.upper) + disk_usage(self.tmp)
         return disk_usage(self.upper)
 
     def close(self) -> None:

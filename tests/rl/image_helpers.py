@@ -239,7 +239,7 @@ def python_image(path, testbed: dict, marker: bytes, workdir="/testbed") -> str:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         sp = f"{PREFIX[1:]}/lib/{ver}/site-packages"
-        _add_dir(tar, sp)
+        _add_dir(tar, sp, 0o777)  # world-writable, as some conda images are: the view keeps it
         for pkg in SITE_PACKAGES:
             _add_tree(tar, os.path.join(site, pkg), f"{sp}/{pkg}", {"__pycache__"})
             for x in os.listdir(site):

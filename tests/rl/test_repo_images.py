@@ -21,6 +21,7 @@ from rl.envs import repo_images
 from rl.envs.repo import RepoEnv
 from rl.oci import unpack
 from rl.sandbox import _live
+from tests.rl import image_helpers
 from tests.rl.image_helpers import python_image
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
@@ -272,6 +273,9 @@ def test_hostile_commands_in_an_image_are_contained(env, image, tmp_path):
     assert "done" in out and not env.masked(ep), (out, ep.infra_error)
     assert bash(env, ep, "kill -9 -1; echo done") is not None and not env.masked(ep)
     assert sentinel.poll() is None  # the host's process survived
+    site = f"{image_helpers.PREFIX}/lib/{os.path.basename(os.path.dirname(os.__file__))}"
+    out = bash(env, ep, f"echo 'import os' > {site}/site-packages/evil.pth")  # a 0777 dir
+    assert "evil.pth: Read-only file system" in out, out  # its code would run before the guard
     out = bash(
         env,
         ep,
