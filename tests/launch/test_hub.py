@@ -458,3 +458,69 @@ def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
                        {})[0]  # fmt: skip
     pin_data(local)
     assert local.data.train.hf_commit == ""
+
+
+PIN_WORKER = """
+import json, sys
+from launch.cli import UsageError, parse_args
+from launch.distributed import init_distributed
+from launch.validate import pin_data, pin_model
+out, runs = {}, json.loads(sys.argv[1])
+init_distributed(parse_args([], {})[0])
+for name, argv in runs.items():
+    config = parse_args(argv, {})[0]
+    try:
+        pin_model(config, weights=False)
+        pin_data(config)
+        out[name] = [config.model.hf_commit, config.data.train.hf_commit,
+                     config.data.eval.hf_commit]
+    except UsageError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # two interpreters importing jax (about 13 s of CPU)
+def test_two_processes_pin_process_0s_commits_each_in_its_own_cache(tmp_path):
+    """pin_model / pin_data in 2 jax.distributed processes (CPU, gloo; no training), each with
+    its own offline Hub cache as a TPU slice's hosts have: on process 1's host `main` has moved
+    (to B and D2) but the commits process 0 resolved (A, D) are cached there too: both record
+    A and D. A Hub id process 0 cannot resolve fails on both processes with process 0's line,
+    though process 1's cache holds it. A local directory pins "" on both."""
+    from tests.launch.test_multiprocess import _free_port
+
+    model = {"config.json": b"{}", "generation_config.json": b"{}"}
+    card = {"README.md": GSM8K_CARD.encode()}
+    d2 = hashlib.sha1(b"D2").hexdigest()
+    caches = [tmp_path / "host0", tmp_path / "host1"]
+    add_snapshot(caches[0], MODEL, model, A, refs=("main",))
+    add_snapshot(caches[0], DATASET, card, D, refs=("main",), repo_type="dataset")
+    add_snapshot(caches[1], MODEL, model, A, refs=())
+    add_snapshot(caches[1], MODEL, {**model, "config.json": b'{"x": 1}'}, B, refs=("main",))
+    add_snapshot(caches[1], DATASET, card, D, refs=(), repo_type="dataset")
+    add_snapshot(caches[1], DATASET, {"README.md": b"---\n---\n"}, d2, refs=("main",),
+                 repo_type="dataset")  # fmt: skip
+    add_snapshot(caches[1], "org/only-on-1", model, B, refs=("main",))
+    gsm8k = ["--config", os.path.join(ROOT, "configs", "qwen2_5_0_5b_gsm8k.py")]
+    local = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
+    runs = {"hub": gsm8k, "missing": [*gsm8k, "--config.model.hf_checkpoint=org/only-on-1"],
+            "local": [f"--config.model.hf_checkpoint={local}"]}  # fmt: skip
+    port, procs = _free_port(), []
+    for i, cache in enumerate(caches):
+        env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu",
+                   JAX_NUM_CPU_DEVICES="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                   HF_DATASETS_CACHE=str(tmp_path / f"datasets{i}"))  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", PIN_WORKER, json.dumps(runs)], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    got = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    missing = (f"config.model.hf_checkpoint='org/only-on-1': not a local directory, and not in "
+               f"the Hub cache {caches[0]} (HF_HUB_OFFLINE=1)")  # fmt: skip
+    assert got[0] == got[1] == {"hub": [A, D, D], "missing": missing, "local": ["", "", ""]}
