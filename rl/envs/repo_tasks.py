@@ -1,8 +1,10 @@
 """SWE-Gym / SWE-smith / R2E-Gym style rows -> records of the `repo` environment (rl/envs/repo.py).
 
-Those datasets share one row shape: `instance_id`, `repo` (owner/name on GitHub),
-`problem_statement`, and `FAIL_TO_PASS` / `PASS_TO_PASS` as lists of test ids or as JSON strings
-of lists (SWE-Gym and SWE-bench store strings). They expect a Docker image per task; here the
+SWE-bench's row shape, which SWE-Gym and SWE-smith share: `instance_id`, `repo` (owner/name on
+GitHub), `problem_statement`, and `FAIL_TO_PASS` / `PASS_TO_PASS` as lists of test ids or as JSON
+strings of lists (SWE-Gym and SWE-bench store strings). R2E-Gym's own rows (`repo_name`,
+`commit_hash`, `docker_image`, `expected_output_json`) are not in it: read, they are refused in
+one line (no `instance_id` column); rows converted to this shape convert. They expect a Docker image per task; here the
 repository must be checked out locally instead, at the task's commit, with its test patch
 applied (the tests that define FAIL_TO_PASS must be in the checkout: grading reads them from
 there) and the gold patch not applied. The checkout is found as, in order: the row's `repo_path`,
