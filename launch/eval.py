@@ -12,7 +12,7 @@ import sys
 
 from launch.build import load_run
 from launch.cli import UsageError, fail
-from rl.data import load_records
+from launch.validate import load_source
 
 
 def main(argv=None) -> int:
@@ -24,7 +24,11 @@ def main(argv=None) -> int:
         run, step = load_run(args.workdir, args.step)
     except UsageError as e:
         return fail(str(e))
-    result = run.evaluate(run.state.params, load_records(run.config.data.eval))
+    try:  # the run's held-out data (a Hub dataset at the commit it recorded), one-line errors
+        records = load_source(run.config, "eval")
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    result = run.evaluate(run.state.params, records)
     print(json.dumps({"step": step, **result}))
     return 0
 

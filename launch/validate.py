@@ -333,16 +333,10 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
             except ImportError:
                 _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
                       "pip install -e '.[hub]'")  # fmt: skip
-            try:  # a Hub id is fetched now, its one-line errors naming these fields
-                rev = src.get("hf_commit") or src.get("revision", "")  # pin_data's commit
-                hub_dataset_dir(src.path, rev, src.get("name") or None,
-                                field=f"config.data.{split}.path",
-                                revision_field=f"config.data.{split}.revision")  # fmt: skip
-                load_records(src)  # its subset, split and prompt field (datasets caches it)
-            except HubError as e:
-                raise UsageError(str(e)) from None
-            except SourceError as e:  # "split='x': ..." -> config.data.train.split='x': ...
-                raise UsageError(f"config.data.{split}.{e}{shadowing(src.path)}") from None
+            try:  # a Hub id is fetched now; its subset, split and prompt field checked
+                load_source(c, split)  # (datasets caches what it reads)
+            except UsageError:
+                raise
             except (ValueError, OSError):  # an empty or unreadable dataset: launch.train.prepare
                 pass  # reports it, as it does a jsonl file's
         else:
@@ -365,6 +359,26 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     learner_config(c, ())
     engine_config(c, ())
     check_rewards(c)
+
+
+def load_source(c: ml_collections.ConfigDict, split: str):
+    """load_records(config.data.<split>), an "hf" source's errors (a Hub id or revision that
+    does not resolve, a bad subset, split or prompt field) one-line UsageErrors naming
+    config.data.<split>.<field>; a Hub id is read at data.<split>.hf_commit where pin_data
+    recorded it. Other errors (an empty or unreadable dataset) are raised as they are."""
+    src = c.data[split]
+    if src.type == "hf":
+        try:  # the Hub id resolved here, so that its errors name the fields
+            rev = src.get("hf_commit") or src.get("revision", "")  # pin_data's commit
+            hub_dataset_dir(src.path, rev, src.get("name") or None,
+                            field=f"config.data.{split}.path",
+                            revision_field=f"config.data.{split}.revision")  # fmt: skip
+        except HubError as e:
+            raise UsageError(str(e)) from None
+    try:
+        return load_records(src)
+    except SourceError as e:  # "split='x': ..." -> config.data.train.split='x': ...
+        raise UsageError(f"config.data.{split}.{e}{shadowing(src.path)}") from None
 
 
 def model_dir(c: ml_collections.ConfigDict, weights: bool = True) -> str:

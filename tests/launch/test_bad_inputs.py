@@ -128,6 +128,19 @@ def parquet_bytes(monkeypatch):
     pq.write_table(blob, os.path.join("data", "blob.parquet"))
 
 
+def eval_hub_data(monkeypatch):
+    """hub_cache, and evalhub/: the finished run (its checkpoints linked) whose config.json
+    reads its held-out prompts from the Hub dataset org/nodata, which the cache lacks."""
+    hub_cache(monkeypatch)
+    os.mkdir("evalhub")
+    os.symlink(os.path.realpath(os.path.join("run", "checkpoints")), "evalhub/checkpoints")
+    with open(os.path.join("run", "config.json")) as f:
+        config = json.load(f)
+    config["data"]["eval"].update(type="hf", path="org/nodata", split="test")
+    with open(os.path.join("evalhub", "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def without(module: str):
     """`module` cannot be imported (as where it is not installed)."""
 
@@ -238,6 +251,7 @@ CATALOGUE = [
     Case("seed-differs-on-resume", "`--config.seed=1` resuming `other`, a workdir holding `run`'s checkpoints (seed 0) and no config.json", "config.seed=1: the checkpoint in <cwd>/other/checkpoints was written with seed 0; resume with --config.seed=0 or use a new --workdir", EIGHT + RUN + ["--config.seed=1"], checkpoints_only, workdir="other"),
     # launch.eval and launch.export on the finished run.
     Case("eval-no-such-step", "`python -m launch.eval --workdir run --step 99`", "--workdir run: no checkpoint at step 99 (have [1])", ["--workdir", "run", "--step", "99"], entry="eval"),
+    Case("eval-hub-data-missing", "`python -m launch.eval --workdir evalhub`, its config.json's data.eval the Hub dataset org/nodata, offline, not in the Hub cache", "config.data.eval.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", ["--workdir", "evalhub"], eval_hub_data, entry="eval"),
     Case("eval-not-a-run", "`python -m launch.eval --workdir nope`", "--workdir nope: no config.json (not a training run)", ["--workdir", "nope"], entry="eval"),
     Case("export-no-such-step", "`python -m launch.export --workdir run --step 99 --out out`", "--workdir run: no checkpoint at step 99 (have [1])", ["--workdir", "run", "--step", "99", "--out", "out"], entry="export"),
     Case("export-bad-dtype", "`python -m launch.export --workdir run --out out --dtype float8`", "--dtype float8: expected one of ('float32', 'bfloat16', 'float16')", ["--workdir", "run", "--out", "out", "--dtype", "float8"], entry="export"),
