@@ -61,7 +61,7 @@ def prepare(config) -> tuple[Run, object, list]:
             from rl.envs.repo import check_record
 
             for r in records:
-                check_record(r)
+                check_record(r, config.env)  # an image record's isolation and image too
         field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
         tokenize_prompts(records, run.tokenizer, config, field, keep=False)
     return run, data, eval_records

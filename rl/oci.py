@@ -2,8 +2,8 @@
 unpacked into a root filesystem that the `repo` environment's sandbox uses as an episode's root
 (rl/envs/repo_images.py). No network, no Docker.
 
-    info = unpack(src, out)     # {"digest", "rootfs", "config", "names", ...}; a second call is free
-    name_dir(out, "org/img:tag")  # out/org_img_tag, a link to out/sha256-<hex>
+    info = unpack(src, out)     # {"digest", "rootfs", "env", "names", ...}; a second call is free
+    safe_name("org/img:tag")    # "org_img_tag": out/org_img_tag links to out/sha256-<hex>
 
 Layout of `out`: `sha256-<hex>/rootfs/` (the image's files) and `sha256-<hex>/image.json` (the
 digest, the image config's Env / WorkingDir / User / Cmd, the names), written last: a directory
@@ -12,23 +12,30 @@ OCI layout, or a `docker save` of Docker 25+, which carries one), or for a legac
 (manifest.json only) the image id, the config's digest (it lists every layer's diff_id). Each
 name of the image (OCI `org.opencontainers.image.ref.name`, docker `RepoTags`, `--name`) gets a
 symlink `out/<name with / and : replaced by _>` to it. An unpack works in `out/.tmp-*` and is
-renamed into place: two processes unpacking the same image at once both succeed.
+renamed into place: two processes unpacking the same image at once both succeed. A source that
+holds several images (an OCI layout of several tags, `docker save A B`) needs `ref` (a ref name
+or tag; refused in one line listing them otherwise); of an index of platforms, this machine's
+linux one is taken (refused, naming those there, when it has none).
 
 Layers are applied in order (gzip or uncompressed tar; a zstd layer is refused), as the OCI image
-spec's changeset rules say: `.wh.<name>` deletes `<name>` from the layers below, `.wh..wh..opq`
-empties its directory of what the layers below put there; a file replaces whatever was at its
-path. Hard links and symlinks are kept, symlinks verbatim, absolute ones included (they resolve
-inside the sandbox's root, where the rootfs is `/`); device nodes are skipped, FIFOs made,
-setuid/setgid bits dropped (the sandbox's programs never gain privileges), ownership kept when we
-are root and left to us otherwise, modification times kept (the image's .pyc files stay valid).
-Directory modes are applied at the end, so a read-only directory can still be filled as non-root.
+spec's changeset rules say: `.wh.<name>` deletes `<name>` from the layers below (not its own
+layer's), `.wh..wh..opq` empties its directory of what the layers below put there, aufs metadata
+(`.wh..wh.plnk/...`) is skipped; a file replaces whatever was at its path. Hard links and symlinks
+are kept, symlinks verbatim, absolute ones included (they resolve inside the sandbox's root, where
+the rootfs is `/`); device nodes are skipped (what was below them removed all the same), FIFOs
+made, setuid/setgid bits dropped (the sandbox's programs never gain privileges; image.json's
+`setuid_dropped` lists the files), ownership kept when we are root and left to us otherwise,
+modification times kept (the image's .pyc files stay valid). Directory modes are applied at the
+end, so a read-only directory can still be filled as non-root.
 
-Refused, with one line (`ImageError`), and nothing left in `out`: a member path that is absolute
-or has a `..` component, a hard link whose target is outside the root or missing, any member
-whose parent path goes through a symlink (an extracted symlink, pointing anywhere, is never
-written through: every parent is checked with lstat, files are created with O_NOFOLLOW|O_EXCL), a
-blob whose sha256 is not its digest (manifest, config, layers; a legacy layer against the
-config's diff_ids), a missing or malformed manifest.
+Refused, with one line (`ImageError`: the source, the layer, the member), and nothing left in
+`out` (not made when it was not there): a missing source, a member path that is absolute or has a
+`..` component, a whiteout naming `.` or `..`, a hard link whose target is outside the root or
+missing, any member whose parent path goes through a symlink (an extracted symlink, pointing
+anywhere, is never written through: every parent is checked with lstat, files are created with
+O_NOFOLLOW|O_EXCL), a blob whose sha256 is not its digest (manifest, config, layers; a legacy
+layer against the config's diff_ids), a missing or malformed manifest, config or blob, a loop of
+symlinks in a `docker save` tarball.
 
 Why the standard library's tarfile and checks of our own rather than a library: no maintained
 Python package applies OCI layers into a runnable root filesystem (umoci, crane and undocker are
@@ -47,6 +54,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import shutil
 import stat
 import tarfile
@@ -76,6 +84,8 @@ class _Source:
 
     def __init__(self, src: str):
         self.src, self.tar = src, None
+        if not os.path.exists(src):
+            raise ImageError(f"{src}: no such file or directory")
         if not os.path.isdir(src):
             try:
                 self.tar = tarfile.open(src)
@@ -98,8 +108,11 @@ class _Source:
                 return open(os.path.join(self.src, path), "rb")
             except OSError as err:
                 raise ImageError(f"{self.src}: {path}: {err.strerror}") from err
-        m = self.members.get(path)
+        m, hops = self.members.get(path), 0
         while m is not None and m.issym():  # docker save links identical layers
+            hops += 1
+            if hops > 8:
+                raise ImageError(f"{self.src}: {path}: a loop of symlinks")
             m = self.members.get(posixpath_join(posixpath_dir(m.name), m.linkname))
         f = self.tar.extractfile(m) if m is not None else None
         if f is None:
@@ -156,23 +169,60 @@ class _Plan:
     names: list
 
 
-def _oci_plan(s: _Source) -> _Plan:
+def host_arch() -> str:
+    """This machine's architecture as OCI platforms name it (amd64, arm64, ...)."""
+    m = platform.machine().lower()
+    return {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386"}.get(m, m)
+
+
+def _refs(desc: dict) -> list[str]:
+    """The names a descriptor of an index gives its image (skopeo: the tag; containerd and
+    Docker 25+: the full name too)."""
+    a = desc.get("annotations") or {}
+    names = [a.get("org.opencontainers.image.ref.name"), a.get("io.containerd.image.name")]
+    return [n for n in names if isinstance(n, str) and n]
+
+
+def _matches(want: str, names: list[str]) -> bool:
+    """Whether image reference `want` is one of `names` (`:latest` and docker.io/library/
+    implied, as Docker reads them)."""
+    full = lambda n: n if ":" in n.rpartition("/")[2] else n + ":latest"  # noqa: E731
+    short = lambda n: n.removeprefix("docker.io/").removeprefix("library/")  # noqa: E731
+    return any(want == n or full(short(want)) == full(short(n)) for n in names)
+
+
+def _pick(src: str, ms: list, ref: str, what: str) -> dict:
+    """The manifest of `ms` (an index's list) for `ref` (or the only image) and this machine's
+    platform; an ImageError naming the choices when it is not one."""
+    if ref:
+        ms = [m for m in ms if _matches(ref, _refs(m))]
+        if not ms:
+            raise ImageError(f"{src}: no image named {ref!r} in {what}")
+    images = {tuple(_refs(m)) for m in ms if _refs(m)}
+    if len(images) > 1:
+        names = ", ".join(sorted(r[0] for r in images)[:5]) + (", ..." if len(images) > 5 else "")
+        raise ImageError(f"{src}: {what} holds {len(images)} images ({names}): name one with "
+                         "--ref")  # fmt: skip
+    arch, plat = host_arch(), lambda m: m.get("platform") or {}  # noqa: E731
+    ok = [m for m in ms if plat(m).get("os", "linux") == "linux"
+          and plat(m).get("architecture", arch) == arch]  # fmt: skip
+    if not ok:
+        have = sorted({f"{plat(m).get('os')}/{plat(m).get('architecture')}" for m in ms})
+        raise ImageError(f"{src}: {what} has no linux/{arch} image (it has {', '.join(have)})")
+    return ok[0]
+
+
+def _oci_plan(s: _Source, ref: str = "") -> _Plan:
     index = s.json("index.json")
     names, desc = [], None
     seen = 0
     while True:
         ms = index.get("manifests") if isinstance(index, dict) else None
-        if not ms:
-            raise ImageError(f"{s.src}: index.json lists no manifest")
-        linux = [
-            m
-            for m in ms
-            if (m.get("platform") or {}).get("os", "linux") == "linux"
-            and (m.get("platform") or {}).get("architecture", "amd64") in ("amd64", "x86_64")
-        ]
-        desc = (linux or ms)[0]
-        ref = (desc.get("annotations") or {}).get("org.opencontainers.image.ref.name")
-        names += [ref] if ref else []
+        if not ms or not all(isinstance(m, dict) and "digest" in m for m in ms):
+            raise ImageError(f"{s.src}: {'index.json' if not seen else 'an index'} lists no "
+                             "manifest")  # fmt: skip
+        desc = _pick(s.src, ms, ref if not seen else "", "index.json" if not seen else "its index")
+        names += [_refs(desc)[0]] if _refs(desc) else []
         if desc.get("mediaType") not in _INDEX_TYPES:
             break
         index, seen = s.json(_blob(desc["digest"]), desc["digest"]), seen + 1
@@ -188,29 +238,42 @@ def _oci_plan(s: _Source) -> _Plan:
     return _Plan(desc["digest"], config, layers, names)
 
 
-def _docker_plan(s: _Source) -> _Plan:
+def _docker_plan(s: _Source, ref: str = "") -> _Plan:
     try:
-        entry = s.json("manifest.json")[0]
+        entries = s.json("manifest.json")
+        tags = [list(e.get("RepoTags") or []) for e in entries]
+        if ref:
+            entries = [e for e, t in zip(entries, tags) if _matches(ref, t)]
+            if not entries:
+                raise ImageError(f"{s.src}: no image named {ref!r} in manifest.json")
+        elif len(entries) > 1:
+            names = ", ".join((t or ["<untagged>"])[0] for t in tags[:5])
+            raise ImageError(f"{s.src}: manifest.json holds {len(entries)} images ({names}"
+                             f"{', ...' if len(tags) > 5 else ''}): name one with --ref")  # fmt: skip
+        entry = entries[0]
         cpath, lpaths = entry["Config"], entry["Layers"]
-    except (KeyError, IndexError, TypeError) as err:
+    except (KeyError, IndexError, TypeError, AttributeError) as err:
         raise ImageError(f"{s.src}: malformed docker manifest.json: {err!r}") from err
     cdata = s.read(cpath)
     image_id = "sha256:" + hashlib.sha256(cdata).hexdigest()
     stem = os.path.basename(cpath).removesuffix(".json")
     if len(stem) == 64 and stem != image_id[7:]:  # the file is named by its digest
         raise ImageError(f"{s.src}: {cpath}: digest mismatch (sha256:{image_id[7:23]}...)")
-    config = json.loads(cdata)
+    try:
+        config = json.loads(cdata)
+    except ValueError as err:
+        raise ImageError(f"{s.src}: {cpath} is not JSON: {err}") from err
     diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
     if len(diff_ids) != len(lpaths):
         raise ImageError(f"{s.src}: {len(lpaths)} layers but {len(diff_ids)} diff_ids")
     return _Plan(image_id, config, list(zip(lpaths, diff_ids)), list(entry.get("RepoTags") or []))
 
 
-def _plan(s: _Source) -> _Plan:
+def _plan(s: _Source, ref: str = "") -> _Plan:
     if s.exists("index.json") and s.exists("oci-layout"):
-        return _oci_plan(s)
+        return _oci_plan(s, ref)
     if s.exists("manifest.json"):
-        return _docker_plan(s)
+        return _docker_plan(s, ref)
     raise ImageError(f"{s.src}: no index.json + oci-layout (OCI layout) or manifest.json "
                      "(docker save)")  # fmt: skip
 
@@ -243,12 +306,14 @@ class _Layers:
     """Applies layer tars onto `root`, refusing what could write outside it."""
 
     def __init__(self, root: str, what: str):
-        self.root, self.what, self.as_root = root, what, os.geteuid() == 0
+        self.root, self.what, self.as_root, self.label = root, what, os.geteuid() == 0, ""
+        self.name = ""  # the member being applied
+        self.setuid: list[str] = []  # files whose setuid / setgid bits were dropped
         self.real_dirs: set[str] = {""}  # relative dirs known to be real directories
         self.dir_modes: dict[str, tuple] = {}  # rel -> (mode, mtime), applied at the end
 
     def refuse(self, why: str):
-        raise ImageError(f"{self.what}: {why}")
+        raise ImageError(f"{self.what}: {self.label + ': ' if self.label else ''}{why}")
 
     def rel(self, name: str, what: str = "member") -> str:
         n = name.removeprefix("./")
@@ -275,10 +340,10 @@ class _Layers:
                 os.mkdir(full, 0o755)
                 self.real_dirs.add(cur)
                 continue
-            if stat.S_ISLNK(st.st_mode):
-                self.refuse(f"{rel!r} would be written through the symlink {cur!r}")
+            if stat.S_ISLNK(st.st_mode):  # `rel` is the member's path, or a link's target
+                self.refuse(f"member {self.name!r} goes through the symlink {cur!r}")
             if not stat.S_ISDIR(st.st_mode):
-                self.refuse(f"{rel!r}: parent {cur!r} is not a directory")
+                self.refuse(f"member {self.name!r}: parent {cur!r} is not a directory")
             self.real_dirs.add(cur)
         return os.path.join(self.root, rel)
 
@@ -297,6 +362,7 @@ class _Layers:
                 os.unlink(full)
 
     def apply(self, fileobj, digest: str, label: str) -> None:
+        self.label = ""
         hashing = _Hashing(fileobj)
         reader = io.BufferedReader(hashing, 1 << 20)
         head = reader.peek(4)[:4]
@@ -304,6 +370,7 @@ class _Layers:
             self.refuse(f"{label}: zstd layers are not supported (gzip or uncompressed tar)")
         stream = gzip.GzipFile(fileobj=reader) if head[:2] == b"\x1f\x8b" else reader
         made: set[str] = set()  # paths this layer wrote: an opaque dir keeps them
+        self.label = label
         try:
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 for m in tar:
@@ -312,32 +379,41 @@ class _Layers:
         except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as err:
             if isinstance(err, ImageError):
                 raise
-            self.refuse(f"{label}: unreadable layer: {type(err).__name__}: {err}")
+            self.refuse(f"unreadable layer: {type(err).__name__}: {err}")
         reader.read()
         got = hashing.drain()
+        self.label = ""
         if got != digest:
             self.refuse(f"{label}: layer digest mismatch ({got[:23]}... != {digest[:23]}...)")
 
     def member(self, tar, m: tarfile.TarInfo, made: set) -> None:
+        self.name = m.name
         rel = self.rel(m.name)
         base = rel.rpartition("/")[2]
+        if any(p.startswith(WHITEOUT + WHITEOUT) and p != OPAQUE for p in rel.split("/")):
+            return  # aufs metadata (.wh..wh.plnk, .wh..wh.aufs): not the image's files
         if base == OPAQUE:
             d = rel.rpartition("/")[0]
             if self.parent_ok(rel, make=False):
                 self.opaque(d, made)
             return
         if base.startswith(WHITEOUT):
-            target = posixpath_join(rel.rpartition("/")[0], base[len(WHITEOUT) :])
-            if self.parent_ok(target, make=False):
+            name = base[len(WHITEOUT) :]
+            if name in ("", ".", "..") or "/" in name:
+                self.refuse(f"whiteout {m.name!r} names no file")
+            target = posixpath_join(rel.rpartition("/")[0], name)
+            # a whiteout hides what the layers below have, not this layer's own (OCI changesets)
+            if target not in made and self.parent_ok(target, make=False):
                 self.remove(target)
             return
         if rel == "":  # the root itself: its mode only
             if m.isdir():
                 self.dir_modes[""] = (m.mode, m.mtime, m.uid, m.gid)
             return
-        if m.ischr() or m.isblk():
-            return  # device nodes: skipped (the sandbox makes its own /dev)
         full = self.parent_ok(rel, make=True)
+        if m.ischr() or m.isblk():  # device nodes: skipped (the sandbox makes its own /dev), but
+            self.remove(rel)  # what the layers below had there is replaced all the same
+            return
         made.add(rel)
         if m.isdir():
             try:
@@ -355,7 +431,7 @@ class _Layers:
         if m.issym():
             os.symlink(m.linkname, full)
         elif m.islnk():
-            target = self.rel(m.linkname, "hard link target")
+            target = self.rel(m.linkname, f"hard link {m.name!r} -> target")
             src = self.parent_ok(target, make=False) if target else ""
             if (
                 not src
@@ -380,7 +456,9 @@ class _Layers:
         if self.as_root:
             os.lchown(full, m.uid, m.gid)
         if not m.issym():
-            os.chmod(full, m.mode & 0o1777)  # setuid / setgid dropped
+            os.chmod(full, m.mode & 0o1777)  # setuid / setgid dropped (reported)
+            if m.mode & 0o6000 and m.isreg():
+                self.setuid.append(os.path.relpath(full, self.root))
         os.utime(full, (m.mtime, m.mtime), follow_symlinks=False)
 
     def opaque(self, d: str, made: set) -> None:
@@ -434,14 +512,32 @@ def read_info(image_dir: str) -> dict | None:
         return None
 
 
-def unpack(src: str, out: str, names: tuple[str, ...] = ()) -> dict:
+def unpack(src: str, out: str, names: tuple[str, ...] = (), ref: str = "") -> dict:
     """Unpacks the image at `src` (an OCI layout directory, or a tar: docker save, or an OCI
     layout archived) under `out` (module docstring); its image.json as a dict, with `cached`
-    True when it was already there. Raises ImageError."""
-    os.makedirs(out, exist_ok=True)
-    s = _Source(src)
+    True when it was already there. `ref` picks the image of a source that holds several (an
+    OCI index's `org.opencontainers.image.ref.name`, a docker save's RepoTags). Raises
+    ImageError, leaving `out` as it was (not made when it was not there)."""
+    new_out = not os.path.lexists(out)
     try:
-        plan = _plan(s)
+        s = _Source(src)
+        os.makedirs(out, exist_ok=True)
+    except OSError as err:
+        raise ImageError(f"--out {out}: {err.strerror or err}") from err
+    except ImageError:
+        raise
+    try:
+        return _unpack(s, src, out, names, ref)
+    except ImageError:
+        if new_out:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
+
+
+def _unpack(s: _Source, src: str, out: str, names: tuple, ref: str) -> dict:
+    try:
+        plan = _plan(s, ref)
         final = _digest_dir(out, plan.digest)
         info = read_info(final)
         cached = info is not None
@@ -460,6 +556,7 @@ def unpack(src: str, out: str, names: tuple[str, ...] = ()) -> dict:
                 layers.finish_dirs()
                 cfg = plan.config.get("config") or {}
                 info = {"digest": plan.digest, "source": os.path.abspath(src),
+                        "setuid_dropped": layers.setuid,
                         "env": list(cfg.get("Env") or []), "workdir": cfg.get("WorkingDir") or "",
                         "user": cfg.get("User") or "", "cmd": cfg.get("Cmd") or [],
                         "architecture": plan.config.get("architecture", ""),

@@ -94,13 +94,19 @@ class RepoEpisode(Episode):
     view: object = None  # an image task's view (rl.envs.repo_images.View; its mode: view.mode)
 
 
-def check_record(record: dict) -> dict:
-    """`record`, or a ValueError naming the field when it sets `test_cmd` (not supported)."""
+def check_record(record: dict, env=None) -> dict:
+    """`record`, or a ValueError naming the field when it sets `test_cmd` (not supported). With
+    `env` (config.env, at load time in launch.train): an image record under
+    env.isolation=rlimits, or whose image is not under env.images_dir, is refused too, before
+    the run starts rather than at its first episode."""
     if record.get("test_cmd"):
         raise ValueError(
             f"repo record {record.get('instance_id', '')!r}: test_cmd={record['test_cmd']!r} is "
             "not supported (grading runs fail_to_pass/pass_to_pass with pytest); drop the field"
         )
+    if env is not None and record.get("image"):
+        mode = "rlimits" if isolation_of(env) == "rlimits" else "bwrap"  # auto: checked before
+        repo_images.check(record, mode, env.get("images_dir") or "")
     return record
 
 

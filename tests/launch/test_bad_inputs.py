@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import pytest
 
-from launch import bench, export, train
+from launch import bench, export, images, train
 from launch import eval as eval_
 from tests.conftest import ROOT  # (as a script too: the 8 fake devices)
 
@@ -35,7 +35,9 @@ class Case(NamedTuple):
     message: str  # the beginning of the error line, after "error: "
     argv: list[str]
     setup: object = None  # setup(monkeypatch) makes the bad files in the working directory
-    entry: str = "train"  # launch.train | launch.eval | launch.export | launch.bench
+    entry: str = (
+        "train"  # launch.train | launch.eval | launch.export | launch.bench | launch.images
+    )
     workdir: str = "run"  # launch.train's --workdir: the finished run, or a new one ("new")
 
 
@@ -66,6 +68,44 @@ def half(name):  # the first half of the asset's file
     with open(os.path.join(ASSET, name), "rb") as f:
         data = f.read()
     return data[: len(data) // 2]
+
+
+def image(layers=None, drop_layer=False, layer_digest=None):
+    """An OCI layout `img` (tests/rl/image_helpers.py) of `layers`, its layer blob deleted or
+    stored under another digest."""
+
+    def setup(_):
+        from tests.rl.image_helpers import write_oci
+
+        layers_ = layers or [BAD_LAYER]
+        write_oci("img", layers_, layer_digests={0: layer_digest} if layer_digest else None)
+        if drop_layer:
+            os.unlink(os.path.join("img", "blobs", "sha256", _sha_hex(layers_[0])))
+
+    return setup
+
+
+def _sha_hex(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _layer(name):
+    from tests.rl.image_helpers import layer
+
+    return layer([(name, "file", b"x", 0o644)])
+
+
+BAD_LAYER = _layer("ok")
+EVIL_LAYER = _layer("../evil")
+
+
+def not_an_image(_):
+    import tarfile
+
+    with tarfile.open("notimg.tar", "w") as t:
+        t.addfile(tarfile.TarInfo("readme"))
 
 
 def hf_config(**changes):
@@ -279,6 +319,11 @@ CATALOGUE = [
     Case("bench-plots-file-missing", "`python -m launch.bench plots --sampler=nope.json`", "--sampler=nope.json: no such file or directory; write it with python -m launch.bench sampler --batch_sweep 8,16,32 --output nope.json", ["plots", "--sampler=nope.json"], entry="bench"),
     Case("bench-plots-out-a-file", "`python -m launch.bench plots --out=afile`, afile a file (--out is a directory)", "--out afile: afile is not a directory", ["plots", "--out=afile"], write("afile", "x"), entry="bench"),
     Case("bench-plots-wrong-json", "`python -m launch.bench plots --sampler=learn.json`, learn.json the JSON of another benchmark", "--sampler=learn.json: no 'batch_sweep' in it; write it with python -m launch.bench sampler --batch_sweep 8,16,32 --output learn.json", ["plots", "--sampler=learn.json"], write("learn.json", '{"device": "cpu", "tokens_per_s": 1.0}'), entry="bench"),
+    Case("images-src-missing", "`python -m launch.images unpack nope --out imgs`", "nope: no such file or directory", ["unpack", "nope", "--out", "imgs"], entry="images"),
+    Case("images-not-an-image", "`python -m launch.images unpack notimg.tar --out imgs`, a tar of other files", "notimg.tar: no index.json + oci-layout (OCI layout) or manifest.json (docker save)", ["unpack", "notimg.tar", "--out", "imgs"], not_an_image, entry="images"),
+    Case("images-layer-missing", "`python -m launch.images unpack img --out imgs`, img an OCI layout without its layer blob", f"img: blobs/sha256/{_sha_hex(BAD_LAYER)}: No such file or directory", ["unpack", "img", "--out", "imgs"], image(drop_layer=True), entry="images"),
+    Case("images-digest-mismatch", "`python -m launch.images unpack img --out imgs`, its layer's bytes not its digest", f"img: layer 0 (blobs/sha256/{'0' * 64}): layer digest mismatch (sha256:{_sha_hex(BAD_LAYER)[:16]}... != sha256:{'0' * 16}...)", ["unpack", "img", "--out", "imgs"], image(layer_digest="sha256:" + "0" * 64), entry="images"),
+    Case("images-hostile-member", "`python -m launch.images unpack img --out imgs`, a layer member ../evil", f"img: layer 0 (blobs/sha256/{_sha_hex(EVIL_LAYER)}): member '../evil' escapes the root", ["unpack", "img", "--out", "imgs"], image([EVIL_LAYER]), entry="images"),
 ]  # fmt: skip
 
 
@@ -309,7 +354,8 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
         case.setup(monkeypatch)
     argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
     before = snapshot(".")
-    rc = {"train": train, "eval": eval_, "export": export, "bench": bench}[case.entry].main(argv)
+    mains = {"train": train, "eval": eval_, "export": export, "bench": bench, "images": images}
+    rc = mains[case.entry].main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and "Traceback" not in err, err

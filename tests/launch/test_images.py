@@ -31,6 +31,7 @@ BOTTOM = layer([
     ("dev", "dir", None, 0o755),
     ("dev/null", "chr", None, 0o666),  # a device node: skipped
     ("ro", "dir", None, 0o555),  # read-only, yet filled by the next layer
+    ("was_file", "file", b"lower", 0o644),  # the next layer's device node replaces it
 ], compress=True)  # fmt: skip
 TOP = layer([
     ("opt/old/.wh..wh..opq", "file", b"", 0o644),  # opaque: a and sub/ of the layer below gone
@@ -40,6 +41,11 @@ TOP = layer([
     ("usr/bin/tool2", "link", "usr/bin/tool", 0o755),  # a hard link
     ("ro/inside", "file", b"in", 0o444),
     ("fifo", "fifo", None, 0o644),
+    ("was_file", "chr", None, 0o644),
+    ("same", "file", b"kept", 0o644),  # a whiteout hides the layers below, not its own layer's
+    (".wh.same", "file", b"", 0o644),
+    (".wh..wh.plnk", "dir", None, 0o700),  # aufs metadata: skipped
+    (".wh..wh.plnk/1.2", "file", b"x", 0o644),
 ])  # fmt: skip
 EXPECTED = {
     "etc": ("dir", 0o755, None),
@@ -60,6 +66,7 @@ EXPECTED = {
     "ro": ("dir", 0o555, None),
     "ro/inside": ("file", 0o444, b"in"),
     "fifo": ("other", 0o644, None),
+    "same": ("file", 0o644, b"kept"),
 }
 
 
@@ -82,8 +89,11 @@ def test_oci_layout_unpacks_to_the_expected_tree_and_a_second_unpack_is_free(tmp
         assert os.path.realpath(out / safe_name(name)) == str(rootfs.parent)
     assert safe_name("org/task:v1") == "org_task_v1"
     before = os.stat(rootfs / "etc/hosts").st_ino
+    assert "setuid/setgid dropped on 1 files (usr/bin/tool, ...)" in line, line
     info = unpack(str(src), str(out))
-    assert info["cached"] and info["digest"] == digest
+    assert (
+        info["cached"] and info["digest"] == digest and info["setuid_dropped"] == ["usr/bin/tool"]
+    )
     assert info["workdir"] == "/testbed" and "PATH=/usr/local/bin:/usr/bin:/bin" in info["env"]
     assert os.stat(rootfs / "etc/hosts").st_ino == before  # not unpacked again
     assert sorted(os.listdir(out)) == sorted(["sha256-" + digest[7:], "org_task_v1",
@@ -115,12 +125,23 @@ def _hostile():
         "hard link to nothing": [layer([ok, ("h", "link", "missing", 0o644)])],
         "hard link through a symlink": [
             layer([("out", "sym", "/etc", 0o777), ("h", "link", "out/passwd", 0o644)])],
+        "whiteout of '..'": [layer([ok]), layer([(".wh..", "file", b"", 0o644)])],
+        "whiteout of the root": [layer([ok]), layer([("d/.wh.", "file", b"", 0o644)])],
     }  # fmt: skip
+
+
+NAMED = {"path escaping the root": "../evil", "absolute member path": "/evil",
+         "write through an absolute symlink": "out/evil", "write through a relative symlink":
+         "up/evil", "whiteout through a symlink": "out/.wh.passwd", "hard link pointing outside":
+         "../../etc/passwd", "absolute hard link": "/etc/passwd", "hard link to nothing": "missing",
+         "hard link through a symlink": "h", "whiteout of '..'": ".wh..",
+         "whiteout of the root": "d/.wh."}  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", ["oci", "docker"])
 def test_hostile_archives_are_refused_with_one_line(tmp_path, capsys, fmt):
     cases = _hostile()
+    assert set(cases) == set(NAMED)
     good = layer([("ok", "file", b"x", 0o644)])
     canary = tmp_path / "canary"
     canary.write_text("host")
@@ -129,10 +150,11 @@ def test_hostile_archives_are_refused_with_one_line(tmp_path, capsys, fmt):
         (write_oci if fmt == "oci" else write_docker_save)(str(src), layers)
         with pytest.raises(ImageError):
             unpack(str(src), str(out))
-        assert os.listdir(out) == [], why  # nothing half-unpacked is left
-        assert main(["unpack", str(src), "--out", str(out)]) == 1
+        assert not os.path.exists(out), why  # nothing half-unpacked is left, not even out
+        assert main(["unpack", str(src), "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("refused: ") and err.count("\n") == 1, (why, err)
+        assert err.startswith(f"error: {src}: layer ") and err.count("\n") == 1, (why, err)
+        assert f"'{NAMED[why]}'" in err, (why, err)  # the member, quoted
     assert canary.read_text() == "host" and not os.path.exists("/tmp/evil")
     # A layer whose bytes are not its digest: the manifest's (OCI) or the config's diff_id.
     src, out = tmp_path / "mismatch", tmp_path / "out-mismatch"
@@ -140,7 +162,102 @@ def test_hostile_archives_are_refused_with_one_line(tmp_path, capsys, fmt):
         write_oci(str(src), [good], layer_digests={0: "sha256:" + "0" * 64})
     else:
         write_docker_save(str(src), [good], config={"rootfs": {"diff_ids": ["sha256:" + "1" * 64]}})
-    assert main(["unpack", str(src), "--out", str(out)]) == 1
+    assert main(["unpack", str(src), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "digest mismatch" in err and err.count("\n") == 1, err
-    assert os.listdir(out) == []
+    assert not os.path.exists(out)  # not even made
+
+
+def test_sources_of_several_images_platforms_and_broken_sources(tmp_path, capsys):
+    """An OCI layout of two tags or a `docker save A B` needs --ref (refused in one line naming
+    them); an index of platforms gives this machine's (or refuses); a missing source, a tar that
+    is not an image, a missing layer blob and a symlink loop in a docker save: one line, exit 2."""
+    import json
+
+    import tests.rl.image_helpers as h
+    from rl.oci import host_arch
+
+    one, two = layer([("f", "file", b"one", 0o644)]), layer([("f", "file", b"two", 0o644)])
+    src = tmp_path / "oci"
+    d1 = write_oci(str(src), [one], ref="org/a:v1")
+    first = json.loads((src / "index.json").read_text())["manifests"]
+    d2 = write_oci(str(src), [two], ref="org/b:v2")  # skopeo copy ... oci:src:<tag>, twice
+    index = json.loads((src / "index.json").read_text())
+    index["manifests"] += first
+    (src / "index.json").write_text(json.dumps(index))
+    save = tmp_path / "two.tar"
+    h.write_docker_save(str(save), [one], tags=("a:latest",))
+    import io
+    import tarfile
+
+    with tarfile.open(save) as t:  # a second image in the same tarball: docker save a b
+        files = {m.name: t.extractfile(m).read() for m in t.getmembers()}
+    entry = json.loads(files["manifest.json"])[0]
+    files["manifest.json"] = json.dumps([entry, {**entry, "RepoTags": ["b:latest"]}]).encode()
+    with tarfile.open(save, "w") as t:
+        for name, data in files.items():
+            m = tarfile.TarInfo(name)
+            m.size = len(data)
+            t.addfile(m, io.BytesIO(data))
+    for source, names in ((src, "org/a:v1, org/b:v2"), (save, "a:latest, b:latest")):
+        assert main(["unpack", str(source), "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert f"holds 2 images ({names}): name one with --ref" in err and err.count("\n") == 1
+    info = unpack(str(src), str(tmp_path / "out"), ref="org/a:v1")
+    assert info["digest"] == d1 and open(info["rootfs"] + "/f", "rb").read() == b"one"
+    assert unpack(str(src), str(tmp_path / "out"), ref="org/b:v2")["digest"] == d2
+    assert unpack(str(save), str(tmp_path / "out"), ref="b")["names"] == ["b:latest"]
+    with pytest.raises(ImageError, match="no image named 'org/c:v3'"):
+        unpack(str(src), str(tmp_path / "out"), ref="org/c:v3")
+
+    # An index of platforms (as a registry serves it): this machine's manifest, else refused.
+    plat = tmp_path / "plat"
+    mine = write_oci(str(plat), [one])
+    other = "arm64" if host_arch() != "arm64" else "amd64"
+    ms = [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:" +
+           "e" * 64, "size": 1, "platform": {"os": "linux", "architecture": other}},
+          {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": mine, "size": 1,
+           "platform": {"os": "linux", "architecture": host_arch()}}]  # fmt: skip
+    for name, entries in (("both", ms), ("other", ms[:1])):
+        data = json.dumps({"schemaVersion": 2, "manifests": entries}).encode()
+        digest = h._put(str(plat / "blobs" / "sha256"), data)
+        (plat / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+            {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": digest,
+             "size": len(data), "annotations": {"org.opencontainers.image.ref.name": "p"}}]}))  # fmt: skip
+        if name == "both":
+            assert unpack(str(plat), str(tmp_path / "out"))["digest"] == mine
+        else:
+            with pytest.raises(ImageError, match=f"no linux/{host_arch()} image .*linux/{other}"):
+                unpack(str(plat), str(tmp_path / "out"))
+
+    # Broken sources: one line each, exit 2, nothing made.
+    notimg = tmp_path / "notimg.tar"
+    with tarfile.open(notimg, "w") as t:
+        t.addfile(tarfile.TarInfo("readme"), io.BytesIO(b""))
+    nolayer = tmp_path / "nolayer"
+    write_oci(str(nolayer), [one])
+    os.unlink(nolayer / "blobs" / "sha256" / h._sha(one)[7:])
+    loop = tmp_path / "loop.tar"
+    h.write_docker_save(str(loop), [one])
+    with tarfile.open(loop) as t:
+        files = {m.name: t.extractfile(m).read() for m in t.getmembers()}
+    with tarfile.open(loop, "w") as t:  # the layer a symlink to a symlink to it
+        for name, data in files.items():
+            m = tarfile.TarInfo(name)
+            if name.endswith("layer.tar"):
+                m.type, m.linkname = tarfile.SYMTYPE, "x"
+                t.addfile(m)
+                m = tarfile.TarInfo(name.rpartition("/")[0] + "/x")
+                m.type, m.linkname = tarfile.SYMTYPE, "layer.tar"
+                t.addfile(m)
+                continue
+            m.size = len(data)
+            t.addfile(m, io.BytesIO(data))
+    for source, why in ((tmp_path / "nope", "no such file or directory"),
+                        (notimg, "no index.json + oci-layout (OCI layout) or manifest.json"),
+                        (nolayer, "No such file or directory"),
+                        (loop, "a loop of symlinks")):  # fmt: skip
+        assert main(["unpack", str(source), "--out", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {source}") and why in err and err.count("\n") == 1, err
+        assert not os.path.exists(tmp_path / "none")

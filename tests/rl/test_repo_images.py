@@ -2,7 +2,8 @@
 interpreter and standard library, its own pytest and a marker module, a small repository at
 /testbed; tests/rl/image_helpers.py) is unpacked once for the module; episodes run their tools and
 their graded run inside it with its python; 32 concurrent episodes on it are isolated and leave
-it unchanged; the cost per episode (disk, start-up) is measured against today's workspace copy of
+it unchanged; a venv in /testbed (R2E-Gym's layout) is graded with and stays the image's,
+read-only; the cost per episode (disk, start-up) is measured against today's workspace copy of
 a checkout of the same size; a SWE-Gym row converts and runs through --from_rows."""
 
 import json
@@ -132,6 +133,20 @@ def test_an_image_task_runs_in_the_image_and_is_graded_with_its_python(env, imag
         if commands:
             assert "conftest.py" in ep.restored
         env.close(ep)
+    # A record whose python is /testbed/.venv's (R2E-Gym's layout), the no-op again: graded with
+    # the venv's site-packages before the base's, .pth files read (test_venv passes); the venv
+    # is the image's, read-only in every run (a .pth file or a pytest of the model's there would
+    # run before the tamper check; a python of its own would report what it likes).
+    venv = "/testbed/.venv/lib/" + os.path.basename(os.path.dirname(os.__file__))
+    rec = task(python="/testbed/.venv/bin/python", pass_to_pass=["tests/test_venv.py::test_venv"])
+    ep = env.start(rec)
+    out = bash(env, ep, f"echo 'import os' > {venv}/site-packages/evil.pth; "
+               "mv /testbed/.venv /testbed/v2; rm -rf /testbed/.venv; ls /testbed/.venv")  # fmt: skip
+    assert f"{venv}/site-packages/evil.pth: Read-only file system" in out, out
+    assert "mv: cannot move '/testbed/.venv'" in out and "bin\nlib\npyvenv.cfg" in out, out
+    assert env.reward(ep) == 0.0 and not env.masked(ep), ep.infra_error
+    assert ep.metrics["pass_to_pass_frac"] == 1.0 and ep.metrics["fail_to_pass_frac"] == 0.0
+    env.close(ep)
     assert repo_images.tree_hash(image["rootfs"]) == before
 
 
@@ -155,27 +170,16 @@ def test_image_records_probe_the_python_and_refuse_what_cannot_run(env, image, t
         env.start(task(image="no/such:image"))
     with pytest.raises(ValueError, match="need bubblewrap"):
         repo_images.check(task(), "rlimits", image["dir"])
+    # at load time (launch.train.prepare), not at the run's first episode
+    from rl.envs.repo import check_record
+
+    with pytest.raises(ValueError, match="env.isolation=rlimits"):
+        check_record(task(), {"isolation": "rlimits", "images_dir": image["dir"]})
+    with pytest.raises(ValueError, match="not found"):
+        check_record(task(image="no/such:image"), {"isolation": "auto", "images_dir": image["dir"]})
+    assert check_record(task(), {"isolation": "auto", "images_dir": image["dir"]}) == task()
     for img in (image["path"], image["rootfs"]):  # a directory names its image too
         assert repo_images.load(task(image=img), None).rootfs == image["rootfs"]
-
-
-def test_a_venv_in_the_workdir_grades_and_stays_the_images(env, image):
-    """A record whose python is /testbed/.venv's (R2E-Gym's layout): graded with the venv's
-    site-packages before the base's, .pth files read; the venv is the image's, read-only, in
-    every run (a .pth file or a pytest of the model's there would run before the tamper check)."""
-    before = repo_images.tree_hash(image["rootfs"])
-    venv = "/testbed/.venv/lib/" + os.path.basename(os.path.dirname(os.__file__))
-    rec = task(python="/testbed/.venv/bin/python", pass_to_pass=["tests/test_venv.py::test_venv"])
-    ep = env.start(rec)
-    out = bash(env, ep, f"echo 'import os' > {venv}/site-packages/evil.pth; "
-               "mv /testbed/.venv /testbed/v2; rm -rf /testbed/.venv; ls /testbed/.venv")  # fmt: skip
-    assert not env.masked(ep), ep.infra_error
-    assert f"{venv}/site-packages/evil.pth: Read-only file system" in out, out
-    assert "mv: cannot move '/testbed/.venv'" in out and "bin\nlib\npyvenv.cfg" in out, out
-    fix(env, ep)
-    assert env.reward(ep) == 1.0, (ep.infra_error, ep.tamper, ep.metrics)
-    env.close(ep)
-    assert repo_images.tree_hash(image["rootfs"]) == before
 
 
 def test_a_python_the_model_could_replace_is_refused(tmp_path):
