@@ -10,7 +10,8 @@ digest, the image config's Env / WorkingDir / User / Cmd, the names), written la
 without it is an unpack that did not finish and is redone. `<hex>` is the manifest's digest (an
 OCI layout, or a `docker save` of Docker 25+, which carries one), or for a legacy `docker save`
 (manifest.json only) the image id, the config's digest (it lists every layer's diff_id). Each
-name of the image (OCI `org.opencontainers.image.ref.name`, docker `RepoTags`, `--name`) gets a
+name of the image (OCI `org.opencontainers.image.ref.name` or `io.containerd.image.name` when a
+full reference, not a bare tag such as skopeo's `latest`; docker `RepoTags`; `--name`) gets a
 symlink `out/<name with / and : replaced by _>` to it. An unpack works in `out/.tmp-*` and is
 renamed into place: two processes unpacking the same image at once both succeed. A source that
 holds several images (an OCI layout of several tags, `docker save A B`) needs `ref` (a ref name
@@ -222,7 +223,9 @@ def _oci_plan(s: _Source, ref: str = "") -> _Plan:
             raise ImageError(f"{s.src}: {'index.json' if not seen else 'an index'} lists no "
                              "manifest")  # fmt: skip
         desc = _pick(s.src, ms, ref if not seen else "", "index.json" if not seen else "its index")
-        names += [_refs(desc)[0]] if _refs(desc) else []
+        # names to link: a full reference; not a bare tag (skopeo's oci:DIR:latest names its
+        # image "latest": every image copied so would claim DIR/latest)
+        names += [n for n in _refs(desc) if "/" in n or ":" in n][:1]
         if desc.get("mediaType") not in _INDEX_TYPES:
             break
         index, seen = s.json(_blob(desc["digest"]), desc["digest"]), seen + 1

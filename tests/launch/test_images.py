@@ -32,6 +32,9 @@ BOTTOM = layer([
     ("dev/null", "chr", None, 0o666),  # a device node: skipped
     ("ro", "dir", None, 0o555),  # read-only, yet filled by the next layer
     ("was_file", "file", b"lower", 0o644),  # the next layer's device node replaces it
+    ("dir2file", "dir", None, 0o755),  # the next layer: a file here
+    ("dir2file/child", "file", b"c", 0o644),
+    ("file2dir", "file", b"f", 0o644),  # the next layer: a directory here
 ], compress=True)  # fmt: skip
 TOP = layer([
     ("opt/old/.wh..wh..opq", "file", b"", 0o644),  # opaque: a and sub/ of the layer below gone
@@ -42,6 +45,9 @@ TOP = layer([
     ("ro/inside", "file", b"in", 0o444),
     ("fifo", "fifo", None, 0o644),
     ("was_file", "chr", None, 0o644),
+    ("dir2file", "file", b"now a file", 0o644),
+    ("file2dir", "dir", None, 0o711),
+    ("file2dir/inside", "file", b"i", 0o644),
     ("same", "file", b"kept", 0o644),  # a whiteout hides the layers below, not its own layer's
     (".wh.same", "file", b"", 0o644),
     (".wh..wh.plnk", "dir", None, 0o700),  # aufs metadata: skipped
@@ -67,6 +73,9 @@ EXPECTED = {
     "ro/inside": ("file", 0o444, b"in"),
     "fifo": ("other", 0o644, None),
     "same": ("file", 0o644, b"kept"),
+    "dir2file": ("file", 0o644, b"now a file"),
+    "file2dir": ("dir", 0o711, None),
+    "file2dir/inside": ("file", 0o644, b"i"),
 }
 
 
@@ -226,6 +235,8 @@ def test_sources_of_several_images_platforms_and_broken_sources(tmp_path, capsys
              "size": len(data), "annotations": {"org.opencontainers.image.ref.name": "p"}}]}))  # fmt: skip
         if name == "both":
             assert unpack(str(plat), str(tmp_path / "out"))["digest"] == mine
+            # a bare tag (skopeo's oci:DIR:latest) names no image: no out/p, no out/latest
+            assert not {"p", "latest"} & set(os.listdir(tmp_path / "out"))
         else:
             with pytest.raises(ImageError, match=f"no linux/{host_arch()} image .*linux/{other}"):
                 unpack(str(plat), str(tmp_path / "out"))
