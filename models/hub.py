@@ -3,10 +3,11 @@
 `resolve("Qwen/Qwen2.5-0.5B-Instruct", revision)` returns (directory, commit): a local directory
 is returned as it is (commit ""), anything else is a Hub repo id fetched with
 `huggingface_hub.snapshot_download` into the Hub cache that transformers and datasets use
-(`HF_HOME`, `HF_HUB_CACHE`), for the files the loader reads only (`MODEL_FILES`). The usual
-environment applies: `HF_TOKEN` for private and gated repos, `HF_HUB_OFFLINE=1` to resolve from
-the cache alone. `revision` is a commit, branch or tag ("" = the default branch); the commit it
-resolved to is returned so that a run can record it and pin it later.
+(`HF_HOME`, `HF_HUB_CACHE`), for the files the loader reads only (`MODEL_FILES`; of the
+weights, the shards the index names). The usual environment applies: `HF_TOKEN` for private and
+gated repos, `HF_HUB_OFFLINE=1` to resolve from the cache alone. `revision` is a commit, branch
+or tag ("" = the default branch); the commit it resolved to is returned so that a run can record
+it and pin it later.
 
 A missing repo, a gated one without a token, a revision that does not exist or a snapshot that is
 not cached while offline raises `HubError`, one line naming `field`.
@@ -17,9 +18,14 @@ from __future__ import annotations
 import os
 import re
 
-# What models/hf.py and models/tokenizer.py read from a checkpoint directory.
+# What models/hf.py and models/tokenizer.py read from a checkpoint directory. WEIGHTS stands for
+# the weights the loader reads: the shards model.safetensors.index.json names, else
+# model.safetensors (fetched second, at the commit the other files resolved to), not every
+# *.safetensors of the repo: Mistral's repos also hold consolidated.safetensors (the same
+# weights again, 14 GB for 7B), others variants in subfolders.
+WEIGHTS, INDEX = "*.safetensors", "model.safetensors.index.json"
 MODEL_FILES = (
-    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+    "config.json", "generation_config.json", WEIGHTS, INDEX,
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "char_tokenizer.json",
 )  # fmt: skip
@@ -78,8 +84,55 @@ def resolve(
         if (*key, files) in _resolved:  # these files or with all the loader's
             return _resolved[(*key, files)]
     what = f"{field}={path!r}" + (f" ({revision_field}={revision!r})" if revision else "")
+    weights = repo_type == "model" and patterns is not None and WEIGHTS in patterns
+    first = tuple(p for p in patterns if p != WEIGHTS) if weights else patterns
+    directory = _download(huggingface_hub, errors, path, revision, repo_type, first, what,
+                          field, revision_field)  # fmt: skip
+    commit = os.path.basename(os.path.normpath(directory))
+    if not _COMMIT.match(commit):  # a snapshot directory is named by its commit
+        raise HubError(f"{what}: resolved to {directory}, not a snapshot of the Hub cache")
+    if weights:  # the shards the index names (or model.safetensors), at that commit
+        shards = weight_files(directory)
+        _download(huggingface_hub, errors, path, commit, repo_type, shards, what, field,
+                  revision_field, missing_ok=True)  # fmt: skip
+        missing = [f for f in shards if not os.path.isfile(os.path.join(directory, f))]
+        offline = constants.is_offline_mode()
+        fetch = (" in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch "
+                 "it once without HF_HUB_OFFLINE" if offline else "")  # fmt: skip
+        if missing and len(missing) < len(shards):  # offline: an interrupted download
+            raise HubError(f"{what}: the snapshot {commit} lacks {len(missing)} of the "
+                           f"{len(shards)} shards its {INDEX} names ({', '.join(missing[:3])})"
+                           + (fetch or " on the Hub"))  # fmt: skip
+        if missing:  # offline, huggingface_hub returns a cached snapshot whatever it holds
+            raise HubError(f"{what}: the snapshot {commit} has no *.safetensors weights"
+                           + (fetch or f" ({missing[0]}: only safetensors checkpoints are "
+                              "read)"))  # fmt: skip
+    _resolved[(path, commit, *key[2:], patterns)] = (directory, commit)  # a branch may move
+    return directory, commit
+
+
+def weight_files(directory: str) -> tuple[str, ...]:
+    """The safetensors files models/hf.py reads from a checkpoint directory: those its
+    model.safetensors.index.json names, else model.safetensors."""
+    index = os.path.join(directory, INDEX)
+    if not os.path.isfile(index):
+        return ("model.safetensors",)
+    import json
+
     try:
-        directory = huggingface_hub.snapshot_download(
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        return tuple(sorted(set(weight_map.values())))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return ("model.safetensors",)  # (models/hf.py names what is wrong with the index)
+
+
+def _download(hub, errors, path, revision, repo_type, patterns, what, field, revision_field,
+              missing_ok=False):  # fmt: skip
+    """snapshot_download's directory, its errors one-line HubErrors; with `missing_ok`, files
+    that are not cached (offline) are left for the caller to name."""
+    try:
+        return hub.snapshot_download(
             path, repo_type=repo_type, revision=revision or None,
             allow_patterns=list(patterns) if patterns else None,
         )  # fmt: skip
@@ -93,24 +146,11 @@ def resolve(
         raise HubError(f"{revision_field}={revision!r}: no such revision of {path} on "
                        "the Hub") from None  # fmt: skip
     except (errors.LocalEntryNotFoundError, _incomplete(errors)) as e:
+        if missing_ok:
+            return None
         raise HubError(_not_cached(path, revision, repo_type, field, revision_field, e)) from None
     except errors.HfHubHTTPError as e:
         raise HubError(f"{what}: {' '.join(str(e).split())[:200]}") from None
-    commit = os.path.basename(os.path.normpath(directory))
-    if not _COMMIT.match(commit):  # a snapshot directory is named by its commit
-        raise HubError(f"{what}: resolved to {directory}, not a snapshot of the Hub cache")
-    if (
-        repo_type == "model"
-        and patterns
-        and "*.safetensors" in patterns
-        and not any(name.endswith(".safetensors") for name in os.listdir(directory))
-    ):  # offline, huggingface_hub returns a cached snapshot whatever files it holds
-        raise HubError(f"{what}: the snapshot {commit} has no *.safetensors weights" + (
-            " in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it "
-            "once without HF_HUB_OFFLINE" if constants.is_offline_mode() else
-            " (only safetensors checkpoints are read)"))  # fmt: skip
-    _resolved[(path, commit, *key[2:], patterns)] = (directory, commit)  # a branch may move
-    return directory, commit
 
 
 def _incomplete(errors) -> type:
@@ -133,8 +173,10 @@ def _not_cached(path, revision, repo_type, field, revision_field, e) -> str:
     refs = os.path.join(folder, "refs")
     cached = sorted(os.path.relpath(os.path.join(root, name), refs)
                     for root, _, names in os.walk(refs) for name in names)  # fmt: skip
-    if "incomplete" in type(e).__name__.lower():
-        return f"{field}={path!r}: the cached snapshot is incomplete ({offline})"
+    if "incomplete" in type(e).__name__.lower():  # "... N file(s) are missing (a, b, c). ..."
+        what = re.search(r"(\d+ file\(s\) are missing \([^)]*(\([^)]*\))?\))", str(e))
+        return (f"{field}={path!r}: the cached snapshot is incomplete"
+                + (f", {what.group(1)}" if what else "") + f" ({offline})")  # fmt: skip
     short = re.fullmatch(r"[0-9a-f]{4,39}", revision or "")  # offline: refs and full commits only
     return (f"{revision_field}={revision or 'main'!r}: no snapshot of {path} for it in "
             f"the Hub cache (cached refs: {cached}; {offline}"

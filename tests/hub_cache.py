@@ -20,10 +20,22 @@ from huggingface_hub import constants, scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
 
 
-def add_snapshot(cache, repo_id: str, files: dict, commit: str, refs=("main",), repo_type="model"):
+def add_snapshot(cache, repo_id: str, files: dict, commit: str, refs=("main",), repo_type="model",
+                 listed=None):  # fmt: skip
     """Puts `files` ({path in the repo: bytes, or a local file to copy}) in `cache` as the
-    snapshot of `repo_id` at `commit` (40 hex digits), with `refs` pointing at it."""
+    snapshot of `repo_id` at `commit` (40 hex digits), with `refs` pointing at it. With `listed`
+    (paths of the repo at that commit that are not cached), also the repo's file listing, as
+    huggingface_hub's snapshot_download keeps it online (trees/<commit>.json, written by its
+    own write_tree_cache): offline it then refuses a snapshot missing a file it is asked for."""
     repo = os.path.join(os.fspath(cache), repo_folder_name(repo_id=repo_id, repo_type=repo_type))
+    if listed is not None:
+        from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+
+        sizes = {name: len(data) if isinstance(data, bytes) else os.path.getsize(data)
+                 for name, data in files.items()}  # fmt: skip
+        entries = {name: TreeCacheEntry(size=sizes.get(name, 1), blob_id=hashlib.sha1(
+            name.encode()).hexdigest()) for name in (*files, *listed)}  # fmt: skip
+        write_tree_cache(repo, commit, entries)
     for name, data in files.items():
         if not isinstance(data, bytes):
             with open(data, "rb") as f:

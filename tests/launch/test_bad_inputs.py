@@ -136,6 +136,20 @@ def hub_partial(monkeypatch):
     add_snapshot(os.path.abspath("hub"), "org/partial", files, "1" * 40)
 
 
+def hub_sharded(monkeypatch):
+    """hub_cache, and org/sharded at `main`: the asset with an index naming two shards, the
+    second not cached (an interrupted download)."""
+    from tests.hub_cache import add_snapshot
+
+    hub_cache(monkeypatch)
+    files = {n: os.path.join(ASSET, n) for n in os.listdir(ASSET) if n != "model.safetensors"}
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    files["model-00001-of-00002.safetensors"] = os.path.join(ASSET, "model.safetensors")
+    add_snapshot(os.path.abspath("hub"), "org/sharded", files, "2" * 40)
+
+
 def shadowed(monkeypatch):
     """hub_cache, and an empty directory org/tiny here: a local directory spelled like the id."""
     hub_cache(monkeypatch)
@@ -263,6 +277,7 @@ CATALOGUE = [
     Case("hub-id-shadowed", "`--config.model.hf_checkpoint=org/tiny`, an empty directory org/tiny in the working directory (the Hub cache holding org/tiny)", "config.model.hf_checkpoint='org/tiny': has no config.json (org/tiny is the local directory <cwd>/org/tiny, read before the Hub id of that spelling: move it, or run elsewhere, to use the Hub's)", EIGHT + ["--config.model.hf_checkpoint=org/tiny"], shadowed),
     Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
     Case("hub-snapshot-no-weights", "`--config.model.hf_checkpoint=org/partial`, offline, the cache holding its config files only (what a `--dry_run` fetched)", "config.model.hf_checkpoint='org/partial': the snapshot 1111111111111111111111111111111111111111 has no *.safetensors weights in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE", EIGHT + ["--config.model.hf_checkpoint=org/partial"], hub_partial),
+    Case("hub-snapshot-shard-missing", "`--config.model.hf_checkpoint=org/sharded`, offline, the cache holding one of the two shards its index names", "config.model.hf_checkpoint='org/sharded': the snapshot 2222222222222222222222222222222222222222 lacks 1 of the 2 shards its model.safetensors.index.json names (model-00002-of-00002.safetensors) in the Hub cache", EIGHT + ["--config.model.hf_checkpoint=org/sharded"], hub_sharded),
     Case("hf-data-file-missing", "`--config.data.train.type=hf --config.data.train.path=data/tain.parquet` (a typo)", "config.data.train.path='data/tain.parquet': no such data file", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/tain.parquet"], parquet_rows),
     Case("hf-data-split-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.split=validation`, data/ holding train.parquet", "config.data.train.split='validation': no such split of data (it has ['train'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.split=validation"], parquet_rows),
     Case("hf-data-subset-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.name=main`, data/ without subsets", "config.data.train.name='main': data: BuilderConfig 'main' not found. Available: ['default']", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.name=main"], parquet_rows),

@@ -116,6 +116,34 @@ def test_revision_picks_the_snapshot(hub):
         np.testing.assert_array_equal(np.asarray(pb[k]), 2 * np.asarray(pa[k]), err_msg=k)
 
 
+def test_a_sharded_checkpoint_is_fetched_for_the_shards_its_index_names(tmp_path, monkeypatch):
+    """A sharded repo laid out as Mistral's (the index's shards, and consolidated.safetensors and
+    a subfolder's safetensors besides, in the repo's listing): the loader's files are its
+    config, index, tokenizer and the shards the index names, so a cache holding those (what
+    transformers fetches) resolves offline, where a '*.safetensors' pattern asked for the rest
+    (huggingface_hub's listing check refused it as incomplete; online it fetched them: 14 GB
+    more for Mistral-7B). A missing shard is one line naming it."""
+    from models.hub import HubError, resolve
+
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    files = {"config.json": b"{}", "model.safetensors.index.json": json.dumps(index).encode(),
+             "model-00001-of-00002.safetensors": b"1", "model-00002-of-00002.safetensors": b"2",
+             "tokenizer.json": b"{}"}  # fmt: skip
+    listed = ["consolidated.safetensors", "fp8/model.safetensors", "tokenizer.model", "README.md"]
+    snapshot = add_snapshot(tmp_path, "org/sharded", files, A, listed=listed)
+    offline_hub(monkeypatch, tmp_path)
+    assert resolve("org/sharded") == (snapshot, A)
+    os.remove(os.path.join(snapshot, "model-00002-of-00002.safetensors"))
+    with pytest.raises(HubError) as e:
+        resolve("org/sharded")
+    assert str(e.value) == (
+        f"config.model.hf_checkpoint='org/sharded': the snapshot {A} lacks 1 of the 2 shards its "
+        "model.safetensors.index.json names (model-00002-of-00002.safetensors) in the Hub cache "
+        "(it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE"
+    )
+
+
 @pytest.mark.parametrize(
     "error, message",
     [
