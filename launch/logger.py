@@ -114,12 +114,18 @@ def _wandb_run(workdir: str, config):
 
     w, id_file = config.log, os.path.join(workdir, WANDB_ID_FILE)
     run_id = open(id_file).read().strip() if os.path.exists(id_file) else None
-    run = wandb.init(
-        project=w.wandb_project or None, entity=w.wandb_entity or None,
-        name=w.wandb_name or os.path.basename(os.path.normpath(workdir)),
-        tags=list(w.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
-        dir=workdir, config=config_json(config),
-    )  # fmt: skip
+    try:
+        run = wandb.init(
+            project=w.wandb_project or None, entity=w.wandb_entity or None,
+            name=w.wandb_name or os.path.basename(os.path.normpath(workdir)),
+            tags=list(w.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
+            dir=workdir, config=config_json(config),
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 (no key, the server unreachable: one line)
+        from launch.cli import UsageError
+        from launch.validate import wandb_error
+
+        raise UsageError(wandb_error(e)) from None
     if run_id is None:
         with open(id_file, "w") as f:
             f.write(run.id)

@@ -39,7 +39,14 @@ from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
 from launch.preemption import Preemption
-from launch.validate import check_isolation, pin_data, pin_model, prepare_workdir, validate
+from launch.validate import (
+    check_isolation,
+    check_wandb_login,
+    pin_data,
+    pin_model,
+    prepare_workdir,
+    validate,
+)
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
@@ -91,7 +98,13 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         summary["hf_commit"] = config.model.hf_commit
     if config.data.train.get("hf_commit"):  # and the Hub dataset's its prompts came from
         summary["data_hf_commit"] = config.data.train.hf_commit
-    log = RunLogger(workdir, enabled=main_process, config=config)
+    try:
+        log = RunLogger(workdir, enabled=main_process, config=config)
+    except UsageError as e:  # wandb.init failed (launch.validate.check_wandb_login passed)
+        if jax.process_count() > 1:
+            raise  # process 0 alone: peer_failed exits it, the others stop in the next collective
+        ckpt.close()
+        return fail(str(e))
     if start == 0:
         summary["accuracy_before"] = _evaluate(run, state, eval_records, log, 0)["accuracy"]
         print(f"held-out greedy accuracy before GRPO: {summary['accuracy_before']:.3f}",
@@ -187,6 +200,8 @@ def main(argv=None) -> int:
         pin_model(config, weights=not opts["dry_run"])
         pin_data(config)  # a Hub dataset id: its commit in config.data.train.hf_commit
         validate(config, jax.device_count(), runs_code=False)  # the sandbox is probed above
+        if not opts["dry_run"]:
+            check_wandb_login(config)  # process 0's W&B key, before the model loads
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)
     except UsageError as e:

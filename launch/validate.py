@@ -470,6 +470,53 @@ def _resolve_commit(c: ml_collections.ConfigDict, revision: str, weights: bool) 
         raise UsageError(str(e)) from None
 
 
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")  # WANDB_MODE values that need no login
+
+
+def check_wandb_login(c: ml_collections.ConfigDict) -> None:
+    """With log.wandb online (WANDB_MODE not offline / disabled) and no terminal to prompt on,
+    process 0 (the one that logs) has W&B credentials (WANDB_API_KEY, or `wandb login`'s),
+    checked with wandb.login(verify=False), which reads them without the network: before the
+    model loads, on every process (process 0's answer), instead of wandb.init's traceback after
+    it. With a terminal, wandb.init prompts for a key as usual."""
+    if not c.get("log", {}).get("wandb"):
+        return
+    if os.environ.get("WANDB_MODE", "online") in WANDB_LOCAL_MODES or _interactive():
+        return
+
+    def probe(_):
+        import contextlib
+        import io
+
+        import wandb
+
+        try:  # (its "Loaded credentials" lines: wandb.init prints its own)
+            with (
+                contextlib.redirect_stderr(io.StringIO()),
+                contextlib.redirect_stdout(io.StringIO()),
+            ):
+                wandb.login(verify=False)
+        except Exception as e:  # noqa: BLE001 (wandb's UsageError, AuthenticationError, ...)
+            raise UsageError(wandb_error(e)) from None
+        return ""
+
+    _agreed(probe, "")
+
+
+def wandb_error(e: Exception) -> str:
+    """The one line of a W&B start-up failure (no key, an invalid one, a bad WANDB_MODE)."""
+    said = " ".join(str(e).split())[:200]
+    return (f"config.log.wandb=True: W&B: {said} (set WANDB_API_KEY or run `wandb login` "
+            "first, or WANDB_MODE=offline to log locally and `wandb sync` later)")  # fmt: skip
+
+
+def _interactive() -> bool:
+    try:
+        return os.isatty(0)
+    except (OSError, ValueError):
+        return False
+
+
 def check_rewards(c: ml_collections.ConfigDict) -> None:
     """Calls each reward once on the first record of its split with G empty completions: a reward
     that does not return one number per completion fails here, before the workdir is touched,

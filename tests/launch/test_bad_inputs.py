@@ -150,6 +150,21 @@ def hub_sharded(monkeypatch):
     add_snapshot(os.path.abspath("hub"), "org/sharded", files, "2" * 40)
 
 
+def wandb_no_key(monkeypatch):
+    """W&B online (no WANDB_MODE), no WANDB_API_KEY, a HOME without `wandb login`'s netrc, no
+    terminal to prompt on (a TPU VM's ssh --command, a notebook's !python)."""
+    import tempfile
+
+    import launch.validate
+
+    pytest.importorskip("wandb")
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", tempfile.mkdtemp(prefix="home-"))  # (outside the case's files)
+    monkeypatch.setattr(launch.validate, "_interactive", lambda: False)
+
+
 def shadowed(monkeypatch):
     """hub_cache, and an empty directory org/tiny here: a local directory spelled like the id."""
     hub_cache(monkeypatch)
@@ -285,6 +300,7 @@ CATALOGUE = [
     Case("hf-data-bytes-column", "`--config.data.train.type=hf --config.data.train.path=data/blob.parquet`, a file with a column of bytes", "config.data.train.path='data/blob.parquet': columns ['image'] hold bytes (binary, or an Image / Audio feature), which a record cannot carry (records travel as JSON: the processes' batches, checkpoints); remove them (datasets' remove_columns, then save_to_disk) and read that", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/blob.parquet"], parquet_bytes),
     Case("datasets-missing", "`--config.data.train.type=hf`, the `datasets` library not installed", "config.data.train.type='hf': needs the datasets library: pip install -e '.[hub]'", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/data"], without("datasets")),
     Case("wandb-missing", "`--config.log.wandb=True`, the `wandb` library not installed", "config.log.wandb=True: needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)", EIGHT + ["--config.log.wandb=True"], without("wandb")),
+    Case("wandb-no-key", "`--config.log.wandb=True`, W&B online, no API key (no `WANDB_API_KEY`, no `wandb login`), no terminal", "config.log.wandb=True: W&B: No API key configured", EIGHT + ["--config.log.wandb=True"], wandb_no_key, workdir="new"),
     Case("checkpoint-config-garbled", "`--config.model.hf_checkpoint=ckpt`, its config.json cut short", "config.model.hf_checkpoint='ckpt': ckpt/config.json: invalid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": '{"architectures": '})),
     Case("checkpoint-unsupported-architecture", "`--config.model.hf_checkpoint=ckpt`, its config.json of a GPT2LMHeadModel (`model_type` gpt2)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: architectures=['GPT2LMHeadModel'] is not supported", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(model_type="gpt2", architectures=["GPT2LMHeadModel"])})),
     Case("checkpoint-unsupported-model-type", "`--config.model.hf_checkpoint=ckpt`, its config.json with `model_type` gpt2 beside `architectures` LlamaForCausalLM", "config.model.hf_checkpoint='ckpt': ckpt/config.json: model_type='gpt2' with architectures=['LlamaForCausalLM'] is not supported (that architecture's model_type is 'llama'); supported: LlamaForCausalLM (llama), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3)", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(model_type="gpt2")})),

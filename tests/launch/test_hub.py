@@ -211,6 +211,29 @@ def test_only_process_0_logs_to_wandb(tmp_path, monkeypatch):
     assert log.wandb is None and os.listdir(tmp_path) == []
 
 
+def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
+    """wandb.init failing after the start-up check (the server unreachable, the key refused)
+    is a UsageError of one line naming log.wandb (launch.train prints it and stops), not
+    wandb's traceback."""
+    import wandb
+
+    from launch.cli import UsageError, parse_args
+    from launch.logger import RunLogger
+
+    def refuse(**_):
+        raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.\nPlease...")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    config = parse_args(["--config.log.wandb=True"], {})[0]
+    with pytest.raises(UsageError) as e:
+        RunLogger(str(tmp_path), config=config)
+    assert str(e.value) == (
+        "config.log.wandb=True: W&B: Run initialization has timed out after 90.0 sec. Please... "
+        "(set WANDB_API_KEY or run `wandb login` first, or WANDB_MODE=offline to log locally "
+        "and `wandb sync` later)"
+    )
+
+
 def readme_commands() -> list[list[str]]:
     """The README's real-model quick start (the block after `<!-- hub quick start -->`), one
     argv per command, `python -m` and line continuations removed, comments dropped."""
