@@ -140,8 +140,8 @@ def _download(hub, errors, path, revision, repo_type, patterns, what, field, rev
         raise HubError(f"{what}: a gated repo; accept its terms on huggingface.co and set "
                        "HF_TOKEN (or `hf auth login`)") from None  # fmt: skip
     except errors.RepositoryNotFoundError:
-        raise HubError(f"{what}: no such {repo_type} repo on the Hub (or it is private: set "
-                       "HF_TOKEN)") from None  # fmt: skip
+        raise HubError(f"{what}: not a local directory, and no such {repo_type} repo on the Hub "
+                       "(or it is private: set HF_TOKEN)") from None  # fmt: skip
     except errors.RevisionNotFoundError:
         raise HubError(f"{revision_field}={revision!r}: no such revision of {path} on "
                        "the Hub") from None  # fmt: skip

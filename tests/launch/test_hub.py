@@ -147,7 +147,7 @@ def test_a_sharded_checkpoint_is_fetched_for_the_shards_its_index_names(tmp_path
 @pytest.mark.parametrize(
     "error, message",
     [
-        ("RepositoryNotFoundError", "config.model.hf_checkpoint='org/x' (config.model.revision='v1'): no such model repo on the Hub (or it is private: set HF_TOKEN)"),
+        ("RepositoryNotFoundError", "config.model.hf_checkpoint='org/x' (config.model.revision='v1'): not a local directory, and no such model repo on the Hub (or it is private: set HF_TOKEN)"),
         ("GatedRepoError", "config.model.hf_checkpoint='org/x' (config.model.revision='v1'): a gated repo; accept its terms on huggingface.co and set HF_TOKEN (or `hf auth login`)"),
         ("RevisionNotFoundError", "config.model.revision='v1': no such revision of org/x on the Hub"),
     ],
