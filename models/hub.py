@@ -176,7 +176,8 @@ def _not_cached(path, revision, repo_type, field, revision_field, e) -> str:
     if "incomplete" in type(e).__name__.lower():  # "... N file(s) are missing (a, b, c). ..."
         what = re.search(r"(\d+ file\(s\) are missing \([^)]*(\([^)]*\))?\))", str(e))
         return (f"{field}={path!r}: the cached snapshot is incomplete"
-                + (f", {what.group(1)}" if what else "") + f" ({offline})")  # fmt: skip
+                + (f", {what.group(1)}" if what else "") + f" ({offline}): fetch it once "
+                + ("without HF_HUB_OFFLINE" if constants.is_offline_mode() else "online"))  # fmt: skip
     short = re.fullmatch(r"[0-9a-f]{4,39}", revision or "")  # offline: refs and full commits only
     return (f"{revision_field}={revision or 'main'!r}: no snapshot of {path} for it in "
             f"the Hub cache (cached refs: {cached}; {offline}"

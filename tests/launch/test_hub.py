@@ -142,6 +142,20 @@ def test_a_sharded_checkpoint_is_fetched_for_the_shards_its_index_names(tmp_path
         "model.safetensors.index.json names (model-00002-of-00002.safetensors) in the Hub cache "
         "(it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE"
     )
+    # what a --dry_run fetched, with the listing: huggingface_hub names the missing files
+    add_snapshot(
+        tmp_path,
+        "org/dry",
+        {"config.json": b"{}"},
+        B,
+        listed=["tokenizer.json", "model.safetensors"],
+    )
+    with pytest.raises(HubError) as e:
+        resolve("org/dry")
+    assert str(e.value) == (
+        "config.model.hf_checkpoint='org/dry': the cached snapshot is incomplete, 1 file(s) are "
+        "missing (tokenizer.json) (HF_HUB_OFFLINE=1): fetch it once without HF_HUB_OFFLINE"
+    )
 
 
 @pytest.mark.parametrize(
