@@ -14,10 +14,15 @@ subprocesses (the environment) at the cache, offline.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 
 from huggingface_hub import constants, scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
+
+# recent huggingface_hub releases (2.4 here) keep repo listings in the cache and check cached
+# snapshots against them offline; older ones have neither
+LISTINGS = importlib.util.find_spec("huggingface_hub._tree_cache") is not None
 
 
 def add_snapshot(cache, repo_id: str, files: dict, commit: str, refs=("main",), repo_type="model",
@@ -26,9 +31,10 @@ def add_snapshot(cache, repo_id: str, files: dict, commit: str, refs=("main",), 
     snapshot of `repo_id` at `commit` (40 hex digits), with `refs` pointing at it. With `listed`
     (paths of the repo at that commit that are not cached), also the repo's file listing, as
     huggingface_hub's snapshot_download keeps it online (trees/<commit>.json, written by its
-    own write_tree_cache): offline it then refuses a snapshot missing a file it is asked for."""
+    own write_tree_cache, where it has one: LISTINGS): offline it then refuses a snapshot missing
+    a file it is asked for."""
     repo = os.path.join(os.fspath(cache), repo_folder_name(repo_id=repo_id, repo_type=repo_type))
-    if listed is not None:
+    if listed is not None and LISTINGS:
         from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 
         sizes = {name: len(data) if isinstance(data, bytes) else os.path.getsize(data)
