@@ -375,6 +375,8 @@ def load_source(c: ml_collections.ConfigDict, split: str):
                             revision_field=f"config.data.{split}.revision")  # fmt: skip
         except HubError as e:
             raise UsageError(str(e)) from None
+        except SourceError as e:  # a subset the card does not hold, before any data file
+            raise UsageError(f"config.data.{split}.{e}") from None
     try:
         return load_records(src)
     except SourceError as e:  # "split='x': ..." -> config.data.train.split='x': ...

@@ -224,13 +224,15 @@ def hub_dataset_dir(
         raise HubError(f"{field}={path!r}: no such data file")  # not a Hub id: a typo'd file
     kw = dict(field=field, revision_field=revision_field, repo_type="dataset")
     card, commit = resolve(path, revision, allow_patterns=("README.md",), **kw)
-    return resolve(path, commit, allow_patterns=subset_files(card, name), **kw)[0]
+    return resolve(path, commit, allow_patterns=subset_files(card, name, path), **kw)[0]
 
 
-def subset_files(directory: str, name: str | None) -> tuple[str, ...] | None:
+def subset_files(directory: str, name: str | None, path: str = "") -> tuple[str, ...] | None:
     """The file patterns of subset `name` (None: the card's default, or its only one) in the
     `configs` of the dataset card directory/README.md (read with datasets' own MetadataConfigs),
-    with the card; None (every file) where the card does not say."""
+    with the card; None (every file) where the card does not say. A subset the card's configs
+    do not hold, or none asked of several without a default, raises SourceError("name"), before
+    any data file is fetched (else every file of every subset came down first)."""
     card = os.path.join(directory, "README.md")
     if not os.path.isfile(card):
         return None
@@ -238,10 +240,16 @@ def subset_files(directory: str, name: str | None) -> tuple[str, ...] | None:
     from huggingface_hub import DatasetCard
 
     configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
-    if name is None:
+    if configs and name is None:
         name = configs.get_default_config_name() or (
             next(iter(configs)) if len(configs) == 1 else None
         )
+        if name is None:
+            raise SourceError("name", "", f"{path or directory} has several subsets and no "
+                              f"default: name one of {sorted(configs)}")  # fmt: skip
+    if configs and name not in configs:
+        raise SourceError("name", name, f"{path or directory}: no such subset (it has "
+                          f"{sorted(configs)})")  # fmt: skip
     files = (configs.get(name) or {}).get("data_files")
     if isinstance(files, (str, dict)):
         files = [files]

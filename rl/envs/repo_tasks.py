@@ -195,6 +195,8 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
                                     revision_field=flag["revision"])  # fmt: skip
     except HubError as e:
         raise RowsError(str(e)) from None
+    except SourceError as e:  # a subset the card does not hold (before any data file)
+        raise RowsError(f"{flag.get(e.field, e.field)}{str(e)[len(e.field) :]}") from None
     hub = directory != os.path.expanduser(path)  # (local paths come back as they are)
     commit = os.path.basename(os.path.normpath(directory)) if hub else ""  # snapshots/<commit>
     source = {"type": "hf", "path": path, "name": name or "", "split": split,

@@ -165,6 +165,20 @@ def wandb_no_key(monkeypatch):
     monkeypatch.setattr(launch.validate, "_interactive", lambda: False)
 
 
+def hub_card(monkeypatch):
+    """hub_cache, and the dataset org/gsm at `main`: its card only, whose configs are the
+    subsets main and socratic (openai/gsm8k's)."""
+    from tests.hub_cache import add_snapshot
+
+    hub_cache(monkeypatch)
+    card = "---\nconfigs:\n" + "".join(
+        f"- config_name: {n}\n  data_files:\n  - split: train\n    path: {n}/train-*\n"
+        for n in ("main", "socratic")
+    )
+    add_snapshot(os.path.abspath("hub"), "org/gsm", {"README.md": (card + "---\n").encode()},
+                 "3" * 40, repo_type="dataset")  # fmt: skip
+
+
 def shadowed(monkeypatch):
     """hub_cache, and an empty directory org/tiny here: a local directory spelled like the id."""
     hub_cache(monkeypatch)
@@ -291,6 +305,7 @@ CATALOGUE = [
     Case("hub-revision-missing", "`--config.model.hf_checkpoint=org/tiny --config.model.revision=v9`, offline, the cache holding `main` only", "config.model.revision='v9': no snapshot of org/tiny for it in the Hub cache (cached refs: ['main']; HF_HUB_OFFLINE=1)", EIGHT + ["--config.model.hf_checkpoint=org/tiny", "--config.model.revision=v9"], hub_cache),
     Case("hub-id-shadowed", "`--config.model.hf_checkpoint=org/tiny`, an empty directory org/tiny in the working directory (the Hub cache holding org/tiny)", "config.model.hf_checkpoint='org/tiny': has no config.json (org/tiny is the local directory <cwd>/org/tiny, read before the Hub id of that spelling: move it, or run elsewhere, to use the Hub's)", EIGHT + ["--config.model.hf_checkpoint=org/tiny"], shadowed),
     Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
+    Case("hub-dataset-subset-missing", "`--config.data.train.type=hf --config.data.train.path=org/gsm --config.data.train.name=mian`, offline, the card's subsets main and socratic (no data file fetched)", "config.data.train.name='mian': org/gsm: no such subset (it has ['main', 'socratic'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/gsm", "--config.data.train.name=mian"], hub_card),
     Case("hub-snapshot-no-weights", "`--config.model.hf_checkpoint=org/partial`, offline, the cache holding its config files only (what a `--dry_run` fetched)", "config.model.hf_checkpoint='org/partial': the snapshot 1111111111111111111111111111111111111111 has no *.safetensors weights in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE", EIGHT + ["--config.model.hf_checkpoint=org/partial"], hub_partial),
     Case("hub-snapshot-shard-missing", "`--config.model.hf_checkpoint=org/sharded`, offline, the cache holding one of the two shards its index names", "config.model.hf_checkpoint='org/sharded': the snapshot 2222222222222222222222222222222222222222 lacks 1 of the 2 shards its model.safetensors.index.json names (model-00002-of-00002.safetensors) in the Hub cache", EIGHT + ["--config.model.hf_checkpoint=org/sharded"], hub_sharded),
     Case("hf-data-file-missing", "`--config.data.train.type=hf --config.data.train.path=data/tain.parquet` (a typo)", "config.data.train.path='data/tain.parquet': no such data file", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/tain.parquet"], parquet_rows),

@@ -242,8 +242,8 @@ def test_rows_from_a_hub_dataset_convert_as_the_jsonl_rows(tmp_path, monkeypatch
          "SWE-Gym/SWE-Gym for it in the Hub cache (cached refs: ['main', 'v0']; HF_HUB_OFFLINE=1)"),
         (["SWE-Gym/SWE-Gym", "--split", "test"], "--split='test': no such split of "
          "SWE-Gym/SWE-Gym (it has ['train'])"),
-        (["SWE-Gym/SWE-Gym", "--name", "lite"], "--name='lite': SWE-Gym/SWE-Gym: BuilderConfig "
-         "'lite' not found. Available: ['default']"),
+        (["SWE-Gym/SWE-Gym", "--name", "lite"], "--name='lite': SWE-Gym/SWE-Gym: no such subset "
+         "(it has ['default'])"),  # (from the card, before any data file is fetched)
         ([str(tmp_path / "gsm")], f"--from_rows='{tmp_path}/gsm': no 'instance_id' column in "
          f"{tmp_path}/gsm split 'train' (columns: ['question'])"),
         ([str(tmp_path / "no_f2p")], f"--from_rows='{tmp_path}/no_f2p': no FAIL_TO_PASS column "

@@ -71,8 +71,8 @@ def test_batches_per_process_and_resume_equal_jsonl(sources):
 def test_a_hub_dataset_is_fetched_for_its_subset_only(tmp_path):
     """subset_files: the files of the asked subset from the card's `configs` (openai/gsm8k has
     `main` and `socratic`), the default or only subset without a name, all files (None) where the
-    card does not say."""
-    from rl.data import subset_files
+    card does not say; a subset it does not hold, or none of several, is refused naming them."""
+    from rl.data import SourceError, subset_files
 
     card = """---
 configs:
@@ -90,8 +90,12 @@ configs:
     (tmp_path / "README.md").write_text(card)
     assert subset_files(str(tmp_path), "main") == ("README.md", "main/train-*", "main/test-*")
     assert subset_files(str(tmp_path), "socratic") == ("README.md", "extra/socratic/*.parquet")
-    assert subset_files(str(tmp_path), None) is None  # two subsets, none the default
-    assert subset_files(str(tmp_path), "nope") is None  # load_dataset names the bad subset
+    with pytest.raises(SourceError, match=r"^name='': org/d has several subsets and no "
+                       r"default: name one of \['main', 'socratic'\]$"):  # fmt: skip
+        subset_files(str(tmp_path), None, "org/d")  # (before any data file is fetched)
+    with pytest.raises(SourceError, match=r"^name='mian': org/d: no such subset \(it has "
+                       r"\['main', 'socratic'\]\)$"):  # fmt: skip
+        subset_files(str(tmp_path), "mian", "org/d")
     (tmp_path / "README.md").write_text(card.split("- config_name: socratic")[0] + "---\n")
     assert subset_files(str(tmp_path), None) == ("README.md", "main/train-*", "main/test-*")
     (tmp_path / "README.md").write_text("# no card metadata\n")
