@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from models import lora
 from models.config import ModelConfig
-from models.transformer import Transformer
+from models.transformer import Transformer, shapes_only
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -131,7 +131,8 @@ def abstract_model(cfg: ModelConfig):
     model, and a run's build, checkpoint reads and dry run ask for it several times. Callers must
     not mutate the returned State (none does: they map over it).
     """
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    with shapes_only():  # shapes and dtypes only: no initializer's random draw is traced
+        return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
 
 
 def init_params(cfg: ModelConfig, mesh, rules=DEFAULT_RULES, seed: int = 0):
