@@ -420,14 +420,14 @@ def pin_data(c: ml_collections.ConfigDict) -> None:
     indexes the rows, so a branch that moved under a run would change what it trains on. The
     eval data's lets launch.eval read the rows the run evaluated; data.eval may change on resume
     (its commit then recorded anew)."""
-    try:
-        import datasets  # noqa: F401
-    except ImportError:  # validate names the missing library
-        return
     for split in ("train", "eval"):
         src = c.data[split]
         if src.type != "hf" or "hf_commit" not in src or not src.path:
             continue  # (validate names an empty path)
+        try:  # imported only for an "hf" source: `import datasets` takes ~0.9 s of CPU
+            import datasets  # noqa: F401
+        except ImportError:  # validate names the missing library
+            return
         src.hf_commit = _agreed(lambda rev, s=src, n=split: _dataset_commit(s, rev, n),
                                 src.get("revision", ""))  # fmt: skip
 
