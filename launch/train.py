@@ -42,6 +42,7 @@ from launch.preemption import Preemption
 from launch.validate import (
     check_isolation,
     check_wandb_login,
+    fetch_weights,
     pin_data,
     pin_model,
     prepare_workdir,
@@ -196,14 +197,16 @@ def main(argv=None) -> int:
         init_distributed(config)
         # first: whether this machine may run the config at all (before any Hub download)
         check_isolation(config, probe=not opts["dry_run"])
-        # a Hub id: resolved (fetched) once, its commit in config.model.hf_commit
-        pin_model(config, weights=not opts["dry_run"])
+        # a Hub id: resolved once (its config files), its commit in config.model.hf_commit
+        pin_model(config, weights=False)
         pin_data(config)  # a Hub dataset id: its commit in config.data.train.hf_commit
         validate(config, jax.device_count(), runs_code=False)  # the sandbox is probed above
         if not opts["dry_run"]:
             check_wandb_login(config)  # process 0's W&B key, before the model loads
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)
+        if not opts["dry_run"]:  # after the resume has checked the commit
+            fetch_weights(config)
     except UsageError as e:
         return fail(str(e))
     if opts["dry_run"]:

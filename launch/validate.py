@@ -391,7 +391,8 @@ def model_dir(c: ml_collections.ConfigDict, weights: bool = True) -> str:
     m = c.model
     rev = m.get("hf_commit", "") or m.get("revision", "")
     try:
-        return resolve(m.hf_checkpoint, rev, allow_patterns=_files(weights))[0]
+        return resolve(m.hf_checkpoint, rev, allow_patterns=_files(weights),
+                       shown_revision=m.get("revision", ""))[0]  # fmt: skip
     except HubError as e:
         raise UsageError(str(e)) from None
 
@@ -408,9 +409,19 @@ def pin_model(c: ml_collections.ConfigDict, weights: bool = True) -> None:
     every other process resolves that same commit into its own host's Hub cache (HF_HOME):
     hosts of a TPU slice have their own disks, and a shared HF_HOME works too, as process 0 has
     filled it by then. An error on process 0 is raised on every process. Without `weights`
-    (--dry_run) only the config files are fetched."""
+    only the config files are fetched: --dry_run, and launch.train, which fetches the weights
+    (`fetch_weights`) once the resume has checked the commit."""
     m = c.model
     m.hf_commit = _agreed(lambda rev: _resolve_commit(c, rev, weights), m.get("revision", ""))
+
+
+def fetch_weights(c: ml_collections.ConfigDict) -> None:
+    """The weights of a Hub model at the commit pin_model recorded, process 0 first (as
+    pin_model): launch.train calls it after the resume check, so that a resume whose id now
+    resolves to another commit is refused before that commit's weights are downloaded."""
+    commit = c.model.get("hf_commit", "")
+    if commit:
+        _agreed(lambda rev: _resolve_commit(c, rev, True), commit)
 
 
 def pin_data(c: ml_collections.ConfigDict) -> None:
@@ -466,8 +477,9 @@ def _dataset_commit(src, revision: str, split: str = "train") -> str:
 
 
 def _resolve_commit(c: ml_collections.ConfigDict, revision: str, weights: bool) -> str:
-    try:
-        return resolve(c.model.hf_checkpoint, revision, allow_patterns=_files(weights))[1]
+    try:  # (a line about the pinned commit names the revision the user gave, if any)
+        return resolve(c.model.hf_checkpoint, revision, allow_patterns=_files(weights),
+                       shown_revision=c.model.get("revision", ""))[1]  # fmt: skip
     except HubError as e:
         raise UsageError(str(e)) from None
 

@@ -64,8 +64,11 @@ def resolve(
     revision_field: str = "config.model.revision",
     repo_type: str = "model",
     allow_patterns=MODEL_FILES,
+    shown_revision: str | None = None,
 ) -> tuple[str, str]:
-    """(local directory, commit) of a local directory (commit "") or a Hub repo id."""
+    """(local directory, commit) of a local directory (commit "") or a Hub repo id.
+    `shown_revision`: the revision the errors name with the id where it is not `revision` (the
+    user's, where `revision` is the commit it was pinned to)."""
     path = os.fspath(path)
     if is_local(path):
         return os.path.expanduser(path), ""
@@ -83,7 +86,8 @@ def resolve(
     for files in (patterns, MODEL_FILES, None):  # a commit resolved before (immutable), with
         if (*key, files) in _resolved:  # these files or with all the loader's
             return _resolved[(*key, files)]
-    what = f"{field}={path!r}" + (f" ({revision_field}={revision!r})" if revision else "")
+    shown = revision if shown_revision is None else shown_revision
+    what = f"{field}={path!r}" + (f" ({revision_field}={shown!r})" if shown else "")
     weights = repo_type == "model" and patterns is not None and WEIGHTS in patterns
     first = tuple(p for p in patterns if p != WEIGHTS) if weights else patterns
     directory = _download(huggingface_hub, errors, path, revision, repo_type, first, what,

@@ -229,6 +229,31 @@ def test_only_process_0_logs_to_wandb(tmp_path, monkeypatch):
     assert log.wandb is None and os.listdir(tmp_path) == []
 
 
+def test_a_moved_id_is_refused_before_its_weights_are_fetched(tmp_path, monkeypatch, capsys):
+    """A resume whose Hub id now resolves to another commit is refused, naming both commits,
+    with only that commit's config files fetched: launch.train pins the commit from the config
+    files, checks the resume, then fetches the weights (here the new commit has none cached: a
+    weights fetch first said 'has no *.safetensors weights' instead, and online downloaded the
+    new commit's weights before the refusal)."""
+    from launch import train
+    from launch.cli import config_json, parse_args
+
+    asset = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
+    files = {n: os.path.join(asset, n) for n in ("config.json", "generation_config.json")}
+    add_snapshot(tmp_path / "hub", "org/m", files, B)  # main moved to B, config files only
+    offline_hub(monkeypatch, tmp_path / "hub")
+    argv = ["--config.mesh.data=8", "--config.model.hf_checkpoint=org/m"]
+    saved = config_json(parse_args(argv, {})[0])
+    saved["model"]["hf_commit"] = A  # the run started from commit A
+    os.makedirs(tmp_path / "run" / "checkpoints" / "1")
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+    assert train.main([*argv, "--workdir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: config.model.hf_checkpoint='org/m' resolves to commit {B}, but this run started "
+        f"from commit {A}; resume with --config.model.revision={A} or use a new --workdir"
+    ]
+
+
 def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
     """wandb.init failing after the start-up check (the server unreachable, the key refused)
     is a UsageError of one line naming log.wandb (launch.train prints it and stops), not
