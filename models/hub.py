@@ -155,6 +155,20 @@ def _download(hub, errors, path, revision, repo_type, patterns, what, field, rev
         raise HubError(_not_cached(path, revision, repo_type, field, revision_field, e)) from None
     except errors.HfHubHTTPError as e:
         raise HubError(f"{what}: {' '.join(str(e).split())[:200]}") from None
+    except (OSError, _transport_error()) as e:  # the connection dropped, a full disk, ...
+        said = " ".join(str(e).split())[:200] or type(e).__name__
+        raise HubError(f"{what}: the download failed ({type(e).__name__}: {said}); run again "
+                       "to continue it (the files already fetched are kept)") from None  # fmt: skip
+
+
+def _transport_error() -> type:
+    """httpx's error for a failed connection or read (huggingface_hub's HTTP client)."""
+    try:
+        import httpx
+
+        return httpx.TransportError
+    except ImportError:
+        return OSError
 
 
 def _incomplete(errors) -> type:

@@ -190,6 +190,31 @@ def test_hub_errors_online_are_one_line(error, message, monkeypatch):
     assert str(e.value) == message
 
 
+def test_a_failed_download_is_one_line(monkeypatch):
+    """A connection that drops mid-download (httpx's ReadTimeout, raised here by a stand-in for
+    snapshot_download) or a full disk is one line naming the field, not a traceback."""
+    import errno
+
+    import httpx
+    import huggingface_hub
+
+    from models.hub import HubError, resolve
+
+    for error in (httpx.ReadTimeout("The read operation timed out"),
+                  OSError(errno.ENOSPC, "No space left on device")):  # fmt: skip
+
+        def drop(*_, error=error, **__):
+            raise error
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", drop)
+        with pytest.raises(HubError) as e:
+            resolve("org/x")
+        assert str(e.value) == (
+            f"config.model.hf_checkpoint='org/x': the download failed ({type(error).__name__}: "
+            f"{error}); run again to continue it (the files already fetched are kept)"
+        )
+
+
 def test_resume_checks_the_commit_and_old_runs_resume():
     """launch.resume_compat: a run saved before the Hub fields (no model.revision / hf_commit,
     no log section, no data.train.name / revision) resumes; log.* and model.revision may change;
