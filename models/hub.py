@@ -71,6 +71,8 @@ def resolve(
     user's, where `revision` is the commit it was pinned to)."""
     path = os.fspath(path)
     if is_local(path):
+        if revision:  # (else it was dropped silently: the directory read whatever was asked)
+            raise HubError(local_revision(path, revision, field, revision_field))
         return os.path.expanduser(path), ""
     if not path or not _REPO_ID.match(path) or path.startswith((".", "/", "~")):
         raise HubError(f"{field}={path!r}: not a local directory, nor a Hub repo id "
@@ -169,6 +171,12 @@ def _transport_error() -> type:
         return httpx.TransportError
     except ImportError:
         return OSError
+
+
+def local_revision(path, revision, field, revision_field) -> str:
+    """The line for a revision given with a local path, which has none."""
+    return (f"{revision_field}={revision!r}: {field}={os.fspath(path)!r} is local, which has "
+            f"no revisions: drop it{shadowing(path)}")  # fmt: skip
 
 
 def _incomplete(errors) -> type:

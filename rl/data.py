@@ -216,9 +216,11 @@ def hub_dataset_dir(
     """The local directory of an "hf" source's `path`: the directory itself, or a Hub dataset's
     snapshot in the Hub cache at `revision`, fetched with the files of subset `name` only where
     the dataset card's `configs` name them (`subset_files`), else all its files."""
-    from models.hub import HubError, is_local, resolve
+    from models.hub import HubError, is_local, local_revision, resolve
 
     if is_local(path) or data_files(path):
+        if revision:
+            raise HubError(local_revision(path, revision, field, revision_field))
         return os.path.expanduser(path)
     if names_files(path):
         raise HubError(f"{field}={path!r}: no such data file")  # not a Hub id: a typo'd file

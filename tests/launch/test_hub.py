@@ -190,6 +190,24 @@ def test_hub_errors_online_are_one_line(error, message, monkeypatch):
     assert str(e.value) == message
 
 
+def test_a_revision_of_a_local_path_is_refused(tmp_path):
+    """A revision given with a local directory or data file is one line naming both fields (it
+    was dropped silently: a local directory spelled like the id was read whatever revision the
+    user asked for)."""
+    from models.hub import HubError, resolve
+    from rl.data import hub_dataset_dir
+
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    (tmp_path / "rows.parquet").write_bytes(b"")
+    with pytest.raises(HubError, match=r"^--revision='v2': --hf_checkpoint='.*/org/name' is "
+                       r"local, which has no revisions: drop it$"):  # fmt: skip
+        resolve(str(tmp_path / "org" / "name"), "v2", field="--hf_checkpoint",
+                revision_field="--revision")  # fmt: skip
+    with pytest.raises(HubError, match=r"^revision='v2': data source path='.*rows.parquet' is "
+                       r"local, which has no revisions: drop it$"):  # fmt: skip
+        hub_dataset_dir(str(tmp_path / "rows.parquet"), "v2")
+
+
 def test_a_failed_download_is_one_line(monkeypatch):
     """A connection that drops mid-download (httpx's ReadTimeout, raised here by a stand-in for
     snapshot_download) or a full disk is one line naming the field, not a traceback."""
