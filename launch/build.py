@@ -22,11 +22,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from launch.cli import UsageError
 from launch.distributed import init_distributed
+from launch.pin import model_dir
 from launch.validate import (
     check_isolation,
     engine_config,
     learner_config,
-    model_dir,
     model_overrides,
     sampling_params,
 )

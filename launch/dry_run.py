@@ -20,13 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from launch.validate import (
-    engine_config,
-    learner_config,
-    model_dir,
-    model_overrides,
-    sampling_params,
-)
+from launch.pin import model_dir
+from launch.validate import engine_config, learner_config, model_overrides, sampling_params
 from models import lora
 from models.hf_config import config_from_hf, generation_ids
 from models.sharding import (

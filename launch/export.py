@@ -26,7 +26,8 @@ import sys
 
 from launch.build import load_run
 from launch.cli import UsageError, fail
-from launch.validate import DTYPES, check_writable_dir, model_dir
+from launch.pin import model_dir
+from launch.validate import DTYPES, check_writable_dir
 from models.hf import save_adapter, save_hf
 from models.tokenizer import CHAR_TOKENIZER_FILE
 

@@ -123,7 +123,7 @@ def _wandb_run(workdir: str, config):
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 (no key, the server unreachable: one line)
         from launch.cli import UsageError
-        from launch.validate import wandb_error
+        from launch.pin import wandb_error
 
         raise UsageError(wandb_error(e)) from None
     if run_id is None:

@@ -26,7 +26,7 @@ RESUMABLE_CHANGES = (
 # Fields added with Hub ids (models/hub.py, rl/data.py's "hf" sources): a run saved before them
 # resumes while they hold these values (a local checkpoint directory), and data.train.name and
 # revision whatever they hold while data.train.type is not "hf" (they are read by "hf" only).
-# data.train.hf_commit (launch.validate.pin_data) is compared as model.hf_commit is, the revision
+# data.train.hf_commit (launch.pin.pin_data) is compared as model.hf_commit is, the revision
 # then free to change; a run saved before it existed resumes unchecked.
 HUB_DEFAULTS = (("model", "revision", ""), ("model", "hf_commit", ""))
 DATA_DEFAULTS = {"name": "", "revision": ""}
@@ -144,7 +144,7 @@ def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:
 
 
 def _check_commit(old: dict, new: dict, *where: str) -> None:
-    """The Hub commit that config.model.hf_checkpoint (launch.validate.pin_model), or with
+    """The Hub commit that config.model.hf_checkpoint (launch.pin.pin_model), or with
     `where` ("data", "train", "path") config.data.train.path (pin_data), resolved to is the one
     the run started from: a snapshot that changed under the same id and revision (a moved
     branch, a re-filled cache) would change the weights under the checkpoints, or the rows

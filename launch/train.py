@@ -38,16 +38,9 @@ from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
 from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
+from launch.pin import check_wandb_login, fetch_weights, pin_data, pin_model
 from launch.preemption import Preemption
-from launch.validate import (
-    check_isolation,
-    check_wandb_login,
-    fetch_weights,
-    pin_data,
-    pin_model,
-    prepare_workdir,
-    validate,
-)
+from launch.validate import check_isolation, prepare_workdir, validate
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
@@ -101,7 +94,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         summary["data_hf_commit"] = config.data.train.hf_commit
     try:
         log = RunLogger(workdir, enabled=main_process, config=config)
-    except UsageError as e:  # wandb.init failed (launch.validate.check_wandb_login passed)
+    except UsageError as e:  # wandb.init failed (launch.pin.check_wandb_login passed)
         if jax.process_count() > 1:
             raise  # process 0 alone: peer_failed exits it, the others stop in the next collective
         ckpt.close()

@@ -155,7 +155,7 @@ def wandb_no_key(monkeypatch):
     terminal to prompt on (a TPU VM's ssh --command, a notebook's !python)."""
     import tempfile
 
-    import launch.validate
+    import launch.pin
 
     wandb = pytest.importorskip("wandb")
     wandb.teardown()  # a fresh process's W&B: an offline run earlier in this one left its mode
@@ -163,7 +163,7 @@ def wandb_no_key(monkeypatch):
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_CONFIG_DIR", "NETRC"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", tempfile.mkdtemp(prefix="home-"))  # (outside the case's files)
-    monkeypatch.setattr(launch.validate, "_interactive", lambda: False)
+    monkeypatch.setattr(launch.pin, "_interactive", lambda: False)
 
 
 def hub_card(monkeypatch):

@@ -547,15 +547,15 @@ def test_an_old_gsm8k_run_is_told_the_flags_that_resume_it():
 
 
 def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
-    """launch.validate.pin_data records the commit openai/gsm8k resolved to in
+    """launch.pin.pin_data records the commit openai/gsm8k resolved to in
     data.train.hf_commit and data.eval.hf_commit and the sources are read at them; once `main`
     points at another commit (its rows reversed) a resume is refused in one line naming
     data.train.path and both commits, and resumes with --config.data.train.revision=<the old
     commit> on the old rows; the eval source (it may change on resume) is still read at the
     recorded commit, what launch.eval reads. A local source pins nothing."""
     from launch.cli import UsageError, config_json, parse_args
+    from launch.pin import pin_data
     from launch.resume_compat import check_resumable
-    from launch.validate import pin_data
     from rl.data import load_records
     from tests.launch.test_real_configs import DATA
 
@@ -601,7 +601,7 @@ PIN_WORKER = """
 import json, sys
 from launch.cli import UsageError, parse_args
 from launch.distributed import init_distributed
-from launch.validate import pin_data, pin_model
+from launch.pin import pin_data, pin_model
 out, runs = {}, json.loads(sys.argv[1])
 init_distributed(parse_args([], {})[0])
 for name, argv in runs.items():
