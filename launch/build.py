@@ -34,7 +34,7 @@ from models import lora
 from models.config import ModelConfig
 from models.hf import load_hf
 from models.hf_config import GenerationIds
-from models.sharding import base_graphdef, make_mesh, state_shardings
+from models.sharding import base_graphdef, make_mesh, run_devices, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer, checksums
 from rl.envs import Environment, make_env
@@ -166,8 +166,9 @@ def load_run(workdir: str, step: int | None = None, runs_code: bool = True) -> t
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
     init_distributed(config)
-    if math.prod(config.mesh.values()) != jax.device_count():
-        config.mesh.update(data=1, fsdp=jax.device_count(), tensor=1)
+    count = len(run_devices())
+    if math.prod(config.mesh.values()) != count:
+        config.mesh.update(data=1, fsdp=count, tensor=1)
     ckpt = Checkpointer(workdir)
     steps = ckpt.manager.all_steps()
     if not steps or (step is not None and step not in steps):

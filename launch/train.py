@@ -41,6 +41,7 @@ from launch.logger import RunLogger
 from launch.pin import check_wandb_login, fetch_weights, pin_data, pin_model
 from launch.preemption import Preemption
 from launch.validate import check_isolation, prepare_workdir, validate
+from models.sharding import run_devices
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
 from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
         # a Hub id: resolved once (its config files), its commit in config.model.hf_commit
         pin_model(config, weights=False)
         pin_data(config)  # a Hub dataset id: its commit in config.data.train.hf_commit
-        validate(config, jax.device_count(), runs_code=False)  # the sandbox is probed above
+        validate(config, len(run_devices()), runs_code=False)  # the sandbox is probed above
         if not opts["dry_run"]:
             check_wandb_login(config)  # process 0's W&B key, before the model loads
         workdir = workdir_for(config_path, opts["workdir"])

@@ -17,9 +17,10 @@ no device ever holds a full unsharded copy (`init_adapters` likewise for a LoRA 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -46,10 +47,38 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+_RUN_DEVICES: list | None = None  # `on_devices`; None: all of jax.devices()
+
+
+def run_devices() -> list:
+    """The devices a run's mesh is made of (`make_mesh`'s default): all of `jax.devices()`, or
+    those of the enclosing `on_devices`."""
+    return list(jax.devices()) if _RUN_DEVICES is None else list(_RUN_DEVICES)
+
+
+@contextlib.contextmanager
+def on_devices(devices: Sequence[jax.Device]) -> Iterator[None]:
+    """Runs started in the block (`launch.train.main`, `launch.build.load_run`) use `devices`, a
+    subset of this process's devices, and put unsharded arrays on the first: a notebook that
+    trains on one of its chips, a test that trains on one of its 8 fake CPU devices in the test
+    process, as a one-device process would (the same programs, so bitwise the same run), without
+    the interpreter start and retracing of a subprocess. Single-process runs only."""
+    global _RUN_DEVICES
+    if jax.process_count() > 1:
+        raise ValueError("on_devices: a multi-process run uses every process's devices")
+    previous, _RUN_DEVICES = _RUN_DEVICES, list(devices)
+    try:
+        with jax.default_device(_RUN_DEVICES[0]):
+            yield
+    finally:
+        _RUN_DEVICES = previous
+
+
 def make_mesh(
     shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None
 ) -> jax.sharding.Mesh:
-    """A mesh with axes (data, fsdp, tensor) in that order; missing axes have size 1.
+    """A mesh with axes (data, fsdp, tensor) in that order over `devices` (default
+    `run_devices()`); missing axes have size 1.
 
     Axis types are Auto (GSPMD propagation): jax 0.10's make_mesh defaults to Explicit.
     """
@@ -57,7 +86,7 @@ def make_mesh(
     if unknown:
         raise ValueError(f"mesh: unknown axis name(s) {unknown}; expected a subset of {MESH_AXES}")
     sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
-    devices = list(jax.devices() if devices is None else devices)
+    devices = run_devices() if devices is None else list(devices)
     if math.prod(sizes) != len(devices):
         raise ValueError(
             f"mesh: {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but "

@@ -25,6 +25,7 @@ ratio is exactly 1; otherwise π_old is computed once, before the first update o
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -148,7 +149,6 @@ class Learner:
         cfg.validate()
         self.cfg, self.graphdef, self.base_graphdef = cfg, graphdef, base_graphdef
         self.lora = base_graphdef is not None
-        self.tx = make_optimizer(cfg)
         self.param_shardings = param_shardings
         mesh = getattr(jax.tree.leaves(param_shardings)[0], "mesh", None)
         rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
@@ -156,9 +156,9 @@ class Learner:
         axes = dict(rules).get("batch") or ()
         axes = (axes,) if isinstance(axes, str) else axes
         self._row_shards = math.prod(mesh.shape[a] for a in axes) if self._rows else 1
-        self._step = None
-        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(2, 3))
-        self._grads = jax.jit(self._grads_impl)
+        leaves, treedef = jax.tree.flatten(param_shardings)
+        self._jit = _shared((cfg, graphdef, base_graphdef, rules, treedef, tuple(leaves)), self)
+        self.tx = self._jit.tx
 
     def split(self, params) -> tuple[nnx.State, nnx.State]:
         """(trainable, frozen) parts of params: (all, empty), or with LoRA (adapters, base)."""
@@ -173,26 +173,43 @@ class Learner:
 
     def _build_step(self, params) -> None:
         """Shardings of the train state and the jitted step, from (abstract or real) params."""
-        abstract = jax.eval_shape(self.tx.init, self.split(params)[0])
-        replicated = NamedSharding(jax.tree.leaves(self.param_shardings)[0].mesh, PartitionSpec())
-        opt_sh = optax.tree_map_params(
-            self.tx,
-            lambda _, s: s,
-            abstract,
-            self.split(self.param_shardings)[0],
-            transform_non_params=lambda _: replicated,
-        )
-        self.state_shardings = TrainState(self.param_shardings, opt_sh, replicated)
-        self._step = jax.jit(
-            self._step_impl, donate_argnums=0, out_shardings=(self.state_shardings, None)
-        )
+        jit = self._jit
+        if jit.step is None:
+            abstract = jax.eval_shape(self.tx.init, self.split(params)[0])
+            replicated = NamedSharding(
+                jax.tree.leaves(self.param_shardings)[0].mesh, PartitionSpec()
+            )
+            opt_sh = optax.tree_map_params(
+                self.tx,
+                lambda _, s: s,
+                abstract,
+                self.split(self.param_shardings)[0],
+                transform_non_params=lambda _: replicated,
+            )
+            jit.state_shardings = TrainState(self.param_shardings, opt_sh, replicated)
+            jit.step = jax.jit(
+                jit.owner._step_impl, donate_argnums=0, out_shardings=(jit.state_shardings, None)
+            )
+            jit.init = jax.jit(self.tx.init, out_shardings=jit.state_shardings.opt_state)
+        self.state_shardings = jit.state_shardings
+
+    @property
+    def _step(self):
+        return self._jit.step
+
+    @property
+    def _logprobs(self):
+        return self._jit.logprobs
+
+    @property
+    def _grads(self):
+        return self._jit.grads
 
     def init_state(self, params) -> TrainState:
         """Optimizer state created directly in the parameters' shardings (moments mirror the
         trainable params)."""
         self._build_step(params)
-        init = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)
-        opt_state = init(self.split(params)[0])
+        opt_state = self._jit.init(self.split(params)[0])
         # Commit every leaf to exactly the shardings the step returns, so that the first call and
         # all later ones share one compiled executable (parameters already there are not copied).
         return jax.device_put(
@@ -373,3 +390,40 @@ class Learner:
                 )
                 history.append(metrics)
         return state, history
+
+
+@dataclasses.dataclass(eq=False)
+class _Jitted:
+    """The jitted functions of one learner key, traced once in a process (`_shared`)."""
+
+    owner: Learner  # the Learner whose methods they trace
+    tx: optax.GradientTransformation
+    logprobs: object
+    grads: object
+    step: object = None  # built with the state's shardings (`Learner._build_step`)
+    init: object = None
+    state_shardings: TrainState | None = None
+
+
+# Learners of one key (config, model graphs, rules, parameter shardings: all that their jitted
+# functions read) share those functions, so a second Learner in a process (a run resumed in a
+# notebook, the tests' many runs in one process) reuses the first one's traces and compiled
+# programs instead of tracing the same step again (~2 s of CPU for the tiny test model). A few
+# keys are kept, the least recently used dropped first.
+_JITTED: collections.OrderedDict = collections.OrderedDict()
+_JITTED_KEYS = 8
+
+
+def _shared(key, learner: Learner) -> _Jitted:
+    jit = _JITTED.pop(key, None)
+    if jit is None:
+        jit = _Jitted(
+            owner=learner,
+            tx=make_optimizer(learner.cfg),
+            logprobs=jax.jit(learner._logprobs_impl, static_argnums=(2, 3)),
+            grads=jax.jit(learner._grads_impl),
+        )
+    _JITTED[key] = jit  # most recent last
+    while len(_JITTED) > _JITTED_KEYS:
+        _JITTED.popitem(last=False)
+    return jit

@@ -160,6 +160,21 @@ def train_metrics(workdir):
     return {r["step"]: {k: r[k] for k in METRIC_KEYS} for r in rows if "loss" in r}
 
 
+def train_here(argv, devices: int = 1) -> int:
+    """`python -m launch.train *argv` run in this process on `devices` of its 8 fake devices
+    (`models.sharding.on_devices`): on one, the run a one-device subprocess makes, program for
+    program and bitwise (tests/launch/test_train.py compares them), without the interpreter start,
+    the imports and the retracing of every jitted function that a subprocess pays (~8 s of CPU
+    for the tiny model; a second run of the same shapes here ~1.5 s). Returns main's exit code.
+    A run that a test kills, or that needs its own environment variables at import time, still
+    runs in a subprocess."""
+    from launch.train import main
+    from models.sharding import on_devices
+
+    with on_devices(jax.devices()[:devices]):
+        return main([str(a) for a in argv])
+
+
 import functools  # noqa: E402
 
 
