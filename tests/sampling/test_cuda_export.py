@@ -13,7 +13,7 @@ runs the same lowering without that check.
 Coverage: the decode step and prefill of all three configs on one device and on the config's
 mesh, as for TPU; the train step (its "auto" attention is the Pallas Triton flash attention of
 models/attention_kernels.py, in a shard_map) on the mesh only, where it is partitioned, to keep
-the cost down (tracing a model takes seconds). The kernel itself is
+the cost down. The models have test_tpu_export.LAYERS of their layers, as there. The kernel itself is
 also lowered alone at the head shapes of all three configs (7, 2 and 4 q heads per KV head,
 head_dim 64 and 128) with the configs' bf16 pages of 32 tokens.
 """

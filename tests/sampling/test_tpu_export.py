@@ -12,8 +12,14 @@ head_dim 128, inside a shard_map on the mesh), and its lowered module must copy 
 (`pool_copies`); a test exports the Pallas TPU kernel alone with `jax.export` to pin why "auto"
 avoids it for head_dim 64 and why a mesh needs the shard_map.
 
-Cost: tracing a 24-28 layer train step takes several seconds per model and mesh on a 2-core CPU,
-a decode step 2-3 s, a prefill about 1 s; the layer counts are the real ones.
+The models are lowered with LAYERS = 2 of their layers, not 16-28: every other shape (widths,
+heads, vocabulary, KV pool, batch, sequence lengths, meshes) is the config's own. The layers are a
+Python loop of identical blocks (`models.transformer`), so each block lowers as in the full
+model, and what is checked here (the kernels chosen, the partitioning, the pools read in place,
+the state's shapes and shardings) does not depend on how many there are; tracing the real layer
+counts took several seconds per model and mesh for the train step (115 s of CPU for this file
+and test_cuda_export.py, 2 cores) to check nothing more. launch.bench memory and --dry_run
+lower the full models.
 tests/sampling/test_cuda_export.py does the same for platform "cuda" with these helpers.
 """
 
@@ -69,6 +75,7 @@ MODELS = {
     ),
 }  # fmt: skip
 MESHES = ("1-device", "config-mesh")
+LAYERS = 2  # of each model's layers lowered (module docstring)
 
 
 @functools.cache
@@ -77,7 +84,8 @@ def _model(name):
     module, cfg, eos = MODELS[name]
     c = module.get_config()
     m = c.model
-    cfg = dataclasses.replace(cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    cfg = dataclasses.replace(cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                              num_layers=LAYERS)  # fmt: skip
     assert cfg.dtype == "bfloat16"
     return (c, cfg, eos, *abstract_model(cfg))
 
