@@ -1,4 +1,4 @@
-"""Partial rollouts (rl.partial) on the 8-device mesh: episodes carried across learner steps (some
+"""Partial rollouts (rl.partial) on a mesh of two batch shards: episodes carried across learner steps (some
 in the middle of a turn) are trained on exactly the ids and log-probs the sampler gave at each
 policy version, their observations in place, no trained token is older than the staleness
 bound, and rollouts do wait for a group at the bound (`enough` and `select` are also checked on
@@ -13,16 +13,18 @@ import pytest
 
 from launch.build import build
 from launch.cli import parse_args
+from models.sharding import on_devices
 from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
 from rl.partial import enough, select
 from rl.reward_registry import register_reward
 
 B, G, ETA, STEPS = 2, 4, 1, 5
-# data=2 x tensor=4: two batch shards of 4 slots (the tiny model's KV heads do not split 4
-# ways), so a group of G = 4 decodes together on one shard, two groups at a time.
+# data=2 on 2 of the 8 fake devices (models.sharding.on_devices): two batch shards of 4 slots,
+# so a group of G = 4 decodes together on one shard, two groups at a time. (On all 8, as
+# data=2 x tensor=4, the same schedule cost 4x the CPU: 90 s for the three cases.)
 ARGS = [
-    "--config.mesh.data=2", "--config.mesh.tensor=4", f"--config.data.prompts_per_step={B}",
+    "--config.mesh.data=2", f"--config.data.prompts_per_step={B}",
     f"--config.rl.num_generations={G}", "--config.rl.partial_rollouts=True",
     f"--config.rl.extra_groups={B}", f"--config.rl.max_staleness={ETA}",
     "--config.rl.is_correction=tis", "--config.sampling.num_slots=8",
@@ -97,6 +99,11 @@ def _spy(engine, version):
 @pytest.mark.parametrize("refresh, dynamic", [(False, False), (True, False), (False, True)],
                          ids=["keep_kv", "refresh_kv", "dynamic_sampling"])  # fmt: skip
 def test_carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
+    with on_devices(jax.devices()[:2]):
+        _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic)
+
+
+def _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
     # Answers taken one decode call after their turn's (env.tool_answer_calls=1): the schedule
     # that makes groups wait at the staleness bound here.
     config = parse_args([*ARGS, f"--config.rl.refresh_kv_on_update={refresh}",
@@ -244,9 +251,14 @@ def test_dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
     max_tries 1); every record drawn is trained or dropped exactly once, with request ids unique
     over steps and replacements, and the last step, asked to stop once its batch is complete
     (a SIGTERM), queues no more replacements and drains."""
+    with on_devices(jax.devices()[:1]):  # the decisions under test are the host's: one device
+        _dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries)
+
+
+def _dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
     b, steps = 4, 4
     config = parse_args([
-        "--config.mesh.data=8", f"--config.data.prompts_per_step={b}",
+        f"--config.data.prompts_per_step={b}",
         "--config.rl.num_generations=4",
         "--config.rl.partial_rollouts=True", "--config.rl.is_correction=tis",
         "--config.rl.dynamic_sampling=True", f"--config.rl.dynamic_sampling_max_tries={tries}",
