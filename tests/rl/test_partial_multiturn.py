@@ -12,9 +12,17 @@ import pytest
 
 from launch.build import build
 from launch.cli import parse_args
+from models.sharding import on_devices
 from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
 from tests.rl.test_partial_rollouts import ARGS, B, Varied
+
+
+@pytest.fixture(autouse=True)
+def _two_devices():
+    """ARGS' mesh (data=2: two batch shards) on 2 of the 8 fake devices, as test_partial_rollouts."""
+    with on_devices(jax.devices()[:2]):
+        yield
 
 
 @register_env("test_partial_slow_grading")
