@@ -1,8 +1,8 @@
 """Partial rollouts (rl.partial) on a mesh of two batch shards: episodes carried across learner
-steps (some in the middle of a turn) are trained on exactly the ids and log-probs the sampler gave at each
-policy version, their observations in place, no trained token is older than the staleness
-bound, and rollouts do wait for a group at the bound (`enough` and `select` are also checked on
-hand-made states)."""
+steps (some in the middle of a turn) are trained on exactly the ids and log-probs the sampler
+gave at each policy version, their observations in place, no trained token is older than the
+staleness bound, and rollouts do wait for a group at the bound (`enough` and `select` are also
+checked on hand-made states)."""
 
 from collections import Counter
 from concurrent.futures import Executor, Future
