@@ -2,7 +2,8 @@
 names the problem, a non-zero exit and no traceback, and changes no file.
 
 Every case runs in its own temporary directory (the working directory) holding `run`, a link to
-a finished one-step run (the existing workdir), and the case's bad files. The directory, the run
+a finished one-step run (the existing workdir; made in-process on one of the 8 fake devices,
+so a case resuming it runs on one too: `devices`), and the case's bad files. The directory, the run
 included, is snapshotted (paths, bytes, mtimes) before the command and compared after, so a case
 neither changes the run nor creates its `--workdir` / `--out`. docs/bad_inputs.md shows the same
 table; `python -m tests.launch.test_bad_inputs --markdown` prints it, and
@@ -16,11 +17,13 @@ import os
 import sys
 from typing import NamedTuple
 
+import jax
 import pytest
 
 from launch import bench, export, images, train
 from launch import eval as eval_
-from tests.conftest import ROOT  # (as a script too: the 8 fake devices)
+from models.sharding import on_devices
+from tests.conftest import ROOT, train_here  # (as a script too: the 8 fake devices)
 
 ASSET = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
 DOC = os.path.join(ROOT, "docs", "bad_inputs.md")
@@ -39,6 +42,7 @@ class Case(NamedTuple):
         "train"  # launch.train | launch.eval | launch.export | launch.bench | launch.images
     )
     workdir: str = "run"  # launch.train's --workdir: the finished run, or a new one ("new")
+    devices: int = 8  # the command runs on this many of the fake devices (`run` was made on one)
 
 
 def write(name: str, data: str | bytes):
@@ -288,7 +292,7 @@ CATALOGUE = [
     Case("lora-zero-alpha", "`--config.model.lora.rank=4 --config.model.lora.alpha=0`", "config.model.lora.alpha=0.0: must be > 0", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.alpha=0"]),
     Case("lora-dropout", "`--config.model.lora.rank=4 --config.model.lora.dropout=0.1`", "config.model.lora.dropout=0.1: only 0 is implemented", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.dropout=0.1"]),
     Case("lora-hf-target-names", "`--config.model.lora.rank=4 --config.model.lora.targets=\"('q_proj',)\"` (PEFT's module names)", "config.model.lora.targets=('q_proj',): expected a non-empty subset of ('q', 'k', 'v', 'o', 'gate', 'up', 'down')", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.targets=('q_proj',)"]),
-    Case("lora-on-resume", "`--config.model.lora.rank=4` resuming `run` (a full fine-tune) with its other settings", "cannot resume with a changed config (model.lora.rank: 0 -> 4)", EIGHT + RUN + ["--config.model.lora.rank=4"]),
+    Case("lora-on-resume", "`--config.model.lora.rank=4` resuming `run` (a full fine-tune) with its other settings", "cannot resume with a changed config (model.lora.rank: 0 -> 4)", RUN + ["--config.model.lora.rank=4"], devices=1),
     Case("mesh-does-not-fit", "`--config.mesh.data=3` on 8 devices", "config.mesh={'data': 3, 'fsdp': 1, 'tensor': 1}: uses 3 devices but 8 are available", ["--config.mesh.data=3"]),
     Case("mesh-does-not-divide-batch", "`--config.data.prompts_per_step=3 --config.rl.num_generations=2` on mesh data=8", "config.data.prompts_per_step=3: the global batch B*G = 6 is not divisible by the batch shards data*fsdp = 8", EIGHT + ["--config.data.prompts_per_step=3", "--config.rl.num_generations=2"]),
     Case("unknown-reward", "`--config.rl.rewards={'nope': 1.0}`", "config.rl.rewards='nope': no such reward; registered:", EIGHT + ["--config.rl.rewards={'nope': 1.0}"]),
@@ -377,9 +381,9 @@ CATALOGUE = [
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A finished one-step run, made once per module in-process."""
+    """A finished one-step run, made once per module in-process on one device."""
     workdir = str(tmp_path_factory.mktemp("finished") / "run")
-    assert train.main(EIGHT + RUN + ["--workdir", workdir]) == 0
+    assert train_here(RUN + ["--workdir", workdir]) == 0
     return workdir
 
 
@@ -403,7 +407,8 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
     argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
     before = snapshot(".")
     mains = {"train": train, "eval": eval_, "export": export, "bench": bench, "images": images}
-    rc = mains[case.entry].main(argv)
+    with on_devices(jax.devices()[: case.devices]):
+        rc = mains[case.entry].main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and "Traceback" not in err, err
