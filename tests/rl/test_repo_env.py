@@ -61,7 +61,7 @@ def test_editing_the_tests_does_not_pass_them(env, tasks):
     assert r == 0.0 and ep.metrics["fail_to_pass_frac"] == 0 and not env.masked(ep)
 
 
-def test_tool_errors_and_editor_semantics(env, tasks):
+def test_tool_errors_and_editor_semantics(env, tasks, monkeypatch):
     t, ws_path = tasks[3], "/testbed" if env.tools.mode == "bwrap" else ""
     ep = env.start(t)
     path = t["fix"]["path"]
@@ -100,8 +100,11 @@ def test_tool_errors_and_editor_semantics(env, tasks):
         out = act(env, ep, two)
         assert out.startswith("one\n[exit code 0]\n1\n2\n") and "bytes elided" in out
         assert out.endswith("99999\n100000\n[exit code 3]") and len(out) < 2500
+        # env.command_timeout_s (4 s in make_config) made 1 s for the call that waits it out
+        monkeypatch.setattr(env, "command_timeout", 1.0)
         out = act(env, ep, call("bash", command="echo start; sleep 30"))
-        assert "start" in out and "timed out after 4 s" in out
+        assert "start" in out and "timed out after 1 s" in out
+        monkeypatch.undo()
         assert ws_path in act(env, ep, call("bash", command="pwd"))
     finally:
         env.close(ep)
@@ -158,7 +161,7 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     scripts = [[edit(fix["new"]), call("submit")], [edit(fix["old"]), call("submit")],
                [edit(fix["new"]), call("submit")], [edit(fix["new"]), call("submit")]]  # fmt: skip
     records = [t, t, {**t, "setup": "sleep 60"}, t]
-    env = RepoEnv(TOK, make_config(setup_timeout_s=2.0))
+    env = RepoEnv(TOK, make_config(setup_timeout_s=1.0))  # waited out by its "sleep 60"
     engine = SimpleNamespace(cfg=SimpleNamespace(vocab_size=TOK.vocab_size))
     env_cfg = SimpleNamespace(max_turns=4, max_turn_tokens=0, max_tool_seconds=120.0,
                               tool_workers=4)  # fmt: skip
