@@ -5,6 +5,7 @@ exports read back. (--dry_run with LoRA: tests/launch/test_real_configs.py.)"""
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -13,17 +14,18 @@ from launch.build import load_run
 from launch.cli import UsageError, parse_args
 from launch.export import main as export
 from launch.resume_compat import check_resumable
-from launch.train import main
 from launch.validate import engine_config, model_overrides, validate
 from models import lora
 from models.hf import load_hf
-from models.sharding import flatten
-from tests.conftest import ROOT, train_metrics
+from models.sharding import flatten, on_devices
+from tests.conftest import ROOT, train_here, train_metrics
 
 ASSET = f"{ROOT}/configs/assets/arithmetic_sft"
 
+# One device (tests.conftest.train_here): LoRA, not the mesh, is under test here (the 8 fake
+# devices as data=8 cost ~0.9 s of CPU a tiny step against ~0.45 s on one).
 ARGS = [
-    "--config.mesh.data=8", "--config.model.lora.rank=4", "--config.rl.kl_coef=0.04",
+    "--config.model.lora.rank=4", "--config.rl.kl_coef=0.04",
     "--config.data.prompts_per_step=4", "--config.rl.num_generations=4",
     "--config.data.eval.num=8", "--config.eval.pass_k=0", "--config.eval_every=0",
     "--config.checkpoint_every=2", "--config.optim.learning_rate=2e-3",
@@ -32,7 +34,7 @@ ARGS = [
 
 
 def _run(workdir, steps, *extra):
-    return main(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}", *extra])
+    return train_here(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}", *extra])
 
 
 @pytest.mark.slow
@@ -52,7 +54,8 @@ def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
     rows = [json.loads(x) for x in open(straight / "metrics.jsonl")]
     mismatch = [r["mismatch_abs_logp"] for r in rows if "loss" in r]
     assert max(mismatch) < 1e-5, mismatch  # the sampler decodes with the adapters applied
-    run, step = load_run(str(straight))
+    with on_devices(jax.devices()[:1]):  # the run's device, so its programs are shared
+        run, step = load_run(str(straight))
     assert step == 3 and run.ref_params is None and run.learner.lora
     params = flatten(run.state.params)
     start = flatten(load_hf(run.config.model.hf_checkpoint, run.mesh)[2])
@@ -66,8 +69,9 @@ def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
     assert saved and all("_lora'" in k for k in saved), saved
     # Exports: merged (a plain checkpoint our importer reads) and the PEFT adapter directory.
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    assert export(["--workdir", str(straight), "--out", str(merged)]) == 0
-    assert export(["--workdir", str(straight), "--out", str(adapter), "--adapter"]) == 0
+    with on_devices(jax.devices()[:1]):
+        assert export(["--workdir", str(straight), "--out", str(merged)]) == 0
+        assert export(["--workdir", str(straight), "--out", str(adapter), "--adapter"]) == 0
     config = json.load(open(adapter / "adapter_config.json"))
     assert config["r"] == 4 and config["peft_type"] == "LORA"
     cfg, _, got, _ = load_hf(str(merged), run.mesh)
@@ -81,7 +85,7 @@ def test_lora_run_resumes_bitwise_and_exports(tmp_path, capsys):
     safetensors.numpy.save_file(params, ckpt / "model.safetensors", metadata={"format": "pt"})
     assert _run(split, 4, f"--config.model.hf_checkpoint={ckpt}") == 2
     assert "its weights differ from the base this LoRA run started from" in capsys.readouterr().err
-    with pytest.raises(UsageError, match="differ from the base"):
+    with pytest.raises(UsageError, match="differ from the base"), on_devices(jax.devices()[:1]):
         load_run(str(split))
 
 
