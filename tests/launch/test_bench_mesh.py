@@ -28,32 +28,44 @@ from tests.conftest import ROOT
 SLOTS, PAGES, STEPS = 24, 64, 4  # 24: no tiny dimension (or a device's share of one) equals it
 
 
-def _run(tmp_path_factory, meshes, layout):
-    """The bench in a subprocess compiled with XLA:CPU's default fusion emitters, which the tests
-    turn off in their own processes (tests/conftest.py): without them XLA expands the pool's
-    scatters into while loops of its own, and the loop structure read here would not be that of
-    the figures in docs/performance.md."""
-    path = tmp_path_factory.mktemp("mesh") / "mesh.json"
-    argv = ["mesh", "--shape=tiny", f"--meshes={meshes}", f"--num_slots={SLOTS}",
+def _argv(path, meshes, layout):
+    return ["mesh", "--shape=tiny", f"--meshes={meshes}", f"--num_slots={SLOTS}",
             f"--num_pages={PAGES}", f"--steps_per_call={STEPS}", f"--weights_layout={layout}",
             f"--output={path}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def _runs(tmp_path_factory):
+    """Both bench runs (`python -m launch.bench mesh ...`, one per weights layout) in one
+    subprocess, one interpreter start and JAX initialisation for the two, compiled with XLA:CPU's
+    default fusion emitters, which the tests turn off in their own processes (tests/conftest.py):
+    without them XLA expands the pool's scatters into while loops of its own, and the loop
+    structure read here would not be that of the figures in docs/performance.md."""
+    d = tmp_path_factory.mktemp("mesh")
+    runs = {"tensor": "fsdp1,fsdp8,fsdp4xtensor2", "training": "fsdp8"}
+    argvs = [_argv(d / f"{layout}.json", meshes, layout) for layout, meshes in runs.items()]
+    code = ("import sys\nfrom launch.bench import main\n"
+            f"for argv in {argvs!r}:\n    if main(argv):\n        sys.exit(1)\n")  # fmt: skip
     flags = os.environ["XLA_FLAGS"].replace("--xla_cpu_use_fusion_emitters=false", "")
     env = dict(os.environ, XLA_FLAGS=flags)
-    out = subprocess.run([sys.executable, "-m", "launch.bench", *argv], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(path.read_text())
-    return r, {row["mesh"]: row for row in r["rows"]}
+    results = {}
+    for layout in runs:
+        r = json.loads((d / f"{layout}.json").read_text())
+        results[layout] = r, {row["mesh"]: row for row in r["rows"]}
+    return results
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    return _run(tmp_path_factory, "fsdp1,fsdp8,fsdp4xtensor2", "tensor")
+def bench(_runs):
+    return _runs["tensor"]
 
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory):
-    return _run(tmp_path_factory, "fsdp8", "training")
+def training(_runs):
+    return _runs["training"]
 
 
 def test_bench_mesh_json(bench):
