@@ -30,8 +30,10 @@ G, TURN = 2, 24  # samples per request, model tokens per turn
 PROMPTS = random_prompts([17, 23, 9, 20, 14, 22, 19, 23, 16, 21], seed=21)
 BUDGETS = [40, 36, 40, 28, 40, 40, 33, 40, 24, 40]
 FULL = max(group_pages(len(p), b, PAGE, 1) for p, b in zip(PROMPTS, BUDGETS))  # one sequence
+# The fast tier keeps one variant of each check (README, Tests): T=1 on the (2,2,2) mesh.
+GREEDY = pytest.param(0.0, marks=pytest.mark.slow, id="greedy")
 MESHES = {
-    "one": {},
+    "one": pytest.param({}, marks=pytest.mark.slow),
     "2x2x2": {"data": 2, "fsdp": 2, "tensor": 2},
     "fsdp8": pytest.param({"fsdp": 8}, marks=pytest.mark.slow),
 }
@@ -103,7 +105,7 @@ def _run(engine, params, stop_after=None, versions=(0,), evict_carried=False, re
     return _flat(loop)
 
 
-@pytest.fixture(scope="module", params=[0.0, 1.0], ids=["greedy", "t1"])
+@pytest.fixture(scope="module", params=[GREEDY, pytest.param(1.0, id="t1")])
 def reference(one_device, request):
     """One device, a pool that never runs short, every budget reserved: no preemption."""
     engine, params = _engine(one_device, {}, request.param)
@@ -155,7 +157,7 @@ def test_on_demand_holds_more_episodes_at_once(one_device):
     assert peak["demand"] > peak["budget"], peak
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+@pytest.mark.parametrize("temperature", [GREEDY, pytest.param(1.0, id="t1")])
 def test_a_carried_sequence_preempted_is_recomputed_under_the_new_parameters(
     one_device, temperature
 ):
@@ -190,7 +192,7 @@ def test_stops_every_few_calls_with_preemptions(one_device, reference):
     _close(_flat(loop), want)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+@pytest.mark.parametrize("temperature", [GREEDY, pytest.param(1.0, id="t1")])
 def test_min_new_tokens_count_over_a_preemption(one_device, temperature):
     """min_new_tokens = 6 with a third of the vocabulary as stop ids, single turn: a sequence
     preempted mid-turn resumes banning only what is left of its 6, as one uninterrupted turn."""

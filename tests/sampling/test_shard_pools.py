@@ -62,7 +62,9 @@ def one_device():
     return init_params(CFG, mesh, seed=3)
 
 
-@pytest.fixture(scope="module", params=[0.0, 1.0], ids=["greedy", "t1"])
+# Greedy is the slow variant (the fast tier keeps one of each check: README, Tests).
+@pytest.fixture(scope="module", params=[pytest.param(0.0, marks=pytest.mark.slow, id="greedy"),
+                                        pytest.param(1.0, id="t1")])  # fmt: skip
 def reference(one_device, request):
     """Tokens and log-probs of the workload on one device, in one uninterrupted run."""
     graphdef, params = one_device
