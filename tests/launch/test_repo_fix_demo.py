@@ -6,21 +6,23 @@ import json
 
 import pytest
 
-from launch.train import main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, train_here
 
 pytestmark = pytest.mark.slow  # a training step of the repository demo
 
 
 def test_repo_fix_config_trains_a_step(tmp_path):
     workdir = tmp_path / "run"
+    # One of the 8 fake devices (tests.conftest.train_here): the demo's episodes, not the mesh,
+    # are under test; 8 slots hold the step's 2 x 4 episodes and the 8 held-out ones (the demo's
+    # 9 pages of 8 tokens each, + the null page).
     args = [
-        f"--config={ROOT}/configs/repo_fix.py", "--config.mesh.data=8", "--config.num_steps=1",
+        f"--config={ROOT}/configs/repo_fix.py", "--config.num_steps=1",
         "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
-        "--config.sampling.num_slots=32", "--config.sampling.num_pages=320",
+        "--config.sampling.num_slots=8", "--config.sampling.num_pages=80",
         "--config.data.eval.num=8", f"--workdir={workdir}",
     ]  # fmt: skip
-    assert main(args) == 0
+    assert train_here(args) == 0
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 1 and all(0 < r["episode/turns"] <= 3 for r in steps)
