@@ -1,10 +1,11 @@
 """launch.make_repo_tasks: every generated task's FAIL_TO_PASS tests fail with the planted bug and
 pass after the reference fix, and its PASS_TO_PASS tests pass before and after (pytest in a
-subprocess, one run per repository state)."""
+process of its own per repository state, forked from one subprocess)."""
 
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,20 +15,48 @@ import pytest
 from launch.make_repo_tasks import KINDS, TEMPLATES, main, make_task
 from tests.conftest import sandbox_isolation
 
+# Runs `python -m pytest -q -rA -p no:cacheprovider <nodes>` in each root of the JSON list
+# [[root, nodes, log], ...] on stdin, in a child forked from one interpreter that imported pytest
+# (a fresh process per repository state, as `python -m pytest` in the root, without an
+# interpreter start and pytest's import for each), the venv's pytest plugins (xdist, anyio: none
+# the generated tests use) not loaded; each child's output goes to its log.
+_FORKED_PYTEST = """
+import json, os, sys
+import pytest
+for root, nodes, log in json.loads(sys.stdin.read()):
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(root)
+        sys.path[0] = root  # what python -m puts first: the working directory
+        rc = pytest.main(["-q", "-rA", "-p", "no:cacheprovider", *nodes])
+        sys.stdout.flush()
+        os._exit(rc)
+    os.waitpid(pid, 0)
+"""
 
-def outcomes(root: str, nodes: list[str]) -> dict[str, str]:
-    """node id -> PASSED | FAILED | ERROR, from pytest -rA run in `root`."""
+
+def outcomes_of(runs: list[tuple[str, list[str]]], logs: str) -> list[dict[str, str]]:
+    """For each (root, nodes): node id -> PASSED | FAILED | ERROR | MISSING, from pytest -rA run
+    in `root` in a process of its own (_FORKED_PYTEST; one subprocess for all of them)."""
+    jobs = [[root, nodes, os.path.join(logs, f"{i}.log")] for i, (root, nodes) in enumerate(runs)]
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *nodes],
-        cwd=root, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        [sys.executable, "-c", _FORKED_PYTEST], input=json.dumps(jobs), capture_output=True,
+        text=True, timeout=300,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
     )  # fmt: skip
-    seen = {}
-    for line in r.stdout.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in ("PASSED", "FAILED", "ERROR"):
-            seen[rest.split(" - ")[0]] = word
-    return {n: seen.get(n, "MISSING") for n in nodes}
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = []
+    for _, nodes, log in jobs:
+        seen = {}
+        for line in open(log).read().splitlines():
+            word, _, rest = line.partition(" ")
+            if word in ("PASSED", "FAILED", "ERROR"):
+                seen[rest.split(" - ")[0]] = word
+        out.append({n: seen.get(n, "MISSING") for n in nodes})
+    return out
 
 
 def apply_fix(root: str, fix: dict) -> None:
@@ -40,18 +69,34 @@ def apply_fix(root: str, fix: dict) -> None:
 TEMPLATE_KINDS = [(k, t) for k in KINDS for t in TEMPLATES[k]]
 
 
+@pytest.fixture(scope="module")
+def graded_templates(tmp_path_factory):
+    """{template name: (row, outcomes before the fix, after it)}: each template's task made, its
+    repository copied and the copy fixed, every state's tests run (one subprocess for all)."""
+    rows, runs = {}, []
+    for kind, template in TEMPLATE_KINDS:
+        d = tmp_path_factory.mktemp(template.__name__)
+        row = make_task(str(d), 0, random.Random(0), kind, template)
+        fixed = str(d / "fixed")
+        shutil.copytree(row["repo"], fixed)
+        apply_fix(fixed, row["fix"])
+        rows[template.__name__] = row
+        nodes = row["fail_to_pass"] + row["pass_to_pass"]
+        runs += [(row["repo"], nodes), (fixed, nodes)]
+    results = outcomes_of(runs, str(tmp_path_factory.mktemp("logs")))
+    return {name: (row, results[2 * i], results[2 * i + 1]) for i, (name, row) in
+            enumerate(rows.items())}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "kind,template", TEMPLATE_KINDS, ids=[t.__name__ for _, t in TEMPLATE_KINDS]
 )
-def test_tasks_fail_before_and_pass_after_the_reference_fix(tmp_path, kind, template):
-    row = make_task(str(tmp_path), 0, random.Random(0), kind, template)
+def test_tasks_fail_before_and_pass_after_the_reference_fix(graded_templates, kind, template):
+    row, before, after = graded_templates[template.__name__]
     f2p, p2p = row["fail_to_pass"], row["pass_to_pass"]
     assert f2p and p2p and row["problem"] and row["bug"] == kind
-    before = outcomes(row["repo"], f2p + p2p)
     assert all(before[n] == "FAILED" for n in f2p), (row["instance_id"], before)
     assert all(before[n] == "PASSED" for n in p2p), (row["instance_id"], before)
-    apply_fix(row["repo"], row["fix"])
-    after = outcomes(row["repo"], f2p + p2p)
     assert all(v == "PASSED" for v in after.values()), (row["instance_id"], after)
 
 
