@@ -1,5 +1,10 @@
 """`python -m launch.train`: resume checks, the non-finite guard, exact resume (the bad-input
-catalogue is tests/launch/test_bad_inputs.py)."""
+catalogue is tests/launch/test_bad_inputs.py).
+
+Runs that are not signalled run in this process on one of its 8 fake devices
+(tests.conftest.train_here), the run a one-device subprocess makes; those that are killed or sent
+SIGTERM are subprocesses. test_resume_is_exact compares the two: the straight run here, the stopped
+and resumed runs as subprocesses of the same command, with the same fingerprint and metrics."""
 
 import json
 import random
@@ -8,23 +13,33 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from launch.build import load_run
 from launch.cli import config_json, parse_args
-from launch.train import FLAGS, main
+from launch.train import FLAGS
+from models.sharding import on_devices
 from rl.checkpoint import fingerprint
-from tests.conftest import ROOT, train_metrics
+from tests.conftest import ROOT, train_here, train_metrics
 
-pytestmark = pytest.mark.slow  # training runs in subprocesses, killed and resumed
+pytestmark = pytest.mark.slow  # training runs, killed and resumed
 
-EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
+# The runs' shapes: every run of this file has them (the non-finite one too), so that the
+# in-process runs share their traces (the first traces, the others reuse).
+TINY = [
+    "--config.data.prompts_per_step=4", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
+    "--config.data.eval.num=8", "--config.eval.pass_k=2", "--config.eval.pass_n=2",
+    "--config.eval_every=0", "--config.checkpoint_every=3", "--config.sampling.num_slots=32",
+    "--config.sampling.num_pages=128", "--config.rl.dynamic_sampling=True",
+    "--config.sampling.release_kv_between_phases=False",
+]  # fmt: skip
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path, capsys):
     workdir = tmp_path / "run"
     (workdir / "checkpoints" / "4").mkdir(parents=True)
-    assert main(EIGHT + ["--config.num_steps=2", "--workdir", str(workdir)]) == 2
+    assert train_here(["--config.num_steps=2", "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
     assert "config.num_steps=2 is below step 4 of the checkpoint" in err
 
@@ -39,18 +54,19 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, capsys, monke
     exact, calls = rewards.REWARDS["arithmetic_exact"], []
 
     def turns_nan(prompts, completions, **fields):
-        # 2 groups per step; before step 1 the start-up check (launch.validate.check_rewards)
-        # calls it once per split and the evaluation once
+        # 4 groups per step (TINY, without dynamic sampling's replacements); before step 1 the
+        # start-up check (launch.validate.check_rewards) calls it once per split and the
+        # evaluation once (pass_k=0: greedy only)
         calls.append(1)
         out = exact(prompts, completions, **fields)
-        return [float("nan")] * len(out) if len(calls) > 7 else out
+        return [float("nan")] * len(out) if len(calls) > 3 + 2 * 4 else out
 
     monkeypatch.setitem(rewards.REWARDS, "arithmetic_exact", turns_nan)
     workdir = tmp_path / "run"
-    args = EIGHT + ["--config.data.prompts_per_step=2", "--config.data.eval.num=8",
-                    "--config.eval.pass_k=0", "--config.eval_every=0", "--config.checkpoint_every=1",
-                    "--config.max_nonfinite_steps=2", f"--workdir={workdir}"]  # fmt: skip
-    assert main(args) == 3
+    args = [*TINY, "--config.rl.dynamic_sampling=False", "--config.eval.pass_k=0",
+            "--config.checkpoint_every=1", "--config.max_nonfinite_steps=2",
+            f"--workdir={workdir}"]  # fmt: skip
+    assert train_here(args) == 3
     out, err = capsys.readouterr()
     assert "step 3: 1 optimizer step(s) with a non-finite loss or gradient skipped" in out
     assert err.strip().splitlines()[-1] == (
@@ -59,18 +75,10 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, capsys, monke
     )
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl") if '"loss"' in x]
     assert [r["skipped"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
-    run, step = load_run(str(workdir))
-    good = fingerprint(run.state.params)
-    assert step == 3 and good == fingerprint(load_run(str(workdir), 2)[0].state.params)
-
-
-TINY = [
-    "--config.data.prompts_per_step=4", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
-    "--config.data.eval.num=8", "--config.eval.pass_k=2", "--config.eval.pass_n=2",
-    "--config.eval_every=0", "--config.checkpoint_every=3", "--config.sampling.num_slots=32",
-    "--config.sampling.num_pages=128", "--config.rl.dynamic_sampling=True",
-    "--config.sampling.release_kv_between_phases=False",
-]  # fmt: skip
+    with on_devices(jax.devices()[:1]):  # read as the run ran, on one device (its traces)
+        run, step = load_run(str(workdir))
+        good = fingerprint(run.state.params)
+        assert step == 3 and good == fingerprint(load_run(str(workdir), 2)[0].state.params)
 
 
 # A step takes ~0.3 s once compiled. Five kills advance the killed run by about one committed step
@@ -79,12 +87,16 @@ TINY = [
 STEPS = 12
 
 
+def _args(workdir, *extra):
+    return [f"--workdir={workdir}", f"--config.num_steps={STEPS}", *TINY, *extra]
+
+
 def _cmd(workdir, *extra):
-    return [sys.executable, "-m", "launch.train", f"--workdir={workdir}",
-            f"--config.num_steps={STEPS}", *TINY, *extra]  # fmt: skip
+    return [sys.executable, "-m", "launch.train", *_args(workdir, *extra)]
 
 
 def _train(workdir, *extra):
+    """The run as a one-device subprocess (`python -m launch.train`)."""
     out = subprocess.run(_cmd(workdir, *extra), cwd=ROOT, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -93,9 +105,10 @@ def _train(workdir, *extra):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """An uninterrupted run of STEPS steps, the reference of the interrupted ones."""
+    """An uninterrupted run of STEPS steps in this process (train_here), the reference of the
+    interrupted ones."""
     workdir = tmp_path_factory.mktemp("straight")
-    _train(workdir)
+    assert train_here(_args(workdir)) == 0
     return workdir
 
 
@@ -120,13 +133,17 @@ def _train_until_sigterm(workdir):
 def test_resume_is_exact(tmp_path, straight):
     """A run stopped by SIGTERM (a preemption notice) after the step it was in, saving it, then
     a new process that resumes and runs the rest == the straight run (with DAPO dynamic sampling
-    and a decode state kept across rollouts, the paths with the most state)."""
+    and a decode state kept across rollouts, the paths with the most state). The straight run
+    ran in this process (train_here), the stopped and resumed ones are one-device subprocesses of
+    the same command: their equal fingerprint and metrics are also the check that train_here
+    makes the run a subprocess makes."""
     split = tmp_path / "split"
     stopped = _train_until_sigterm(split)
     assert 2 <= stopped < STEPS
     resumed = _train(split)
     assert f"resumed from step {stopped}" in resumed.stderr
     a, b = json.load(open(straight / "summary.json")), json.load(open(split / "summary.json"))
+    # train_here == subprocess: the same fingerprint and per-step metrics
     assert a["params_fingerprint"] == b["params_fingerprint"]
     assert (
         a["accuracy_before"] == b["accuracy_before"] and a["accuracy_after"] == b["accuracy_after"]
@@ -219,7 +236,7 @@ def test_kill9_anywhere_then_resume_is_exact(tmp_path, straight):
         new_commit_at.clear()
         _run_and_kill(killed, when, tmp_path / f"kill{i}.log")
     assert _latest(killed) < STEPS
-    _train(killed, "--config.checkpoint_every=1")
+    assert train_here(_args(killed, "--config.checkpoint_every=1")) == 0  # the last restart, here
     a = json.load(open(straight / "summary.json"))
     b = json.load(open(killed / "summary.json"))
     assert a["params_fingerprint"] == b["params_fingerprint"]
@@ -229,8 +246,8 @@ def test_kill9_anywhere_then_resume_is_exact(tmp_path, straight):
 def test_resume_refuses_a_changed_config(tmp_path, capsys):
     workdir = tmp_path / "run"
     workdir.mkdir()
-    config, _, _ = parse_args(EIGHT, FLAGS)
+    config, _, _ = parse_args([], FLAGS)
     (workdir / "config.json").write_text(json.dumps(config_json(config)))
-    assert main(EIGHT + ["--workdir", str(workdir), "--config.optim.learning_rate=0.1"]) == 2
+    assert train_here(["--workdir", str(workdir), "--config.optim.learning_rate=0.1"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume with a changed config (optim.learning_rate: 0.0002 -> 0.1)" in err
