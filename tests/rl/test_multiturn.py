@@ -8,12 +8,15 @@ import pytest
 
 from launch.build import build
 from launch.cli import parse_args
+from models.sharding import on_devices
 from rl.data import PromptStream, make_prompt_iterator
 from rl.envs import Environment, Episode, register_env
 
 OBS = {1: [5, 6, 7], 2: [8, 3]}
+# One of the 8 fake devices (models.sharding.on_devices): the episodes, not the mesh, are under
+# test here, and a one-device run costs about half the CPU of a data=8 one.
 ARGS = [
-    "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+    "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
     "--config.sampling.num_slots=8", "--config.env.name=test_scripted",
     "--config.env.max_turns=3", "--config.env.max_turn_tokens=3",
     "--config.sampling.max_new_tokens=16", "--config.sampling.temperature=1.3",
@@ -34,7 +37,13 @@ class Scripted(Environment):
         return float(sum(len(t.ids) for t in episode.turns))
 
 
-def test_episode_batch_is_the_sampled_and_observation_ids():
+@pytest.fixture
+def one_device():
+    with on_devices(jax.devices()[:1]):
+        yield
+
+
+def test_episode_batch_is_the_sampled_and_observation_ids(one_device):
     config = parse_args(ARGS, {})[0]
     run = build(config)
     seen = []  # every turn the environment saw, in order per episode
@@ -113,7 +122,7 @@ MODES = ["step_raises", "text", "out_of_vocab", "nan_reward", "reward_raises", "
 
 
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
-def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on():
+def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on(one_device):
     """Every way an environment can fail ends the episode, masked out of the loss (an environment
     bug is not the model's doing: it was scored 0 before), counted in episode/env_errors;
     nothing raises and no KV page stays allocated."""
