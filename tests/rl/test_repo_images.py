@@ -79,7 +79,10 @@ def image(tmp_path_factory):
     python_image(str(d / "oci"), TESTBED, b'WHERE = "image"\n')
     info = unpack(str(d / "oci"), str(d / "images"), (NAME,))
     print(f"\nimage built and unpacked in {time.monotonic() - t0:.1f} s")
-    return {"dir": str(d / "images"), "rootfs": info["rootfs"], "path": info["path"]}
+    # What every test compares the image with when it ends (hashed once: 0.4 s a hash)
+    before = repo_images.tree_hash(info["rootfs"])
+    return {"dir": str(d / "images"), "rootfs": info["rootfs"], "path": info["path"],
+            "hash": before}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,7 @@ def fix(env, ep):
 
 
 def test_an_image_task_runs_in_the_image_and_is_graded_with_its_python(env, image):
-    before = repo_images.tree_hash(image["rootfs"])
+    before = image["hash"]  # the image as unpacked
     ep = env.start(task())
     out = bash(
         env,
@@ -195,7 +198,7 @@ def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, 
     (their host paths, /proc), the host and the network; none sees another's edits, the image
     is unchanged (hashed before and after). Start-up (the first call, `true`) and disk per
     episode are compared with today's workspace copy of a checkout of the same repository."""
-    before = repo_images.tree_hash(image["rootfs"])
+    before = image["hash"]  # the image as unpacked
     canary = tmp_path / "canary"
     canary.write_text("host")
     server = socket.socket()
@@ -270,7 +273,7 @@ def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, 
 
 
 def test_hostile_commands_in_an_image_are_contained(env, image, tmp_path):
-    before = repo_images.tree_hash(image["rootfs"])
+    before = image["hash"]  # the image as unpacked
     sentinel = subprocess.Popen(["sleep", "60"])
     ep = env.start(task())
     out = bash(env, ep, "rm -rf --no-preserve-root / 2>/dev/null; echo done")
@@ -326,7 +329,7 @@ def test_the_copy_view_when_no_overlay_works(env, image, monkeypatch):
     same, and its disk is the copy; the mode is forced here (this host mounts overlayfs)."""
     key = (env.tools._bwrap, env.tools.as_root)
     monkeypatch.setitem(repo_images._modes, key, "copy")
-    before = repo_images.tree_hash(image["rootfs"])
+    before = image["hash"]  # the image as unpacked
     ep = env.start(task())
     out = bash(env, ep, "echo x > /usr/bin/cat; echo t > /tmp/t && cat /tmp/t; ls /testbed")
     assert ep.view.mode == "copy" and "Read-only file system" in out and "t\ncalc" in out, out
