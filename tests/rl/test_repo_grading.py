@@ -5,6 +5,7 @@ score 0, and nothing the model writes changes how its tests run. Shared fixtures
 tests/rl/repo_env_helpers.py."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,7 +18,9 @@ tasks = repo_env_helpers.tasks  # the module fixture
 
 def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
     """A harness timeout, a failing setup and a missing repository mask the episode; the other
-    episodes of the group are scored as usual."""
+    episodes of the group are scored as usual. The two episodes that wait (the harness timeout,
+    the per-test alarm) run in threads while the others are graded (episodes run concurrently in
+    training too)."""
     repo = tmp_path / "slow"
     (repo / "tests").mkdir(parents=True)
     (repo / "tests" / "test_slow.py").write_text(
@@ -30,33 +33,36 @@ def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
     # machine must not time the control episode out as well).
     harsh = RepoEnv(TOK, make_config(test_timeout_s=8.0, per_test_timeout_s=60))
     env = RepoEnv(TOK, make_config(test_timeout_s=60.0, per_test_timeout_s=60))
-    try:
-        group = [slow, {**tasks[0], "setup": "exit 1"}, {**tasks[0], "repo": str(tmp_path / "no")}]
-        group += [tasks[0]]
-        rewards, eps = [], []
-        for rec, e in zip(group, [harsh, env, env, env]):
-            ep = e.start(rec)
-            act(e, ep, call("bash", command="true"))
-            rewards.append(e.reward(ep))
-            eps.append(ep)
+    # A test that hangs on its own is the model's fault: it fails on the per-test alarm.
+    alarm = RepoEnv(TOK, make_config(test_timeout_s=30.0, per_test_timeout_s=2))
+
+    def episode(e, rec):
+        ep = e.start(rec)
+        act(e, ep, call("bash", command="true"))
+        try:
+            return e.reward(ep), ep
+        finally:
             e.close(ep)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            waits = [pool.submit(episode, harsh, slow), pool.submit(episode, alarm, slow)]
+            group = [{**tasks[0], "setup": "exit 1"}, {**tasks[0], "repo": str(tmp_path / "no")}]
+            others = [episode(env, rec) for rec in group + [tasks[0]]]
+            (timed_out, alarmed) = [w.result() for w in waits]
+        rewards, eps = zip(*[timed_out, *others])
         assert [env.masked(ep) for ep in eps] == [True, True, True, False]
         assert eps[0].infra_error.startswith("harness timeout")
         assert eps[1].infra_error.startswith("setup failed")
         assert eps[2].infra_error.startswith("workspace: FileNotFoundError")
         assert rewards[3] == 0.0 and eps[3].metrics["pass_to_pass_frac"] == 1.0  # scored
+        reward, ep = alarmed
+        assert reward == 0.0 and not alarm.masked(ep)
+        assert ep.metrics["fail_to_pass_frac"] == 0.0
     finally:
         harsh.shutdown()
         env.shutdown()
-    # A test that hangs on its own is the model's fault: it fails on the per-test alarm.
-    env = RepoEnv(TOK, make_config(test_timeout_s=30.0, per_test_timeout_s=2))
-    try:
-        ep = env.start(slow)
-        assert env.reward(ep) == 0.0 and not env.masked(ep)
-        assert ep.metrics["fail_to_pass_frac"] == 0.0
-        env.close(ep)
-    finally:
-        env.shutdown()
+        alarm.shutdown()
 
 
 def _hang_at_import(env, task, code):
