@@ -1,12 +1,15 @@
 """Partial rollouts with a tool repeat themselves whatever the tool's latency (issue 35, must-show
 5): the CPU tool demo (configs/calc_tool.py) with partial rollouts, its calculator behind random
 0-60 ms delays (tests/launch/jittered_tools.py, unseeded) on 8 tool workers, ends with the
-parameters of the instant tool, and so does one on 2 workers killed (kill -9) and resumed.
+parameters of the instant tool, and so does one on 2 workers killed (kill -9) and resumed. The
+straight runs and the resume run in this process (tests.conftest.train_here, one device: the run
+of a one-device subprocess); the killed run is a subprocess.
 Tool answers are taken on the loop's logical clock (env.tool_answer_calls, sampling.episodes:
 "Logical time"), so which episodes a stop cuts, and where, follows decode calls, not the wall
 clock. (The wall-clock rule, env.tool_answer_calls=0, ended these runs with different
 fingerprints: docs/performance.md.)"""
 
+import contextlib
 import json
 import random
 import subprocess
@@ -15,9 +18,10 @@ import time
 
 import pytest
 
-from tests.conftest import METRIC_KEYS, ROOT
+from tests.conftest import METRIC_KEYS, ROOT, train_here
+from tests.launch.jittered_tools import jittered
 
-pytestmark = pytest.mark.slow  # training runs in subprocesses, one killed and resumed
+pytestmark = pytest.mark.slow  # four training runs, one killed (a subprocess) and resumed
 
 # The issue's command (8 steps) shortened to 5: steps 1, 2 and 4 stop with episodes in flight
 # (cut mid-turn or waiting on the tool), 3 and 5 drain and save; the kill lands after step 3.
@@ -30,18 +34,16 @@ ARGS = [
 JITTER_MS = 60
 
 
-def _cmd(workdir, jitter: bool, *extra):
-    entry = (
-        ["-m", "tests.launch.jittered_tools", str(JITTER_MS)] if jitter else ["-m", "launch.train"]
-    )
-    return [sys.executable, *entry, f"--workdir={workdir}", *ARGS, *extra]
+def _cmd(workdir, *extra):
+    """The jittered run as a subprocess (the one that is killed)."""
+    return [sys.executable, "-m", "tests.launch.jittered_tools", str(JITTER_MS),
+            f"--workdir={workdir}", *ARGS, *extra]  # fmt: skip
 
 
 def _train(workdir, jitter: bool, *extra):
-    out = subprocess.run(_cmd(workdir, jitter, *extra), cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+    """The run in this process (tests.conftest.train_here), the tool jittered or instant."""
+    with jittered(JITTER_MS) if jitter else contextlib.nullcontext():
+        assert train_here([f"--workdir={workdir}", *ARGS, *extra]) == 0
 
 
 def _rows(workdir):
@@ -99,11 +101,11 @@ def _latest(workdir) -> int:
         return 0
 
 
-def test_kill9_then_resume_of_the_jittered_run_is_exact(runs, tmp_path):
+def test_kill9_then_resume_of_the_jittered_run_is_exact(runs, tmp_path, capsys):
     """On 2 tool workers, killed in step 4 and resumed: the instant tool's run all the same."""
     killed, log, two = tmp_path / "killed", tmp_path / "kill.log", "--config.env.tool_workers=2"
     with open(log, "w") as err:
-        proc = subprocess.Popen(_cmd(killed, True, two), cwd=ROOT, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(_cmd(killed, two), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=err)  # fmt: skip
         while proc.poll() is None and _latest(killed) == 0:
             time.sleep(0.01)  # polling files another process writes; nothing is timed
@@ -112,6 +114,8 @@ def test_kill9_then_resume_of_the_jittered_run_is_exact(runs, tmp_path):
         proc.kill()
         proc.wait()
     assert _latest(killed) == 3
-    out = _train(killed, True, two)
-    assert "resumed from step 3" in out.stderr, out.stderr[-3000:]
+    capsys.readouterr()  # the resume's own output, below
+    _train(killed, True, two)
+    err = capsys.readouterr().err
+    assert "resumed from step 3" in err, err[-3000:]
     _same_as_instant(runs, killed, "jitter2, killed and resumed")
