@@ -1,7 +1,9 @@
 """Partial rollouts survive kill -9: a run whose steps carry episodes across learner steps, killed
 mid-run and restarted with the same command, ends bitwise equal to the uninterrupted run
 (checkpoint steps drain their carried episodes, so a saved state holds none), with DAPO's
-dynamic sampling replacing zero-variance groups as they complete."""
+dynamic sampling replacing zero-variance groups as they complete. The uninterrupted run and the
+restart run in this process (tests.conftest.train_here, one device: the run of a one-device
+subprocess); the killed run is a subprocess."""
 
 import json
 import random
@@ -11,9 +13,9 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, train_metrics
+from tests.conftest import ROOT, train_here, train_metrics
 
-pytestmark = pytest.mark.slow  # training runs in subprocesses, killed and resumed
+pytestmark = pytest.mark.slow  # three training runs, one killed (a subprocess) and resumed
 
 # Two checkpoint cycles: the kill lands in the second, after step 4 committed (16 steps before:
 # carried episodes, off-policy tokens and replacements all show within the first 8).
@@ -54,10 +56,9 @@ def _kill_after_commit(workdir, delay: float, log) -> None:
         proc.wait()
 
 
-def test_partial_rollouts_kill9_then_resume_is_exact(tmp_path):
+def test_partial_rollouts_kill9_then_resume_is_exact(tmp_path, capsys):
     straight, killed, rng = tmp_path / "straight", tmp_path / "killed", random.Random(0)
-    out = subprocess.run(_cmd(straight), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert train_here([f"--workdir={straight}", *ARGS]) == 0
     rows = [json.loads(x) for x in open(straight / "metrics.jsonl") if '"loss"' in x]
     assert any(r["rollout/carried_episodes"] > 0 for r in rows)  # episodes parked mid-decode
     assert any(r["rollout/offpolicy_token_frac"] > 0 for r in rows)  # ... and trained later
@@ -65,8 +66,9 @@ def test_partial_rollouts_kill9_then_resume_is_exact(tmp_path):
     assert any(r["dynamic_sampling_replacements"] > 0 for r in rows)
     _kill_after_commit(killed, rng.uniform(0.0, 0.3), tmp_path / "kill.log")
     assert 0 < _latest(killed) < STEPS
-    out = subprocess.run(_cmd(killed), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "resumed from step" in out.stderr, out.stderr[-3000:]
+    capsys.readouterr()  # the restart's own output, below
+    code, err = train_here([f"--workdir={killed}", *ARGS]), capsys.readouterr().err
+    assert code == 0 and "resumed from step" in err, err[-3000:]
     a = json.load(open(straight / "summary.json"))
     b = json.load(open(killed / "summary.json"))
     assert a["params_fingerprint"] == b["params_fingerprint"]
