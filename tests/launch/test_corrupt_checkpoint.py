@@ -7,12 +7,13 @@ import os
 
 import pytest
 
-from launch.train import main
+from tests.conftest import train_here
 
 pytestmark = pytest.mark.slow  # training runs and restores
 
-ARGS = ["--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.data.eval.num=8",
-        "--config.eval.pass_k=0", "--config.eval_every=0", "--config.checkpoint_every=1"]  # fmt: skip
+# in this process on one device (tests.conftest.train_here): the run a one-device subprocess makes
+ARGS = ["--config.data.prompts_per_step=2", "--config.data.eval.num=8", "--config.eval.pass_k=0",
+        "--config.eval_every=0", "--config.checkpoint_every=1"]  # fmt: skip
 
 
 def _garble_data(step_dir):
@@ -35,12 +36,12 @@ def test_a_garbled_checkpoint_is_skipped_and_none_usable_stops_cleanly(tmp_path,
     workdir = tmp_path / "run"
     checkpoints = workdir / "checkpoints"
     run = ARGS + [f"--workdir={workdir}"]
-    assert main(run + ["--config.num_steps=3"]) == 0
+    assert train_here(run + ["--config.num_steps=3"]) == 0
     assert sorted(os.listdir(checkpoints)) == ["2", "3"]  # keep_checkpoints=2
     _garble_data(checkpoints / "3")
     capsys.readouterr()
 
-    assert main(run + ["--config.num_steps=4"]) == 0
+    assert train_here(run + ["--config.num_steps=4"]) == 0
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("checkpoint step 3 "))
     assert line.startswith(f"checkpoint step 3 in {checkpoints} is unusable (")
@@ -51,7 +52,7 @@ def test_a_garbled_checkpoint_is_skipped_and_none_usable_stops_cleanly(tmp_path,
     for step in ("3", "4"):
         _garble_data(checkpoints / step)
     before = _snapshot(checkpoints)
-    assert main(run + ["--config.num_steps=5"]) != 0
+    assert train_here(run + ["--config.num_steps=5"]) != 0
     err = capsys.readouterr().err
     errors = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
