@@ -12,18 +12,18 @@ import os
 import pytest
 
 from launch.cli import parse_args
-from launch.train import main
 from rl.data import PromptStream, load_records
-from tests.conftest import train_metrics
+from tests.conftest import train_here, train_metrics
 
-# three training runs of 6-12 steps; their time goes to running the steps (μ = 2 x 2 minibatches,
-# refill rounds), so they compile optimized (tests/conftest.py)
+# three training runs of 6-12 steps, in this process on one device (tests.conftest.train_here: the
+# run a one-device subprocess makes); their time goes to running the steps (μ = 2 x 2
+# minibatches, refill rounds), so they compile optimized (tests/conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.optimized]
 
 N = int(os.environ.get("LONG_RESUME_N", 6))
 RECORDS = 16  # one epoch: 4 steps of 4 prompts, fewer with refill rounds
 ARGS = [
-    "--config.mesh.data=8", "--config.data.prompts_per_step=4", "--config.rl.num_generations=4",
+    "--config.data.prompts_per_step=4", "--config.rl.num_generations=4",
     f"--config.data.train.num={RECORDS}", "--config.rl.num_iterations=2",
     "--config.rl.minibatches=2", "--config.rl.dynamic_sampling=True",
     "--config.rl.dynamic_sampling_max_tries=3", "--config.rl.kl_coef=0.04",
@@ -42,7 +42,7 @@ def _run(workdir, steps, drawn, monkeypatch):
         return out
 
     monkeypatch.setattr(PromptStream, "take", recording)
-    assert main(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}"]) == 0
+    assert train_here(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}"]) == 0
 
 
 def _evals(workdir):
