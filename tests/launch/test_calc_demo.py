@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from launch.train import main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, train_here
 
 pytestmark = pytest.mark.slow  # a training step of the tool-use demo
 
@@ -14,11 +13,12 @@ pytestmark = pytest.mark.slow  # a training step of the tool-use demo
 def test_calc_tool_config_trains_a_step(tmp_path):
     workdir = tmp_path / "run"
     args = [
-        f"--config={ROOT}/configs/calc_tool.py", "--config.mesh.data=8", "--config.num_steps=1",
-        "--config.data.prompts_per_step=4", "--config.sampling.num_slots=64",  # 8 per batch shard: one group of G = 8
+        f"--config={ROOT}/configs/calc_tool.py", "--config.num_steps=1",
+        "--config.data.prompts_per_step=4", "--config.sampling.num_slots=32",  # the 4 groups of G = 8
+        "--config.sampling.num_pages=129",  # 32 episodes x 4 pages of 8 tokens, + the null page
         "--config.data.eval.num=8", f"--workdir={workdir}",
     ]  # fmt: skip
-    assert main(args) == 0
+    assert train_here(args) == 0  # in this process, on one device
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 1 and all(0 < r["episode/turns"] <= 3 for r in steps)
