@@ -147,10 +147,12 @@ def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
     args = [
         f"--config={ROOT}/configs/qwen3_0_6b_gsm8k.py", f"--config.model.hf_checkpoint={ckpt}",
         *local_data(data),
-        "--config.mesh.fsdp=8", "--config.data.prompts_per_step=4", "--config.rl.num_generations=2",
+        # the GSM8K test's mesh and sizes: its sampler programs serve this run too
+        "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+        "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
         "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
-        "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=16",  # 2 per shard
-        "--config.sampling.page_size=8", "--config.sampling.num_pages=128",
+        "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=8",
+        "--config.sampling.page_size=8", "--config.sampling.num_pages=64",
         "--config.sampling.steps_per_call=4", "--config.rl.overlong_buffer=4",
         "--config.eval.pass_k=0", "--config.num_steps=2", "--config.optim.learning_rate=1e-2",
         "--config.optim.warmup_steps=0", "--config.rl.entropy_coef=0.01", f"--workdir={workdir}",
