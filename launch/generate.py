@@ -25,13 +25,12 @@ import json
 import os
 import sys
 
-import jax
 import tqdm
 
 from models.hf import load_hf
 from models.hf_config import CheckpointError
 from models.hub import HubError, resolve
-from models.sharding import make_mesh
+from models.sharding import make_mesh, run_devices
 from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
 from rl.data import read_jsonl
 from sampling.distribution import SamplingParams
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
         prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
         cfg, graphdef, params, ids = load_hf(
-            args.hf_checkpoint, make_mesh({"data": jax.device_count()})
+            args.hf_checkpoint, make_mesh({"data": len(run_devices())})
         )
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from models.hf import load_hf
 from models.hf_config import CheckpointError
-from models.sharding import flatten, make_mesh, param_count
+from models.sharding import flatten, make_mesh, param_count, run_devices
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
     if args.fake_devices:  # before the first use of a device initialises the backend
         jax.config.update("jax_num_cpu_devices", args.fake_devices)
-    mesh_shape = parse_mesh(args.mesh) or {"data": jax.device_count()}
+    mesh_shape = parse_mesh(args.mesh) or {"data": len(run_devices())}
     try:
         mesh = make_mesh(mesh_shape)
         cfg, graphdef, params, ids = load_hf(args.hf_checkpoint, mesh)
