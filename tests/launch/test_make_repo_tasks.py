@@ -31,9 +31,13 @@ for root, nodes, log in json.loads(sys.stdin.read()):
         os.dup2(fd, 2)
         os.chdir(root)
         sys.path[0] = root  # what python -m puts first: the working directory
-        rc = pytest.main(["-q", "-rA", "-p", "no:cacheprovider", *nodes])
-        sys.stdout.flush()
-        os._exit(rc)
+        rc = 70  # pytest.main raised: this child ends here, never runs the loop's other jobs
+        try:
+            rc = pytest.main(["-q", "-rA", "-p", "no:cacheprovider", *nodes])
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
     os.waitpid(pid, 0)
 """
 
