@@ -148,6 +148,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
             fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
                  f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
                  f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
+            log.close()  # the event files and W&B run end here too (an in-process run goes on)
             return 3
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
         if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
