@@ -66,12 +66,16 @@ def on_devices(devices: Sequence[jax.Device]) -> Iterator[None]:
     global _RUN_DEVICES
     if jax.process_count() > 1:
         raise ValueError("on_devices: a multi-process run uses every process's devices")
-    previous, _RUN_DEVICES = _RUN_DEVICES, list(devices)
+    # Process-wide, like the run itself: a run's worker threads (tools, checkpoint saves) see the
+    # same default device (jax.default_device would set the entering thread's only).
+    previous = _RUN_DEVICES, jax.config.jax_default_device
+    _RUN_DEVICES = list(devices)
+    jax.config.update("jax_default_device", _RUN_DEVICES[0])
     try:
-        with jax.default_device(_RUN_DEVICES[0]):
-            yield
+        yield
     finally:
-        _RUN_DEVICES = previous
+        _RUN_DEVICES = previous[0]
+        jax.config.update("jax_default_device", previous[1])
 
 
 def make_mesh(
