@@ -52,8 +52,9 @@ def _pin_malloc_thresholds() -> None:
 
 
 def soak(steps: int, workdir) -> list[dict]:
-    """Runs the demo config for `steps` steps (in this process on one device,
-    tests.conftest.train_here: the run a one-device subprocess makes) and returns, per
+    """Runs the demo config for `steps` steps (in this process, tests.conftest.train_here, on a
+    data=2 mesh of 2 of the fake devices: sharded state, so a recompile from a sharding mismatch
+    or a per-shard copy that grows would show) and returns, per
     step and once after the loop (before the final evaluation), the lowerings so far, the host
     RSS and the live device arrays."""
     _pin_malloc_thresholds()
@@ -84,8 +85,9 @@ def soak(steps: int, workdir) -> list[dict]:
     try:
         # 8 held-out prompts, not 200: the evaluations before and after the loop are not soaked
         args = [f"--config.num_steps={steps}", "--config.eval_every=0", "--config.data.eval.num=8",
+                "--config.mesh.data=2",
                 f"--config.checkpoint_every={CHECKPOINT_EVERY}", f"--workdir={workdir}"]  # fmt: skip
-        assert train_here(args) == 0
+        assert train_here(args, devices=2) == 0
     finally:
         rollout_module.Rollouts.__call__ = original
         train_module._evaluate = evaluate
