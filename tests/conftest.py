@@ -47,11 +47,31 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# The fast tier's longest files (wall seconds on 2 workers, `--durations`), which start first
+# among the fast tests, longest first: alphabetically the sampler's files came last, and the two
+# workers ended apart by a whole long file. A file missing here only runs later; keep the list short.
+LONG_FIRST = (
+    "tests/sampling/test_preemption.py", "tests/sampling/test_paged_attention.py",
+    "tests/rl/test_repo_images.py", "tests/sampling/test_distribution.py",
+    "tests/sampling/test_shard_pools.py", "tests/models/test_hf.py", "tests/rl/test_sandbox.py",
+    "tests/rl/test_learner.py", "tests/launch/test_bad_inputs.py",
+    "tests/sampling/test_engine_scale.py", "tests/rl/test_repo_grading.py",
+    "tests/sampling/test_engine.py", "tests/models/test_attention_kernels.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow (whole training runs, the real configs' lowerings) run first. Under
-    pytest-xdist's `--dist loadfile` (README, .ci/run) a worker then takes each slow file early and
-    the many short files fill in around them, instead of one worker ending alone on a slow file."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: False first
+    """Tests marked slow (whole training runs, the real configs' lowerings) run first, then the
+    fast tier's LONG_FIRST files. Under pytest-xdist's `--dist loadfile` (README, .ci/run) a worker
+    then takes each long file early and the many short files fill in around them, instead of one
+    worker ending alone on a long file."""
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+
+    def key(item):
+        fast = item.get_closest_marker("slow") is None
+        return fast, rank.get(item.nodeid.split("::")[0], len(rank)) if fast else 0
+
+    items.sort(key=key)  # stable: the rest keep their order
 
 
 # Shared test helpers, imported by test modules as `from tests.conftest import ...` (below the
