@@ -92,11 +92,17 @@ def xla_optimized():
     subprocesses it starts (see the top of this file); restores the -O0 default after it."""
     flag = jax.config.read("jax_disable_most_optimizations")
     env = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]
+    # The flag is not part of jit's cache keys: without clearing, a program compiled at one
+    # level serves calls at the other, in this process (an eager jnp.std of the advantages,
+    # compiled optimized by test_long_resume, gave tests/launch/test_partial_resume.py's
+    # in-process run another last bit than its -O0 subprocess).
+    jax.clear_caches()
     jax.config.update("jax_disable_most_optimizations", False)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "false"
     try:
         yield
     finally:
+        jax.clear_caches()
         jax.config.update("jax_disable_most_optimizations", flag)
         os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env
 
