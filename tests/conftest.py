@@ -38,12 +38,14 @@ _CACHE = os.environ.get(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jax_grpo_tests")
 )
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by subprocesses
-# Subprocesses (training runs) cache every compile: at -O0 most take under JAX's default 1 s
-# threshold, so each run recompiled what the runs before it had compiled (the kill -9 test of
-# tests/launch/test_train.py, empty cache: 102 s -> 80 s).
+# Every compile is cached, in subprocesses (training runs) and in the test processes: at -O0
+# most take under JAX's default 1 s threshold, so each run recompiled what the runs before it had
+# compiled (the kill -9 test of tests/launch/test_train.py, empty cache: 102 s -> 80 s), and each
+# test's new jitted closures recompiled the programs of the tests before it (test_preemption,
+# test_shard_pools and test_learner, empty cache: 117 s -> 95 s of CPU at a 0.5 s threshold -> 0).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
