@@ -1,6 +1,6 @@
 """The parts of a training run, built from its config: mesh, tokenizer, policy (and reference),
-learner, train state, sampler engines and the rollout. `launch.train` builds them once and
-resumes with `restore_latest`; `load_run` rebuilds them for a finished run's checkpoint
+learner, train state, sampler engines and the rollout. `launch.train` builds them once, with
+its data iterator (`prepare`), and resumes with `restore_latest`; `load_run` rebuilds them for a finished run's checkpoint
 (`launch.eval`, `launch.export`).
 
 The reference policy, when the KL term is on, is a second frozen copy of the starting checkpoint
@@ -37,6 +37,7 @@ from models.hf_config import GenerationIds
 from models.sharding import base_graphdef, make_mesh, run_devices, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer, checksums
+from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 from rl.envs import Environment, make_env
 from rl.evaluation import evaluate
 from rl.learner import Learner, TrainState, batch_sharding
@@ -96,6 +97,26 @@ def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
     }
     return Run(config, mesh, model_cfg, ids, tokenizer, learner, learner.init_state(params),
                ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
+
+
+def prepare(config) -> tuple[Run, object, list]:
+    """The run's parts, its data iterator and held-out records. Every prompt is tokenised once
+    here, so a prompt over sampling.max_prompt_len fails now, not hours into the run."""
+    run = build(config)
+    data = PromptStream(make_prompt_iterator(
+        config.data.train, batch_size=config.data.prompts_per_step, seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    ))  # fmt: skip
+    eval_records = load_records(config.data.eval)
+    for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
+        if config.env.get("name") == "repo":  # refuse unsupported record fields at load time
+            from rl.envs.repo import check_record
+
+            for r in records:
+                check_record(r, config.env)  # an image record's isolation and image too
+        field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
+        tokenize_prompts(records, run.tokenizer, config, field, keep=False)
+    return run, data, eval_records
 
 
 def check_base(run: Run, meta: dict, base: dict | None) -> None:

@@ -77,6 +77,16 @@ def pin_data(c: ml_collections.ConfigDict) -> None:
                                 src.get("revision", ""))  # fmt: skip
 
 
+def pinned_commits(c: ml_collections.ConfigDict) -> dict:
+    """The Hub commits a run's summary records: `hf_commit` of its weights and `data_hf_commit`
+    of its training prompts, each only when it came from the Hub."""
+    commits = {
+        "hf_commit": c.model.get("hf_commit"),
+        "data_hf_commit": c.data.train.get("hf_commit"),
+    }
+    return {k: v for k, v in commits.items() if v}
+
+
 def _agreed(resolve_commit, revision: str) -> str:
     """resolve_commit(revision) on process 0, then resolve_commit(that commit) on the others
     (their own caches), "" everywhere for a local path; process 0's UsageError on all."""

@@ -33,40 +33,19 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from launch.build import Run, base_checksums, build, restore_latest, seed_key
+from launch.build import Run, base_checksums, prepare, restore_latest, seed_key
 from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
 from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
-from launch.pin import check_wandb_login, fetch_weights, pin_data, pin_model
+from launch.pin import check_wandb_login, fetch_weights, pin_data, pin_model, pinned_commits
 from launch.preemption import Preemption
 from launch.validate import check_isolation, prepare_workdir, validate
 from models.sharding import run_devices
 from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
-from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
 
 FLAGS = {"workdir": "", "dry_run": False}
 TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens", "nonfinite_steps")
-
-
-def prepare(config) -> tuple[Run, object, list]:
-    """The run's parts, its data iterator and held-out records. Every prompt is tokenised once
-    here, so a prompt over sampling.max_prompt_len fails now, not hours into the run."""
-    run = build(config)
-    data = PromptStream(make_prompt_iterator(
-        config.data.train, batch_size=config.data.prompts_per_step, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    ))  # fmt: skip
-    eval_records = load_records(config.data.eval)
-    for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
-        if config.env.get("name") == "repo":  # refuse unsupported record fields at load time
-            from rl.envs.repo import check_record
-
-            for r in records:
-                check_record(r, config.env)  # an image record's isolation and image too
-        field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
-        tokenize_prompts(records, run.tokenizer, config, field, keep=False)
-    return run, data, eval_records
 
 
 def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> int:
@@ -89,10 +68,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_json(config), f, indent=2)
         print(config)
-    if config.model.get("hf_commit"):  # the Hub snapshot the run's weights came from
-        summary["hf_commit"] = config.model.hf_commit
-    if config.data.train.get("hf_commit"):  # and the Hub dataset's its prompts came from
-        summary["data_hf_commit"] = config.data.train.hf_commit
+    summary.update(pinned_commits(config))  # the Hub snapshots of its weights and prompts
     try:
         log = RunLogger(workdir, enabled=main_process, config=config)
     except UsageError as e:  # wandb.init failed (launch.pin.check_wandb_login passed)
@@ -142,9 +118,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
             bar.write(f"step {step + 1}: {skipped} optimizer step(s) with a non-finite loss or "
                       f"gradient skipped ({nonfinite} GRPO step(s) in a row)")  # fmt: skip
         if nonfinite >= config.max_nonfinite_steps:
-            bar.close()
-            rollouts.close()
-            ckpt.close()
+            _close(bar, rollouts, ckpt)
             fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
                  f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
                  f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
@@ -163,21 +137,22 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                     "key": seed_key(config.seed), "base": base}  # fmt: skip
             ckpt.save(step + 1, learner.checkpointed(state), meta)
         if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
-            bar.close()
-            rollouts.close()
-            ckpt.close()  # waits for the save
-            log.close()
+            _close(bar, rollouts, ckpt, log)  # the checkpointer waits for the save
             print(f"{preemption.signal_name or 'signal'} received: stopped after step {step + 1} "
                   f"and saved it in {workdir}; run the same command to resume", file=sys.stderr)  # fmt: skip
             return 0
-    bar.close()
-    rollouts.close()
-    ckpt.close()
+    _close(bar, rollouts, ckpt)
     after = _evaluate(run, state, eval_records, log, config.num_steps)
     wall = time.perf_counter() - wall0
     log.finish(config, summary, totals, after, wall, fingerprint(state.params))
     log.close()
     return 0
+
+
+def _close(*parts) -> None:
+    """The progress bar, then the rollouts' workers, then the checkpointer (it waits for a save)."""
+    for part in parts:
+        part.close()
 
 
 def _evaluate(run: Run, state, records, log: RunLogger, step: int) -> dict:
