@@ -37,7 +37,7 @@ from models.hf_config import GenerationIds
 from models.sharding import base_graphdef, make_mesh, run_devices, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer, checksums
-from rl.data import PromptStream, load_records, make_prompt_iterator, tokenize_prompts
+from rl.data import load_records, make_prompt_stream, tokenize_prompts
 from rl.envs import Environment, make_env
 from rl.evaluation import evaluate
 from rl.learner import Learner, TrainState, batch_sharding
@@ -103,10 +103,8 @@ def prepare(config) -> tuple[Run, object, list]:
     """The run's parts, its data iterator and held-out records. Every prompt is tokenised once
     here, so a prompt over sampling.max_prompt_len fails now, not hours into the run."""
     run = build(config)
-    data = PromptStream(make_prompt_iterator(
-        config.data.train, batch_size=config.data.prompts_per_step, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    ))  # fmt: skip
+    data = make_prompt_stream(config.data.train, batch_size=config.data.prompts_per_step,
+                              seed=config.seed)  # fmt: skip
     eval_records = load_records(config.data.eval)
     for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
         if config.env.get("name") == "repo":  # refuse unsupported record fields at load time

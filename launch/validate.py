@@ -292,6 +292,13 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
         _need(s[field] % shards == 0, f"sampling.{field}", s[field],
               f"a total for the mesh, split evenly over {per} (data x fsdp): must divide by "
               f"{shards}")  # fmt: skip
+    _need(b % shards == 0, "data.prompts_per_step", b,
+          f"a step's prompts are split evenly over {per} (data x fsdp), each sampling, "
+          f"refilling and packing its own groups: must divide by {shards}")  # fmt: skip
+    if c.rl.partial_rollouts:
+        _need(c.rl.extra_groups % shards == 0, "rl.extra_groups", c.rl.extra_groups,
+              f"groups in flight beyond B are split evenly over {per}: must divide by "
+              f"{shards}")  # fmt: skip
     _need(g <= s.num_slots // shards, "sampling.num_slots", s.num_slots,
           f"a group of G = {g} decodes on one of {per}, which has "
           f"{s.num_slots // shards} slots")  # fmt: skip

@@ -53,7 +53,6 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from models.sharding import flatten, with_shardings
-from sampling.state import host_values
 
 TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a save that did not finish
 
@@ -166,6 +165,14 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def host_values(tree):
+    """Numpy copies of (possibly sharded) arrays, the same on every process (gathered from
+    every host in a multi-process run)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _commit_problem(path: str) -> str | None:

@@ -1,10 +1,10 @@
 """Prompt data: records from jsonl / parquet files, a `datasets` dataset or a built-in task,
-batched per step with grain.
+shuffled and repeated with grain.
 
 A record is a dict with a prompt column (`prompt_field`, default "prompt") and any other columns the
 rewards need (e.g. "answer"). The prompt is text, or a list of {"role", "content"} messages for
-chat datasets. The pipeline yields, per training step, this process's share of the global batch
-as a list of records; `format_prompt` turns a record into token ids and `reward_inputs` lays the
+chat datasets. `PromptStream` draws them in the run's global order, each process those of its own
+batch shards; `format_prompt` turns a record into token ids and `reward_inputs` lays the
 columns out for `rl.rewards.combined_rewards`.
 
 Source config (a dict or ml_collections.ConfigDict; missing keys take the defaults shown):
@@ -29,18 +29,17 @@ Choices a reader may question:
   downloads to (HF_HOME; HF_HUB_OFFLINE=1 reads the cache alone; HF_TOKEN), then read with
   `datasets.load_dataset(snapshot, name, split=split)`, as is a directory of data files;
   `load_from_disk` reads a `save_to_disk` directory. Its rows are the records, in its order.
-- A record is JSON (the processes share each step's batch as JSON, the checkpoint keeps the
-  carried records as JSON): Arrow dates and times of a parquet file or a dataset become ISO 8601
-  text, durations seconds, decimals text (`jsonable`), as a jsonl file of the rows would hold
-  them; a column of bytes (binary, Image, Audio) is refused, naming it.
-- Sharding takes the whole global batch on every process and keeps a contiguous slice of it
-  (`[p * B/P, (p+1) * B/P)`), rather than grain's strided `ds[p::P]`. Then the process-ordered
-  concatenation of local batches is exactly the single-process global batch, which is the order
-  `jax.make_array_from_process_local_data` assembles. Reading B records from a list per process
-  costs nothing.
-- The iterator is grain's own `DatasetIterator`. Its state, `{"next_index": step}`, counts global
-  steps, so it is JSON-able and a run can resume on a different number of processes; it does
-  depend on the data, seed, shuffle and batch size staying the same.
+- A record is JSON (it is logged with its completions, and rewards read its fields as a jsonl
+  line would give them): Arrow dates and times of a parquet file or a dataset become ISO 8601
+  text, durations seconds, decimals text (`jsonable`); a column of bytes (binary, Image, Audio)
+  is refused, naming it.
+- Records are drawn by their position in one global order (`PromptStream`), grain's shuffled,
+  repeated MapDataset read by index, rather than by a per-process iterator: a step's records
+  are split over the batch shards in contiguous slices (shard i the i-th B/S), each process
+  reads those of its own shards and no other, and DAPO's refills draw the records after the
+  step's. The position is the whole state: JSON-able, the same on every process, so a run
+  resumes on a different number of processes; it does depend on the data, seed and shuffle
+  staying the same.
 """
 
 from __future__ import annotations
@@ -54,9 +53,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
-import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from models.special_text import Trusted
 from models.tokenizer import Tokenizer
@@ -414,100 +410,83 @@ def load_records(source_cfg: Any) -> Sequence[dict]:
 
 
 def prompt_dataset(
-    records: Sequence[dict],
-    *,
-    batch_size: int,
-    seed: int,
-    shuffle: bool = True,
-    num_epochs: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
+    records: Sequence[dict], *, seed: int, shuffle: bool = True, num_epochs: int | None = None
 ) -> grain.MapDataset:
-    """A grain MapDataset whose element i is this process's slice of global step i's records.
-
-    `batch_size` is the global number of prompts per step; `num_epochs=None` repeats forever.
-    Every epoch is reshuffled (grain folds the epoch into the seed); a step may straddle two
-    epochs, and a last incomplete global step is dropped.
-    """
-    if batch_size < 1 or batch_size % process_count:
-        raise ValueError(
-            f"batch_size={batch_size} must be a positive multiple of process_count={process_count}"
-        )
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+    """A grain MapDataset whose element q is the q-th record of the global data order: every
+    epoch a permutation of the records (grain folds the epoch into the seed), `num_epochs=None`
+    forever. Random access: a process reads only the records it draws (`PromptStream`)."""
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed} must be in [0, 2**32) for grain's shuffle")
+    ds = grain.MapDataset.source(records if isinstance(records, HFRecords) else list(records))
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat(num_epochs)
+
+
+def make_prompt_stream(source_cfg: Any, *, batch_size: int, seed: int, shuffle: bool = True,
+                       num_epochs: int | None = None) -> PromptStream:  # fmt: skip
+    """The `PromptStream` of the records of `source_cfg`, `batch_size` prompts a step."""
+    records = load_records(source_cfg)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
     if num_epochs is not None and len(records) * num_epochs < batch_size:
         raise ValueError(
             f"{len(records)} records x {num_epochs} epochs do not fill one batch of {batch_size}"
         )
-    ds = grain.MapDataset.source(records if isinstance(records, HFRecords) else list(records))
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs)
-    local = batch_size // process_count
-    lo = process_index * local
-    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=list)
-    return ds.map(lambda batch: batch[lo : lo + local])
-
-
-def make_prompt_iterator(source_cfg: Any, **dataset_kwargs) -> grain.DatasetIterator:
-    """Iterator of per-step local batches (lists of batch_size // process_count records) over the
-    records of `source_cfg`; `dataset_kwargs` are `prompt_dataset`'s (batch_size, seed, ...).
-
-    Checkpoint with `it.get_state()` (a JSON-able dict) and resume with `it.set_state(state)` on
-    an iterator built from the same arguments (process_index/count may differ).
-    """
-    ds = prompt_dataset(load_records(source_cfg), **dataset_kwargs)
-    # No reader threads: elements are list lookups, threads would only add latency and memory.
-    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+    ds = prompt_dataset(records, seed=seed, shuffle=shuffle, num_epochs=num_epochs)
+    end = None if num_epochs is None else len(records) * num_epochs // batch_size * batch_size
+    return PromptStream(ds, batch_size, end)
 
 
 class PromptStream:
-    """Global records in data order, drawn `take(n)` at a time across steps and refill rounds.
+    """The training records in their global order, drawn by position: `take(n)` the next n, or
+    `take_shards(counts, mine)` the next counts[i] for each batch shard i, shard 0 first.
 
-    The iterator yields whole steps' batches; what a draw leaves of a batch is carried to the next
-    draw, so DAPO's refill rounds (which need fewer than a batch) skip no record: every record of
-    an epoch is drawn exactly once. Its state (iterator state + the carried records) goes into the
-    checkpoint, so a resumed run draws exactly what an uninterrupted one does.
+    The order is the one the steps' batches of `batch_size` records make one after the other
+    (a record of a finite last incomplete batch is never drawn), whatever the number of
+    processes or shards: a step's B prompts are records [q, q+B) wherever they are sampled, and
+    DAPO's refills and partial rollouts' new groups take the records after them, so every
+    record of an epoch is drawn exactly once. With shards, each process reads only the records
+    of its own shards (`mine`): records are read by index from the random-access dataset, so
+    nothing is read twice, and none travels between processes. The state is the position (an
+    int, the same on every process): a run resumes on another number of processes, and from
+    the checkpoints of earlier versions (a grain iterator's step and the records carried).
     """
 
-    def __init__(self, iterator):
-        self.iterator, self.carry = iterator, []
+    def __init__(self, dataset, batch_size: int, end: int | None = None):
+        self.dataset, self.batch_size, self.end = dataset, batch_size, end
+        self.position = 0
 
     def take(self, n: int) -> list[dict]:
-        while len(self.carry) < n:
-            self.carry += global_batch(next(self.iterator))
-        out, self.carry = self.carry[:n], self.carry[n:]
+        """The next n records."""
+        return self.take_shards([n], [True])[0]
+
+    def take_shards(self, counts, mine) -> list[list[dict] | None]:
+        """Per shard i the next counts[i] records after those of shards < i (its own when
+        mine[i], else None: another process reads them); the position moves past all."""
+        total = int(sum(counts))
+        if self.end is not None and self.position + total > self.end:
+            raise StopIteration(f"the data's epochs end after {self.end} records")
+        out, at = [], self.position
+        for n, own in zip(counts, mine, strict=True):
+            out.append([dict(self.dataset[q]) for q in range(at, at + n)] if own else None)
+            at += n
+        self.position = at
         return out
 
     def get_state(self) -> dict:
-        return {"iterator": self.iterator.get_state(), "carry": list(self.carry)}
+        return {"position": self.position}
 
     def set_state(self, state: dict) -> None:
-        if "iterator" not in state:  # a checkpoint from before streams: the iterator's own state
+        if "position" in state:
+            self.position = int(state["position"])
+            return
+        # Earlier checkpoints: a grain iterator's state (its next step) and the records of the
+        # step it had read but not drawn yet, or, older still, the iterator's state alone.
+        if "iterator" not in state:
             state = {"iterator": state, "carry": []}
-        self.iterator.set_state(state["iterator"])
-        self.carry = list(state["carry"])
-
-
-def global_batch(local_records: Sequence[dict]) -> list[dict]:
-    """Every process's records of this step, in process order, on every process.
-
-    The sampler is one SPMD program over the global batch, so each host's scheduler needs all
-    prompts. Records travel as JSON bytes through `process_allgather` (one small collective).
-    """
-    if jax.process_count() == 1:
-        return list(local_records)
-    blob = np.frombuffer(json.dumps(list(local_records)).encode(), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([blob.size], np.int64))  # [P, 1]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: blob.size] = blob
-    blobs = multihost_utils.process_allgather(padded)  # [P, max]
-    out: list[dict] = []
-    for row, size in zip(blobs, sizes[:, 0]):
-        out += json.loads(bytes(row[:size]).decode())
-    return out
+        steps = int(state["iterator"]["next_index"])
+        self.position = steps * self.batch_size - len(state["carry"])
 
 
 def format_prompt(

@@ -12,8 +12,8 @@ group found zero-variance (`informative`; judged once the complete groups could 
 or a slot idles) is replaced by a fresh prompt, within the same budget of B x (max_tries - 1)
 replacements per step.
 
-`sample_groups(n)` is the caller's rollout: it samples n prompts x G completions and returns a list
-of n group records plus their rewards f32[n*G]. This module knows nothing about what a record is.
+`fill_groups` refills per batch shard (`rl.rollout`): each shard of the mesh keeps its own B/S
+groups, so the decisions are the same whichever process holds the shard.
 """
 
 from __future__ import annotations
@@ -24,49 +24,55 @@ from typing import Any
 import numpy as np
 
 from rl.shaping import select_groups
-from sampling.agreement import check_agreed
+from sampling.peers import agree
 
 
 def fill_groups(
-    sample_groups: Callable[[int], tuple[Sequence[Any], np.ndarray]],
-    num_groups: int,
+    sample_round: Callable[[list[int]], list[Any]],
+    quota: int,
+    num_shards: int,
+    local: Sequence[int],
     group_size: int,
     max_tries: int,
-) -> tuple[list[Any], np.ndarray, dict[str, float]]:
-    """(records, rewards f32[num_groups*G], stats). Records keep the order they were sampled in."""
+) -> tuple[list[Any], int, int, int]:
+    """(this process's groups, rounds, dropped, shortfall): `quota` groups per batch shard.
+
+    Each round every shard asks for what it still misses (`sampling.peers.agree`: each process
+    gives its own shards' counts), and `sample_round(counts)` samples counts[i] prompts x G for
+    every shard i (returning this process's groups, with `.shard`, `.rewards` and `.keep()`), so
+    every process runs the same rounds. A shard keeps its informative groups in the order they
+    were sampled and, once `max_tries` rounds are spent, tops up with its zero-variance ones.
+    `dropped` and `shortfall` count this process's shards (the caller sums them over processes);
+    with one shard this is DAPO's refill of the whole batch."""
     if max_tries < 1:
         raise ValueError(f"max_tries={max_tries}: must be >= 1")
-    kept: list[Any] = []
-    kept_rewards: list[np.ndarray] = []
-    spare: list[tuple[Any, np.ndarray]] = []
-    tries = dropped = sampled = 0
-    while len(kept) < num_groups and tries < max_tries:
-        records, rewards = sample_groups(num_groups - len(kept))
-        rewards = np.asarray(rewards, np.float32).reshape(len(records), group_size)
+    kept: dict[int, list] = {i: [] for i in local}
+    spare: dict[int, list] = {i: [] for i in local}
+    tries = dropped = 0
+    while tries < max_tries:
+        need = np.zeros(num_shards, np.int32)
+        for i in local:
+            need[i] = quota - len(kept[i])
+        counts = agree(need).sum(axis=0)  # every shard's need: each process sends its own
+        if not counts.any():
+            break
+        groups = sample_round([int(n) for n in counts])
         tries += 1
-        sampled += len(records)
-        informative = set(select_groups(rewards.reshape(-1), group_size).tolist())
-        for i, record in enumerate(records):
-            if i in informative:
-                kept.append(record)
-                kept_rewards.append(rewards[i])
+        for grp in groups:
+            if informative(grp):
+                kept[grp.shard].append(grp)
             else:
                 dropped += 1
-                spare.append((record, rewards[i]))
-    shortfall = num_groups - len(kept)
-    for record, rewards in spare[:shortfall]:
-        kept.append(record)
-        kept_rewards.append(rewards)
-    if len(kept) < num_groups:
-        raise RuntimeError(
-            f"sample_groups returned {sampled} groups in {tries} tries, need {num_groups}"
-        )
-    stats = {
-        "dynamic_sampling_tries": float(tries),
-        "dynamic_sampling_dropped_groups": float(dropped),
-        "dynamic_sampling_shortfall": float(shortfall),
-    }
-    return kept, np.concatenate(kept_rewards), stats
+                spare[grp.shard].append(grp)
+    shortfall = 0
+    for i in local:
+        top_up = spare[i][: quota - len(kept[i])]
+        shortfall += len(top_up)
+        kept[i] += top_up
+        if len(kept[i]) < quota:
+            raise RuntimeError(f"sample_round returned {len(kept[i])} groups for shard {i} in "
+                               f"{tries} tries, need {quota}")  # fmt: skip
+    return [grp for i in local for grp in kept[i]], tries, dropped, shortfall
 
 
 def selection_rewards(groups) -> np.ndarray:
@@ -79,15 +85,6 @@ def selection_rewards(groups) -> np.ndarray:
         r[~keep] = r[keep][0] if keep.any() else 0.0
         out.append(r)
     return np.concatenate(out)
-
-
-def check_rewards_agree(groups) -> None:
-    """Multi-process runs: the groups' rewards and masks must be the same on every process
-    before anything is decided from them (`sampling.agreement.check_agreed`)."""
-    values = [np.asarray(grp.rewards, np.float64) for grp in groups]
-    values += [grp.keep().astype(np.float64) for grp in groups]
-    need = "deterministic rewards, and infrastructure errors (masked episodes) seen everywhere"
-    check_agreed(np.concatenate(values) if values else np.zeros(0), "rewards", need)
 
 
 def informative(group) -> bool:

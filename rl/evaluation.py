@@ -5,7 +5,7 @@ pass@k (Chen et al., 2021) from n >= k samples per prompt of which c are correct
 averaged over prompts. Correctness is a 0/1 reward from `rl.rewards` (>= 0.5 counts as correct),
 or with an environment (multi-turn episodes) the episode's reward; then the greedy episodes'
 tool-call rate is reported too, and the means of the environment's per-episode metrics over the
-greedy episodes that report them (e.g. repo_fix's second_try_fix_rate; `rl.multiturn.env_metrics`).
+greedy episodes that report them (e.g. repo_fix's second_try_fix_rate; `rl.summary.metric_means`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from math import comb
 import numpy as np
 
 from rl.data import reward_inputs, tokenize_prompts
-from rl.multiturn import EpisodeSampler, env_metrics
+from rl.multiturn import EpisodeSampler
 from rl.rewards import get_reward
 from rl.rollout import env_prompts
+from rl.summary import metric_means
+from sampling.peers import agree_json
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -35,26 +37,44 @@ def _correct(reward_name, records, texts, group_size, prompt_field):
     return (scores >= 0.5).reshape(len(records), group_size)
 
 
+def _mine(engine, records) -> tuple[list[int], list[int]]:
+    """(indices, shards) of the held-out records this process evaluates: shard i of the S batch
+    shards takes records [i*n/S, (i+1)*n/S), and each process its own shards'."""
+    n, s = len(records), engine.num_shards
+    pairs = [(j, i) for i in engine.local_shards for j in range(i * n // s, (i + 1) * n // s)]
+    return [j for j, _ in pairs], [i for _, i in pairs]
+
+
+def _everyone(rows: list[dict]) -> list[dict]:
+    """Every process's per-record results, in record order (one small agreement: counts and
+    the first record's text, no tokens)."""
+    return sorted((r for part in agree_json(rows) for r in part), key=lambda r: r["index"])
+
+
 def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
-    """(correct bool [R,G], masked bool [R,G], tool-call rate, texts, env metrics) of G episodes
-    per record; masked: infrastructure failures (`env.masked`) and the environment's own errors
-    (`rl.multiturn`), which count neither way; the metrics hold "tamper", the count of episodes
-    whose environment caught the model changing its grading (`episode.tamper`)."""
+    """Per held-out record (every process's, in order) {"correct": [G], "masked": [G] (infra
+    failures and the environment's own errors, `rl.multiturn`: they count neither way),
+    "calls": [G] (made a tool call), "metrics": [G] (the environment's, {} when masked),
+    "tamper": count of episodes caught changing their grading, "text": the first sample's}."""
+    index, shards = _mine(engine, records)
+    mine = [records[j] for j in index]
     sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
     try:
-        prompts = env_prompts(env, records, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
-        ids = range(len(records))
-        _, out = sampler.run(params, engine.init_state(), records, prompts, g, seed, ids)
-        correct = np.stack([fut.result() >= 0.5 for _, _, fut in out])
+        prompts = env_prompts(env, mine, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
+        _, out = sampler.run(params, engine.init_state(), mine, prompts, g, seed, index, shards)
+        rewards = [fut.result() for _, _, fut in out]
     finally:
         sampler.close()
-    masked = np.array([[ep.masked for ep in eps] for eps, _, _ in out], bool)
-    calls = np.mean([ep.tool_calls > 0 for eps, _, _ in out for ep in eps])
-    texts = [tokenizer.decode(c.tokens) for _, cs, _ in out for c in cs]
-    episodes = [ep for eps, _, _ in out for ep in eps]
-    metrics = {k.removeprefix("episode/"): v for k, v in env_metrics(episodes).items()}
-    metrics["tamper"] = float(sum(bool(ep.tamper) for ep in episodes))
-    return correct, masked, float(calls), texts, metrics
+    rows = []
+    for j, (eps, cs, _), r in zip(index, out, rewards):
+        rows.append({
+            "index": j, "correct": (r >= 0.5).tolist(), "masked": [bool(ep.masked) for ep in eps],
+            "calls": [ep.tool_calls > 0 for ep in eps], "tamper": sum(bool(ep.tamper) for ep in eps),
+            "metrics": [{} if ep.masked else {k: float(v) for k, v in ep.metrics.items()}
+                        for ep in eps],
+            "text": tokenizer.decode(cs[0].tokens) if j == 0 else "",
+        })  # fmt: skip
+    return _everyone(rows)
 
 
 def episode_scores(correct, masked, k: int = 0) -> dict:
@@ -77,44 +97,49 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     """{"accuracy": greedy accuracy, f"pass@{k}": ..., "example": the first greedy completion}
     on the held-out records (config.data.eval), with a greedy engine and a sampling engine;
     with `env`, of multi-turn episodes, plus "tool_call_rate" of the greedy ones, "infra_errors"
-    (masked) and "tamper" (caught changing their grading): counts over both runs."""
+    (masked) and "tamper" (caught changing their grading): counts over both runs. In a
+    multi-process run each process evaluates its own batch shards' share of the records and
+    the processes agree on the per-record results (`_everyone`)."""
+    n, k = cfg.eval.pass_n, cfg.eval.pass_k
     if env is not None:
-        correct, masked, rate, texts, metrics = _episodes(
-            env, greedy_engine, params, records, tokenizer, cfg, 1, seed
-        )
-        out = {**metrics, **episode_scores(correct, masked), "tool_call_rate": rate,
-               "example": texts[0]}  # fmt: skip
-        n, k = cfg.eval.pass_n, cfg.eval.pass_k
+        rows = _episodes(env, greedy_engine, params, records, tokenizer, cfg, 1, seed)
+        arr = lambda f: np.array([r[f] for r in rows], bool)
+        kept = [{"metrics": m} for r in rows for m, x in zip(r["metrics"], r["masked"]) if not x]
+        metrics = {key.removeprefix("episode/"): v for key, v in metric_means(kept).items()}
+        metrics["tamper"] = float(sum(r["tamper"] for r in rows))
+        out = {**metrics, **episode_scores(arr("correct"), arr("masked")),
+               "tool_call_rate": float(np.mean(arr("calls"))), "example": rows[0]["text"]}  # fmt: skip
         if k:
-            correct, masked, _, _, sampled = _episodes(
-                env, sample_engine, params, records, tokenizer, cfg, n, seed + 1
-            )
-            scores = episode_scores(correct, masked, k)
+            rows = _episodes(env, sample_engine, params, records, tokenizer, cfg, n, seed + 1)
+            scores = episode_scores(arr("correct"), arr("masked"), k)
             out[f"pass@{k}"] = scores[f"pass@{k}"]
             out["infra_errors"] += scores["infra_errors"]
-            out["tamper"] += sampled["tamper"]
+            out["tamper"] += float(sum(r["tamper"] for r in rows))
         return out
-    prompts = tokenize_prompts(records, tokenizer, cfg, cfg.data.eval.prompt_field)
+    index, shards = _mine(greedy_engine, records)
+    mine = [records[j] for j in index]
+    prompts = tokenize_prompts(mine, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]
-    ids = list(range(len(prompts)))
     _, greedy = greedy_engine.generate_all(
-        params, greedy_engine.init_state(), prompts, 1, seed=seed, request_ids=ids
-    )
+        params, greedy_engine.init_state(), prompts, 1, seed=seed, request_ids=index,
+        shards=shards,
+    )  # fmt: skip
     texts = decode([g[0] for g in greedy])
+    right = _correct(cfg.eval.reward, mine, texts, 1, cfg.data.eval.prompt_field)[:, 0]
+    rows = [{"index": j, "correct": bool(c), "text": t if j == 0 else ""}
+            for j, c, t in zip(index, right, texts)]  # fmt: skip
+    rows = _everyone(rows)
     out = {
-        "accuracy": float(
-            _correct(cfg.eval.reward, records, texts, 1, cfg.data.eval.prompt_field).mean()
-        ),
-        "example": texts[0] if texts else "",
+        "accuracy": float(np.array([r["correct"] for r in rows], bool).mean()),
+        "example": rows[0]["text"] if rows else "",
     }
-    n, k = cfg.eval.pass_n, cfg.eval.pass_k
     if k:
         _, sampled = sample_engine.generate_all(
-            params, sample_engine.init_state(), prompts, n, seed=seed + 1, request_ids=ids
-        )
+            params, sample_engine.init_state(), prompts, n, seed=seed + 1, request_ids=index,
+            shards=shards,
+        )  # fmt: skip
         samples = decode([c for group in sampled for c in group])
-        correct = _correct(cfg.eval.reward, records, samples, n, cfg.data.eval.prompt_field).sum(
-            axis=1
-        )
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+        correct = _correct(cfg.eval.reward, mine, samples, n, cfg.data.eval.prompt_field)
+        rows = _everyone([{"index": j, "c": int(c)} for j, c in zip(index, correct.sum(axis=1))])
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, r["c"], k) for r in rows]))
     return out

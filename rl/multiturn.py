@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rl import sandbox
 from rl.envs.base import Environment, Episode, Turn
 from sampling.episodes import EpisodeLoop
 
@@ -51,6 +53,16 @@ class EpisodeSampler:
         self.pool = ThreadPoolExecutor(env_cfg.tool_workers, thread_name_prefix="tool")
         self._warned: set[str] = set()
         self.live: dict = {}  # request key -> its G episodes, until scored
+        self._lock = threading.Lock()
+        self._calls = [0, 0.0]  # this process's tool calls and their seconds, ever
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """This process's tool calls, tool seconds and sandbox runs so far (each process runs
+        its own episodes' tools: `rollout/tool_calls_per_process_max` and the like)."""
+        with self._lock:
+            calls, seconds = self._calls
+        return {"tool_calls": calls, "tool_seconds": seconds, "sandbox_runs": sandbox.RUNS[0]}
 
     def _warn_once(self, what: str, err: BaseException) -> None:
         if what not in self._warned:
@@ -71,7 +83,11 @@ class EpisodeSampler:
             self._warn_once("step", err)
             ep.env_errors += 1
             obs = None
-        ep.tool_seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        ep.tool_seconds += took
+        with self._lock:
+            self._calls[0] += 1
+            self._calls[1] += took
         if ep.tool_seconds > self.max_tool_seconds:
             return None
         return obs
@@ -137,8 +153,9 @@ class EpisodeSampler:
                            max_turn_tokens=self.max_turn_tokens,
                            answer_calls=answer_calls)  # fmt: skip
 
-    def run(self, params, state, records, prompts, g, seed, request_ids):
-        """(state, [(episodes, completions, rewards future)] per record): G episodes each."""
+    def run(self, params, state, records, prompts, g, seed, request_ids, shards=None):
+        """(state, [(episodes, completions, rewards future)] per record): G episodes each, record
+        j on batch shard shards[j] (None: where there is room)."""
         keys = list(range(len(records)))
         for key, r in zip(keys, records):
             self.begin(key, r, g)
@@ -153,7 +170,7 @@ class EpisodeSampler:
                 scored[i] = self.score(i)
 
         loop = self.loop(g, on_finish)
-        loop.add(prompts, request_ids=list(request_ids), keys=keys)
+        loop.add(prompts, request_ids=list(request_ids), keys=keys, shards=shards)
         try:
             state = loop.run(params, state, seed)
         except BaseException:
@@ -168,53 +185,10 @@ class EpisodeSampler:
         self.abandon()
 
 
-def reprefill_tokens(groups) -> int:
-    """The tokens a design that re-prefills the whole history every turn would prefill for these
-    groups (each prompt once per group, like ours, then prompt + history before every turn)."""
-    total = sum(len(grp.prompt) - 1 for grp in groups)
-    for grp in groups:
-        for c in grp.completions:
-            obs = np.asarray(c.observation or [False] * c.length, bool)
-            starts = np.flatnonzero(obs[:-1] & ~obs[1:]) + 1  # a turn starts after observations
-            total += int(np.sum(len(grp.prompt) - 1 + starts))
-    return total
-
-
-def episode_stats(groups, prefill_tokens: int, reprefill: int) -> dict[str, float]:
-    """Per-rollout metrics of multi-turn episodes (means are per episode) of `rl.rollout.Group`s.
-
-    `episode/prefill_tokens` is what the engine prefilled (each prompt once per group, then only
-    observations) and `episode/reprefill_tokens` what re-prefilling the history every turn would
-    have: both over every sampling round of the step, dynamic sampling's dropped groups too."""
-    episodes = [ep for grp in groups for ep in grp.episodes]
-    completions = [c for grp in groups for c in grp.completions]
-    n_obs = sum(sum(c.observation or []) for c in completions)
-    mean = lambda f: float(np.mean([f(ep) for ep in episodes]))
-    return {
-        "episode/turns": mean(lambda ep: ep.num_turns),
-        "episode/tool_calls": mean(lambda ep: ep.tool_calls),
-        "episode/tool_call_rate": mean(lambda ep: ep.tool_calls > 0),
-        "episode/tool_errors": mean(lambda ep: ep.tool_errors),
-        "episode/tool_seconds": mean(lambda ep: ep.tool_seconds),
-        "episode/env_errors": mean(lambda ep: ep.env_errors),
-        # counts, not means: masked by the environment (env errors are counted above), tampering
-        "episode/infra_errors": float(sum(ep.masked and not ep.env_errors for ep in episodes)),
-        "episode/tamper": float(sum(bool(ep.tamper) for ep in episodes)),
-        "episode/observation_frac": n_obs / max(1, sum(c.length for c in completions)),
-        "episode/prefill_tokens": float(prefill_tokens),
-        "episode/reprefill_tokens": float(reprefill),
-        **env_metrics(episodes),
-    }
-
-
 def env_metrics(episodes) -> dict[str, float]:
     """`episode/<name>`: the mean of each of the environment's per-episode metrics (e.g. the repo
-    env's pass fractions) over the unmasked episodes that report it: a masked episode's metrics
-    (an environment error after its reward set some, say) say nothing of the model."""
-    values: dict[str, list[float]] = {}
-    for ep in episodes:
-        if getattr(ep, "masked", False):
-            continue
-        for name, v in getattr(ep, "metrics", {}).items():
-            values.setdefault(name, []).append(float(v))
-    return {f"episode/{name}": float(np.mean(v)) for name, v in sorted(values.items())}
+    env's pass fractions) over the unmasked episodes that report it (`rl.summary.metric_means`)."""
+    from rl.summary import metric_means
+
+    return metric_means([{"metrics": {k: float(v) for k, v in getattr(ep, "metrics", {}).items()}}
+                         for ep in episodes if not getattr(ep, "masked", False)])  # fmt: skip

@@ -118,8 +118,10 @@ def place(lengths, width: int, pack: bool = True, multiple: int = 1,
 
 
 def build_batch(groups, width: int, pad_id: int, min_new_tokens: int = 0, pack: bool = True,
-                multiple: int = 1, minibatches: int = 1) -> tuple[Batch, Layout]:  # fmt: skip
-    """The learner Batch (numpy) of the groups' sequences (prompt + completion), and its Layout.
+                multiple: int = 1, minibatches: int = 1,
+                rows: int | None = None) -> tuple[Batch, Layout]:  # fmt: skip
+    """The learner Batch (numpy) of the groups' sequences (prompt + completion), and its Layout;
+    with `rows` (>= what they need: a batch shard's rows, the same on every shard) padded to it.
 
     `loss_mask` covers every completion token the model sampled, never an observation of a
     multi-turn episode (`rl.rollout.Rollouts` applies rl.mask_truncated); advantages are left at
@@ -128,11 +130,16 @@ def build_batch(groups, width: int, pad_id: int, min_new_tokens: int = 0, pack: 
     """
     seqs = [(grp.prompt, c) for grp in groups for c in grp.completions]
     lengths = [len(p) + c.length for p, c in seqs]
-    if max(lengths) > width:
+    if max(lengths, default=0) > width:
         raise ValueError(
             f"sequence of {max(lengths)} tokens > max_prompt_len + max_new_tokens = {width}"
         )
     layout = place(lengths, width, pack, multiple, minibatches)
+    if rows is not None:
+        if rows < layout.rows or rows % minibatches:
+            raise ValueError(f"rows={rows}: the sequences need {layout.rows}, in a multiple of "
+                             f"{minibatches} minibatches")  # fmt: skip
+        layout = dataclasses.replace(layout, rows=rows)
     rows = layout.rows
     tokens = np.full((rows, width), pad_id, np.int32)
     positions = np.zeros((rows, width), np.int32)

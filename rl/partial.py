@@ -61,22 +61,27 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from rl.dynamic_sampling import check_rewards_agree, informative
-from sampling.agreement import agreed_done
-from sampling.episodes import EpisodeLoop
+from rl import summary as S
+from rl.dynamic_sampling import informative
+from sampling.episodes import IDLE, EpisodeLoop
+from sampling.peers import agree
 
 
 class PartialRollouts:
-    """The groups in flight across steps, on one `EpisodeLoop` over the rollout engine."""
+    """The groups in flight across steps, on one `EpisodeLoop` over the rollout engine. Every
+    count of the module docstring is per batch shard (B/S groups a step, extra_groups/S more in
+    flight, B/S x (max_tries - 1) replacements): a shard decides alike whichever process holds
+    it, and the processes agree, once per round, only on whether the step's batch is complete."""
 
     def __init__(self, rollouts):
         self.r = rollouts  # rl.rollout.Rollouts: engine, tokenizer, config, scoring
         c = rollouts.config
-        self.b, self.g = c.data.prompts_per_step, c.rl.num_generations
-        self.extra, self.eta = c.rl.extra_groups, c.rl.max_staleness
+        self.shards, self.local, self.mine = rollouts.num_shards, rollouts.local, rollouts.mine
+        self.b, self.g = rollouts.quota, c.rl.num_generations
+        self.extra, self.eta = c.rl.extra_groups // self.shards, c.rl.max_staleness
         self.refresh = c.rl.refresh_kv_on_update
         self.ds = bool(c.rl.dynamic_sampling)
-        # Dynamic sampling: zero-variance groups replaced per step at most.
+        # Dynamic sampling: zero-variance groups replaced per shard and step at most.
         self.budget = self.b * (c.rl.dynamic_sampling_max_tries - 1) if self.ds else 0
         sampler = rollouts.episodes
         # Tool answers and multi-turn gradings taken on the loop's clock (0: as soon as done).
@@ -85,22 +90,21 @@ class PartialRollouts:
             self.loop = EpisodeLoop(rollouts.engine, self.g, on_finish=self._on_finish)
         else:
             self.loop = sampler.loop(self.g, self._on_finish, self.answer_calls)
-        self.groups: dict[int, tuple] = {}  # key -> (record, prompt), until trained
+        self.groups: dict[int, tuple] = {}  # key -> (record, prompt, shard), until trained
         self.done: dict[int, tuple] = {}  # key -> (completions, score future), complete
         self.scored: dict = {}  # key -> rl.rollout.Group, once its score was waited for
         self.zero: set[int] = set()  # keys in `done` judged zero-variance (dynamic sampling)
         self.done_at: dict[int, int] = {}  # key in `done` -> the loop's clock when it completed
-        self.next_key = 0
         self.generated: list[int] = []  # lengths of the episodes that ended in this step
         self.waits = 0  # decode calls of this step spent waiting for a group at the bound
-        self.replacements: set[int] = set()  # keys of this step's replacement groups
+        self.replacements: dict[int, set] = {}  # shard -> keys of this step's replacements
 
     def _on_finish(self, key, k, completion) -> None:
         self.generated.append(completion.length)
         results = self.loop.results[key]
         if any(c is None for c in results):
             return
-        record, prompt = self.groups[key]
+        record, prompt, _ = self.groups[key]
         sampler = self.r.episodes
         self.done_at[key] = self.loop.clock
         if sampler is None:
@@ -110,136 +114,203 @@ class PartialRollouts:
 
     @property
     def carried(self) -> int:
-        """Groups not trained yet (in flight or complete): none after a drained step."""
+        """This process's groups not trained yet (in flight or complete): none after a drained
+        step."""
         return len(self.groups)
 
-    def _add(self, step: int, records, first: int) -> list[int]:
-        """Queues records as new groups, with request ids step * stride + first + j, unique over
-        steps and replacements (stride: the most groups a step admits)."""
+    def _of(self, shard: int, keys) -> list:
+        return [k for k in keys if self.groups[k][2] == shard]
+
+    def _add(self, step: int, shard: int, records, first: int) -> list[int]:
+        """Queues records as new groups of `shard`, keyed by their request ids
+        (step * S + shard) * stride + first + j: unique over steps, shards and replacements
+        (stride: the most groups a shard admits in a step)."""
+        stride = self.b + self.extra + self.budget
+        base = (step * self.shards + shard) * stride + first
+        keys = list(range(base, base + len(records)))
         prompts = self.r.prompts_of(records)
-        keys = list(range(self.next_key, self.next_key + len(records)))
-        self.next_key += len(records)
         for key, record, prompt in zip(keys, records, prompts):
-            self.groups[key] = (record, prompt)
+            self.groups[key] = (record, prompt, shard)
             if self.r.episodes is not None:
                 self.r.episodes.begin(key, record, self.g)
-        base = step * (self.b + self.extra + self.budget) + first
-        self.loop.add(prompts, request_ids=range(base, base + len(records)), keys=keys)
+        self.loop.add(prompts, request_ids=keys, keys=keys, shards=[shard] * len(keys))
         return keys
 
-    def _judge(self, step: int, data, force: bool, replace: bool) -> None:
-        """Dynamic sampling: scores the groups complete since the last judgement (waiting for
-        them) once they could complete the batch, or a slot has nothing to decode (the loop is
-        `starved`), or with `force`, and not before: slow rewards run behind decoding, yet every
-        process, and a resumed run, decides alike. Multi-turn groups are judged without `force`,
-        while slots decode, only `answer_calls` decode calls after they completed (waited for
-        then), or without it once scored on every process: decoding does not stop for an
-        environment's grading before then. A zero-variance group joins `zero`;
-        with `replace`, while the step's budget lasts, a fresh prompt is queued in its place."""
-        new = [k for k in self.done if k not in self.scored]
-        if not (self.ds and new):
+    def _draw(self, step: int, data, wants: dict, first) -> None:
+        """Every shard's wants agreed (one collective), the records drawn from the global order
+        in shard order, this process's queued: first(shard) the index of a shard's first."""
+        counts = np.zeros(self.shards, np.int32)
+        for i, n in wants.items():
+            counts[i] = n
+        counts = agree(counts).sum(axis=0)
+        self._take(step, data, counts, first)
+
+    def _take(self, step, data, counts, first) -> None:
+        if not counts.any():
             return
-        if not (force or self.loop.starved or self._informative() + len(new) >= self.b):
-            return
-        if self.r.episodes is not None and not force and self.loop.owner:  # while decoding
-            if self.answer_calls is None:  # those graded by now
-                futures = [self.done[k][1][1] for k in new]
-                scored = {id(f) for f in agreed_done(futures, "rewards", "deterministic rewards")}
-                new = [k for k in new if id(self.done[k][1][1]) in scored]
-            else:  # those due on the loop's clock, as tool answers are (waited for if need be)
-                new = [k for k in new if self.done_at[k] + self.answer_calls <= self.loop.clock]
+        records = data.take_shards([int(n) for n in counts], self.mine)
+        for i in self.local:
+            if counts[i]:
+                keys = self._add(step, i, records[i], first(i))
+                if first(i):  # a replacement
+                    self.replacements[i].update(keys)
+
+    def _replacement_first(self, shard: int) -> int:
+        return self.b + self.extra + len(self.replacements[shard])
+
+    def _judge(self, force: bool, replace: bool) -> dict[int, int]:
+        """Dynamic sampling, per shard: scores the shard's groups complete since the last
+        judgement (waiting for them) once they could complete its batch, or a slot of the
+        shard has nothing to decode (`EpisodeLoop.starved`), or with `force`, and not before:
+        slow rewards run behind decoding, yet a resumed run decides alike. Multi-turn groups
+        are judged without `force` only `answer_calls` decode calls after they completed
+        (waited for then: a decision of the shard's own, on the loop's clock, whatever the
+        other shards decode), or without it, while slots decode here, once scored: decoding
+        does not stop for an environment's grading before then. A zero-variance group joins `zero`;
+        with `replace`, while the shard's budget lasts, a fresh prompt is to be queued in its
+        place: returns shard -> how many."""
+        wants = {}
+        if not self.ds:
+            return wants
+        for i in self.local:
+            new = [k for k in self._of(i, self.done) if k not in self.scored]
             if not new:
-                return
-        check_rewards_agree([self._scored(k) for k in new])  # before deciding from them
-        zero = [k for k in new if not informative(self._scored(k))]
-        self.zero.update(zero)
-        n = min(len(zero), self.budget - len(self.replacements)) if replace else 0
-        if n > 0:
-            first = self.b + self.extra + len(self.replacements)
-            self.replacements.update(self._add(step, data.take(n), first))
+                continue
+            if not (force or self.loop.starved(i) or self._informative(i) + len(new) >= self.b):
+                continue
+            if self.r.episodes is not None and not force:
+                if self.answer_calls is not None:  # due on the loop's clock, as tool answers
+                    new = [k for k in new if self.done_at[k] + self.answer_calls <= self.loop.clock]
+                elif self.loop.owner:  # while slots decode here: those graded by now
+                    new = [k for k in new if self.done[k][1][1].done()]
+                if not new:
+                    continue
+            zero = [k for k in new if not informative(self._scored(k))]
+            self.zero.update(zero)
+            n = min(len(zero), self.budget - len(self.replacements[i])) if replace else 0
+            if n > 0:
+                wants[i] = n
+        return wants
 
     def _scored(self, key):
         """The `rl.rollout.Group` of a complete group (waits for its score)."""
         if key not in self.scored:
             completions, scored = self.done[key]
+            record, prompt, shard = self.groups[key]
             if self.r.episodes is None:
-                self.scored[key] = scored.result()
+                grp = scored.result()
             else:
-                record, prompt = self.groups[key]
                 episodes, rewards = scored
-                self.scored[key] = self.r.episode_group(
-                    record, prompt, episodes, completions, rewards.result()
-                )
+                grp = self.r.episode_group(record, prompt, episodes, completions, rewards.result())
+            grp.shard = shard
+            self.scored[key] = grp
         return self.scored[key]
 
-    def _informative(self) -> int:
-        """Complete groups judged informative."""
-        return sum(k in self.scored and k not in self.zero for k in self.done)
+    def _informative(self, shard: int) -> int:
+        """Complete groups of a shard judged informative."""
+        return sum(k in self.scored and k not in self.zero for k in self._of(shard, self.done))
 
-    def _complete(self) -> int:
-        """Complete groups that count towards the batch: without dynamic sampling every one;
-        with it the informative ones, and the zero-variance ones too once the step's
-        replacements are spent and have all completed (as the synchronous refill waits for its
-        last round before it tops the batch up)."""
+    def _complete(self, shard: int) -> int:
+        """Complete groups of a shard that count towards its batch: without dynamic sampling
+        every one; with it the informative ones, and the zero-variance ones too once the
+        shard's replacements are spent and have all completed (as the synchronous refill waits
+        for its last round before it tops the batch up)."""
+        done = self._of(shard, self.done)
         if not self.ds:
-            return len(self.done)
-        spent = len(self.replacements) >= self.budget and self.replacements <= self.done.keys()
-        return self._informative() + (len(self.zero) if spent else 0)
+            return len(done)
+        reps = self.replacements[shard]
+        spent = len(reps) >= self.budget and reps <= set(done)
+        return self._informative(shard) + (sum(k in self.zero for k in done) if spent else 0)
 
     def sample(self, step: int, params, state, data, drain: bool, stop=None):
-        """(state, the step's groups, stats): B groups, or every group in flight when draining.
-        `drain`: a checkpoint step. `stop`: None, or a callable asked at the start and once B
-        groups are complete (or, if the loop ran dry first, once all have ended) whether a stop
-        was requested (SIGTERM); then the step drains too, and queues no more replacements."""
+        """(state, this process's groups of the step, stats): B/S groups per shard, or every
+        group in flight when draining. `drain`: a checkpoint step. `stop`: None, or a callable
+        asked at the start and once every shard's groups are complete (or, if the loop ran
+        dry first, once all have ended) whether a stop was requested (SIGTERM); then the step
+        drains too, and queues no more replacements."""
         c = self.r.config
         stop = stop or (lambda: False)
         stopping = [bool(stop())]  # latched, as is draining: once draining, the step drains
         draining = [bool(drain) or stopping[0]]
-        self.generated, self.waits, self.replacements = [], 0, set()
+        stopped = [False]  # `until` ended the run, groups still in flight
+        self.generated, self.waits = [], 0
+        self.replacements = {i: set() for i in self.local}
+        first = self._replacement_first
 
-        def until():  # asked by the loop before each decode call: whether to stop here
-            self._judge(step, data, force=False, replace=not stopping[0])
+        def until():  # asked by the loop before each round: IDLE, stop here (True) or not
+            wants = self._judge(force=False, replace=not stopping[0])
+            ones = np.ones(self.shards, np.int32)
+            full, fresh, counts = ones.copy(), ones.copy(), np.zeros(self.shards, np.int32)
+            for i in self.local:
+                counts[i] = wants.get(i, 0)
+                full[i] = self._complete(i) >= self.b
+                fresh[i] = young(self.loop, self._of(i, self.loop.in_flight()), step, self.eta)
+            s = self.shards
+            everyone = agree([self.loop.idle, *counts, *full, *fresh])
+            self._take(step, data, everyone[:, 1 : 1 + s].sum(axis=0), first)
+            if everyone[:, 0].all():
+                return IDLE
             if draining[0]:
                 return False  # on until every group has ended
-            if not enough(self.loop, self._complete(), self.b, step, self.eta):
-                self.waits += self._complete() >= self.b  # B complete, a group at the bound
+            full, fresh = everyone[:, 1 + s : 1 + 2 * s].all(), everyone[:, 1 + 2 * s :].all()
+            if not (full and fresh):
+                self.waits += bool(full)  # every batch complete, a group at the bound
                 return False
             stopping[0] = draining[0] = bool(stop())  # asked once the batch is complete
-            return not draining[0]
+            stopped[0] = not draining[0]
+            return stopped[0]
 
-        n_new = (self.b if draining[0] else self.b + self.extra) - self.carried
-        if n_new > 0:
-            self._add(step, data.take(n_new), 0)
+        room = lambda i: (
+            (self.b if draining[0] else self.b + self.extra) - len(self._of(i, self.groups))
+        )
+        self._draw(step, data, {i: max(room(i), 0) for i in self.local}, lambda i: 0)
         root = jax.random.fold_in(jax.random.key(c.seed), step)
         seed = int(jax.random.randint(jax.random.fold_in(root, 0), (), 0, 2**31 - 1))
         try:
             while True:  # again only for replacements queued after the loop ran dry
+                stopped[0] = False
                 state = self.loop.run(params, state, seed, version=step, until=until,
                                       refresh=self.refresh)  # fmt: skip
-                stopped = not self.loop.idle  # `until` ended the run, groups still in flight
-                self._judge(step, data, force=True, replace=not stopping[0])
-                if stopped or not self.loop.pending:
+                self._draw(step, data, self._judge(force=True, replace=not stopping[0]), first)
+                if stopped[0] or not self.loop.pending:
                     break
-            if not (stopped or draining[0]):  # ran dry before `until` saw the batch complete
+            if not (stopped[0] or draining[0]):  # ran dry before `until` saw the batch complete
                 stopping[0] = draining[0] = bool(stop())  # all ended: draining trains them all
-            keys = select(self.loop, [k for k in self.done if k not in self.zero], self.b, step,
-                          self.eta, draining[0])  # fmt: skip
-            spare = sorted(self.zero, key=lambda k: (self.loop.admitted[k], k))
-            top_up = spare[: max(self.b - len(keys), 0)]  # zero-variance groups fill the batch
-            groups = [self._group(key) for key in keys + top_up]
-            check_rewards_agree(groups)
-            for key in spare[len(top_up) :]:  # dropped: never trained
-                self._group(key)
+            groups, found, short = [], 0, 0
+            for i in self.local:
+                keys = select(self.loop, [k for k in self._of(i, self.done) if k not in self.zero],
+                              self.b, step, self.eta, draining[0])  # fmt: skip
+                spare = sorted(self._of(i, self.zero), key=lambda k: (self.loop.admitted[k], k))
+                top_up = spare[: max(self.b - len(keys), 0)]  # zero-variance groups fill it
+                groups += [self._group(key) for key in keys + top_up]
+                for key in spare[len(top_up) :]:  # dropped: never trained
+                    self._group(key)
+                found, short = found + len(spare), short + len(top_up)
         except BaseException:
             if self.r.episodes is not None:
                 self.r.episodes.abandon()  # what unscored episodes hold (workspaces)
             raise
-        stats = self._stats(step, groups)
+        in_flight = self.loop.in_flight()
+        episodes = sum(sum(c is None for c in self.loop.results[k]) for k in in_flight)
+        counters = {"sum/rollout/carried_groups": self.carried,
+                    "sum/rollout/carried_episodes": episodes,
+                    "generated_sum": sum(self.generated), "generated_n": len(self.generated)}  # fmt: skip
         if self.ds:
-            stats["dynamic_sampling_replacements"] = float(len(self.replacements))
-            stats["dynamic_sampling_dropped_groups"] = float(len(spare))  # found (as synchronous)
-            stats["dynamic_sampling_shortfall"] = float(len(top_up))  # ... and trained anyway
-        return state, groups, stats
+            counters.update({
+                "sum/dynamic_sampling_replacements": sum(map(len, self.replacements.values())),
+                "sum/dynamic_sampling_dropped_groups": found,  # found (as synchronous) ...
+                "sum/dynamic_sampling_shortfall": short,  # ... and trained anyway
+            })  # fmt: skip
+        # passes of the rollout loop (decode calls, waits on tools) past a complete batch, made
+        # only for a group at the staleness bound (the same on every process)
+        return state, groups, {"rollout/staleness_waits": float(self.waits), "counters": counters}
+
+    def stats(self, groups: list[dict], counts: list[dict]) -> dict[str, float]:
+        """The statistics of the step's trained groups (every process's summaries) that need
+        the whole batch: token ages, and the mean length of the episodes that ended."""
+        n = S.total(counts, "generated_n")
+        return {**S.age_stats(groups),
+                "rollout/generated_length_mean": S.total(counts, "generated_sum") / n if n else 0.0}  # fmt: skip
 
     def _group(self, key: int):
         """A complete group's `rl.rollout.Group`, forgotten here (trained or dropped)."""
@@ -251,31 +322,17 @@ class PartialRollouts:
         self.loop.forget(key)
         return grp
 
-    def _stats(self, step: int, groups) -> dict[str, float]:
-        ages, generated = [], [c for grp in groups for c in grp.completions]
-        for cp in generated:
-            obs = np.asarray(cp.observation or [False] * cp.length, bool)
-            ages.append(step - np.asarray(cp.versions)[~obs])
-        ages = np.concatenate(ages) if ages else np.zeros(0)
-        in_flight = self.loop.in_flight()
-        episodes = sum(sum(c is None for c in self.loop.results[k]) for k in in_flight)
-        return {
-            "rollout/carried_groups": float(self.carried),
-            "rollout/carried_episodes": float(episodes),
-            "rollout/staleness_mean": float(ages.mean()) if ages.size else 0.0,
-            "rollout/staleness_max": float(ages.max()) if ages.size else 0.0,
-            "rollout/offpolicy_token_frac": float((ages > 0).mean()) if ages.size else 0.0,
-            "rollout/generated_length_mean": float(np.mean(self.generated or [0])),
-            # passes of the rollout loop (decode calls, waits on tools) past a complete batch,
-            # made only for a group at the staleness bound
-            "rollout/staleness_waits": float(self.waits),
-        }
-
 
 def enough(loop, n_done: int, b: int, step: int, eta: int) -> bool:
-    """Whether step `step`'s rollout may stop: b groups complete, and no group in flight would
+    """Whether a rollout over one shard may stop: b groups complete, and no group in flight would
     be older than eta versions in step + 1's batch (else the rollout waits for it)."""
-    return n_done >= b and all(step + 1 - loop.admitted[k] <= eta for k in loop.in_flight())
+    return n_done >= b and young(loop, loop.in_flight(), step, eta)
+
+
+def young(loop, keys, step: int, eta: int) -> bool:
+    """Whether none of the groups `keys` in flight would be older than eta versions in step + 1's
+    batch (else the rollout waits for it)."""
+    return all(step + 1 - loop.admitted[k] <= eta for k in keys)
 
 
 def select(loop, done, b: int, step: int, eta: int, drain: bool) -> list:

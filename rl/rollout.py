@@ -10,15 +10,25 @@ last completion finishes, while the device keeps decoding the other groups, so r
 behind device time. With DAPO dynamic sampling (`rl.dynamic_sampling`), groups whose G rewards
 are all equal are dropped and fresh prompts refill the batch.
 
-Randomness: the sampling seed of step s, round r is drawn from fold_in(fold_in(key(seed), s), r),
-and request ids (the sampler's PRNG streams) are unique over steps and refill rounds, so a resumed
-run samples exactly what an uninterrupted one does.
+Batch shards: a step's B prompts are split over the S batch shards of the mesh
+(`sampling.partitioned`), shard i taking the i-th B/S of them, and a group lives on its shard
+from its prompt to its learner rows: it is sampled in that shard's slots, scored, refilled (DAPO,
+per shard) and packed into that shard's rows of the batch. In a multi-process run each process
+does this for the shards on its own devices only (`sampling.peers`): it reads only their records,
+runs only their rewards, tools and sandboxes, and fills only their rows. What needs the whole
+batch (`advantage=batch_std`, the logged statistics, the number of rows) it gets from small
+agreements, never the data (`rl.summary`). One process runs the same code over all its shards.
 
-The learner batch packs the sequences into rows of `max_prompt_len + max_new_tokens` tokens with
-segment ids (`rl.packing`; `rl.pack=False`: one sequence per row, padded), with a bucketed number
-of rows, so the learner compiles for a few shapes. A completion includes its stop token (the
-policy must learn to stop); `loss_mask[b, t]` marks the completion tokens tokens[b, t+1], and
-`sampler_logp[b, t]` holds the sampler's log-prob of that same token.
+Randomness: the sampling seed of step s, round r is drawn from fold_in(fold_in(key(seed), s), r),
+and request ids (the sampler's PRNG streams) are unique over steps, refill rounds and shards, so
+a resumed run samples exactly what an uninterrupted one does, on any number of processes.
+
+The learner batch packs each shard's sequences into its rows of `max_prompt_len + max_new_tokens`
+tokens with segment ids (`rl.packing`; `rl.pack=False`: one sequence per row, padded), with a
+bucketed number of rows, the same for every shard (the largest any needs), so the learner
+compiles for a few shapes. A completion includes its stop token (the policy must learn to stop);
+`loss_mask[b, t]` marks the completion tokens tokens[b, t+1], and `sampler_logp[b, t]` holds the
+sampler's log-prob of that same token.
 
 An episode the environment reports as an infrastructure failure (`Group.masked`, from
 `env.masked`) is not the model's fault: its sequence stays in the batch (the packing, and so the
@@ -37,21 +47,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl import summary as S
 from rl.advantages import compute_advantages
 from rl.data import reward_inputs, tokenize_prompts
-from rl.dynamic_sampling import check_rewards_agree, fill_groups, selection_rewards
+from rl.dynamic_sampling import fill_groups
 from rl.learner import Batch
-from rl.multiturn import EpisodeSampler, episode_stats, reprefill_tokens
-from rl.packing import Layout, build_batch
+from rl.multiturn import EpisodeSampler
+from rl.packing import Layout, build_batch, place
 from rl.partial import PartialRollouts
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
-from sampling.state import host_values
+from sampling.peers import agree, local_values, shard_blocks
 
 
 @dataclasses.dataclass
 class Group:
-    """One prompt and its G scored completions."""
+    """One prompt and its G scored completions, on batch shard `shard`."""
 
     record: dict
     prompt: list[int]
@@ -61,6 +72,7 @@ class Group:
     parts: dict[str, np.ndarray]  # reward name -> unweighted f32 [G]
     episodes: list | None = None  # multi-turn: the G rl.envs.Episode (turns, tool counters)
     masked: np.ndarray | None = None  # bool [G]: infrastructure failures, out of the loss
+    shard: int = 0
 
     def keep(self) -> np.ndarray:
         """bool [G]: the samples that count (not masked)."""
@@ -70,11 +82,12 @@ class Group:
 
 @dataclasses.dataclass
 class Rollout:
-    batch: Batch  # the learner batch of the B*G sequences (packed rows), on device
-    groups: list[Group]
-    rewards: np.ndarray  # f32 [B*G] the rewards the advantages were computed from
+    batch: Batch  # the learner batch of the step's sequences (packed rows), on device
+    groups: list[Group]  # this process's groups, by shard
+    rewards: np.ndarray  # f32 [this process's samples] the rewards the advantages came from
     stats: dict[str, float]  # reward / advantage / length / dynamic-sampling statistics
-    layout: Layout | None = None  # where each sequence sits in the batch rows (rl.packing)
+    layout: Layout | None = None  # where each of `groups`' sequences sits in the batch rows
+    tokens: int = 0  # completion tokens of the whole batch (every process's)
 
 
 def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, prompt_field):
@@ -95,20 +108,8 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
     return Group(record, prompt, completions, texts, np.asarray(total, np.float32), parts)
 
 
-def length_stats(groups: list[Group]) -> dict[str, float]:
-    completions = [c for grp in groups for c in grp.completions]
-    lengths = np.array([c.length for c in completions])
-    return {
-        "rollout/length_mean": float(lengths.mean()),
-        "rollout/length_max": float(lengths.max()),
-        "rollout/truncated_frac": float(
-            np.mean([c.finish_reason == "length" for c in completions])
-        ),
-    }
-
-
 class Rollouts:
-    """Produces one step's Rollout from the data iterator with the current policy parameters.
+    """Produces one step's Rollout from the data stream with the current policy parameters.
 
     Holds the rollout engine, the reward worker thread, and (with
     `sampling.release_kv_between_phases=False`) the decode state kept between steps.
@@ -121,15 +122,21 @@ class Rollouts:
         self.learner, self.ref_params = learner, ref_params
         self.batch_sharding, self.pad_id = batch_sharding, pad_id
         self.pool = ThreadPoolExecutor(max_workers=1)  # reward functions overlap decoding
-        # Packed row counts are multiples of this, so that rows split evenly over the batch
-        # shards, the minibatches and the micro-batches.
+        self.num_shards, self.local = engine.num_shards, engine.local_shards
+        self.mine = [i in self.local for i in range(self.num_shards)]
+        self.quota = config.data.prompts_per_step // self.num_shards  # groups per shard a step
+        # Packed row counts: every shard's the same multiple of this, so that the rows split
+        # evenly over the learner's batch shards, the minibatches and the micro-batches.
         mesh, spec = batch_sharding.mesh, batch_sharding.spec
         axes = spec[0] if spec else None
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        shards = math.prod(mesh.shape[a] for a in axes)
-        self.row_multiple = shards * config.rl.minibatches * config.rl.micro_batches
+        whole = math.prod(mesh.shape[a] for a in axes) * config.rl.minibatches
+        whole *= config.rl.micro_batches
+        self.row_multiple = math.lcm(self.num_shards, whole) // self.num_shards  # per shard
         self.row_shapes = set()  # packed row counts seen: each is one learner compilation
+        self.width = config.sampling.max_prompt_len + config.sampling.max_new_tokens
         self.decode_state = None
+        self._carried = 0
         # Multi-turn episodes through an environment (rl.envs), else single-turn completions.
         self.episodes = None if env is None else EpisodeSampler(env, engine, tokenizer, config.env)
         # Partial rollouts (rl.partial): episodes in flight carried across learner steps.
@@ -137,8 +144,9 @@ class Rollouts:
 
     @property
     def carried(self) -> int:
-        """Groups sampled but not trained yet (partial rollouts), to be trained by later steps."""
-        return 0 if self.partial is None else self.partial.carried
+        """Groups sampled but not trained yet (partial rollouts), to be trained by later steps:
+        every process's, as of the last step (the same number on each)."""
+        return self._carried
 
     def prompts_of(self, records) -> list[list[int]]:
         """The prompt ids of data records (the environment's prompts, with an environment)."""
@@ -159,36 +167,15 @@ class Rollouts:
     def episode_group(self, record, prompt, episodes, completions, rewards) -> Group:
         return episode_group(record, prompt, episodes, completions, rewards, self.tokenizer)
 
-    def _counters(self) -> tuple[int, int]:
-        return self.engine.preemptions, self.engine.recomputed_tokens
-
-    def _preemption_stats(self, before) -> dict[str, float]:
-        """Sequences preempted since `before` (`_counters`) and the tokens recomputed for them
-        (sampling.reserve="demand"; 0 under "budget")."""
-        now = self._counters()
-        return {"rollout/preemptions": float(now[0] - before[0]),
-                "rollout/recomputed_tokens": float(now[1] - before[1])}  # fmt: skip
-
-    def _utilization(self, before) -> float:
-        """Tokens decoded over slot-steps of the decode calls since `before` (engine.slot_steps);
-        0 without a decode call (partial rollouts: B groups completed in earlier steps)."""
-        active, total = (a - b for a, b in zip(self.engine.slot_steps, before))
-        return active / max(total, 1)
-
-    def _sample_partial(self, step, params, data, drain, stop):
-        prefill_before, slot_steps = self.engine.prefill_tokens, list(self.engine.slot_steps)
-        counters = self._counters()
-        state = self.engine.init_state() if self.decode_state is None else self.decode_state
-        self.decode_state = None  # donated below; kept again only once the call has returned
-        state, groups, stats = self.partial.sample(step, params, state, data, drain, stop)
-        idle = self.partial.loop.idle
-        if not (idle and self.config.sampling.release_kv_between_phases):
-            self.decode_state = state  # episodes in flight keep their pages across the step
-        stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
-        stats["reprefill_tokens"] = reprefill_tokens(groups) if self.episodes else 0
-        stats["rollout/slot_utilization"] = self._utilization(slot_steps)
-        stats.update(self._preemption_stats(counters))
-        return groups, stats
+    def _counters(self) -> dict[str, float]:
+        """This process's engine counters (the step's change goes into the statistics)."""
+        e = self.engine
+        out = {"preemptions": e.preemptions, "recomputed_tokens": e.recomputed_tokens,
+               "prefill_tokens": e.prefill_tokens, "decoded": e.slot_steps[0],
+               "slot_steps": e.slot_steps[1]}  # fmt: skip
+        if self.episodes is not None:
+            out.update(self.episodes.counters)
+        return {k: float(v) for k, v in out.items()}
 
     def __call__(self, step: int, params, data, drain=False, stop=None) -> Rollout:
         """Step `step`'s Rollout. With partial rollouts `drain` (a checkpoint step) ends the step
@@ -196,127 +183,205 @@ class Rollouts:
         the step and once its batch is complete whether a stop was requested); otherwise both
         are ignored (nothing is ever carried)."""
         c = self.config
+        before = self._counters()
+        state = self.engine.init_state() if self.decode_state is None else self.decode_state
+        self.decode_state = None  # donated below; kept again only once the call has returned
         if self.partial is not None:
-            groups, stats = self._sample_partial(step, params, data, drain, stop)
+            state, groups, extra = self.partial.sample(step, params, state, data, drain, stop)
+            keep_kv = not (self.partial.loop.idle and c.sampling.release_kv_between_phases)
         else:
-            groups, stats = self._sample(step, params, data)
-        s = c.sampling
-        batch, layout = build_batch(groups, s.max_prompt_len + s.max_new_tokens, self.pad_id,
-                                    s.min_new_tokens, c.rl.pack, self.row_multiple,
-                                    c.rl.minibatches)  # fmt: skip
-        keep = np.concatenate([grp.keep() for grp in groups])  # [B*G]
-        mask = None if keep.all() else keep  # None: the unmasked path, bit for bit
-        if mask is not None:  # infrastructure failures: no loss on their tokens
-            batch = batch.replace(loss_mask=batch.loss_mask * layout.spread(keep))
-        self.row_shapes.add(layout.rows)
-        stats.update({"learn/rows": layout.rows, "learn/row_shapes": len(self.row_shapes),
-                      "learn/padding_frac": layout.padding_frac})  # fmt: skip
-        completions = batch.loss_mask
-        if c.rl.mask_truncated:  # DAPO: completions cut by the length limit get no loss
-            stopped = [cp.finish_reason == "stop" for grp in groups for cp in grp.completions]
-            batch = batch.replace(loss_mask=completions * layout.spread(stopped))
-        batch = jax.device_put(batch, self.batch_sharding)
-        rewards = np.concatenate([grp.rewards for grp in groups])
-        penalty = None
+            state, groups, extra = self._sample(step, params, state, data)
+            keep_kv = not c.sampling.release_kv_between_phases
+        if keep_kv:  # episodes in flight (partial) or the pages kept for the next rollout
+            self.decode_state = state
+        counters = {k: v - before.get(k, 0.0) for k, v in self._counters().items()}
+        batch, layouts, rows = self._batch(groups)
+        completions = batch.loss_mask  # every sampled token: what the KL penalty covers
+        keep = {i: np.concatenate([grp.keep() for grp in groups if grp.shard == i] + [[]])
+                for i in layouts}  # fmt: skip
+        mask = batch.loss_mask.copy()
+        for i, lay in layouts.items():  # infrastructure failures: no loss on their tokens
+            block = slice(i * rows, (i + 1) * rows)
+            mask[block] *= lay.spread(keep[i])
+            if c.rl.mask_truncated:  # DAPO: completions cut by the length limit get no loss
+                stopped = [cp.finish_reason == "stop" for grp in groups if grp.shard == i
+                           for cp in grp.completions]  # fmt: skip
+                mask[block] *= lay.spread(stopped)
+        device = lambda x: shard_blocks({i: x[i * rows : (i + 1) * rows] for i in layouts},
+                                        self.num_shards, self.batch_sharding)  # fmt: skip
+        batch = jax.tree.map(device, batch.replace(loss_mask=mask))
+        summaries = [S.summary(grp, n, step if self.partial else None)
+                     for n, grp in enumerate(groups)]  # fmt: skip
         if c.rl.kl_in == "reward" and c.rl.kl_coef > 0:
             # The KL is data here: beta * sum_t k1 of the rollout policy against the reference,
             # both on the tempered full softmax (rl.logprobs), over every completion token.
             ref = self.learner.reference_logprobs(params, self.ref_params, batch)
             pi = self.learner.logprobs(params, batch, "full")
-            penalty = kl_reward_penalty(pi, ref, jax.device_put(completions, self.batch_sharding),
-                                        c.rl.kl_coef, c.rl.kl_clamp, batch.segment_ids[:, 1:])  # fmt: skip
-            penalty = layout.gather(host_values(penalty))  # every process gets all rows
-            stats["reward/kl_penalty_mean"] = float(penalty.mean())
+            penalty = kl_reward_penalty(pi, ref, device(completions), c.rl.kl_coef,
+                                        c.rl.kl_clamp, batch.segment_ids[:, 1:])  # fmt: skip
+            penalty = local_values(penalty)  # this process's rows
+            at = {i: 0 for i in layouts}
+            for s, grp in zip(summaries, groups):
+                i, lay, g = grp.shard, layouts[grp.shard], len(grp.completions)
+                mine = lay.gather(penalty[i * rows : (i + 1) * rows])[at[i] : at[i] + g]
+                s["penalty"], at[i] = [float(x) for x in mine], at[i] + g
             batch = batch.replace(ref_logp=ref)  # the learner logs the KL, the loss ignores it
+        everyone, counts = S.gather(summaries, {**counters, **extra.pop("counters", {})})
+        rewards = S.flat(everyone, "rewards")
+        keep_all = S.flat(everyone, "keep", bool)
+        penalty = S.flat(everyone, "penalty") if everyone[0]["penalty"] is not None else None
         adv, adv_stats = compute_advantages(
             jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps,
-            penalty, mask,
+            penalty, None if keep_all.all() else keep_all,  # None: the unmasked path, bit for bit
         )  # fmt: skip
-        if penalty is not None:
-            rewards = rewards - penalty  # the shaped rewards, for the logs
-        adv = layout.spread(np.asarray(adv))  # each sequence's advantage on its positions
-        batch = batch.replace(advantages=jax.device_put(adv, self.batch_sharding))
-        stats.update({k: float(v) for k, v in adv_stats.items()}, **length_stats(groups))
-        for name in groups[0].parts:
-            part = np.concatenate([grp.parts[name] for grp in groups])
-            stats[f"reward/{name}"] = float(np.mean(part[keep])) if keep.any() else 0.0
-        if self.episodes is not None:
-            stats.update(
-                episode_stats(groups, stats.pop("prefill_tokens"), stats.pop("reprefill_tokens"))
-            )
-        return Rollout(batch, groups, rewards, stats, layout)
-
-    def _sample(self, step: int, params, data) -> tuple[list[Group], dict[str, float]]:
-        c = self.config
-        b, g, max_tries = (
-            c.data.prompts_per_step,
-            c.rl.num_generations,
-            c.rl.dynamic_sampling_max_tries,
-        )
-        root = jax.random.fold_in(jax.random.key(c.seed), step)
-        rounds = []
-        prefill_before, self.reprefill = self.engine.prefill_tokens, 0
-        slot_steps, counters = list(self.engine.slot_steps), self._counters()
-
-        def sample_round(n):
-            records = data.take(n)  # a rl.data.PromptStream: leftovers carry to the next draw
-            prompts = self.prompts_of(records)
-            seed = int(jax.random.randint(jax.random.fold_in(root, len(rounds)), (), 0, 2**31 - 1))
-            # Request ids unique over steps and refill rounds: at most b prompts a round.
-            base = (step * max_tries + len(rounds)) * b
-            rounds.append(n)
-            groups = self.sample_groups(params, records, prompts, seed, range(base, base + n))
-            check_rewards_agree(groups)  # a refill round is decided from them
-            return groups, selection_rewards(groups)
-
-        if not c.rl.dynamic_sampling:
-            groups, stats = sample_round(b)[0], {}
-        else:
-            groups, _, stats = fill_groups(sample_round, b, g, max_tries)
-        stats["prefill_tokens"] = self.engine.prefill_tokens - prefill_before
-        stats["reprefill_tokens"] = self.reprefill
-        stats["rollout/slot_utilization"] = self._utilization(slot_steps)
-        stats.update(self._preemption_stats(counters))
-        return groups, stats
-
-    def sample_groups(self, params, records, prompts, seed, request_ids) -> list[Group]:
-        """G completions of every prompt, each group scored on the worker as it finishes."""
-        c = self.config
+        adv, shaped = np.asarray(adv), rewards - (0.0 if penalty is None else penalty)
+        # This process's samples: where its groups sit in the shard-ordered list of all.
         g = c.rl.num_generations
-        done = [[None] * g for _ in prompts]
-        left = [g] * len(prompts)
-        futures = {}
+        where = {(s["shard"], s["idx"]): n for n, s in enumerate(everyone)}
+        mine = [where[grp.shard, n] for n, grp in enumerate(groups)]
+        own = lambda x: np.concatenate([x[n * g : (n + 1) * g] for n in mine] + [[]])
+        blocks = {i: lay.spread(np.concatenate([adv[n * g : (n + 1) * g] for n, grp
+                                                in zip(mine, groups) if grp.shard == i] + [[]]))
+                  for i, lay in layouts.items()}  # fmt: skip
+        batch = batch.replace(advantages=shard_blocks(blocks, self.num_shards,
+                                                      self.batch_sharding))  # fmt: skip
+        stats = self._stats(everyone, counts, rows, extra)
+        stats.update({k: float(v) for k, v in adv_stats.items()})
+        if penalty is not None:
+            stats["reward/kl_penalty_mean"] = float(penalty.mean())
+        self._carried = int(stats.get("rollout/carried_groups", 0))
+        layout = _joined(layouts, rows, self.num_shards)
+        return Rollout(batch, groups, own(shaped), stats, layout,
+                       int(S.flat(everyone, "lengths", np.int64).sum()))  # fmt: skip
 
-        def on_finish(i, k, completion):
-            done[i][k] = completion
-            left[i] -= 1
-            if not left[i]:
-                futures[i] = self.score(records[i], prompts[i], done[i])
+    def _batch(self, groups):
+        """(numpy Batch of the S shards' rows, shard -> its Layout, rows per shard): this
+        process's shards packed each into the same agreed number of rows, the others zero."""
+        c, s = self.config, self.config.sampling
+        width, m = self.width, c.rl.minibatches
+        by = {i: [grp for grp in groups if grp.shard == i] for i in self.local}
+        lengths = {i: [len(grp.prompt) + cp.length for grp in gs for cp in grp.completions]
+                   for i, gs in by.items()}  # fmt: skip
+        need = [place(n, width, c.rl.pack, self.row_multiple, m).rows for n in lengths.values()]
+        rows = int(agree([max(need, default=0)]).max())
+        parts = {i: build_batch(gs, width, self.pad_id, s.min_new_tokens, c.rl.pack,
+                                self.row_multiple, m, rows=rows) for i, gs in by.items()}  # fmt: skip
+        zero = jax.tree.map(np.zeros_like, next(iter(parts.values()))[0])
+        blocks = [parts[i][0] if i in parts else zero for i in range(self.num_shards)]
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *blocks)
+        self.row_shapes.add(rows)
+        return batch, {i: lay for i, (_, lay) in parts.items()}, rows
 
-        state = self.engine.init_state() if self.decode_state is None else self.decode_state
-        self.decode_state = None  # donated below; kept again only once the call has returned
+    def _stats(self, groups, counts, rows, extra) -> dict[str, float]:
+        """The step's statistics from every process's summaries and counters."""
+        total = lambda name: S.total(counts, name)
+        stats = {
+            "learn/rows": float(rows * self.num_shards),
+            "learn/row_shapes": float(len(self.row_shapes)),
+            "learn/padding_frac": 1.0 - float(sum(g["prompt_len"] * len(g["lengths"])
+                                                  for g in groups) + S.flat(groups, "lengths").sum())
+            / (rows * self.num_shards * self.width),
+            "rollout/slot_utilization": total("decoded") / max(counts[0]["slot_steps"], 1.0),
+            "rollout/preemptions": total("preemptions"),
+            "rollout/recomputed_tokens": total("recomputed_tokens"),
+            **S.length_stats(groups),
+            **S.reward_parts(groups),
+            **extra,
+        }  # fmt: skip
+        for name in counts[0]:  # what the processes counted of the step, summed
+            if name.startswith("sum/"):
+                stats[name[4:]] = total(name)
+        if self.partial is not None:
+            stats.update(self.partial.stats(groups, counts))
         if self.episodes is not None:
-            state, out = self.episodes.run(params, state, records, prompts, g, seed, request_ids)
-        else:
-            state, _ = self.engine.generate_all(
-                params, state, prompts, g, seed=seed, request_ids=list(request_ids),
-                on_finish=on_finish,
-            )  # fmt: skip
-        if not c.sampling.release_kv_between_phases:
-            self.decode_state = state  # keep the pages allocated for the next rollout
-        if self.episodes is not None:
-            groups = [
-                episode_group(record, prompt, eps, completions, fut.result(), self.tokenizer)
-                for record, prompt, (eps, completions, fut) in zip(records, prompts, out)
-            ]
-            self.reprefill += reprefill_tokens(groups)
+            stats.update(S.episode_stats(groups, int(total("prefill_tokens")),
+                                         int(total("reprefill_tokens"))))  # fmt: skip
+            for name in ("tool_calls", "tool_seconds", "sandbox_runs"):
+                stats.update(S.per_process(counts, name))
+        return stats
+
+    def _sample(self, step: int, params, state, data):
+        """(state, this process's groups, stats) of a synchronous step: B/S groups per shard,
+        with dynamic sampling refilled per shard (`rl.dynamic_sampling.fill_groups`)."""
+        c = self.config
+        root = jax.random.fold_in(jax.random.key(c.seed), step)
+        tries, reprefill = [0], [0]
+
+        def sample_round(counts):  # counts: records per shard this round (every shard's)
+            records = data.take_shards(counts, self.mine)  # a rl.data.PromptStream
+            seed = int(jax.random.randint(jax.random.fold_in(root, tries[0]), (), 0, 2**31 - 1))
+            # Request ids unique over steps, refill rounds and shards: shard i's j-th of round r
+            # of step s is (s * max_tries + r) * B + i * B/S + j.
+            base = (step * c.rl.dynamic_sampling_max_tries + tries[0]) * c.data.prompts_per_step
+            tries[0] += 1
+            todo = [(i, r, base + i * self.quota + j) for i in self.local
+                    for j, r in enumerate(records[i])]  # fmt: skip
+            nonlocal state
+            state, groups = self.sample_groups(params, state, todo, seed)
+            reprefill[0] += S.reprefill_tokens([S.summary(grp, 0) for grp in groups])
             return groups
-        return [futures[i].result() for i in range(len(prompts))]
+
+        stats, counters = {}, {}
+        if not c.rl.dynamic_sampling:
+            groups = sample_round([self.quota] * self.num_shards)
+        else:
+            groups, tried, dropped, short = fill_groups(
+                sample_round, self.quota, self.num_shards, self.local, c.rl.num_generations,
+                c.rl.dynamic_sampling_max_tries,
+            )  # fmt: skip
+            stats["dynamic_sampling_tries"] = float(tried)
+            counters = {"sum/dynamic_sampling_dropped_groups": dropped,
+                        "sum/dynamic_sampling_shortfall": short}  # fmt: skip
+        stats["counters"] = {"reprefill_tokens": reprefill[0], **counters}
+        return state, groups, stats
+
+    def sample_groups(self, params, state, todo, seed):
+        """(state, groups): G completions of every (shard, record, request id) in `todo`, each
+        group scored on the worker as it finishes, in `todo`'s order."""
+        g = self.config.rl.num_generations
+        records = [r for _, r, _ in todo]
+        prompts = self.prompts_of(records)
+        shards, ids = [i for i, _, _ in todo], [n for *_, n in todo]
+        if self.episodes is not None:
+            state, out = self.episodes.run(params, state, records, prompts, g, seed, ids, shards)
+            groups = [episode_group(record, prompt, eps, completions, fut.result(), self.tokenizer)
+                      for record, prompt, (eps, completions, fut) in zip(records, prompts, out)]  # fmt: skip
+        else:
+            done, left, futures = [[None] * g for _ in prompts], [g] * len(prompts), {}
+
+            def on_finish(i, k, completion):
+                done[i][k] = completion
+                left[i] -= 1
+                if not left[i]:
+                    futures[i] = self.score(records[i], prompts[i], done[i])
+
+            state, _ = self.engine.generate_all(params, state, prompts, g, seed=seed,
+                                                request_ids=ids, on_finish=on_finish,
+                                                shards=shards)  # fmt: skip
+            groups = [futures[i].result() for i in range(len(prompts))]
+        for grp, i in zip(groups, shards):
+            grp.shard = i
+        return state, groups
 
     def close(self) -> None:
         self.pool.shutdown()
         if self.episodes is not None:
             self.episodes.close()
+
+
+def _joined(layouts: dict, rows: int, num_shards: int) -> Layout:
+    """One Layout of this process's sequences (shard by shard) in the rows of the whole batch."""
+    parts = [(i * rows, lay) for i, lay in sorted(layouts.items())]
+    cat = lambda f: np.concatenate([getattr(lay, f) + (off if f == "row" else 0)
+                                    for off, lay in parts])  # fmt: skip
+    return Layout(
+        rows * num_shards,
+        parts[0][1].width,
+        cat("row"),
+        cat("segment"),
+        cat("start"),
+        cat("length"),
+    )
 
 
 def env_prompts(env, records, max_prompt_len: int, prompt_field: str) -> list[list[int]]:

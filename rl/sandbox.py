@@ -83,6 +83,10 @@ os.execv(sys.argv[6], [sys.argv[6], '-s', '-S', sys.argv[7]])
 """
 
 
+RUNS = [0]  # programs this process started in a sandbox (rl.multiturn reports them per process)
+_RUNS_LOCK = threading.Lock()
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     wall_s: float = 5.0  # wall-clock seconds of a run, interpreter start included
@@ -237,6 +241,8 @@ class Sandbox:
         self.close()
 
     def _run(self, code: str, ws: Workspace | None, stdin: str) -> RunResult:
+        with _RUNS_LOCK:
+            RUNS[0] += 1
         own = ws is None
         ws = ws or Workspace(self._root, self.as_root)
         try:

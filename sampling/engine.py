@@ -68,6 +68,8 @@ from sampling.page_allocator import (
     group_pages,
 )
 from sampling.paged_attention import resolve_backend
+from sampling.peers import agree, global_array, local_values, shard_processes
+from sampling.plan import CHUNK, EXTENDS, Plan, Row
 from sampling.requests import (
     EngineConfig,
     Parked,
@@ -79,10 +81,10 @@ from sampling.requests import (
     check_slots,
     take_slots,
 )
-from sampling.state import DecodeState, host_values, state_shardings
+from sampling.state import DecodeState, state_shardings
 from sampling.turns import Turns
 
-MAX_PREFILL_BATCH = 16  # prompts per prefill call
+MAX_PREFILL_BATCH = CHUNK  # prompts per shard per prefill call
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -95,10 +97,6 @@ def _cast_floats(params, dtype: str):
 def _recast(x, dtype) -> bool:
     """Whether the decode copy changes x's dtype (floating leaves go to the compute dtype)."""
     return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
-
-
-def bucket(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 class Engine(Turns):
@@ -141,9 +139,18 @@ class Engine(Turns):
             raise ValueError(f"num_pages={ecfg.num_pages}: need >= 2 per shard ({s} shards; "
                              "each shard's page 0 is its null page)")  # fmt: skip
         self.slots_per_shard, self.pages_per_shard = ecfg.num_slots // s, ecfg.num_pages // s
-        self._shardings = None
+        # The process that decides each shard's slots (`sampling.peers`); this one's shards.
+        axes = partitioned.shard_axes(shape, rules, cfg.num_kv_heads)
+        self.owners = [0] * s if mesh is None else shard_processes(mesh, axes)
+        self.local_shards = [i for i in range(s) if self.owners[i] == jax.process_index()]
+        self._shardings = self._rows = None
         if mesh is not None:
             self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
+            self._rows = NamedSharding(mesh, partitioned.specs(mesh, rules, cfg.num_kv_heads)[1])
+        # Device work is queued (`sampling.plan`) and issued by `flush`: at once after each call
+        # (a direct use of the engine), or once per round inside `EpisodeLoop.run` (`deferred`).
+        self.deferred = False
+        self._chunks = max(1, -(-self.slots_per_shard // CHUNK))  # prefill calls per batch
         # Jitted once: a new jit of it per init_state compiled again at every rollout.
         self._fresh = jax.jit(self._zeros, out_shardings=self._shardings)
         self.pools = [PageAllocator(self.pages_per_shard) for _ in range(s)]  # one per shard
@@ -173,7 +180,10 @@ class Engine(Turns):
         for pool in self.pools:
             pool.reset()
         self.table.array[:] = NULL_PAGE
-        self.free_slots = list(range(self.ecfg.num_slots))
+        self.plan = Plan(self.num_shards, self.ecfg.num_slots)
+        # This process's slots: the others' shards are decided and fed by their own process.
+        self.free_slots = [s for s in range(self.ecfg.num_slots)
+                           if self.shard_of(s) in self.local_shards]  # fmt: skip
         # Cascade attention (`paged_attention_blockwise`): a group of `group` samples placed on
         # an aligned block of slots reads its shared prompt pages once per decode step.
         # `generate_all` sets it to its num_samples; 1 = off.
@@ -311,45 +321,83 @@ class Engine(Turns):
         return state, prefixes
 
     def _place(self, sizes) -> list[int]:
-        """A shard per request of sizes[j] pages: the one with the most pages free and not
-        reserved once the earlier ones are placed, ties by index (deterministic, balanced)."""
-        room = [p.num_free - self._reserved(i) for i, p in enumerate(self.pools)]
+        """A shard per request of sizes[j] pages: of this process's shards the one with the most
+        pages free and not reserved once the earlier ones are placed, ties by index."""
+        room = {i: self.pools[i].num_free - self._reserved(i) for i in self.local_shards}
         out = []
         for n in sizes:
-            i = max(range(self.num_shards), key=lambda i: (room[i], -i))
+            i = max(room, key=lambda i: (room[i], -i))
             room[i] -= n
             out.append(i)
         return out
 
-    def _prefill_pages(self, params, state, prompts, prefixes, extend=None) -> DecodeState:
-        """Caches prompt[:-1] of each prompt into its prefix's pages; with `extend` (resume),
-        caches extend[j][:-1] after the cached_len tokens parked sequence j already holds."""
-        e, s = self.ecfg, self.num_shards
+    def _prefill_pages(self, params, state, prompts, prefixes, extend=None, phase="admit"):
+        """Queues caching prompt[:-1] of each prompt into its prefix's pages; with `extend`
+        (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
+        one prefill batch of `phase` (`sampling.plan`)."""
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
-        todo = [(t, x) for t, x in zip(rows_in, prefixes) if t]
-        queues = [[(t, x) for t, x in todo if x.shard == i] for i in range(s)]
-        while any(queues):
-            # Up to MAX_PREFILL_BATCH rows per shard; shard i's rows are [i*n, (i+1)*n).
-            chunks = [q[:MAX_PREFILL_BATCH] for q in queues]
-            queues = [q[MAX_PREFILL_BATCH:] for q in queues]
-            n = 1 << (max(map(len, chunks)) - 1).bit_length()
-            longest = max(len(t) for chunk in chunks for t, _ in chunk)
-            tokens = np.zeros((s * n, bucket(longest)), np.int32)
-            lengths = np.zeros((s * n,), np.int32)
-            starts = np.zeros((s * n,), np.int32)
-            page_rows = np.zeros((s * n, e.pages_per_seq), np.int32)
-            for r, (toks, x) in ((i * n + j, row) for i, c in enumerate(chunks)
-                                 for j, row in enumerate(c)):  # fmt: skip
-                tokens[r, : len(toks)] = toks
-                lengths[r] = len(toks)
-                starts[r] = 0 if extend is None else x.cached_len
-                page_rows[r, : len(x.pages)] = x.pages
-            self.prefill_tokens += int(lengths.sum())
-            state = steps.prefill(
-                self.graphdef, params, state, tokens, lengths, page_rows, self.layout,
-                None if extend is None else starts, e.prefill_chunk,
-            )  # fmt: skip
-        return state
+        self.plan.prefill(phase, [
+            Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages))
+            for t, x in zip(rows_in, prefixes)
+        ])  # fmt: skip
+        return self._now(state, params)
+
+    def _now(self, state, params=None) -> DecodeState:
+        """The queued work issued at once, unless the episode loop issues it per round."""
+        return state if self.deferred else self.flush(params, state)[0]
+
+    def flush(self, params, state, flags=()) -> tuple[DecodeState, np.ndarray]:
+        """Issues the queued work (`sampling.plan`): the prefill batches, then one slot update.
+        With several processes they first agree on the calls' shapes, and on `flags` (a few
+        ints of the caller's: counts, stop flags) in the same collective. Returns (state,
+        int32 [processes, len(flags)]: every process's flags)."""
+        plan, e, s = self.plan, self.ecfg, self.num_shards
+        flags = np.asarray(flags, np.int32).reshape(-1)
+        everyone = agree(np.concatenate([flags, plan.shapes(self._chunks)]))
+        shapes = everyone[:, len(flags) :].max(axis=0)
+        rows = lambda x: global_array(x, self._rows)
+        for phase, _, calls, batch in plan.calls(shapes, self._chunks):
+            parts = batch.chunks(s) if batch is not None else []
+            for j, n, t in calls:
+                tokens = np.zeros((s * n, t), np.int32)
+                lengths, starts = np.zeros((s * n,), np.int32), np.zeros((s * n,), np.int32)
+                page_rows = np.zeros((s * n, e.pages_per_seq), np.int32)
+                for i, chunk in enumerate(parts[j] if j < len(parts) else []):
+                    for r, row in enumerate(chunk, start=i * n):
+                        tokens[r, : len(row.tokens)] = row.tokens
+                        lengths[r], starts[r] = len(row.tokens), row.start
+                        page_rows[r, : len(row.pages)] = row.pages
+                self.prefill_tokens += int(lengths.sum())
+                state = steps.prefill(
+                    self.graphdef, params, state, rows(tokens), rows(lengths), rows(page_rows),
+                    self.layout, rows(starts) if phase in EXTENDS else None, e.prefill_chunk,
+                )  # fmt: skip
+        if shapes[-2]:  # a slot changes somewhere
+            state = self._update(state, plan, steps.bucket_slots(int(shapes[-1])))
+        self.plan = Plan(s, e.num_slots)
+        return state, everyone[:, : len(flags)]
+
+    def _update(self, state, plan: Plan, c: int) -> DecodeState:
+        """One `steps.update` of the plan's slots, c page copies per shard (padded)."""
+        b, s = self.ecfg.num_slots, self.num_shards
+        put, off = np.zeros(b, bool), np.zeros(b, bool)
+        values = np.zeros((7, b), np.int32)
+        for slot, v in plan.slots.items():
+            if v is None:
+                off[slot] = True
+            else:
+                put[slot], values[:, slot] = True, v
+        copies = np.zeros((2, s, max(c, 1)), np.int32)  # (0, 0): the null page onto itself
+        for i, pairs in enumerate(plan.copies):
+            if pairs:
+                copies[:, i, : len(pairs)] = np.asarray(pairs, np.int32).T
+        slots = lambda x: global_array(
+            x, None if self._shardings is None else self._shardings.lengths
+        )
+        return steps.update(
+            state, slots(put), slots(off), *map(slots, values), slots(copies[0].ravel()),
+            slots(copies[1].ravel()), self.layout,
+        )  # fmt: skip
 
     def _check_slots(self, slots, unique: bool = True) -> list[int]:
         return check_slots(self.ecfg.num_slots, slots, unique)
@@ -383,9 +431,13 @@ class Engine(Turns):
         rows = rows[1:] if keep else rows  # rows[0]: the prefix's own references, kept
         prefix.consumed = not keep
         self.free_slots = [s for s in self.free_slots if s not in slots]
-        # (0, 0) unused: padded to g, the copies come in the slots' (power-of-two) sizes.
-        src, dst = np.array(copies + [(0, 0)] * (g - len(copies)), np.int32).T
-        for k, s, r, c in zip(samples, slots, rows, cap):
+        # An aligned block of slots holding one prefix (its full pages) reads them once.
+        aligned = (
+            g == self.group > 1 and slots[0] % g == 0 and slots == [*range(slots[0], slots[0] + g)]
+        )
+        shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
+        self.plan.copy(prefix.shard, copies)
+        for k, s, r, c, m in zip(samples, slots, rows, cap, max_new):
             self.table.set_row(s, r)
             self._ids[s] = (request_id, int(k))
             self._serial[s] += 1
@@ -393,16 +445,9 @@ class Engine(Turns):
             # Decode step j caches the token it is fed at position cached_len + j, j < max_new
             # (the last sampled token is never cached, but the last prompt token is).
             self._cap[s] = prefix.cached_len + c
-        # An aligned block of slots holding one prefix (its full pages) reads them once.
-        aligned = (
-            g == self.group > 1 and slots[0] % g == 0 and slots == [*range(slots[0], slots[0] + g)]
-        )
-        shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
-        return steps.insert(
-            state, np.asarray(slots, np.int32), samples, np.int32(prefix.cached_len),
-            np.int32(prefix.last_token), np.int32(request_id), max_new, np.int32(shared), src,
-            dst, self.layout, prefix.shard, self.num_shards, e.min_new_tokens,
-        )  # fmt: skip
+            self.plan.insert(s, (prefix.cached_len, prefix.last_token, int(m), e.min_new_tokens,
+                                 request_id, int(k), shared))  # fmt: skip
+        return self._now(state)
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
         return self.bulk_insert(state, prefix, [slot], request_id, max_new)
@@ -424,6 +469,10 @@ class Engine(Turns):
         The page table stays on the device and is uploaded again only after a row changed."""
         e = self.ecfg
         num_steps = num_steps or e.steps_per_call
+        if not self.plan.empty:  # the round's work goes first (`EpisodeLoop` flushes it)
+            if self.deferred:
+                raise RuntimeError("dispatch with device work queued: flush the round first")
+            state = self.flush(params, state)[0]
         for s, (bound, need) in self.growth(num_steps).items():
             self._len[s] = bound
             if need > 0:
@@ -433,7 +482,10 @@ class Engine(Turns):
             uploaded = self.table.array.copy()
             # Placed like the array it replaces: a call whose table was kept and one whose
             # table was uploaded then see the same input (one compile).
-            table = jax.device_put(uploaded, state.page_indices.sharding)
+            # With several processes each fills its own slots' rows (`peers.global_array`).
+            sharding = state.page_indices.sharding
+            table = (jax.device_put(uploaded, sharding) if jax.process_count() == 1
+                     else global_array(uploaded, sharding))  # fmt: skip
             state = state.replace(page_indices=table)
         state, out = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
@@ -441,9 +493,9 @@ class Engine(Turns):
             e.interpret,
         )  # fmt: skip
         self._uploaded = uploaded  # only once the call took the table
-        if jax.process_count() == 1:
-            for x in out:
-                x.copy_to_host_async()  # ready for `collect` as soon as the call ends
+        for x in out:  # this process's part, ready for `collect` as soon as the call ends
+            for part in [x] if jax.process_count() == 1 else x.addressable_shards:
+                getattr(part, "data", part).copy_to_host_async()
         slots = {s: (self._serial[s], self._len[s]) for s in self._len}
         return state, Ticket(out, slots, self._epoch)
 
@@ -453,7 +505,8 @@ class Engine(Turns):
         (its exact length kept) so that calls dispatched after it leave it alone."""
         if ticket.epoch is not self._epoch:
             raise ValueError("ticket was dispatched before this engine's last init_state")
-        r = Results(*host_values(ticket.out), slots=[])
+        *values, steps_run = local_values(ticket.out)  # this process's slots only
+        r = Results(*values, slots=[], steps=int(steps_run))
         for s, (serial, bound) in ticket.slots.items():
             if self._serial[s] != serial or s not in self._len:
                 continue  # freed, parked or given a new sequence since
@@ -510,7 +563,8 @@ class Engine(Turns):
         slots = self._check_slots(slots, unique=False)
         for slot in slots:
             self._free_host(slot)
-        return steps.release(state, np.asarray(slots, np.int32), self.layout)
+            self.plan.release(slot)
+        return self._now(state)
 
     def _free_host(self, slot: int) -> None:
         self.pools[self.shard_of(slot)].free(self.table.clear_row(slot))
@@ -552,16 +606,18 @@ class Engine(Turns):
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
-        request_ids=None, on_finish=None,
+        request_ids=None, on_finish=None, shards=None,
     ):  # fmt: skip
         """(state, results): results[i][g] the `Completion` of sample g (of num_samples) of
         prompt i, with PRNG stream request_ids[i] (default i) and max_new_tokens (one int or one
         per request; default the config's). `on_finish(i, g, completion)` is called as each
-        sequence finishes. `state` is donated; after an exception the host side is cleaned up
-        (start again from `init_state()`). `sampling.episodes.generate_episodes`, one turn."""
+        sequence finishes. `shards`: None, or per prompt the batch shard it goes on (one of
+        `local_shards`: a multi-process run's). `state` is donated; after an exception the host
+        side is cleaned up (start again from `init_state()`).
+        `sampling.episodes.generate_episodes`, one turn."""
         from sampling.episodes import generate_episodes
 
         return generate_episodes(
             self, params, state, prompts, num_samples, max_new_tokens, seed=seed,
-            request_ids=request_ids, on_finish=on_finish,
+            request_ids=request_ids, on_finish=on_finish, shards=shards,
         )  # fmt: skip

@@ -40,10 +40,16 @@ itself whatever the latency and the number of tool workers. The price: an answer
 waits for its call (other episodes use the slot meanwhile), and a tool slower than k calls
 stalls the loop until it answers (docs/performance.md measures k).
 
-Multi-process runs: every process runs the same loop on the same host values, so a future counts
-as done only once it is done on every process (`sampling.agreement`; with `answer_calls` it is
-taken on the clock, the same everywhere, with no collective), and environments must give every
-process the same observation ids (deterministic tools; a mismatch raises rather than hangs).
+Rounds and processes: each pass of the loop is a round. Its device work (prefills, inserts,
+resumes, releases) is queued by the engine and goes out at once before the round's decode call
+(`Engine.flush`, `sampling.plan`). With `add`'s `shards` every request lives on its batch shard,
+and every decision about a shard (admission, resumes, preemption) looks at that shard alone. In a
+multi-process run each process runs this loop over its own shards only: its requests, its tool
+calls, its results read from its own devices. What the processes agree on, in the one small
+collective of the round's flush, is the shapes of the round's calls, whether any slot decodes
+anywhere (else no call), whether all is done, and the earliest tool answer due (the clock is the
+same everywhere); a stop (`until`) is agreed by its caller. So a shard decides alike in a run of
+one process and of several, and each process runs the tools of its own episodes only.
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
 Admission: a group goes in once a slot of a shard is free and that shard's pool holds what
@@ -80,9 +86,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import jax
 
 from sampling.admission import Admission
-from sampling.agreement import agreed_done, check_answers
 from sampling.preemption import Preemption
 from sampling.requests import Completion, Episode, Parked, check_requests
+
+IDLE = "idle"  # what `until` returns when nothing is left to decode on any process
+NEVER = 2**31 - 1  # no tool answer due (the clock's agreed minimum)
 
 
 class EpisodeLoop(Admission, Preemption):
@@ -112,6 +120,7 @@ class EpisodeLoop(Admission, Preemption):
         self._req: dict = {}  # key -> (prompt, budget, request id, pages admission sets aside)
         self._turn_caps: dict = {}  # key -> its G samples' caps on one model turn
         self.pending: list = []  # keys not admitted yet, in order
+        self._shard: dict = {}  # key -> the batch shard it must go on (`add`'s shards)
         self.owner: dict[int, Episode] = {}  # busy slot -> its episode
         self.waiting: dict[Future, Episode] = {}  # parked, the observation being computed
         self.ready: collections.deque = collections.deque()  # (episode, ids), parked
@@ -122,11 +131,15 @@ class EpisodeLoop(Admission, Preemption):
         self._last = None  # the Results of the last call read
         self._next = 0  # the next default request key
         self._refreshed_pages: set[int] = set()  # emptied by each run
-        self._open = None  # (key, next sample, live prefix, its KV's version): a group partly in
+        # shard -> (key, next sample, live prefix, its KV's version): a group partly in
+        self._opens: dict[int, tuple] = {}
 
     def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None,
-            max_turn_tokens=None) -> list:  # fmt: skip
+            max_turn_tokens=None, shards=None) -> list:  # fmt: skip
         """Queues requests (G samples each); returns their keys (default 0..n-1 after the last).
+        shards: None (each goes where there is room when admitted) or per prompt the batch shard
+        it must go on, one of this process's (`Engine.local_shards`): a shard's requests are
+        admitted in their order, independently of the other shards'.
         max_turn_tokens: None (the loop's), or per prompt an int or G ints: a cap on each model
         turn below the loop's (a single-turn sample then stops there, its budget reserved as
         `max_new_tokens`'s: `launch.bench loop --lengths skewed`)."""
@@ -156,14 +169,23 @@ class EpisodeLoop(Admission, Preemption):
             if bad:
                 raise ValueError(f"max_turn_tokens: {bad[0]}: need ints >= 1, one or G = {self.g} "
                                  "per prompt")  # fmt: skip
+        shards = [None] * len(prompts) if shards is None else [int(i) for i in shards]
+        if len(shards) != len(prompts):
+            raise ValueError(f"shards has {len(shards)} entries for {len(prompts)} prompts")
+        bad = [i for i in shards if i is not None and i not in engine.local_shards]
+        if bad:
+            raise ValueError(f"shard {bad[0]}: not one of this process's batch shards "
+                             f"{engine.local_shards}")  # fmt: skip
         if keys is None:
             keys = list(range(self._next, self._next + len(prompts)))
         keys = list(keys)
         if len(set(keys)) != len(keys) or any(k in self._req for k in keys):
             raise ValueError("request keys must be new and unique")
         self._next = max([self._next - 1, *[k for k in keys if isinstance(k, int)]]) + 1
-        for key, p, b, r, n, cap in zip(keys, prompts, budget, ids, need, caps):
+        for key, p, b, r, n, cap, i in zip(keys, prompts, budget, ids, need, caps, shards):
             self._req[key] = (list(p), b, r, n)
+            if i is not None:
+                self._shard[key] = i
             self._turn_caps[key] = [min(c, self.turn_cap) for c in cap]
             self.results[key] = [None] * self.g
             self.pending.append(key)
@@ -172,13 +194,19 @@ class EpisodeLoop(Admission, Preemption):
     @property
     def idle(self) -> bool:
         """Nothing queued, decoding, parked or waiting."""
-        return not (self.pending or self.owner or self.waiting or self.ready or self._open)
+        return not (self.pending or self.owner or self.waiting or self.ready or self._opens)
 
     @property
-    def starved(self) -> bool:
-        """A slot of the engine is free and nothing of this loop is there to take it (nothing
-        queued, parked ready or partly inserted)."""
-        return bool(self.engine.free_slots) and not (self.pending or self.ready or self._open)
+    def _open(self):
+        """The partly inserted group of the lowest shard that has one, or None."""
+        return self._opens[min(self._opens)] if self._opens else None
+
+    def starved(self, shard: int) -> bool:
+        """A slot of the shard is free and nothing of this loop is there to take it (nothing
+        queued for it, parked ready there or partly inserted there)."""
+        queued = any(self._shard.get(k, shard) == shard for k in self.pending)
+        ready = any(ep.parked.shard == shard for ep, _ in self.ready)
+        return bool(self.engine.free_on(shard)) and not (queued or ready or shard in self._opens)
 
     def in_flight(self) -> set:
         """Keys admitted whose G episodes have not all ended."""
@@ -188,7 +216,7 @@ class EpisodeLoop(Admission, Preemption):
         """Drops an ended request's bookkeeping (its results were read)."""
         if any(c is None for c in self.results[key]):
             raise ValueError(f"request {key} has not ended")
-        for d in (self.results, self.admitted, self._req, self._turn_caps):
+        for d in (self.results, self.admitted, self._req, self._turn_caps, self._shard):
             d.pop(key, None)
 
     def _finish(self, ep: Episode, reason: str | None = None) -> None:
@@ -233,31 +261,40 @@ class EpisodeLoop(Admission, Preemption):
         root = jax.random.key(seed)
         params = engine.decode_params(params)  # a decode copy, if the config asks for one
         inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
+        engine.deferred = True  # each round's device work goes out at once (`Engine.flush`)
         try:
-            while not self.idle:
+            while True:
                 for fut in self._answers():
                     self._answered(self.waiting.pop(fut), fut.result())
-                if until is not None and until():
-                    state = self._stop(state, inflight)
-                    break
+                if until is not None:
+                    verdict = until()
+                    if verdict == IDLE:  # nothing left anywhere (`until` agreed on it)
+                        break
+                    if verdict:
+                        state = self._stop(state, inflight)
+                        break
                 state = self._resume_ready(params, state, refresh)
                 state = self._admit(params, state)
-                if not self.owner:
-                    inflight = None  # every sequence it decoded has finished: nothing to read
-                    if self.waiting:  # every episode waits for its tool: nothing to decode
-                        if self.answer_calls is None:
-                            wait(list(self.waiting), return_when=FIRST_COMPLETED)
-                        else:  # no call to count: the clock moves to the next answer due
-                            self.clock = max(self.clock, min(self.due.values()))
-                    continue
-                if engine.ecfg.demand and engine.shortfall():
+                if self.owner and engine.ecfg.demand and engine.shortfall():
                     # A shard lacks the pages of the next call: its newest sequences give theirs
                     # up, decided on exact lengths (the call in flight read first).
                     if inflight is not None:
                         state, inflight = self._collect(state, *inflight), None
                     state = self._preempt(state)
-                    if not self.owner:
-                        continue
+                # The round's work goes out; every process learns whether any slot decodes
+                # anywhere, whether all is done, and when the next tool answer is due.
+                due = min(self.due.values(), default=NEVER)
+                state, flags = engine.flush(params, state, [bool(self.owner), self.idle, due])
+                if not flags[:, 0].any():  # no slot decodes, on any process
+                    inflight = None  # every sequence it decoded has finished: nothing to read
+                    if flags[:, 1].all():
+                        break
+                    if self.answer_calls is None:
+                        if self.waiting:  # every episode here waits for its tool
+                            wait(list(self.waiting), return_when=FIRST_COMPLETED)
+                    elif flags[:, 2].min() < NEVER:  # no call to count: the clock moves on to
+                        self.clock = max(self.clock, int(flags[:, 2].min()))  # the next answer due
+                    continue
                 # Call n+1 goes to the device before call n's results are read: the bookkeeping
                 # below overlaps decoding. A slot that finished in call n idles through n+1.
                 state, ticket = engine.dispatch(params, state, root)
@@ -267,17 +304,19 @@ class EpisodeLoop(Admission, Preemption):
         except BaseException:
             self._abort()
             raise
+        finally:
+            engine.deferred = False
         self.parked_here = [p for p in self.parked_here if p in engine._parked]
         return state
 
     def _answers(self) -> list[Future]:
-        """The tools' answers to take now, in the order their turns ended: those done (on every
-        process), or with `answer_calls` those due on the clock, waited for if not done yet."""
+        """The tools' answers to take now, in the order their turns ended: those done, or with
+        `answer_calls` those due on the clock, waited for if not done yet. Each process takes
+        its own episodes' answers: they need not agree with anything on another host."""
         if self.answer_calls is None:
-            return agreed_done(list(self.waiting))
+            return [f for f in self.waiting if f.done()]
         due = [f for f in self.waiting if self.due[f] <= self.clock]
         wait(due)  # returns at once when every one is done: the usual case
-        check_answers(due)
         for f in due:
             del self.due[f]
         return due
@@ -353,10 +392,10 @@ class EpisodeLoop(Admission, Preemption):
         self.clock += 1
         mine = [s for s in r.slots if s in owners and self.owner.get(s) is owners[s]]
         steps = [int(r.num_generated[s]) - owners[s].seen for s in mine]
-        engine.slot_steps[0] += sum(steps)  # tokens decoded ...
-        engine.slot_steps[1] += max(steps, default=0) * engine.ecfg.num_slots  # ... slot-steps run
+        engine.slot_steps[0] += sum(steps)  # tokens decoded here ...
+        engine.slot_steps[1] += r.steps * engine.ecfg.num_slots  # ... slot-steps run, everywhere
         if engine.slot_trace is not None:
-            engine.slot_trace.append((sum(steps), max(steps, default=0) * engine.ecfg.num_slots))
+            engine.slot_trace.append((sum(steps), r.steps * engine.ecfg.num_slots))
         for s in mine:
             owners[s].seen = int(r.num_generated[s])
         to_free, to_park = [], []
@@ -427,18 +466,19 @@ class EpisodeLoop(Admission, Preemption):
             engine._free_host(s)
         for p in self.parked_here:  # a no-op for those already resumed or dropped
             engine.drop(p)
-        for x in [*self.prefixes, *([self._open[2]] if self._open else [])]:
+        for x in [*self.prefixes, *(o[2] for o in self._opens.values())]:
             if not x.consumed and x.epoch is engine._epoch:
                 engine.pools[x.shard].free(x.pages)
                 x.consumed = True
         self.pending, self.owner, self.waiting, self.due = [], {}, {}, {}
-        self._set_open(None)
+        for shard in list(self._opens):
+            self._set_open(shard, None)
         self.ready = collections.deque()
 
 
 def generate_episodes(
     engine, params, state, prompts, num_samples=1, max_new_tokens=None, *, seed=0,
-    request_ids=None, on_finish=None, respond=None, max_turn_tokens=None,
+    request_ids=None, on_finish=None, respond=None, max_turn_tokens=None, shards=None,
 ):  # fmt: skip
     """(state, results): results[i][k] the `Completion` of sample k of prompt i, every token
     after the prompt. With `respond` None each episode is one turn (`Engine.generate_all`).
@@ -446,6 +486,6 @@ def generate_episodes(
     exception the host side is cleaned up (start again from `init_state()`)."""
     loop = EpisodeLoop(engine, num_samples, on_finish=on_finish, respond=respond,
                        max_turn_tokens=max_turn_tokens)  # fmt: skip
-    loop.add(prompts, max_new_tokens, request_ids)
+    loop.add(prompts, max_new_tokens, request_ids, shards=shards)
     state = loop.run(params, state, seed)
     return state, [loop.results[i] for i in range(len(prompts))]

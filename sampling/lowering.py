@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from models.attention import lowering_for
 from models.sharding import with_shardings
 from sampling import steps
-from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
+from sampling.engine import MAX_PREFILL_BATCH, Engine
+from sampling.plan import bucket
 
 
 def _abstract_state(engine: Engine):

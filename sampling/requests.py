@@ -101,8 +101,8 @@ class Ticket:
 
 @dataclasses.dataclass
 class Results:
-    """Host copies of a decode call's slot buffers (`steps.generate`), and the slots they are
-    about (`Engine.collect`)."""
+    """Host copies of a decode call's slot buffers (`steps.generate`; with several processes
+    only this process's slots are filled in), and the slots they are about (`Engine.collect`)."""
 
     active: np.ndarray  # bool [B]
     num_generated: np.ndarray  # int32 [B]
@@ -111,6 +111,7 @@ class Results:
     tokens: np.ndarray  # int32 [B,M]
     logprobs: np.ndarray  # f32 [B,M]
     slots: list[int]
+    steps: int = 0  # decode steps the call ran (every slot's: slot-steps = steps x B)
 
 
 @dataclasses.dataclass

@@ -1,5 +1,4 @@
-"""Sampler device state (paged KV cache + decode buffers), the two paged attention hooks, and
-`host_values`, which reads device arrays back to the host identically on every process.
+"""Sampler device state (paged KV cache + decode buffers) and the two paged attention hooks.
 
 `DecodeState` is one `flax.struct.dataclass` of fixed-shape arrays, so the jitted engine calls can
 donate it and update it in place. The KV pool is one array per layer, a tuple of L arrays
@@ -37,7 +36,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.attention import causal_mask, dense_attention
@@ -97,17 +95,6 @@ class DecodeState:
             tokens=i32(b, max_new),
             logprobs=jnp.zeros((b, max_new), jnp.float32),
         )
-
-
-def host_values(tree):
-    """Numpy copies of (possibly sharded) arrays, the same on every process.
-
-    In a multi-process run the slot buffers are spread over devices of several hosts; gathering
-    them makes every process see all finish flags and so take the same scheduling decisions.
-    """
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 # The DecodeState fields split over the slots (their first axis); the pools are split by

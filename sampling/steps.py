@@ -1,10 +1,8 @@
 """The sampler's jitted device functions over the donated `sampling.state.DecodeState`: prefill
-(prompts into their pages), insert (a prompt into its slots), release (slots idle) and generate
-(up to k decode steps in one `lax.while_loop`, which stops early once every slot is idle).
-`sampling.engine.Engine` is the host side that calls them; see its docstring for the design
-(key schedule, min_new_tokens, sharding). `insert` and `release` pad their slot lists to a power
-of two (`bucket_slots`), so a loop that inserts or frees any number of slots compiles each a few
-times, not once per count.
+(prompts into their pages), update (a round's inserts, resumes and releases, every slot at
+once) and generate (up to k decode steps in one `lax.while_loop`, which stops early once every
+slot is idle). `sampling.engine.Engine` is the host side that calls them, through the round's
+`sampling.plan.Plan`; see its docstring for the design (key schedule, min_new_tokens, sharding).
 
 Each takes `layout`, None on a single device or (mesh, rules), and pins its output state to
 that layout, so donation keeps reusing the same buffers.
@@ -16,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sampling import partitioned
@@ -78,81 +75,45 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
 
 
 def bucket_slots(n: int) -> int:
-    """n rounded up to a power of two (0 stays 0): the slot lists of `insert` and `release` come
-    in a few sizes, one compile each, not one per count of slots a call happens to touch."""
+    """n rounded up to a power of two (0 stays 0): the page copies of `update` come in a few
+    sizes, one compile each, not one per count a round happens to make."""
     return 1 << (n - 1).bit_length() if n else 0
 
 
-def _pad(x, n: int, value: int = 0) -> np.ndarray:
-    x = np.asarray(x)
-    return np.pad(x, (0, n - len(x)), constant_values=value) if x.ndim else x
-
-
-def _put(slots, x, value):
-    """x with rows `slots` set to value; out-of-range slots (the padding) write nothing."""
-    return x.at[slots].set(value, mode="drop")
-
-
-def insert(
-    state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
-    copy_dst, layout, shard=0, num_shards=1, min_new=0,
+@functools.partial(jax.jit, static_argnums=12, donate_argnums=0)
+def update(
+    state, put, off, lengths, last_token, max_new, min_new, request_id, sample_id, shared,
+    copy_src, copy_dst, layout,
 ):  # fmt: skip
-    """Resets slots int32[G] for one request (samples sample_ids int32[G], budgets max_new: one
-    int32 or int32[G]; stop ids banned for the first min_new tokens, one or [G]); copies pages copy_src -> copy_dst int32[C] of shard `shard`'s pool (of
-    `num_shards`; local ids). G and C are padded to `bucket_slots`: padded slots are out of
-    range (their writes dropped), padded copies (0, 0), the null page onto itself; the other
-    shards' C copies are all padding."""
-    n, c, out = bucket_slots(len(slots)), bucket_slots(len(copy_src)), state.lengths.shape[0]
-    per_shard = lambda x: np.pad(
-        _pad(x, c)[None], ((shard, num_shards - 1 - shard), (0, 0))
-    ).ravel()
-    return _insert(
-        state, _pad(slots, n, out), _pad(sample_ids, n), cached_len, last_token, request_id,
-        _pad(max_new, n), shared, per_shard(copy_src), per_shard(copy_dst), layout,
-        _pad(np.broadcast_to(np.asarray(min_new, np.int32), (len(slots),)), n),
-    )  # fmt: skip
-
-
-@functools.partial(jax.jit, static_argnums=10, donate_argnums=0)
-def _insert(
-    state, slots, sample_ids, cached_len, last_token, request_id, max_new, shared, copy_src,
-    copy_dst, layout, min_new,
-):  # fmt: skip
-    # Unused copy entries are (0, 0): the null page copied onto itself. On a mesh shard i's
-    # copies are rows [i*C, (i+1)*C) of copy_src / copy_dst, in its local page ids.
+    """One round's slot changes, every slot at once (`sampling.plan`): slots put bool[B] start a
+    sequence (an insert or a resume: cached `lengths`, fed `last_token`, budget `max_new`, stop
+    ids banned for the first `min_new` tokens, PRNG stream `request_id` / `sample_id`, cascade
+    `shared` prompt tokens; tokens and log-probs cleared), slots off bool[B] go idle (not put
+    ones); pages copy_src -> copy_dst int32[S*C] are copied first, shard i's C copies in rows
+    [i*C, (i+1)*C) in its local page ids ((0, 0): the null page onto itself). Every [B] input
+    is split over the slots like the state, so each device changes only its own slots: a
+    per-slot select, no scatter."""
     if layout is not None and layout[0].size > 1:
         copy = lambda pages: partitioned.copy_pages(pages, copy_src, copy_dst, *layout)
     else:
         copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
-    put = functools.partial(_put, slots)
+    new = lambda value, old: jnp.where(put, value, old)
     state = state.replace(
         k_pages=copy(state.k_pages),
         v_pages=copy(state.v_pages),
-        lengths=put(state.lengths, cached_len),
-        last_token=put(state.last_token, last_token),
-        active=put(state.active, True),
-        num_generated=put(state.num_generated, 0),
-        max_new=put(state.max_new, max_new),
-        min_new=put(state.min_new, min_new),
-        request_id=put(state.request_id, request_id),
-        sample_id=put(state.sample_id, sample_ids),
-        shared_len=put(state.shared_len, shared),
-        stopped=put(state.stopped, False),
-        tokens=put(state.tokens, 0),
-        logprobs=put(state.logprobs, 0.0),
+        lengths=new(lengths, state.lengths),
+        last_token=new(last_token, state.last_token),
+        active=put | (state.active & ~off),
+        num_generated=new(0, state.num_generated),
+        max_new=new(max_new, state.max_new),
+        min_new=new(min_new, state.min_new),
+        request_id=new(request_id, state.request_id),
+        sample_id=new(sample_id, state.sample_id),
+        shared_len=jnp.where(put, shared, jnp.where(off, 0, state.shared_len)),
+        stopped=state.stopped & ~put,
+        tokens=jnp.where(put[:, None], 0, state.tokens),
+        logprobs=jnp.where(put[:, None], 0.0, state.logprobs),
     )
-    return _constrain(state, layout)
-
-
-def release(state, slots, layout):
-    """Marks slots int32[n] idle (their pages are freed on the host); n padded as in `insert`."""
-    return _release(state, _pad(slots, bucket_slots(len(slots)), state.lengths.shape[0]), layout)
-
-
-@functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
-def _release(state, slots, layout):
-    put = functools.partial(_put, slots)
-    state = state.replace(active=put(state.active, False), shared_len=put(state.shared_len, 0))
     return _constrain(state, layout)
 
 
@@ -210,10 +171,11 @@ def generate(
         i, s = carry
         return (i < num_steps) & s.active.any()
 
-    _, state = jax.lax.while_loop(
+    steps, state = jax.lax.while_loop(
         more, lambda c: (c[0] + 1, step(c[0], c[1])), (0, _constrain(state, layout))
     )
     # What the host reads, as arrays of their own: the state itself is donated to the next call,
-    # which the host may dispatch before it reads these.
+    # which the host may dispatch before it reads these. `steps` (decode steps run, replicated)
+    # is every process's to read: slot-steps for the utilization.
     out = (state.active, state.num_generated, state.stopped, state.lengths, state.tokens)
-    return state, tuple(jnp.copy(x) for x in (*out, state.logprobs))
+    return state, (*(jnp.copy(x) for x in (*out, state.logprobs)), steps)

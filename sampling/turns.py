@@ -8,9 +8,6 @@ allocator) they share; `sampling.episodes` is the loop that uses them.
 
 from __future__ import annotations
 
-import numpy as np
-
-from sampling import steps
 from sampling.page_allocator import OutOfPagesError
 from sampling.requests import Parked, check_resume
 from sampling.state import DecodeState
@@ -35,7 +32,8 @@ class Turns:
             self.free_slots.append(s)
             self._parked.append(p)
             parked.append(p)
-        return steps.release(state, np.asarray(slots, np.int32), self.layout), parked
+            self.plan.release(s)
+        return self._now(state), parked
 
     def drop(self, parked: Parked) -> None:
         """Returns a parked sequence's pages to the pool (its episode ended)."""
@@ -68,9 +66,11 @@ class Turns:
         for p, _ in items:
             p.pages, p.evicted = self.pools[p.shard].alloc(self._pages_for(p.cached_len)), False
             self.recomputed_tokens += p.cached_len
-        return self.refresh(params, state, items, fresh=set())  # its own pages: none shared
+        # its own pages: none shared
+        return self.refresh(params, state, items, fresh=set(), phase="restore")
 
-    def refresh(self, params, state, items, fresh: set | None = None) -> DecodeState:
+    def refresh(self, params, state, items, fresh: set | None = None,
+                phase: str = "refresh") -> DecodeState:  # fmt: skip
         """Recomputes the KV of parked sequences under `params`: items are (parked, history),
         history the tokens its pages cache plus its last (uncached) token. Their pages are
         overwritten in place (a chunked prefill); nothing else changes.
@@ -103,7 +103,7 @@ class Turns:
                 batch.append((p, n * size, list(history[n * size :])))
             starts = [Parked(p.pages, t, 0, p.cap, 0, 0, shard=p.shard) for p, t, _ in batch]
             rest = [h for *_, h in batch]
-            state = self._prefill_pages(params, state, rest, starts, extend=rest)
+            state = self._prefill_pages(params, state, rest, starts, extend=rest, phase=phase)
             for p, *_ in batch:
                 fresh.update((p.shard, x) for x in p.pages[: p.cached_len // size])
             todo = later
@@ -118,7 +118,7 @@ class Turns:
             or len(prompt) - 1 != prefix.cached_len
         ):
             raise ValueError("refresh_prefix needs a live prefix of this engine and its prompt")
-        state = self._prefill_pages(params, state, [prompt], [prefix])
+        state = self._prefill_pages(params, state, [prompt], [prefix], phase="prefix")
         fresh.update(
             (prefix.shard, x) for x in prefix.pages[: prefix.cached_len // self.ecfg.page_size]
         )
@@ -157,8 +157,9 @@ class Turns:
         for (p, *_), m in zip(items, more):
             p.pages = p.pages + self.pools[p.shard].alloc(m)  # a page ahead, maybe
         state = self._prefill_pages(
-            params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs
-        )
+            params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs,
+            phase="resume",
+        )  # fmt: skip
         if min_new is None:
             min_new = [self.ecfg.min_new_tokens] * len(items)
         for (p, _, s, max_new), seq, banned in zip(items, seqs, min_new, strict=True):
@@ -169,10 +170,6 @@ class Turns:
             self._serial[s] += 1
             self._len[s] = p.cached_len + len(seq) - 1
             self._cap[s] = p.cap
-            state = steps.insert(
-                state, np.array([s], np.int32), np.array([p.sample_id], np.int32),
-                np.int32(self._len[s]), np.int32(seq[-1]), np.int32(p.request_id),
-                np.int32(max_new), np.int32(0), np.zeros(0, np.int32), np.zeros(0, np.int32),
-                self.layout, min_new=int(banned),
-            )  # fmt: skip
-        return state
+            self.plan.insert(s, (self._len[s], seq[-1], max_new, banned, p.request_id,
+                                 p.sample_id, 0))  # fmt: skip
+        return self._now(state)

@@ -32,16 +32,16 @@ ARGS = [
 ]  # fmt: skip
 
 
-TAKE = PromptStream.take
+TAKE = PromptStream.take_shards
 
 
 def _run(workdir, steps, drawn, monkeypatch):
-    def recording(self, n):
-        out = TAKE(self, n)
-        drawn.extend((r["prompt"], r["answer"]) for r in out)
+    def recording(self, counts, mine):
+        out = TAKE(self, counts, mine)
+        drawn.extend((r["prompt"], r["answer"]) for part in out for r in part or [])
         return out
 
-    monkeypatch.setattr(PromptStream, "take", recording)
+    monkeypatch.setattr(PromptStream, "take_shards", recording)
     assert train_here(ARGS + [f"--config.num_steps={steps}", f"--workdir={workdir}"]) == 0
 
 

@@ -1,14 +1,15 @@
-"""Prompt pipeline: sources, shuffling, per-process sharding, checkpointed iterator state."""
+"""Prompt pipeline: sources, shuffling, per-shard draws, checkpointed stream position."""
 
-import itertools
 import json
+import sys
 
+import grain
 import numpy as np
 import pytest
 
 from configs import default
 from models.tokenizer import CharTokenizer, load_tokenizer
-from rl.data import format_prompt, load_records, make_prompt_iterator, reward_inputs
+from rl.data import format_prompt, load_records, make_prompt_stream, reward_inputs
 from rl.tasks import ARITHMETIC_ALPHABET, arithmetic_records, is_heldout
 
 ARITH = {"type": "arithmetic", "num": 50, "digits": 2, "ops": "+-*", "seed": 1}
@@ -19,8 +20,23 @@ def _write_jsonl(path, records):
     return str(path)
 
 
-def _take(it, n):
-    return [next(it) for _ in range(n)]
+def _takes(stream, n, batch_size):
+    """n steps' batches of batch_size records."""
+    return [stream.take(batch_size) for _ in range(n)]
+
+
+class _Spy:
+    """Stands for a stream's dataset, recording the indices read."""
+
+    def __init__(self, dataset):
+        self.dataset, self.read = dataset, []
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, q):
+        self.read.append(q)
+        return self.dataset[q]
 
 
 def test_arithmetic_records():
@@ -91,50 +107,118 @@ def test_clear_errors(tmp_path):
         load_records({"type": "jsonl", "path": bad, "prompt_field": "question"})
     with pytest.raises(ValueError, match="source type must be one of"):
         load_records({"type": "csv", "path": bad})
-    with pytest.raises(ValueError, match="multiple of process_count"):
-        make_prompt_iterator(ARITH, batch_size=3, seed=0, process_count=2)
+    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
+        make_prompt_stream(ARITH, batch_size=0, seed=0)
+    five = _write_jsonl(tmp_path / "five.jsonl", [{"prompt": str(i)} for i in range(5)])
+    with pytest.raises(ValueError, match="do not fill one batch of 8"):
+        make_prompt_stream({"type": "jsonl", "path": five}, batch_size=8, seed=0, num_epochs=1)
 
 
 def test_shuffle_determinism():
-    first = _take(make_prompt_iterator(ARITH, batch_size=8, seed=7), 4)
-    assert first == _take(make_prompt_iterator(ARITH, batch_size=8, seed=7), 4)
-    assert first != _take(make_prompt_iterator(ARITH, batch_size=8, seed=8), 4)
-    ordered = _take(make_prompt_iterator(ARITH, batch_size=8, seed=7, shuffle=False), 1)
-    assert ordered[0] == load_records(ARITH)[:8]
+    first = _takes(make_prompt_stream(ARITH, batch_size=8, seed=7), 4, 8)
+    assert first == _takes(make_prompt_stream(ARITH, batch_size=8, seed=7), 4, 8)
+    assert first != _takes(make_prompt_stream(ARITH, batch_size=8, seed=8), 4, 8)
+    ordered = make_prompt_stream(ARITH, batch_size=8, seed=7, shuffle=False)
+    records = load_records(ARITH)
+    assert ordered.take(8) == records[:8]
+    assert ordered.take(45) == records[8:] + records[:3]  # then the next epoch, in order again
 
 
 def test_epochs_cover_every_record_and_end():
-    # 50 records, 2 epochs, batches of 10: exactly 10 steps, each epoch a permutation.
-    batches = list(make_prompt_iterator(ARITH, batch_size=10, seed=0, num_epochs=2))
-    assert len(batches) == 10
+    # 50 records, 2 epochs, batches of 10: exactly 100 records, each epoch a permutation.
+    stream = make_prompt_stream(ARITH, batch_size=10, seed=0, num_epochs=2)
+    batches = _takes(stream, 10, 10)
+    with pytest.raises(StopIteration):
+        stream.take(10)
+    with pytest.raises(StopIteration):  # not even one record more
+        stream.take(1)
     prompts = [r["prompt"] for b in batches for r in b]
     key = sorted(r["prompt"] for r in load_records(ARITH))
     assert sorted(prompts[:50]) == key and sorted(prompts[50:]) == key
     assert prompts[:50] != prompts[50:]  # reshuffled per epoch
 
 
-def test_process_sharding_concatenates_to_global_batch():
+def test_epochs_end_at_the_last_whole_batch():
+    # 50 records x 1 epoch in batches of 8: 6 batches; the 2 records of a 7th are never drawn,
+    # also not by draws smaller than a batch.
+    stream = make_prompt_stream(ARITH, batch_size=8, seed=0, num_epochs=1)
+    assert len(stream.take(45)) == 45 and len(stream.take(3)) == 3
+    with pytest.raises(StopIteration):
+        stream.take(1)
+    assert stream.get_state() == {"position": 48}
+
+
+def test_shard_draws_concatenate_to_the_global_draws():
     kw = dict(batch_size=8, seed=3, num_epochs=None)
-    glob = _take(make_prompt_iterator(ARITH, **kw), 9)  # crosses the 50-record epoch boundary
-    p0 = _take(make_prompt_iterator(ARITH, process_index=0, process_count=2, **kw), 9)
-    p1 = _take(make_prompt_iterator(ARITH, process_index=1, process_count=2, **kw), 9)
-    assert all(len(b) == 4 for b in p0 + p1)
-    assert [a + b for a, b in zip(p0, p1)] == glob
+    glob = _takes(make_prompt_stream(ARITH, **kw), 9, 8)  # crosses the 50-record epoch boundary
+    both = make_prompt_stream(ARITH, **kw)
+    shards = [both.take_shards([4, 4], [True, True]) for _ in range(9)]
+    assert all(len(b) == 4 for s in shards for b in s)
+    assert [a + b for a, b in shards] == glob
+    # A process holding shard 1 alone gets None for shard 0 and never reads its records.
+    other = make_prompt_stream(ARITH, **kw)
+    other.dataset = spy = _Spy(other.dataset)
+    mine = [other.take_shards([4, 4], [False, True]) for _ in range(9)]
+    assert all(a is None for a, _ in mine)
+    assert [b for _, b in mine] == [b for _, b in shards]
+    assert spy.read == [q for step in range(9) for q in range(8 * step + 4, 8 * step + 8)]
+    assert other.get_state() == both.get_state() == {"position": 72}
+    # Uneven shards (a DAPO refill asks each shard for what it misses) take the records in turn.
+    uneven = make_prompt_stream(ARITH, **kw)
+    a, none, c = uneven.take_shards([3, 0, 2], [True, True, True])
+    assert a + none + c == glob[0][:5] and none == []
+    assert uneven.take(3) == glob[0][5:]
 
 
 def test_state_save_restore():
     kw = dict(batch_size=8, seed=5)
-    it = make_prompt_iterator(ARITH, **kw)
-    _take(it, 3)
-    state = json.loads(json.dumps(it.get_state()))  # must survive a JSON round trip
-    expected = _take(it, 3)
-    restored = make_prompt_iterator(ARITH, **kw)
+    stream = make_prompt_stream(ARITH, **kw)
+    _takes(stream, 3, 8)
+    stream.take(3)  # a refill: part of a batch
+    state = json.loads(json.dumps(stream.get_state()))  # must survive a JSON round trip
+    assert state == {"position": 27}
+    expected = _takes(stream, 5, 8)  # crosses the epoch boundary
+    restored = make_prompt_stream(ARITH, **kw)
     restored.set_state(state)
-    assert _take(restored, 3) == expected
-    # The state counts global steps, so a 2-process run resumes at the same place.
-    shard = make_prompt_iterator(ARITH, process_index=1, process_count=2, **kw)
+    assert _takes(restored, 5, 8) == expected
+    # The state is the global position, so a process holding shard 1 of 2 resumes at the same place.
+    shard = make_prompt_stream(ARITH, **kw)
     shard.set_state(state)
-    assert [b[4:] for b in expected] == _take(shard, 3)
+    assert [b[4:] for b in expected] == [
+        shard.take_shards([4, 4], [False, True])[1] for _ in range(5)
+    ]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_resume_from_old_checkpoint_formats(shuffle):
+    """Checkpoints of earlier versions: a grain iterator over batches of batch_size records of the
+    global order ({"next_index": k}, the next batch it yields) with the records of the batches
+    it had read but not drawn yet ("carry"), or, older, the iterator's state alone."""
+    kw = dict(batch_size=8, seed=5, shuffle=shuffle)
+    records = load_records(ARITH)
+    if shuffle:  # the old iterator's batches, built with grain as it built them
+        ds = grain.MapDataset.source(records).shuffle(seed=5).repeat(None)
+        old = ds.batch(8, drop_remainder=True, batch_fn=list)
+        batch = lambda k: old[k]
+    else:
+        batch = lambda k: [records[q % len(records)] for q in range(8 * k, 8 * k + 8)]
+    # A run drew 6 batches and a refill of 5 records: batch 6 read (records 48..55, across the
+    # epoch boundary), 3 of its records carried.
+    carried = batch(6)[5:]
+    state = {"iterator": {"next_index": 7}, "carry": carried}
+    resumed = make_prompt_stream(ARITH, **kw)
+    resumed.set_state(json.loads(json.dumps(state)))
+    want = carried + batch(7) + batch(8)[:5]
+    assert resumed.take(8) + resumed.take(8) == want
+    assert resumed.get_state() == {"position": 69}
+    uninterrupted = make_prompt_stream(ARITH, **kw)
+    assert _takes(uninterrupted, 6, 8) == [batch(k) for k in range(6)]
+    uninterrupted.take(5)
+    assert uninterrupted.take(8) + uninterrupted.take(8) == want
+    # Older still: the iterator's state alone, at a batch boundary.
+    bare = make_prompt_stream(ARITH, **kw)
+    bare.set_state({"next_index": 3})
+    assert _takes(bare, 5, 8) == [batch(k) for k in range(3, 8)]
 
 
 def test_format_prompt_and_reward_inputs():
@@ -152,9 +236,12 @@ def test_format_prompt_and_reward_inputs():
     assert fields == {"answer": ["81", "81", "2", "2"]}
 
 
-def test_iterator_is_lazy_over_infinite_repeat():
-    it = make_prompt_iterator(ARITH, batch_size=16, seed=0)
-    assert len(list(itertools.islice(it, 20))) == 20
+def test_stream_is_lazy_over_infinite_repeat():
+    stream = make_prompt_stream(ARITH, batch_size=16, seed=0)
+    assert len(stream.dataset) == sys.maxsize  # repeated forever: never materialised
+    stream.dataset = spy = _Spy(stream.dataset)
+    assert all(len(b) == 16 for b in _takes(stream, 20, 16))
+    assert spy.read == list(range(320))  # only the records drawn were read
 
 
 class _RecordingTokenizer(CharTokenizer):

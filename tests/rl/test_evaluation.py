@@ -42,7 +42,7 @@ def test_evaluation_counts_the_episodes_caught_tampering(monkeypatch):
         def __init__(self, *args):
             pass
 
-        def run(self, params, state, records, prompts, g, seed, ids):
+        def run(self, params, state, records, prompts, g, seed, ids, shards=None):
             eps = [[Episode({}) for _ in range(g)] for _ in records]
             eps[0][0].tamper = ["builtins.__build_class__"]
             rewards = Future()
@@ -54,7 +54,7 @@ def test_evaluation_counts_the_episodes_caught_tampering(monkeypatch):
 
     monkeypatch.setattr(evaluation, "EpisodeSampler", Sampler)
     monkeypatch.setattr(evaluation, "env_prompts", lambda env, records, *a: [[1]] * len(records))
-    engine = NS(init_state=lambda: None)
+    engine = NS(init_state=lambda: None, num_shards=1, local_shards=[0])
     cfg = NS(env=None, sampling=NS(max_prompt_len=8), data=NS(eval=NS(prompt_field="p")),
              eval=NS(pass_n=3, pass_k=2))  # fmt: skip
     out = evaluation.evaluate(engine, engine, None, [{}, {}], NS(decode=str), cfg, 0, env=object())

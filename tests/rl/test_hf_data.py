@@ -1,12 +1,12 @@
 """Data sources of type "hf" (rl/data.py): a `save_to_disk` directory (load_from_disk) and a
 directory of parquet files (datasets.load_dataset) give the records of the same rows as jsonl, in
-the same order, per process, through grain's random access, and resume as jsonl does."""
+the same order, per batch shard, through grain's random access, and resume as jsonl does."""
 
 import json
 
 import pytest
 
-from rl.data import HFRecords, load_records, make_prompt_iterator
+from rl.data import HFRecords, load_records, make_prompt_stream
 
 datasets = pytest.importorskip("datasets")
 
@@ -49,23 +49,22 @@ def test_records_are_the_rows_in_order(sources):
 
 
 def test_batches_per_process_and_resume_equal_jsonl(sources):
-    """Each process's batches (2 processes, 4 prompts a step, 11 rows: steps straddle epochs)
-    are those of the jsonl rows, and an iterator set to a saved state goes on exactly."""
-    kwargs = dict(batch_size=4, seed=3, process_count=2)
-    for p in range(2):
-        runs = {}
-        for name, src in sources.items():
-            it = make_prompt_iterator(src, process_index=p, **kwargs)
-            runs[name] = [next(it) for _ in range(3)]
-            state = it.get_state()
-            resumed = make_prompt_iterator(src, process_index=p, **kwargs)
-            resumed.set_state(json.loads(json.dumps(state)))  # as the checkpoint stores it
-            runs[name] += [next(resumed) for _ in range(3)]
-            assert runs[name][3:] == [next(it) for _ in range(3)], name
-        assert runs["saved"] == runs["jsonl"] == runs["parquet"] == runs["file"], p
-        assert all(len(batch) == 2 for batch in runs["jsonl"])
-    firsts = [make_prompt_iterator(sources["saved"], process_index=p, **kwargs) for p in range(2)]
-    assert next(firsts[0]) != next(firsts[1])  # the processes hold different halves
+    """Each shard's draws (2 shards of 2 prompts a step, 11 rows: steps straddle epochs) are
+    those of the jsonl rows, and a stream set to a saved state goes on exactly."""
+    kwargs = dict(batch_size=4, seed=3)
+    runs = {}
+    for name, src in sources.items():
+        stream = make_prompt_stream(src, **kwargs)
+        runs[name] = [stream.take_shards([2, 2], [True, True]) for _ in range(3)]
+        state = stream.get_state()
+        resumed = make_prompt_stream(src, **kwargs)
+        resumed.set_state(json.loads(json.dumps(state)))  # as the checkpoint stores it
+        runs[name] += [resumed.take_shards([2, 2], [True, True]) for _ in range(3)]
+        assert runs[name][3:] == [stream.take_shards([2, 2], [True, True]) for _ in range(3)], name
+    assert runs["saved"] == runs["jsonl"] == runs["parquet"] == runs["file"]
+    assert all(len(shard) == 2 for step in runs["jsonl"] for shard in step)
+    first = runs["saved"][0]
+    assert first[0] != first[1]  # the shards hold different records
 
 
 def test_a_hub_dataset_is_fetched_for_its_subset_only(tmp_path):
@@ -154,15 +153,15 @@ def test_prompts_are_checked_without_a_list():
 def test_values_json_cannot_carry(tmp_path, monkeypatch):
     """Arrow's dates, times, durations and decimals (nested ones too) arrive as the text / seconds
     a jsonl file of the rows would hold, for an "hf" source and a parquet one, so the records
-    survive the JSON that the processes' batches and the checkpointed carry travel as (a
-    datetime made json.dumps raise there); a column of bytes is refused in one line naming it."""
+    survive the JSON they travel and are logged as (a datetime made json.dumps raise there);
+    a column of bytes is refused in one line naming it."""
     import datetime
     import decimal
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rl.data import PromptStream, SourceError
+    from rl.data import SourceError
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     when = datetime.datetime(2024, 1, 2, 3, 4, 5)
@@ -184,10 +183,10 @@ def test_values_json_cannot_carry(tmp_path, monkeypatch):
         got = load_records(src)
         assert [dict(r) for r in got] == want == json.loads(json.dumps(list(got))), kind
         assert got[1] == want[1]
-        stream = PromptStream(make_prompt_iterator(src, batch_size=2, seed=0))
-        assert len(stream.take(1)) == 1  # one record carried to the next draw
-        state = json.loads(json.dumps(stream.get_state()))  # what the checkpoint stores
-        assert len(state["carry"]) == 1 and state["carry"][0]["ts"] == "2024-01-02T03:04:05"
+        stream = make_prompt_stream(src, batch_size=2, seed=0)
+        (record,) = stream.take(1)
+        assert record["ts"] == "2024-01-02T03:04:05" and json.loads(json.dumps(record)) == record
+        assert json.loads(json.dumps(stream.get_state())) == {"position": 1}
     pq.write_table(table.append_column("blob", pa.array([b"\x00"] * 3, pa.binary())),
                    tmp_path / "blob.parquet")  # fmt: skip
     path = str(tmp_path / "blob.parquet")

@@ -9,7 +9,7 @@ import pytest
 from launch.build import build
 from launch.cli import parse_args
 from models.sharding import on_devices
-from rl.data import PromptStream, make_prompt_iterator
+from rl.data import make_prompt_stream
 from rl.envs import Environment, Episode, register_env
 
 OBS = {1: [5, 6, 7], 2: [8, 3]}
@@ -49,7 +49,7 @@ def test_episode_batch_is_the_sampled_and_observation_ids(one_device):
     seen = []  # every turn the environment saw, in order per episode
     step = run.env.step
     run.env.step = lambda ep, turn: (seen.append((ep, turn.ids)), step(ep, turn))[1]
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=2, seed=0)
     rollouts = run.rollouts()
     rollouts(0, run.state.params, data)
     rollout = rollouts(1, run.state.params, data)  # the second: counters are per rollout
@@ -128,7 +128,7 @@ def test_a_broken_environment_ends_its_episodes_and_the_run_goes_on(one_device):
     nothing raises and no KV page stays allocated."""
     config = parse_args(ARGS, {})[0]
     run = build(config)
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=2, seed=0)
     for mode in MODES:
         env = Hostile(run.tokenizer, config)
         env.mode = mode
@@ -188,7 +188,8 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     from types import SimpleNamespace
 
     from models.tokenizer import CharTokenizer
-    from rl.multiturn import EpisodeSampler, episode_stats
+    from rl.multiturn import EpisodeSampler
+    from rl.summary import episode_stats, summary
     from rl.rollout import episode_group
     from sampling.requests import Completion
 
@@ -223,7 +224,7 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     completions = [Completion([3, 4], [-0.5, -0.5], "stop", 2) for _ in eps]
     group = episode_group({"prompt": "p"}, [1], eps, completions, rewards, CharTokenizer("ab"))
     assert list(group.keep()) == [True, True, False, False, False, False]
-    s = episode_stats([group], 0, 0)
+    s = episode_stats([summary(group, 0)], 0, 0)
     assert s["episode/infra_errors"] == 1 and s["episode/env_errors"] == 0.5
     assert s["episode/tamper"] == 1
     assert s["episode/frac"] == 0.5  # ok and wrong only: the masked episodes' metrics left out

@@ -13,7 +13,7 @@ import pytest
 from launch.build import build
 from launch.cli import parse_args
 from models.sharding import on_devices
-from rl.data import PromptStream, make_prompt_iterator
+from rl.data import make_prompt_stream
 from rl.envs import Environment, Episode, register_env
 from tests.rl.test_partial_rollouts import ARGS, B, Varied
 
@@ -27,20 +27,21 @@ def _two_devices():
 
 @register_env("test_partial_slow_grading")
 class SlowGrading(Varied):
-    """Varied, whose grading of an episode returns only once the rollout has made 3 more decode
-    calls, or has no sequence left to decode (`watch`, set by the test). It waits 120 s at most (a
+    """Varied, whose grading of a group returns only once the rollout's clock is 12 decode calls
+    past the group's completion (the calls it read, and its moves while nothing decoded), or the
+    loop has no sequence left to decode (`watch`, set by the test). It waits 120 s at most (a
     loop that compiles a new shape meanwhile is slow on a loaded machine); once one grading has
     timed out the others return at once, so a loop that stalls fails in 120 s, not 120 s each."""
 
-    watch = None  # (engine, dispatch counter [n]), set by the test
+    watch = None  # (engine, the loop's clock, record prompt -> clock at completion), by the test
     outcomes: list = []  # per graded episode: "decoded", "idle" or "timeout"
 
     def reward(self, episode):
-        engine, calls = self.watch
-        start = calls[0]
+        engine, clock, completed = self.watch
+        start = completed[episode.record["prompt"]]
         deadline = time.monotonic() + (0 if "timeout" in SlowGrading.outcomes else 120)
         while time.monotonic() < deadline:
-            if calls[0] >= start + 3:
+            if clock() >= start + 12:
                 SlowGrading.outcomes.append("decoded")
                 break
             if not engine._len:  # no busy slot: nothing the loop could decode meanwhile
@@ -55,24 +56,25 @@ class SlowGrading(Varied):
 @pytest.mark.slow  # two multi-turn rollouts on the mesh; a regression test
 def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
     """Multi-turn groups are judged by dynamic sampling env.tool_answer_calls decode calls after
-    they complete (their grading waited for then): a grading that needs the loop to go on
-    decoding (3 decode calls per episode, G = 4 graded in turn) gets them within 16 calls; a
-    loop that waited for it at once would stall until the grading's timeout."""
+    they complete, on the loop's clock (their grading waited for then): a grading that needs
+    the loop to go on for 12 calls of its clock gets them before it is due at 16; a loop that
+    waited for it at once would stall until the grading's timeout."""
     config = parse_args([*ARGS, "--config.env.name=test_partial_slow_grading",
                          "--config.rl.dynamic_sampling=True",
                          "--config.env.tool_answer_calls=16"], {})[0]  # fmt: skip
     run = build(config)
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=B, seed=0)
     rollouts = run.rollouts()
-    engine, calls = run.engines["rollout"], [0]
-    dispatch = engine.dispatch
+    engine, completed, sampler = run.engines["rollout"], {}, rollouts.episodes
+    clock = lambda: rollouts.partial.loop.clock  # noqa: E731
+    score = sampler.score
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return dispatch(*args, **kwargs)
+    def completing(key):  # a group's G episodes ended: its grading starts now on the clock
+        completed[sampler.live[key][0].record["prompt"]] = clock()
+        return score(key)
 
-    engine.dispatch = counting
-    SlowGrading.watch, SlowGrading.outcomes = (engine, calls), []
+    sampler.score = completing
+    SlowGrading.watch, SlowGrading.outcomes = (engine, clock, completed), []
     for step in range(2):
         rollouts(step, run.state.params, data)
     rollouts.close()
@@ -111,7 +113,7 @@ def test_an_episode_waiting_on_its_tool_is_carried_and_resumes_under_the_new_ver
                          "--config.rl.max_staleness=4",
                          "--config.env.tool_answer_calls=0"], {})[0]  # fmt: skip
     run = build(config)
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=B, seed=0)
     rollouts, Gated.held = run.rollouts(), []
     Gated.gate.clear()
     try:

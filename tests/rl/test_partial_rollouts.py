@@ -14,7 +14,7 @@ import pytest
 from launch.build import build
 from launch.cli import parse_args
 from models.sharding import on_devices
-from rl.data import PromptStream, make_prompt_iterator
+from rl.data import make_prompt_stream
 from rl.envs import Environment, Episode, register_env
 from rl.partial import enough, select
 from rl.reward_registry import register_reward
@@ -110,7 +110,7 @@ def _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
                          f"--config.rl.dynamic_sampling={dynamic}",
                          "--config.env.tool_answer_calls=1"], {})[0]  # fmt: skip
     run = build(config)
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=B, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=B, seed=0)
     rollouts = run.rollouts()
     rollouts.episodes.pool.shutdown()
     rollouts.episodes.pool = _Inline()  # tools answer at once: one schedule on any machine
@@ -217,22 +217,23 @@ def test_a_stop_asked_when_every_group_ended_at_once_drains_the_step():
     the step is still asked for once all have ended, and the step then trains every group
     instead of carrying the extra ones (nothing is left to drain)."""
     config = parse_args([
-        "--config.mesh.data=8", "--config.data.prompts_per_step=2",
+        "--config.mesh.data=2", "--config.data.prompts_per_step=2",
         "--config.rl.num_generations=4", "--config.rl.partial_rollouts=True",
         "--config.rl.is_correction=tis", "--config.rl.extra_groups=2",
         "--config.sampling.num_slots=16", "--config.sampling.max_new_tokens=3",
         "--config.sampling.steps_per_call=8",
     ], {})[0]  # fmt: skip
-    run = build(config)
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
-    rollouts, asked = run.rollouts(), []
+    with on_devices(jax.devices()[:2]):  # two batch shards: one group each, one extra each
+        run = build(config)
+        data = make_prompt_stream(config.data.train, batch_size=2, seed=0)
+        rollouts, asked = run.rollouts(), []
 
-    def stop():
-        asked.append(rollouts.carried)
-        return len(asked) > 1  # no at the start of the step, yes when asked again
+        def stop():
+            asked.append(rollouts.partial.carried)  # groups in flight now
+            return len(asked) > 1  # no at the start of the step, yes when asked again
 
-    rollout = rollouts(0, run.state.params, data, stop=stop)
-    rollouts.close()
+        rollout = rollouts(0, run.state.params, data, stop=stop)
+        rollouts.close()
     assert asked == [0, 4] and len(rollout.groups) == 4 and rollouts.carried == 0
 
 
@@ -268,16 +269,16 @@ def _dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
     ], {})[0]  # fmt: skip
     config.rl.rewards = {"test_partial_ds": 1.0}
     run = build(config)
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=b, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=b, seed=0)
     drawn, ids = [], []
-    take, rollouts = data.take, run.rollouts()
-    data.take = lambda n: drawn.extend(take(n)) or drawn[-n:]
+    take, rollouts = data.take_shards, run.rollouts()
+    data.take_shards = lambda n, mine: [drawn.extend(r) or r for r in take(n, mine)]
     partial = rollouts.partial
     add = partial.loop.add
 
-    def spy_add(prompts, request_ids=None, keys=None):
+    def spy_add(prompts, request_ids=None, keys=None, shards=None):
         ids.extend(request_ids)
-        return add(prompts, request_ids=request_ids, keys=keys)
+        return add(prompts, request_ids=request_ids, keys=keys, shards=shards)
 
     partial.loop.add = spy_add
     trained, totals = [], {"replacements": 0, "dropped_groups": 0, "shortfall": 0}
@@ -296,7 +297,7 @@ def _dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
         assert stats["replacements"] <= b * (tries - 1)
         if stats["shortfall"] and step < steps - 1:  # once replacements are spent and ended
             assert stats["replacements"] == b * (tries - 1)
-            assert partial.replacements.isdisjoint(partial.groups)
+            assert set().union(*partial.replacements.values()).isdisjoint(partial.groups)
         totals = {k: v + stats[k] for k, v in totals.items()}
         trained += [grp.record["prompt"] for grp in rollout.groups]
     rollouts.close()

@@ -303,7 +303,7 @@ def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
 def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
     from launch.build import build
     from launch.cli import parse_args
-    from rl.data import PromptStream, make_prompt_iterator
+    from rl.data import make_prompt_stream
 
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
@@ -320,7 +320,7 @@ def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
     run = build(config)
     if run.env.tools.mode != "bwrap":
         pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=10, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=10, seed=0)
     rollouts = run.rollouts()
     try:
         rollout = rollouts(0, run.state.params, data)

@@ -7,7 +7,8 @@ import pytest
 
 from launch.build import build
 from launch.cli import parse_args
-from rl.data import PromptStream, make_prompt_iterator
+from models.sharding import on_devices
+from rl.data import make_prompt_stream
 from rl.packing import build_batch
 from rl.rollout import Group
 from sampling.requests import Completion
@@ -117,22 +118,37 @@ def test_kl_in_reward_and_mask_truncated():
     mask_truncated, completions cut by the length limit get no loss but still their KL."""
     beta = 0.5
     args = [
-        "--config.mesh.data=8", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
+        "--config.mesh.data=2", "--config.data.prompts_per_step=2", "--config.rl.num_generations=4",
         "--config.sampling.num_slots=8", "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1",
         f"--config.rl.kl_coef={beta}", "--config.data.eval.num=1", "--config.rl.mask_truncated=True",
         "--config.sampling.max_new_tokens=3", "--config.seed=1",
     ]  # fmt: skip
+    with on_devices(jax.devices()[:2]):  # 2 batch shards, one group each
+        _check_kl_in_reward(args, beta)
+
+
+def _check_kl_in_reward(args, beta):
     config = parse_args(args, {})[0]
     run = build(config)
     run.ref_params = jax.tree.map(lambda x: 0.8 * x, run.ref_params)  # a reference that differs
-    data = PromptStream(make_prompt_iterator(config.data.train, batch_size=2, seed=0))
+    data = make_prompt_stream(config.data.train, batch_size=2, seed=0)
     rollout = run.rollouts()(0, run.state.params, data)
     raw = np.concatenate([grp.rewards for grp in rollout.groups])
     b = jax.device_get(rollout.batch)
     completions = [c for grp in rollout.groups for c in grp.completions]
     truncated = np.array([c.finish_reason == "length" for c in completions])
     assert truncated.any() and not truncated.all()
-    want, layout = build_batch(rollout.groups, 3 + 8, 0, multiple=8)  # packed, 8 shards
+    # Each of the 2 batch shards packs its own group into the same number of rows.
+    parts = [build_batch([grp], 3 + 8, 0) for grp in rollout.groups]
+    rows = max(lay.rows for _, lay in parts)
+    parts = [build_batch([grp], 3 + 8, 0, rows=rows) for grp in rollout.groups]
+    assert [grp.shard for grp in rollout.groups] == [0, 1]
+    want = jax.tree.map(lambda *x: np.concatenate(x), *[w for w, _ in parts])
+    layout = rollout.layout
+    offsets = np.repeat([0, rows], 4)
+    np.testing.assert_array_equal(
+        layout.row, np.concatenate([lay.row for _, lay in parts]) + offsets
+    )
     np.testing.assert_array_equal(b.tokens, want.tokens)
     want_mask = want.loss_mask  # every completion token
     np.testing.assert_array_equal(b.loss_mask, want_mask * layout.spread(~truncated))

@@ -87,7 +87,7 @@ def test_a_stop_keeps_the_prefix_and_promises_the_pages_of_the_samples_left(tiny
     assert (key, k0, kv) == (1, 2, 0) and not prefix.consumed
     page, cached = ECFG.page_size, len(PROMPTS[1]) - 1
     own = group_pages(len(PROMPTS[1]), BUDGETS[1][2:], page, 2) - cached // page
-    assert engine.promised == {loop: own - (cached % page > 0)} == {loop: 3}
+    assert engine.promised == {(loop, 0): own - (cached % page > 0)} == {(loop, 0): 3}
     # Free: the pages of samples 0 of request 0 and 1 of request 1 (budgets 3 and 2: ended).
     assert [i for i, r in loop.results.items() for c in r if c is not None] == [0, 1]
     assert engine.allocator.num_free - engine._reserved() == 2
@@ -155,24 +155,22 @@ def test_per_sample_budgets_are_checked():
     assert group_pages(17, [9, 9], 8, 2) == group_pages(17, 9, 8, 2)
 
 
-def test_insert_and_release_pad_slot_lists_to_a_power_of_two(tiny, monkeypatch):
-    """Split groups insert and free any count of slots: the device calls see 1, 2, 4 or 8 of
-    them (one compile each), the padding's writes are dropped, and no other slot changes."""
+def test_inserts_and_releases_change_the_slots_given_and_no_other(tiny, monkeypatch):
+    """Split groups insert and free any count of slots: each round's changes are one
+    `steps.update` of every slot (one shape, one compile, whatever the count), and only the
+    slots given change."""
     from sampling import steps
 
     graphdef, params = tiny
     sizes = []
+    update = steps.update
 
-    def recorded(fn):
-        def call(state, slots, *args):
-            sizes.append(len(slots))
-            return fn(state, slots, *args)
+    def recorded(state, put, off, *args):
+        sizes.append((int(put.sum()), int(off.sum()), len(put)))
+        return update(state, put, off, *args)
 
-        return call
-
-    for name in ("_insert", "_release"):
-        monkeypatch.setattr(steps, name, recorded(getattr(steps, name)))
-    engine = Engine(CFG, graphdef, ECFG, SAMPLED)  # 8 slots: slot 7 is the last, next to the pad
+    monkeypatch.setattr(steps, "update", recorded)
+    engine = Engine(CFG, graphdef, ECFG, SAMPLED)  # 8 slots: slot 7 is the last
     state, prefix = engine.prefill(params, engine.init_state(), PROMPTS[0])
     state = engine.bulk_insert(state, prefix, [7, 1, 4], 3, [5, 6, 7], samples=[0, 1, 2],
                                keep=True)  # fmt: skip
@@ -185,4 +183,4 @@ def test_insert_and_release_pad_slot_lists_to_a_power_of_two(tiny, monkeypatch):
     state = engine.free_slots_of(state, [7, 0, 3])
     active = [s not in (7, 0, 3) for s in range(8)]
     assert jax.device_get(state.active).tolist() == active
-    assert sizes == [4, 8, 4]  # 3 -> 4, 5 -> 8, 3 -> 4 slots
+    assert sizes == [(3, 0, 8), (5, 0, 8), (0, 3, 8)]  # every slot's arrays, the given ones set

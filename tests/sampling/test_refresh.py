@@ -59,11 +59,13 @@ def _run(graphdef, params, refresh: bool):
     resume. Returns (completions [prompt][sample], tokens the refreshes recomputed per run)."""
     engine, loop, keys, state = _parked(graphdef, params[0])
     refreshed, call = [], engine.refresh
+    # The tokens the refresh queues for the round's prefill (`sampling.plan`).
+    queued = lambda: sum(len(r.tokens) for b in engine.plan.batches["refresh"] for r in b.rows)
 
     def spy(params, state, items, fresh=None):
-        before = engine.prefill_tokens
+        before = queued()
         state = call(params, state, items, fresh)
-        refreshed[-1] += engine.prefill_tokens - before
+        refreshed[-1] += queued() - before
         return state
 
     engine.refresh = spy

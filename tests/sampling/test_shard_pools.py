@@ -164,9 +164,10 @@ def test_placement_balances_the_shards_pages(one_device):
 
 
 def test_a_group_partly_in_does_not_stall_the_other_shards(one_device):
-    """G = 3 on 4 shards of 4 slots: the fifth group goes in partly (one slot of shard 0, whose
-    first group decodes long), and while it waits for shard 0's slots a later group is admitted
-    whole on a shard that emptied."""
+    """G = 3 on 4 shards of 4 slots, seven groups: each shard takes one whole group, and the
+    next three go in partly, one on each of shards 0..2 (a shard's group partly in waits for
+    that shard's slots only: every decision about a shard looks at that shard alone), and each
+    completes its samples as its own shard's slots free up."""
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     graphdef, host = one_device
     params = jax.device_put(host, state_shardings(abstract_model(CFG)[1], mesh, DEFAULT_RULES))
@@ -175,14 +176,20 @@ def test_a_group_partly_in_does_not_stall_the_other_shards(one_device):
     budgets = [20, 2, 20, 20, 20, 4, 4]  # group 1 (shard 1) ends first
     loop = EpisodeLoop(engine, 3)
     loop.add(prompts, budgets)
-    events, prefill = [], engine.prefill_many
+    events, opens, prefill, admit = [], [], engine.prefill_many, loop._admit
 
     def prefill_many(params, state, prompts, shards=None):
-        events.append((None if loop._open is None else loop._open[2].shard, list(shards)))
+        events.append(list(shards))
         return prefill(params, state, prompts, shards)
 
-    engine.prefill_many = prefill_many
+    def admit_and_look(params, state):
+        state = admit(params, state)
+        opens.append({i: o[0] for i, o in loop._opens.items()})
+        return state
+
+    engine.prefill_many, loop._admit = prefill_many, admit_and_look
     loop.run(params, engine.init_state(), seed=1)
     assert loop.idle and all(c is not None for r in loop.results.values() for c in r)
-    assert events[0] == (None, [0, 1, 2, 3, 0])  # the fifth partly on shard 0
-    assert any(held is not None and held not in shards for held, shards in events[1:]), events
+    assert events == [[0, 1, 2, 3, 0, 1, 2]]  # one round admits all: three go in partly
+    assert opens[0] == {0: 4, 1: 5, 2: 6}, opens[0]  # one open group per shard
+    assert {} in opens  # each completed on its own shard
