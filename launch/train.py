@@ -98,7 +98,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
         t1 = time.perf_counter()
         state, history = learner.learn(state, run.ref_params, rollout.batch)
         t2 = time.perf_counter()
-        new_tokens = sum(c.length for grp in rollout.groups for c in grp.completions)
+        new_tokens = rollout.tokens  # every process's completion tokens
         for k, v in zip(TOTALS, (t1 - t0, t2 - t1, new_tokens, sum(h["tokens"] for h in history))):
             totals[k] += float(v)
         metrics = {k: float(np.mean([h[k] for h in history])) for k in history[-1]}

@@ -85,8 +85,8 @@ class EpisodeSampler:
             obs = None
         took = time.perf_counter() - start
         ep.tool_seconds += took
-        with self._lock:
-            self._calls[0] += 1
+        with self._lock:  # a step that answers is a tool call; one that ends the episode not
+            self._calls[0] += obs is not None
             self._calls[1] += took
         if ep.tool_seconds > self.max_tool_seconds:
             return None

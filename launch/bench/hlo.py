@@ -131,10 +131,66 @@ class Collective:
     shapes: list[tuple[str, tuple[int, ...]]]  # its result arrays (one device's)
     loops: tuple[str, ...]  # the while instructions around it, outermost first
     op_name: str
+    groups: list[list[int]] | None = None  # its replica groups (device / partition ids)
 
     @property
     def bytes(self) -> int:
         return nbytes(self.shapes)
+
+    def spans(self, owner) -> bool:
+        """Whether one of its groups holds devices of two hosts: owner(id) -> the process of
+        device id. A collective without groups spans every device (so two hosts, if any)."""
+        if not self.groups:
+            return True
+        return any(len({owner(d) for d in g}) > 1 for g in self.groups)
+
+
+def replica_groups(line: str) -> list[list[int]] | None:
+    """The groups of an instruction's `replica_groups=` (or, for a collective-permute, the
+    pairs of its `source_target_pairs=`): explicit `{{0,1},{2,3}}`, XLA's iota form
+    `[G,N]<=[d...]` with an optional transpose `T(...)`, or its mesh form
+    `mesh['a'=4,'b'=2] {'b'}` (the devices along the named axes; `device_ids=(...)` an iota
+    order of them); None when it names none."""
+    m = re.search(r"source_target_pairs=\{([^=]*?)\}(?:,|$| )", line)
+    if m:
+        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r" \{([^}]*)\}",
+        line,
+    )
+    if m:  # a mesh of named axes (device ids an iota, maybe transposed), reduced over some
+        import numpy as np
+
+        axes = [(n, int(k)) for n, k in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        shape = [k for _, k in axes]
+        ids = np.arange(int(np.prod(shape)))
+        if m.group(2):
+            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(shape)
+        over = [i for i, (n, _) in enumerate(axes) if f"'{n}'" in m.group(4)]
+        rest = [i for i in range(len(axes)) if i not in over]
+        size = int(np.prod([shape[i] for i in over])) if over else 1
+        return ids.transpose(rest + over).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        import numpy as np
+
+        shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
+        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        ]
+        return [g for g in groups if g] or None
+    return None
 
 
 @dataclasses.dataclass
@@ -199,9 +255,8 @@ def collectives(text_or_module) -> list[Collective]:
         for ins in module.computations.get(comp, []):
             kind = _kind(ins.opcode)
             if kind:
-                out.append(
-                    Collective(kind, ins.name, comp, _result_shapes(ins), loops, ins.op_name)
-                )
+                out.append(Collective(kind, ins.name, comp, _result_shapes(ins), loops,
+                                      ins.op_name, replica_groups(ins.line)))  # fmt: skip
     return out
 
 

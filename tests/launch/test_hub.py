@@ -34,7 +34,7 @@ A, B, D = (hashlib.sha1(x).hexdigest() for x in (b"A", b"B", b"D"))
 # test_real_configs' fixture sizes (the 8 fake devices as data=2, fsdp=2, tensor=2)
 TINY = [
     "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-    "--config.data.prompts_per_step=2", "--config.rl.num_generations=2",
+    "--config.data.prompts_per_step=4", "--config.rl.num_generations=2",
     "--config.rl.micro_batches=1", "--config.sampling.max_prompt_len=64",
     "--config.sampling.max_new_tokens=8", "--config.sampling.num_slots=8",
     "--config.sampling.page_size=8", "--config.sampling.num_pages=64",

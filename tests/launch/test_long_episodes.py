@@ -61,5 +61,6 @@ def test_4k_token_episodes_train_blockwise_and_packed(tmp_path, monkeypatch):
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
         assert r["grad_norm"] > 0 and r["adv_std"] > 0, r
         # All 8 prompts x 2 samples, 300-4,071 tokens each (20.6k in all), in rows of
-        # 4,096 tokens: packed into 8 rows, one per data shard.
-        assert r["learn/rows"] == 8 and r["rollout/length_max"] <= 64, r
+        # 4,096 tokens: each of the 8 data shards packs its own group, into as many rows as
+        # the shard that needs most (2 here: a pair longer than a row): 16 rows.
+        assert r["learn/rows"] == 16 and r["rollout/length_max"] <= 64, r

@@ -28,7 +28,7 @@ TINY = [
     "--config.num_steps=4", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
     "--config.data.prompts_per_step=8", "--config.rl.num_generations=4", "--config.rl.kl_coef=0.04",
     "--config.data.eval.num=8", "--config.eval.pass_k=0", "--config.eval_every=0",
-    "--config.checkpoint_every=2", "--config.sampling.num_slots=16", "--config.sampling.num_pages=128",
+    "--config.checkpoint_every=2", "--config.sampling.num_slots=32", "--config.sampling.num_pages=256",
     "--config.rl.kl_in=reward", "--config.rl.kl_estimator=k1", "--config.rl.partial_rollouts=True",
     "--config.rl.extra_groups=4", "--config.rl.is_correction=tis",
     "--config.sampling.steps_per_call=1", "--config.sampling.temperature=1.5",

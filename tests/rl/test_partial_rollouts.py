@@ -106,8 +106,12 @@ def test_carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
 def _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
     # Answers taken one decode call after their turn's (env.tool_answer_calls=1): the schedule
     # that makes groups wait at the staleness bound here.
+    # With dynamic sampling, seed 2 samples a run whose replacements leave a long group at the
+    # bound while both shards' batches are complete (seed 0 and 1 do not wait: the schedule is
+    # each shard's own, and the test asserts that a wait happens).
+    seed = 2 if dynamic else 0
     config = parse_args([*ARGS, f"--config.rl.refresh_kv_on_update={refresh}",
-                         f"--config.rl.dynamic_sampling={dynamic}",
+                         f"--config.rl.dynamic_sampling={dynamic}", f"--config.seed={seed}",
                          "--config.env.tool_answer_calls=1"], {})[0]  # fmt: skip
     run = build(config)
     data = make_prompt_stream(config.data.train, batch_size=B, seed=0)

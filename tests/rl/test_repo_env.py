@@ -188,11 +188,20 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     config.rl.num_generations, config.sampling.max_prompt_len = 4, 2
     config.sampling.max_new_tokens = 6
     mesh = make_mesh({"data": 8})
-    rollouts = Rollouts(config, None, TOK, None, None, batch_sharding(mesh, tuple(map(tuple, config.rules))),
+    engine = SimpleNamespace(
+        num_shards=1,
+        local_shards=[0],
+        init_state=lambda: None,
+        preemptions=0,
+        recomputed_tokens=0,
+        prefill_tokens=0,
+        slot_steps=[0, 0],
+    )  # one batch shard: all the rollout reads of it
+    rollouts = Rollouts(config, engine, TOK, None, None, batch_sharding(mesh, tuple(map(tuple, config.rules))),
                         0)  # fmt: skip
-    rollouts.episodes = SimpleNamespace(close=lambda: None)  # a multi-turn rollout's stats
-    stats0 = {"prefill_tokens": 0, "reprefill_tokens": 0}
-    rollouts._sample = lambda step, params, data: ([group], dict(stats0))
+    # a multi-turn rollout's stats, with no tool call of its own
+    rollouts.episodes = SimpleNamespace(close=lambda: None, counters={})
+    rollouts._sample = lambda step, params, state, data: (state, [group], {"counters": {}})
     rollout = rollouts(0, None, None)
     b = jax.device_get(rollout.batch)
     want, layout = build_batch([group], 2 + 6, 0, multiple=8)
