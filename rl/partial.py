@@ -136,24 +136,26 @@ class PartialRollouts:
         self.loop.add(prompts, request_ids=keys, keys=keys, shards=[shard] * len(keys))
         return keys
 
-    def _draw(self, step: int, data, wants: dict, first) -> None:
+    def _draw(self, step: int, data, wants: dict, first) -> bool:
         """Every shard's wants agreed (one collective), the records drawn from the global order
-        in shard order, this process's queued: first(shard) the index of a shard's first."""
+        in shard order, this process's queued: first(shard) the index of a shard's first.
+        Whether any shard (of any process) queued one."""
         counts = np.zeros(self.shards, np.int32)
         for i, n in wants.items():
             counts[i] = n
         counts = agree(counts).sum(axis=0)
-        self._take(step, data, counts, first)
+        return self._take(step, data, counts, first)
 
-    def _take(self, step, data, counts, first) -> None:
+    def _take(self, step, data, counts, first) -> bool:
         if not counts.any():
-            return
+            return False
         records = data.take_shards([int(n) for n in counts], self.mine)
         for i in self.local:
             if counts[i]:
                 keys = self._add(step, i, records[i], first(i))
                 if first(i):  # a replacement
                     self.replacements[i].update(keys)
+        return True
 
     def _replacement_first(self, shard: int) -> int:
         return self.b + self.extra + len(self.replacements[shard])
@@ -233,6 +235,7 @@ class PartialRollouts:
         stopping = [bool(stop())]  # latched, as is draining: once draining, the step drains
         draining = [bool(drain) or stopping[0]]
         stopped = [False]  # `until` ended the run, groups still in flight
+        queued = [False]  # replacements queued anywhere as the run ended: it runs again
         self.generated, self.waits = [], 0
         self.replacements = {i: set() for i in self.local}
         first = self._replacement_first
@@ -247,8 +250,9 @@ class PartialRollouts:
                 fresh[i] = young(self.loop, self._of(i, self.loop.in_flight()), step, self.eta)
             s = self.shards
             everyone = agree([self.loop.idle, *counts, *full, *fresh])
-            self._take(step, data, everyone[:, 1 : 1 + s].sum(axis=0), first)
+            drawn = self._take(step, data, everyone[:, 1 : 1 + s].sum(axis=0), first)
             if everyone[:, 0].all():
+                queued[0] = drawn
                 return IDLE
             if draining[0]:
                 return False  # on until every group has ended
@@ -268,11 +272,13 @@ class PartialRollouts:
         seed = int(jax.random.randint(jax.random.fold_in(root, 0), (), 0, 2**31 - 1))
         try:
             while True:  # again only for replacements queued after the loop ran dry
-                stopped[0] = False
+                stopped[0] = queued[0] = False
                 state = self.loop.run(params, state, seed, version=step, until=until,
                                       refresh=self.refresh)  # fmt: skip
-                self._draw(step, data, self._judge(force=True, replace=not stopping[0]), first)
-                if stopped[0] or not self.loop.pending:
+                more = self._draw(step, data, self._judge(force=True, replace=not stopping[0]),
+                                  first)  # fmt: skip
+                # Agreed: a process whose shards queued nothing runs the loop with the others.
+                if stopped[0] or not (queued[0] or more):
                     break
             if not (stopped[0] or draining[0]):  # ran dry before `until` saw the batch complete
                 stopping[0] = draining[0] = bool(stop())  # all ended: draining trains them all

@@ -117,8 +117,13 @@ from launch.bench import hlo
 from models.sharding import init_params, make_mesh
 from sampling import peers, steps
 from sampling.distribution import SamplingParams
+from models.config import ModelConfig
 from sampling.engine import Engine, EngineConfig
-from tests.conftest import CFG, random_prompts
+
+CFG = ModelConfig(family="qwen2", vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, qkv_bias=True)  # tests.conftest's (not imported:
+                  # it would give this process 8 devices)
+rng = np.random.default_rng(jax.process_index())
 
 mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 graphdef, params = init_params(CFG, mesh, seed=0)
@@ -142,7 +147,7 @@ for slots in (8, 32):
     engine.dispatch = counting
     g, per = 2, slots // 4 // 2  # G = 2, every slot of every shard busy
     shards = [i for i in engine.local_shards for _ in range(per)]
-    prompts = random_prompts([3 + (j % 5) for j in range(len(shards))], seed=jax.process_index())
+    prompts = [rng.integers(1, 128, 3 + j % 5).tolist() for j in range(len(shards))]
     before, multi = peers.CALLS[0], calls["multihost"]
     _, res = engine.generate_all(params, engine.init_state(), prompts, g, shards=shards,
                                  request_ids=[1000 * jax.process_index() + j for j in range(len(shards))])
