@@ -42,6 +42,7 @@ from rl.envs import Environment, make_env
 from rl.evaluation import evaluate
 from rl.learner import Learner, TrainState, batch_sharding
 from rl.rollout import Rollouts
+from sampling import partitioned
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 
@@ -95,8 +96,26 @@ def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
         "greedy": engine(SamplingParams(temperature=0.0)),
         "eval": engine(SamplingParams(temperature=config.eval.temperature)),
     }
+    check_hosts(mesh, rules, model_cfg.num_kv_heads)
     return Run(config, mesh, model_cfg, ids, tokenizer, learner, learner.init_state(params),
                ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
+
+
+def check_hosts(mesh, rules, kv_heads: int) -> None:
+    """A multi-process run packs each batch shard's groups into that shard's learner rows on its
+    own process (`rl.rollout`): the learner's batch axes must be the sampler's shard axes
+    (ValueError otherwise, one line; each shard on one process is the engine's check)."""
+    if jax.process_count() == 1:
+        return
+    shape = dict(mesh.shape)
+    shards = partitioned.shard_axes(shape, rules, kv_heads)
+    batch = tuple(a for a in partitioned.spec_axes(dict(rules).get("batch")) if shape[a] > 1)
+    if shards != batch:
+        raise ValueError(
+            f"mesh {shape}: the KV heads are split over {sorted(set(batch) - set(shards))}, an "
+            "axis of the batch: a multi-process run needs the learner's batch axes to be the "
+            "sampler's batch shards (split the KV heads over tensor only)"
+        )
 
 
 def prepare(config) -> tuple[Run, object, list]:
