@@ -137,10 +137,10 @@ def _read_parquet(path: str, prompt_field: str) -> list[dict]:
 
 
 def jsonable(value: Any) -> Any:
-    """A row's value as a record carries it: records travel as JSON (the per-step batch shared
-    by the processes, the carry the checkpoint holds), so Arrow's dates and times become ISO
-    8601 text, durations seconds and decimals text, in lists and dicts too; JSON values pass.
-    (A jsonl file of the same rows would hold that text.)"""
+    """A row's value as a record carries it: records are JSON (logged with their completions,
+    read by rewards as a jsonl line is), so Arrow's dates and times become ISO 8601 text,
+    durations seconds and decimals text, in lists and dicts too; JSON values pass. (A jsonl
+    file of the same rows would hold that text.)"""
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -178,7 +178,7 @@ def _check_jsonable(schema, where: str, hf: bool = True) -> None:
     bad = [f.name for f in schema if _holds_bytes(f.type)]
     if bad:
         why = (f"columns {bad} hold bytes (binary, or an Image / Audio feature), which a record "
-               "cannot carry (records travel as JSON: the processes' batches, checkpoints); "
+               "cannot carry (records are JSON: logged with their completions, read by rewards as a jsonl line is); "
                "remove them (datasets' remove_columns, then save_to_disk) and read that")  # fmt: skip
         raise SourceError("path", where, why) if hf else ValueError(f"{where}: {why}")
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import jax
+from jax._src import lru_cache as _lru_cache
 
 # XLA:CPU code at LLVM -O0 by default: most tests run tiny shapes for milliseconds, so compiling is
 # what they pay for, and -O0 compiles much faster (tests/rl/test_learner.py, cold cache: 101 s ->
@@ -44,6 +45,28 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by subprocesses
 # test's new jitted closures recompiled the programs of the tests before it (test_preemption,
 # test_shard_pools and test_learner, empty cache: 117 s -> 95 s of CPU at a 0.5 s threshold -> 0).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _atomic_put(self, key: str, value: bytes) -> None:
+    """jax's LRUCache.put (no size limit), the entry written under a temporary name and renamed:
+    JAX writes it in place, and a process reading it meanwhile (the other xdist worker compiling
+    the same program) deserialised half a file and crashed (seen once: a segfault in
+    compilation_cache.get_executable_and_time). Multi-process runs' processes, which compile the
+    same programs at the same moment, each get their own cache directory (`process_cache`)."""
+    path = self.path / f"{key}-cache"
+    if path.exists():
+        return
+    tmp = self.path / f".{key}.{os.getpid()}.tmp"
+    tmp.write_bytes(value)
+    os.replace(tmp, path)
+
+
+def process_cache(index: int) -> str:
+    """The compilation cache directory of process `index` of a multi-process test run."""
+    return os.path.join(_CACHE, f"process{index}")
+
+
+_lru_cache.LRUCache.put = _atomic_put
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -9,9 +9,9 @@ tests/launch/test_hosts.py: `python -m tests.launch.host_tools OUT [--jitter MS]
   Every rollout then checks, on this process, that each of its groups' observations is one its
   own tool produced, and that the learner rows this process holds are its groups' ids.
 
-At exit it writes OUT/process<i>.json: the record positions this process read from the data
-(`rl.data.PromptStream`), its tool calls and sandbox runs (`rl.multiturn`), and the number of
-groups it checked. Imports nothing of tests.conftest (a subprocess keeps its own devices).
+At exit it writes OUT/process<i>.json: the records this process read from the data
+(`rl.data.PromptStream`: [batch shard, position] each), its tool calls and sandbox runs, and the
+number of groups it checked. Imports nothing of tests.conftest (a subprocess keeps its own devices).
 """
 
 import contextlib
@@ -40,8 +40,8 @@ def record(out: str, host_tool: bool = False):
 
     def take_shards(self, counts, mine):
         at = self.position
-        for n, own in zip(counts, mine):
-            read.extend(range(at, at + n) if own else [])
+        for i, (n, own) in enumerate(zip(counts, mine)):
+            read.extend([i, q] for q in range(at, at + n) if own)
             at += n
         return take(self, counts, mine)
 

@@ -21,12 +21,13 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from launch.build import load_run
-from models.sharding import flatten
-from tests.conftest import METRIC_KEYS, ROOT, train_here
+from models.sharding import flatten, on_devices
+from tests.conftest import METRIC_KEYS, ROOT, process_cache, sandbox_isolation, train_here
 from tests.launch.host_tools import record
 
 pytestmark = pytest.mark.slow  # multi-process training runs
@@ -53,8 +54,10 @@ def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools"):
     for i in range(2):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")  # fmt: skip
-        cmd = [sys.executable, "-m", module, str(out), *flags, f"--workdir={workdir}", *args]
+                   JAX_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                   JAX_COMPILATION_CACHE_DIR=process_cache(i))  # fmt: skip
+        run = [f"--workdir={workdir}"] if workdir else []
+        cmd = [sys.executable, "-m", module, str(out), *flags, *run, *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
     for p in procs:
@@ -73,8 +76,9 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
         assert train_here([f"--workdir={one}", *ARGS], devices=8) == 0
     (single,) = [json.load(open(tmp_path / "one_out" / "process0.json"))]
     p0, p1 = _pair(two, tmp_path / "two_out", "--jitter", "60")
-    # Data: each process read its own shards' records, which together are the one process's.
-    assert p0["read"] and p1["read"] and not set(p0["read"]) & set(p1["read"])
+    # Data: each process read its own shards' records (process 0 holds shards 0 and 1 of the
+    # 4, process 1 shards 2 and 3), which together are the one process's, shard for shard.
+    assert {i for i, _ in p0["read"]} == {0, 1} and {i for i, _ in p1["read"]} == {2, 3}
     assert sorted(p0["read"] + p1["read"]) == sorted(single["read"])
     # Tools: each process called the tool for its own episodes; together the one's calls.
     calls = [p0["tool_calls"], p1["tool_calls"]]
@@ -105,6 +109,35 @@ def test_tools_may_differ_between_hosts(tmp_path):
     assert p0["checked"] > 0 and p1["checked"] > 0 and p0["tool_calls"] and p1["tool_calls"]
     steps = [r["step"] for r in _rows(tmp_path / "run")]
     assert steps == [1, 2, 3]
+
+
+def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
+    """The `repo` environment's scripted policy (8 tasks x 2 episodes, tests/rl/repo_scripted.py):
+    on two processes each runs the sandboxes of its own episodes, and the two counts add up to
+    the one process's."""
+    from launch.make_repo_tasks import make_tasks
+    from tests.launch.host_repo import rollout
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in make_tasks(str(tmp_path / "t"), 8, 1)))
+    with on_devices(jax.devices()):
+        one = rollout(str(tmp_path / "one"), str(tasks), sandbox_isolation())
+    if one["mode"] != "bwrap":
+        pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
+    two = _pair(
+        None,
+        tmp_path / "two",
+        str(tasks),
+        sandbox_isolation(),
+        args=[],
+        module="tests.launch.host_repo",
+    )
+    runs = [p["sandbox_runs"] for p in two]
+    assert sum(runs) == one["sandbox_runs"] > 0 and [p["episodes"] for p in two] == [8, 8]
+    assert all(0.25 <= n / sum(runs) <= 0.75 for n in runs), runs  # about half each
+    for p in two:  # the run's own metric: each process's count, gathered
+        assert p["per_process"]["rollout/sandbox_runs_per_process_max"] == max(runs)
+        assert p["per_process"]["rollout/sandbox_runs_per_process_min"] == min(runs)
 
 
 TRAFFIC = """
@@ -172,7 +205,8 @@ def test_a_decode_call_moves_no_token_between_hosts(tmp_path):
     port, procs = _free_port(), []
     for i in range(2):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
-                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")  # fmt: skip
+                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                   JAX_COMPILATION_CACHE_DIR=process_cache(i))  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, "-c", TRAFFIC, f"127.0.0.1:{port}", str(i)], cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip

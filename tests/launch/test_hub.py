@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, process_cache
 from tests.hub_cache import LISTINGS, add_directory, add_snapshot, offline_hub
 
 datasets = pytest.importorskip("datasets")
@@ -646,7 +646,7 @@ def test_two_processes_pin_process_0s_commits_each_in_its_own_cache(tmp_path):
         env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu",
                    JAX_NUM_CPU_DEVICES="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                    JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
-                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_COMPILATION_CACHE_DIR=process_cache(i),
                    HF_DATASETS_CACHE=str(tmp_path / f"datasets{i}"))  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, "-c", PIN_WORKER, json.dumps(runs)], cwd=ROOT, env=env,

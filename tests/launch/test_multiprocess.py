@@ -20,7 +20,7 @@ import pytest
 from launch.build import load_run
 from launch.train import main
 from models.sharding import flatten
-from tests.conftest import ROOT, train_metrics
+from tests.conftest import ROOT, process_cache, train_metrics
 
 pytestmark = pytest.mark.slow  # three multi-process training runs
 
@@ -48,6 +48,7 @@ def _launch(workdir, devices, process_id=None, num_processes=None, port=None, ex
         env.update(
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
             JAX_PROCESS_ID=str(process_id), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+            JAX_COMPILATION_CACHE_DIR=process_cache(process_id),  # the twin compiles alike
         )  # fmt: skip
     cmd = [sys.executable, "-m", "launch.train", f"--workdir={workdir}", *TINY, *extra]
     return subprocess.Popen(

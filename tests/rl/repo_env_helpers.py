@@ -2,7 +2,6 @@
 env (module fixtures: import them into a test module to use them there), a scripted turn, and a
 tiny unittest-style repository of our own (`unittest_task`)."""
 
-import json
 import string
 
 import ml_collections
@@ -13,6 +12,7 @@ from models.tokenizer import CharTokenizer
 from rl.envs.base import Turn
 from rl.envs.repo import RepoEnv
 from tests.conftest import sandbox_isolation
+from tests.rl.repo_scripted import call  # noqa: F401 (shared with the tests)
 
 TOK = CharTokenizer(string.printable)
 
@@ -35,10 +35,6 @@ def env():
     e = RepoEnv(TOK, make_config())
     yield e
     e.shutdown()
-
-
-def call(name, **args):
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
 def act(env, ep, text):

@@ -191,8 +191,9 @@ def test_values_json_cannot_carry(tmp_path, monkeypatch):
                    tmp_path / "blob.parquet")  # fmt: skip
     path = str(tmp_path / "blob.parquet")
     why = ("columns ['blob'] hold bytes (binary, or an Image / Audio feature), which a record "
-           "cannot carry (records travel as JSON: the processes' batches, checkpoints); remove "
-           "them (datasets' remove_columns, then save_to_disk) and read that")  # fmt: skip
+           "cannot carry (records are JSON: logged with their completions, read by rewards as a "
+           "jsonl line is); remove them (datasets' remove_columns, then save_to_disk) and read "
+           "that")  # fmt: skip
     with pytest.raises(SourceError) as e:
         load_records({"type": "hf", "path": path})
     assert str(e.value) == f"path={path!r}: {why}" and e.value.field == "path"

@@ -11,23 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.envs.base import Turn
 from rl.envs.repo import RepoEnv
 from rl.envs.repo_tools import cut, parse_calls
 from tests.conftest import sandbox_isolation
 from tests.rl import repo_env_helpers
+from tests.rl import repo_scripted as scripted
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
+from tests.rl.repo_scripted import fix_script
 
 env, tasks = repo_env_helpers.env, repo_env_helpers.tasks  # the module fixtures
-
-
-def fix_script(task, wrong=False):
-    fix = task["fix"]
-    new = fix["old"] if wrong else fix["new"]  # wrong: a no-op edit that keeps the bug
-    return [call("str_replace_editor", command="view", path=fix["path"]),
-            call("str_replace_editor", command="str_replace", path=f"/testbed/{fix['path']}",
-                 old_str=fix["old"], new_str=new),
-            call("submit")]  # fmt: skip
 
 
 def run_episode(env, task, script):
@@ -269,37 +261,6 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
 # ----- through the engine's episode loop (on one of the 8 fake devices: the mesh is not under
 # test here, and one device costs about half the CPU of data=8) -----
 
-from rl.envs import register_env  # noqa: E402
-
-
-@register_env("test_repo_scripted")
-class ScriptedRepo(RepoEnv):
-    """The engine samples the turns (a tiny random model); the script decides what they say: the
-    environment reads the script's text in place of the sampled text, and answers with a fixed
-    observation id (the repo's output is not in the model's alphabet). Sample 0 of each group
-    fixes the bug, sample 1 starts with a malformed call and then makes a wrong edit."""
-
-    def prompt(self, record, prompt_field="problem"):
-        return [3, 4, 5]
-
-    def start(self, record):
-        ep = super().start(record)
-        self.counts = getattr(self, "counts", {})
-        ep.k = self.counts.get(record["instance_id"], 0)
-        self.counts[record["instance_id"]] = ep.k + 1
-        return ep
-
-    def step(self, episode, turn):
-        script = fix_script(episode.record, wrong=episode.k == 1)
-        if episode.k == 1:
-            script = ["<tool_call>{oops</tool_call>"] + script[1:]
-        text = script[min(episode.num_turns, len(script)) - 1]
-        return super().step(episode, Turn(turn.ids, text, "stop"))
-
-    def _observe(self, texts, turn, role="tool"):
-        self.seen = getattr(self, "seen", []) + list(texts)
-        return [6]
-
 
 @pytest.mark.slow
 def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
@@ -316,16 +277,8 @@ def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
 
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    args = [
-        "--config.data.prompts_per_step=10",
-        "--config.rl.num_generations=2", "--config.sampling.num_slots=16",
-        "--config.env.name=test_repo_scripted", "--config.env.max_turns=4",
-        "--config.env.max_turn_tokens=2", "--config.sampling.max_new_tokens=16",
-        "--config.data.train.type=jsonl", f"--config.data.train.path={path}",
-        "--config.data.train.prompt_field=problem", "--config.env.max_observation_chars=2000",
-        f"--config.env.isolation={sandbox_isolation()}",  # tests.conftest: rlimits without bwrap
-    ]  # fmt: skip
-    config = parse_args(args, {})[0]
+    # tests.conftest.sandbox_isolation: rlimits without bwrap
+    config = parse_args(scripted.args(str(path), sandbox_isolation()), {})[0]
     run = build(config)
     if run.env.tools.mode != "bwrap":
         pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
@@ -336,13 +289,8 @@ def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
     finally:
         rollouts.close()
         run.env.shutdown()
-    ids = set()
-    for grp in rollout.groups:
-        ids.add(grp.record["instance_id"])
-        for ep, r in zip(grp.episodes, grp.rewards):
-            assert r == (1.0 if ep.k == 0 else 0.0), (grp.record["instance_id"], ep.k, r)
-            assert ep.submitted and ep.num_turns == 3 and ep.workspace is None
-            assert ep.tool_errors == (1 if ep.k == 1 else 0)
+    scripted.check(rollout)
+    ids = {grp.record["instance_id"] for grp in rollout.groups}
     assert len(rollout.groups) == 10
     assert sum(grp.rewards[0] for grp in rollout.groups) == 10  # the fix, on every task seen
     s = rollout.stats
