@@ -9,9 +9,11 @@ tests/launch/test_hosts.py: `python -m tests.launch.host_tools OUT [--jitter MS]
   Every rollout then checks, on this process, that each of its groups' observations is one its
   own tool produced, and that the learner rows this process holds are its groups' ids.
 
-At exit it writes OUT/process<i>.json: the records this process read from the data
-(`rl.data.PromptStream`: [batch shard, position] each), its tool calls and sandbox runs, and the
-number of groups it checked. Imports nothing of tests.conftest (a subprocess keeps its own devices).
+After each step's rollout it appends a line to OUT/process<i>.jsonl (a killed run keeps the
+lines of its finished steps): the step, the records this process read from the data since the
+last line (`rl.data.PromptStream`: [batch shard, position] each), its tool calls in the step,
+the sequences its groups trained ([prompt, ids] each) and the groups it checked. Imports nothing
+of tests.conftest (a subprocess keeps its own devices).
 """
 
 import contextlib
@@ -23,7 +25,6 @@ import sys
 import jax
 import numpy as np
 
-from rl import sandbox
 from rl.data import PromptStream
 from rl.envs.calculator import CalculatorEnv
 from rl.rollout import Rollouts
@@ -32,11 +33,12 @@ from tests.launch.jittered_tools import jittered
 
 @contextlib.contextmanager
 def record(out: str, host_tool: bool = False):
-    """Within the block, reads of the data, tool calls and (with host_tool) the processes'
-    own answers are recorded; OUT/process<i>.json written at the end."""
-    read, produced, checked, calls = [], set(), [0], [0]
+    """Within the block, each rollout's reads, tool calls and trained sequences are recorded (and
+    with host_tool the processes' answers differ and are checked)."""
+    read, produced, calls = [], set(), [0]
     take, step, rollout = PromptStream.take_shards, CalculatorEnv.step, Rollouts.__call__
     rng = random.SystemRandom()
+    os.makedirs(out, exist_ok=True)
 
     def take_shards(self, counts, mine):
         at = self.position
@@ -54,23 +56,40 @@ def record(out: str, host_tool: bool = False):
             produced.add(tuple(ids))
         return ids
 
-    def checked_rollout(self, *args, **kwargs):
-        r = rollout(self, *args, **kwargs)
-        if host_tool:
-            checked[0] += _check(r, produced)
+    def recorded_rollout(self, step_index, *args, **kwargs):
+        r = rollout(self, step_index, *args, **kwargs)
+        line = {"step": step_index + 1, "read": list(read), "tool_calls": calls[0],
+                "trained": sorted([grp.record["prompt"], c.tokens] for grp in r.groups
+                                  for c in grp.completions),
+                "checked": _check(r, produced) if host_tool else 0}  # fmt: skip
+        read.clear()
+        calls[0] = 0
+        # (the process index only now: jax.distributed starts inside launch.train's main)
+        with open(os.path.join(out, f"process{jax.process_index()}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
         return r
 
     PromptStream.take_shards, CalculatorEnv.step = take_shards, tool
-    Rollouts.__call__ = checked_rollout
-    runs = sandbox.RUNS[0]
+    Rollouts.__call__ = recorded_rollout
     try:
         yield
     finally:
         PromptStream.take_shards, CalculatorEnv.step, Rollouts.__call__ = take, step, rollout
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"process{jax.process_index()}.json"), "w") as f:
-            json.dump({"read": read, "tool_calls": calls[0], "checked": checked[0],
-                       "sandbox_runs": sandbox.RUNS[0] - runs}, f)  # fmt: skip
+
+
+def steps(out) -> list[dict]:
+    """{step: the last line of each process for it} per process, from OUT/process<i>.jsonl."""
+    out_steps = []
+    for i in range(2):
+        path = os.path.join(out, f"process{i}.jsonl")
+        if not os.path.exists(path):
+            break
+        lines = {}
+        for x in open(path):
+            line = json.loads(x)
+            lines[line["step"]] = line
+        out_steps.append(lines)
+    return out_steps
 
 
 def _check(rollout, produced) -> int:
@@ -81,15 +100,15 @@ def _check(rollout, produced) -> int:
         lo = shard.index[0].start or 0
         for r, row in enumerate(np.asarray(shard.data)):
             rows[lo + r] = row
-    i = 0
+    i, lay = 0, rollout.layout
     for grp in rollout.groups:
         for c in grp.completions:
             obs = np.asarray(c.observation or [False] * c.length, bool)
             runs = np.flatnonzero(np.diff(np.concatenate([[0], obs.astype(int), [0]])))
             for a, z in zip(runs[::2], runs[1::2]):
                 assert tuple(c.tokens[a:z]) in produced, "an observation another host produced"
-            row, col, lay = rollout.layout.row[i], rollout.layout.start[i], rollout.layout
             want = grp.prompt + c.tokens
+            row, col = lay.row[i], lay.start[i]
             assert rows[row][col : col + len(want)].tolist() == want, "a row not its group's"
             assert lay.length[i] == len(want)
             i += 1

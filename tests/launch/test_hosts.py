@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -28,7 +29,7 @@ import pytest
 from launch.build import load_run
 from models.sharding import flatten, on_devices
 from tests.conftest import METRIC_KEYS, ROOT, process_cache, sandbox_isolation, train_here
-from tests.launch.host_tools import record
+from tests.launch.host_tools import record, steps
 
 pytestmark = pytest.mark.slow  # multi-process training runs
 
@@ -48,8 +49,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools"):
-    """Two processes of 4 CPU devices each running `module` with out, flags and the run's args."""
+def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools", kill_after=None):
+    """Two processes of 4 CPU devices each running `module` with out, flags and the run's args;
+    with kill_after, process 1 is killed (SIGKILL) once that step's checkpoint is committed, and
+    process 0 must stop on its own. Returns process 0's stderr."""
     port, procs = _free_port(), []
     for i in range(2):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
@@ -60,10 +63,21 @@ def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools"):
         cmd = [sys.executable, "-m", module, str(out), *flags, *run, *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
+    if kill_after is not None:
+        while not (workdir / "checkpoints" / str(kill_after)).exists():
+            assert procs[1].poll() is None, procs[1].communicate()[1][-3000:]
+            time.sleep(0.05)  # polling a directory the run writes; nothing is timed
+        procs[1].kill()
+        err = procs[0].communicate(timeout=300)[1]
+        procs[1].wait()
+        assert procs[0].returncode != 0, err[-3000:]
+        return err
+    errs = []
     for p in procs:
         err = p.communicate(timeout=900)[1]
         assert p.returncode == 0, err[-3000:]
-    return [json.load(open(out / f"process{i}.json")) for i in range(2)]
+        errs.append(err)
+    return errs[0]
 
 
 def _rows(workdir):
@@ -71,18 +85,36 @@ def _rows(workdir):
 
 
 def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
+    """The calculator behind random delays on two processes, one of them killed (kill -9) after
+    step 2's checkpoint and both restarted, against the instant calculator on one: per step the
+    processes read their own shards' records, call the tool for their own episodes and train
+    exactly the sequences the one process trains (ids), and the runs train alike within 1e-5."""
     one, two = tmp_path / "one", tmp_path / "two"
     with record(str(tmp_path / "one_out")):
         assert train_here([f"--workdir={one}", *ARGS], devices=8) == 0
-    (single,) = [json.load(open(tmp_path / "one_out" / "process0.json"))]
-    p0, p1 = _pair(two, tmp_path / "two_out", "--jitter", "60")
-    # Data: each process read its own shards' records (process 0 holds shards 0 and 1 of the
-    # 4, process 1 shards 2 and 3), which together are the one process's, shard for shard.
-    assert {i for i, _ in p0["read"]} == {0, 1} and {i for i, _ in p1["read"]} == {2, 3}
-    assert sorted(p0["read"] + p1["read"]) == sorted(single["read"])
-    # Tools: each process called the tool for its own episodes; together the one's calls.
-    calls = [p0["tool_calls"], p1["tool_calls"]]
-    assert sum(calls) == single["tool_calls"] > 0
+    (single,) = steps(tmp_path / "one_out")
+    _pair(two, tmp_path / "two_out", "--jitter", "60", kill_after=2)
+    err = _pair(
+        two,
+        tmp_path / "two_out",
+        "--jitter",
+        "60",
+        args=[*ARGS, "--config.heartbeat_timeout_s=300"],
+    )
+    assert "resumed from step 2" in err, err[-3000:]
+    p0, p1 = steps(tmp_path / "two_out")
+    assert sorted(single) == sorted(p0) == sorted(p1) == [1, 2, 3]
+    for s in (1, 2, 3):  # step 3 by the restarted processes
+        a, b, want = p0[s], p1[s], single[s]
+        # Data: process 0 read shards 0 and 1 of the 4, process 1 shards 2 and 3: together the
+        # one process's records, shard for shard.
+        assert {i for i, _ in a["read"]} <= {0, 1} and {i for i, _ in b["read"]} <= {2, 3}, s
+        assert sorted(a["read"] + b["read"]) == sorted(want["read"]), s
+        # Tools: each process called the tool for its own episodes; together the one's calls.
+        assert a["tool_calls"] + b["tool_calls"] == want["tool_calls"], s
+        # Decisions: the same sequences trained at each step, to the id, whatever the delays.
+        assert sorted(a["trained"] + b["trained"]) == want["trained"], s
+    calls = [sum(p[s]["tool_calls"] for s in p) for p in (p0, p1)]
     assert all(0.25 <= n / sum(calls) <= 0.75 for n in calls), calls  # about half each
     rows_one, rows_two = _rows(one), _rows(two)
     for a, b in zip(rows_one, rows_two):  # the metrics of the processes' calls, per step
@@ -102,13 +134,17 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
 
 
 def test_tools_may_differ_between_hosts(tmp_path):
-    """Each process appends its index and a random digit to the calculator's answers: the run
-    trains 3 steps with no agreement error, and each process's groups hold exactly its own
-    tool's observations in the learner rows it holds (checked in the run: host_tools._check)."""
-    p0, p1 = _pair(tmp_path / "run", tmp_path / "out", "--host_tool")
-    assert p0["checked"] > 0 and p1["checked"] > 0 and p0["tool_calls"] and p1["tool_calls"]
-    steps = [r["step"] for r in _rows(tmp_path / "run")]
-    assert steps == [1, 2, 3]
+    """Each process appends its index and a random digit to the calculator's answers: a
+    synchronous multi-turn run trains 3 steps with no agreement error, and each process's groups
+    hold exactly its own tool's observations in the learner rows it holds (checked in the run:
+    host_tools._check)."""
+    sync = [a for a in ARGS if "partial_rollouts" not in a and "is_correction" not in a]
+    _pair(tmp_path / "run", tmp_path / "out", "--host_tool", args=sync)
+    p0, p1 = steps(tmp_path / "out")
+    assert sorted(p0) == sorted(p1) == [1, 2, 3]
+    # 8 groups a step on 4 shards: each process checked its 2 shards' 4 groups every step
+    assert all(p[s]["checked"] == 4 and p[s]["tool_calls"] for p in (p0, p1) for s in p)
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
