@@ -21,6 +21,12 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
   and their reservation; `resume` prefills only its new tokens (batched) after its cached history
   and puts it in any free slot (`sampling.turns`).
 
+Rounds: the methods above change the host bookkeeping and queue their device work, which
+`flush` issues (`sampling.rounds`, `sampling.plan`): at once for a direct caller, once per round
+inside the episode loop, where the processes of a multi-process run first agree on the calls'
+shapes. Each process decides and feeds only its own batch shards (`local_shards`) and reads back
+only their slots. The weights decoding reads are `sampling.decode_weights`'.
+
 Sharding: no `in_shardings`, so parameters are used in their own shardings, never gathered per
 call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
 function pins its output to that layout, so donation reuses the same buffers.
@@ -48,16 +54,15 @@ banned distribution, and the learner applies the same ban (`rl.learner.Batch.sto
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
 from sampling import partitioned, steps
+from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
 from sampling.page_allocator import (
     NULL_PAGE,
@@ -68,8 +73,8 @@ from sampling.page_allocator import (
     group_pages,
 )
 from sampling.paged_attention import resolve_backend
-from sampling.peers import agree, global_array, local_values, shard_processes
-from sampling.plan import CHUNK, EXTENDS, Plan, Row
+from sampling.peers import global_array, local_values, shard_processes
+from sampling.plan import CHUNK, Plan
 from sampling.requests import (
     EngineConfig,
     Parked,
@@ -81,25 +86,14 @@ from sampling.requests import (
     check_slots,
     take_slots,
 )
+from sampling.rounds import Rounds
 from sampling.state import DecodeState, state_shardings
 from sampling.turns import Turns
 
 MAX_PREFILL_BATCH = CHUNK  # prompts per shard per prefill call
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _cast_floats(params, dtype: str):
-    """A copy of params with floating leaves in dtype (others as they are), sharded alike."""
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(cast, params)
-
-
-def _recast(x, dtype) -> bool:
-    """Whether the decode copy changes x's dtype (floating leaves go to the compute dtype)."""
-    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
-
-
-class Engine(Turns):
+class Engine(Turns, Rounds, DecodeWeights):
     """Host side of the sampler: allocator, page table, slot bookkeeping; device state is passed
     in and returned (donated) by every call. `mesh` (with the parameters' `rules`) lays the state
     out over the devices; None keeps it on the default device."""
@@ -222,65 +216,6 @@ class Engine(Turns):
         """The NamedSharding of every DecodeState field, or None without a mesh."""
         return self._shardings
 
-    def decode_params(self, params):
-        """The weights decoding reads, made once per rollout (`sampling.episodes` calls this at
-        the start of every `run`) and dropped when it ends, before the learner runs:
-        - weights_layout "tensor": a copy in the model's compute dtype laid out for decoding
-          (`decode_shardings`: split over tensor only, replicated over the shard axes), so each
-          device computes its own slots with no collective over data or fsdp. The params
-          themselves when they already are in that dtype and layout (one device, say);
-        - "training": `params` themselves (zero copy), or with `weights_dtype` a copy in that
-          dtype, sharded as they are.
-        The model casts every weight to the compute dtype where it is used, so decoding from a
-        copy in that dtype gives the same bits per matmul; what it saves is the f32 read and
-        cast of every weight at every step (and, "tensor", the per-step all-slot collectives),
-        for bytes(compute dtype) per parameter / tensor while the rollout runs."""
-        e = self.ecfg
-        if e.weights_layout == "training":
-            dt = e.weights_dtype
-            return params if dt in ("", self.cfg.param_dtype) else _cast_floats(params, dt)
-        target, dt = self.decode_shardings(params), self.cfg.dtype
-        recast = any(_recast(x, dt) for x in jax.tree.leaves(params))
-        if target is None:  # no mesh: only the dtype may change
-            return _cast_floats(params, dt) if recast else params
-        moved = jax.tree.map(lambda x, sh: not x.sharding.is_equivalent_to(sh, x.ndim), params,
-                             target)  # fmt: skip
-        if not (recast or any(jax.tree.leaves(moved))):
-            return params
-        # Cast where the params lie (bytes halved before they move), then one reshard: each
-        # device gathers its tensor shard of every weight over the shard axes.
-        return jax.device_put(_cast_floats(params, dt), target)
-
-    def decode_shardings(self, params):
-        """Per leaf of params (arrays or sharded shape structs) its NamedSharding in the
-        "tensor" decode layout: its own spec less the shard axes; None without a mesh."""
-        if self.layout is None:
-            return None
-        mesh, rules = self.layout
-        drop = set(partitioned.shard_axes(dict(mesh.shape), rules, self.cfg.num_kv_heads))
-        keep = lambda e: partitioned.spec_entry(
-            tuple(a for a in partitioned.spec_axes(e) if a not in drop)
-        )
-        return jax.tree.map(
-            lambda x: NamedSharding(mesh, PartitionSpec(*map(keep, x.sharding.spec))), params
-        )
-
-    def abstract_decode_params(self, abstract_params):
-        """What `decode_params` returns for abstract (sharded) params: shape structs."""
-        if self.ecfg.weights_layout == "training":
-            dt = self.ecfg.weights_dtype
-            if dt in ("", self.cfg.param_dtype):
-                return abstract_params
-            cast = lambda x: jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding),
-                                abstract_params)  # fmt: skip
-        dt = lambda x: self.cfg.dtype if _recast(x, self.cfg.dtype) else x.dtype
-        target = self.decode_shardings(abstract_params)
-        if target is None:
-            target = jax.tree.map(lambda x: x.sharding, abstract_params)
-        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt(x), sharding=sh),
-                            abstract_params, target)  # fmt: skip
-
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.ecfg.page_size)
 
@@ -330,74 +265,6 @@ class Engine(Turns):
             room[i] -= n
             out.append(i)
         return out
-
-    def _prefill_pages(self, params, state, prompts, prefixes, extend=None, phase="admit"):
-        """Queues caching prompt[:-1] of each prompt into its prefix's pages; with `extend`
-        (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
-        one prefill batch of `phase` (`sampling.plan`)."""
-        rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
-        self.plan.prefill(phase, [
-            Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages))
-            for t, x in zip(rows_in, prefixes)
-        ])  # fmt: skip
-        return self._now(state, params)
-
-    def _now(self, state, params=None) -> DecodeState:
-        """The queued work issued at once, unless the episode loop issues it per round."""
-        return state if self.deferred else self.flush(params, state)[0]
-
-    def flush(self, params, state, flags=()) -> tuple[DecodeState, np.ndarray]:
-        """Issues the queued work (`sampling.plan`): the prefill batches, then one slot update.
-        With several processes they first agree on the calls' shapes, and on `flags` (a few
-        ints of the caller's: counts, stop flags) in the same collective. Returns (state,
-        int32 [processes, len(flags)]: every process's flags)."""
-        plan, e, s = self.plan, self.ecfg, self.num_shards
-        flags = np.asarray(flags, np.int32).reshape(-1)
-        everyone = agree(np.concatenate([flags, plan.shapes(self._chunks)]))
-        shapes = everyone[:, len(flags) :].max(axis=0)
-        rows = lambda x: global_array(x, self._rows)
-        for phase, _, calls, batch in plan.calls(shapes, self._chunks):
-            parts = batch.chunks(s) if batch is not None else []
-            for j, n, t in calls:
-                tokens = np.zeros((s * n, t), np.int32)
-                lengths, starts = np.zeros((s * n,), np.int32), np.zeros((s * n,), np.int32)
-                page_rows = np.zeros((s * n, e.pages_per_seq), np.int32)
-                for i, chunk in enumerate(parts[j] if j < len(parts) else []):
-                    for r, row in enumerate(chunk, start=i * n):
-                        tokens[r, : len(row.tokens)] = row.tokens
-                        lengths[r], starts[r] = len(row.tokens), row.start
-                        page_rows[r, : len(row.pages)] = row.pages
-                self.prefill_tokens += int(lengths.sum())
-                state = steps.prefill(
-                    self.graphdef, params, state, rows(tokens), rows(lengths), rows(page_rows),
-                    self.layout, rows(starts) if phase in EXTENDS else None, e.prefill_chunk,
-                )  # fmt: skip
-        if shapes[-2]:  # a slot changes somewhere
-            state = self._update(state, plan, steps.bucket_slots(int(shapes[-1])))
-        self.plan = Plan(s, e.num_slots)
-        return state, everyone[:, : len(flags)]
-
-    def _update(self, state, plan: Plan, c: int) -> DecodeState:
-        """One `steps.update` of the plan's slots, c page copies per shard (padded)."""
-        b, s = self.ecfg.num_slots, self.num_shards
-        put, off = np.zeros(b, bool), np.zeros(b, bool)
-        values = np.zeros((7, b), np.int32)
-        for slot, v in plan.slots.items():
-            if v is None:
-                off[slot] = True
-            else:
-                put[slot], values[:, slot] = True, v
-        copies = np.zeros((2, s, max(c, 1)), np.int32)  # (0, 0): the null page onto itself
-        for i, pairs in enumerate(plan.copies):
-            if pairs:
-                copies[:, i, : len(pairs)] = np.asarray(pairs, np.int32).T
-        slots = lambda x: global_array(
-            x, None if self._shardings is None else self._shardings.lengths
-        )
-        return steps.update(
-            state, slots(put), slots(off), *map(slots, values), slots(copies[0].ravel()),
-            slots(copies[1].ravel()), self.layout,
-        )  # fmt: skip
 
     def _check_slots(self, slots, unique: bool = True) -> list[int]:
         return check_slots(self.ecfg.num_slots, slots, unique)

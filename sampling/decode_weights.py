@@ -1,0 +1,90 @@
+"""The weights the sampler decodes from (`EngineConfig.weights_layout`, `weights_dtype`): a copy
+in the compute dtype laid out for decoding, made once per rollout and dropped when it ends, or
+the training arrays themselves. Mixed into `sampling.engine.Engine` (its `cfg`, `ecfg` and
+`layout`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sampling import partitioned
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_floats(params, dtype: str):
+    """A copy of params with floating leaves in dtype (others as they are), sharded alike."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(cast, params)
+
+
+def _recast(x, dtype) -> bool:
+    """Whether the decode copy changes x's dtype (floating leaves go to the compute dtype)."""
+    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
+
+
+class DecodeWeights:
+    """Engine methods for the decode copy of the weights (module docstring)."""
+
+    def decode_params(self, params):
+        """The weights decoding reads, made once per rollout (`sampling.episodes` calls this at
+        the start of every `run`) and dropped when it ends, before the learner runs:
+        - weights_layout "tensor": a copy in the model's compute dtype laid out for decoding
+          (`decode_shardings`: split over tensor only, replicated over the shard axes), so each
+          device computes its own slots with no collective over data or fsdp. The params
+          themselves when they already are in that dtype and layout (one device, say);
+        - "training": `params` themselves (zero copy), or with `weights_dtype` a copy in that
+          dtype, sharded as they are.
+        The model casts every weight to the compute dtype where it is used, so decoding from a
+        copy in that dtype gives the same bits per matmul; what it saves is the f32 read and
+        cast of every weight at every step (and, "tensor", the per-step all-slot collectives),
+        for bytes(compute dtype) per parameter / tensor while the rollout runs."""
+        e = self.ecfg
+        if e.weights_layout == "training":
+            dt = e.weights_dtype
+            return params if dt in ("", self.cfg.param_dtype) else _cast_floats(params, dt)
+        target, dt = self.decode_shardings(params), self.cfg.dtype
+        recast = any(_recast(x, dt) for x in jax.tree.leaves(params))
+        if target is None:  # no mesh: only the dtype may change
+            return _cast_floats(params, dt) if recast else params
+        moved = jax.tree.map(lambda x, sh: not x.sharding.is_equivalent_to(sh, x.ndim), params,
+                             target)  # fmt: skip
+        if not (recast or any(jax.tree.leaves(moved))):
+            return params
+        # Cast where the params lie (bytes halved before they move), then one reshard: each
+        # device gathers its tensor shard of every weight over the shard axes.
+        return jax.device_put(_cast_floats(params, dt), target)
+
+    def decode_shardings(self, params):
+        """Per leaf of params (arrays or sharded shape structs) its NamedSharding in the
+        "tensor" decode layout: its own spec less the shard axes; None without a mesh."""
+        if self.layout is None:
+            return None
+        mesh, rules = self.layout
+        drop = set(partitioned.shard_axes(dict(mesh.shape), rules, self.cfg.num_kv_heads))
+        keep = lambda e: partitioned.spec_entry(
+            tuple(a for a in partitioned.spec_axes(e) if a not in drop)
+        )
+        return jax.tree.map(
+            lambda x: NamedSharding(mesh, PartitionSpec(*map(keep, x.sharding.spec))), params
+        )
+
+    def abstract_decode_params(self, abstract_params):
+        """What `decode_params` returns for abstract (sharded) params: shape structs."""
+        if self.ecfg.weights_layout == "training":
+            dt = self.ecfg.weights_dtype
+            if dt in ("", self.cfg.param_dtype):
+                return abstract_params
+            cast = lambda x: jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding),
+                                abstract_params)  # fmt: skip
+        dt = lambda x: self.cfg.dtype if _recast(x, self.cfg.dtype) else x.dtype
+        target = self.decode_shardings(abstract_params)
+        if target is None:
+            target = jax.tree.map(lambda x: x.sharding, abstract_params)
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt(x), sharding=sh),
+                            abstract_params, target)  # fmt: skip
