@@ -27,14 +27,20 @@ flight and a resumed run is bitwise equal to an uninterrupted one. A stop reques
 has ended if the loop ran dry first) turns the step into a
 draining one: it trains every group in flight (B + extra, or more with dynamic sampling's
 replacements and shortfalls) and saves. Each step admits at most B + extra groups plus
-dynamic sampling's replacements (R = B x (max_tries - 1), below; 0 without it), and a step's
-request ids are step * (B + extra + R) + j. A version is a GRPO step (the parameters the sampler
-saw), whatever the number of optimizer steps in it.
+dynamic sampling's replacements (R = B x (max_tries - 1), below; 0 without it). A version is a
+GRPO step (the parameters the sampler saw), whatever the number of optimizer steps in it.
+
+Batch shards: every count here is per batch shard of the mesh (S shards: B/S groups a step,
+extra/S more in flight, R/S replacements, the staleness wait), and a group lives on its shard
+(`rl.rollout`), so a shard decides alike whichever process holds it. Shard i's request ids in
+step s are (s * S + i) * (B + extra + R) / S + j. The processes agree once per round of the loop
+on whether every shard's batch is complete and young enough, whether all is idle, and on the
+replacements each shard draws (their records come from the data's global order in shard order).
 
 Dynamic sampling (`rl.dynamic_sampling`): complete groups are judged (their scores waited for)
 once they could complete the batch or a slot has nothing to decode, so that rewards are computed
-behind decoding and yet every process, and a resumed run, decides alike (rewards must then be
-deterministic, as in synchronous steps; multi-process runs check that they agree). Multi-turn
+behind decoding and yet a resumed run decides alike (rewards must then be deterministic, as in
+synchronous steps; each process judges only its own shards' groups). Multi-turn
 groups are judged while slots decode only once scored (decoding does not wait for grading): with
 `env.tool_answer_calls` = k, once k decode calls have been read since the group completed (its
 grading waited for if it is not done by then), as tool answers are taken; with 0, once graded,

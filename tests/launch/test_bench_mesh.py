@@ -68,6 +68,7 @@ def training(_runs):
     return _runs["training"]
 
 
+@pytest.mark.slow  # the benchmark on two meshes (module fixture, ~10 s)
 def test_bench_mesh_json(bench):
     r, rows = bench
     assert (r["shape"], r["num_slots"], r["num_pages"], r["steps_per_call"]) == (
@@ -112,6 +113,7 @@ def test_bench_mesh_json(bench):
     assert rows["fsdp8"]["per_step"]["total"] == {"count": 1, "bytes": 1}
 
 
+@pytest.mark.slow  # the benchmark on two meshes (module fixture, ~10 s)
 def test_bench_mesh_per_rollout(bench, training):
     _, rows = bench
     n = sum(x.size for x in jax.tree.leaves(abstract_model(ModelConfig(**SHAPES["tiny"]))[1]))

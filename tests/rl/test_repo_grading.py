@@ -16,6 +16,7 @@ from tests.rl.repo_env_helpers import TOK, act, call, graded, make_config
 tasks = repo_env_helpers.tasks  # the module fixture
 
 
+@pytest.mark.slow  # waits out a harness timeout and a per-test alarm (~9 s)
 def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
     """A harness timeout, a failing setup and a missing repository mask the episode; the other
     episodes of the group are scored as usual. The two episodes that wait (the harness timeout,

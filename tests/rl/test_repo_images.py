@@ -193,6 +193,7 @@ def test_a_python_the_model_could_replace_is_refused(tmp_path):
         repo_images.load(task(image=str(tmp_path), python="/testbed/tools/python"), None)
 
 
+@pytest.mark.slow  # 32 sandboxed episodes at once (~10 s)
 def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, tmp_path):
     """32 episodes at once: each edits its own /testbed, tries to read and write the others'
     (their host paths, /proc), the host and the network; none sees another's edits, the image
