@@ -109,7 +109,8 @@ class Plan:
                 if len(parts) > chunks:
                     raise RuntimeError(f"a {phase} prefill of more than {chunks * CHUNK} rows "
                                        "per shard in one round")  # fmt: skip
-                count = max(len(q) for q in parts[0]) + CHUNK * (len(parts) - 1)
+                # the most rows of a shard: its last chunk's, after len(parts) - 1 full ones
+                count = CHUNK * (len(parts) - 1) + max(len(q) for q in parts[-1])
                 longest = [max(len(r.tokens) for q in part for r in q) for part in parts]
                 out += [count, *longest, *[0] * (chunks - len(parts))]
         out += [int(bool(self.slots)), max(map(len, self.copies))]
