@@ -17,7 +17,8 @@ the prefill was issued before the work was queued: a one-process run makes exact
 made then. Batches go in the order of PHASES, and in their order within a phase: a parked
 sequence's restore or refresh before its resume, the siblings' refresh batches in the order
 `Engine.refresh` split them (rows that write a page another row of the batch writes wait for the
-next batch), the admitted prompts before the partly inserted group's prompt is refreshed. The
+next batch), the admitted prompts before the partly inserted groups' prompts are refreshed (one
+batch: a shard has one such group at most, so their rows never write each other's pages). The
 slot changes (inserts, resumes, releases; page copies of the inserted groups) come after every
 prefill: they read pages the prefills wrote, and no prefill reads a slot.
 """
@@ -77,8 +78,15 @@ class Plan:
 
     def prefill(self, phase: str, rows: list[Row]) -> None:
         rows = [r for r in rows if r.tokens]
-        if rows:
-            self.batches[phase].append(Batch(rows))
+        if not rows:
+            return
+        batches = self.batches[phase]
+        if phase == "prefix" and batches:  # the open groups of other shards (one per shard)
+            if {r.shard for r in rows} & {r.shard for r in batches[0].rows}:
+                raise RuntimeError("two prefix refreshes of one shard in one round")
+            batches[0].rows += rows
+        else:
+            batches.append(Batch(rows))
 
     def insert(self, slot: int, values: tuple) -> None:
         """Slot starts a sequence: (lengths, last_token, max_new, min_new, request_id,

@@ -193,3 +193,36 @@ def test_a_group_partly_in_does_not_stall_the_other_shards(one_device):
     assert events == [[0, 1, 2, 3, 0, 1, 2]]  # one round admits all: three go in partly
     assert opens[0] == {0: 4, 1: 5, 2: 6}, opens[0]  # one open group per shard
     assert {} in opens  # each completed on its own shard
+
+
+def test_groups_partly_in_on_several_shards_refresh_their_prompts_in_one_round(one_device):
+    """Three groups partly in (one on each of shards 0..2) when a stop comes: the next run, under
+    new parameters with refresh, completes them in the same round on the three shards, each
+    prompt recomputed (one prefill batch of the round, a row per shard), and their later
+    samples draw the tokens of their request decoded alone under the new parameters."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    graphdef, host = one_device
+    shardings = state_shardings(abstract_model(CFG)[1], mesh, DEFAULT_RULES)
+    engine = Engine(CFG, graphdef, ECFG, SamplingParams(0.0), mesh=mesh)
+    prompts, budget = random_prompts([9] * 7, seed=3), 8  # equal: the shards free up together
+    loop = EpisodeLoop(engine, 3)
+    loop.add(prompts, [budget] * 7)
+    calls, dispatch = [0], engine.dispatch
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return dispatch(*a, **kw)
+
+    engine.dispatch = counted
+    state = loop.run(jax.device_put(host, shardings), engine.init_state(), seed=1,
+                     until=lambda: calls[0] >= 1)  # fmt: skip
+    assert {i: o[:2] for i, o in loop._opens.items()} == {0: (4, 1), 1: (5, 1), 2: (6, 1)}
+    new = jax.tree.map(lambda x: x * 1.25, host)
+    loop.run(jax.device_put(new, shardings), state, seed=1, version=1, refresh=True)
+    assert loop.idle and engine.allocator.num_used == 0
+    alone = Engine(CFG, graphdef, ECFG, SamplingParams(0.0))
+    for key in (4, 5, 6):
+        _, (want,) = alone.generate_all(new, alone.init_state(), [prompts[key]], 3, budget,
+                                        seed=1, request_ids=[key])  # fmt: skip
+        for k in (1, 2):  # inserted after the stop, from the refreshed prompt
+            assert loop.results[key][k].tokens == want[k].tokens, (key, k)
