@@ -295,6 +295,11 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     _need(b % shards == 0, "data.prompts_per_step", b,
           f"a step's prompts are split evenly over {per} (data x fsdp), each sampling, "
           f"refilling and packing its own groups: must divide by {shards}")  # fmt: skip
+    per_shard = b // shards * g
+    _need(c.rl.pack or per_shard % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
+          f"with rl.pack=False each of {per} fills one learner row per sequence, "
+          f"B/{shards}*G = {per_shard} rows, which the minibatches must divide (or set "
+          "rl.pack=True)")  # fmt: skip
     if c.rl.partial_rollouts:
         _need(c.rl.extra_groups % shards == 0, "rl.extra_groups", c.rl.extra_groups,
               f"groups in flight beyond B are split evenly over {per}: must divide by "

@@ -202,3 +202,22 @@ def test_a_run_saved_before_tool_answer_calls_resumes_with_the_value_asked_for()
     check_resumable(old, {**new, "env": {**new["env"], "tool_answer_calls": 0}})
     with pytest.raises(UsageError, match=r"env.tool_answer_calls: 2 -> 4"):
         check_resumable(new, config_json(parse_args([], {})[0]))
+
+
+def test_unpacked_rows_of_a_batch_shard_must_divide_by_the_minibatches():
+    """rl.pack=False: each batch shard's B/S*G sequences are its learner rows, split over the
+    minibatches (`rl.rollout`), so the minibatches must divide them, not only B*G (B=4, G=2 on 4
+    batch shards: 2 rows a shard; 4 minibatches failed in the first step's packing)."""
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+    run = [*mesh, "--config.data.prompts_per_step=4", "--config.rl.num_generations=2",
+           "--config.rl.pack=False"]  # fmt: skip
+    config = parse_args([*run, "--config.rl.minibatches=4"], {})[0]
+    with pytest.raises(UsageError) as e:
+        validate(config, 8)
+    assert str(e.value).startswith(
+        "config.rl.minibatches=4: with rl.pack=False each of the 4 batch shards fills one "
+        "learner row per sequence, B/4*G = 2 rows"
+    ), str(e.value)
+    validate(parse_args([*run, "--config.rl.minibatches=2"], {})[0], 8)
+    validate(parse_args([*run, "--config.rl.minibatches=4", "--config.data.prompts_per_step=8"],
+                        {})[0], 8)  # fmt: skip
