@@ -32,6 +32,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _correct(reward_name, records, texts, group_size, prompt_field):
+    if not records:  # a process whose shards hold none of the held-out records
+        return np.zeros((0, group_size), bool)
     prompts, fields = reward_inputs(records, group_size, prompt_field)
     scores = np.asarray(get_reward(reward_name)(prompts, texts, **fields), np.float32)
     return (scores >= 0.5).reshape(len(records), group_size)

@@ -59,3 +59,26 @@ def test_evaluation_counts_the_episodes_caught_tampering(monkeypatch):
              eval=NS(pass_n=3, pass_k=2))  # fmt: skip
     out = evaluation.evaluate(engine, engine, None, [{}, {}], NS(decode=str), cfg, 0, env=object())
     assert out["tamper"] == 2 and out["infra_errors"] == 0 and out["accuracy"] == 0
+
+
+def test_a_process_without_held_out_records_of_its_own_still_evaluates(monkeypatch):
+    """One held-out record on 4 batch shards: shard 3 takes it, so the process of shards 0-1 has
+    none of its own. It still runs its (empty) share and agrees on the other process's results,
+    rather than failing in its reward (which would leave its peer waiting in the agreement)."""
+    from types import SimpleNamespace as NS
+
+    from rl import evaluation
+
+    def generate_all(params, state, prompts, n, seed, request_ids, shards):
+        assert prompts == [] and list(request_ids) == [] and list(shards) == []
+        return None, []
+
+    engine = NS(init_state=lambda: None, num_shards=4, local_shards=[0, 1],
+                generate_all=generate_all)  # fmt: skip
+    theirs = iter([[{"index": 0, "correct": True, "text": "2"}], [{"index": 0, "c": 3}]])
+    monkeypatch.setattr(evaluation, "agree_json", lambda rows: [rows, next(theirs)])
+    cfg = NS(data=NS(eval=NS(prompt_field="prompt")), sampling=NS(max_prompt_len=8),
+             eval=NS(pass_n=4, pass_k=2, reward="arithmetic_exact"))  # fmt: skip
+    records = [{"prompt": "1+1=", "answer": "2"}]
+    out = evaluation.evaluate(engine, engine, None, records, NS(decode=str), cfg, 0)
+    assert out == {"accuracy": 1.0, "example": "2", "pass@2": pass_at_k(4, 3, 2)}
