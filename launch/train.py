@@ -18,7 +18,9 @@ next; a step that saves (a checkpoint step, the last, or one during which SIGTER
 them first, so no checkpoint holds any.
 `--dry_run` lowers both phases with abstract shapes and prints XLA's memory estimate instead.
 
-Simplification: evaluation runs on every process over the full held-out set (identically).
+Evaluation splits the held-out records over the batch shards as a rollout splits its prompts:
+each process runs its own shards' share, and the processes agree on the per-record results
+(`rl/evaluation.py`).
 """
 
 from __future__ import annotations
