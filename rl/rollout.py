@@ -188,14 +188,15 @@ class Rollouts:
         self.decode_state = None  # donated below; kept again only once the call has returned
         if self.partial is not None:
             state, groups, extra = self.partial.sample(step, params, state, data, drain, stop)
-            keep_kv = not (self.partial.loop.idle and c.sampling.release_kv_between_phases)
         else:
             state, groups, extra = self._sample(step, params, state, data)
-            keep_kv = not c.sampling.release_kv_between_phases
-        if keep_kv:  # episodes in flight (partial) or the pages kept for the next rollout
-            self.decode_state = state
         counters = {k: v - before.get(k, 0.0) for k, v in self._counters().items()}
-        batch, layouts, rows = self._batch(groups)
+        idle = self.partial is None or self.partial.loop.idle
+        batch, layouts, rows, idle = self._batch(groups, idle)
+        if not (idle and c.sampling.release_kv_between_phases):
+            # episodes in flight anywhere (partial), or the pages kept for the next rollout:
+            # agreed, so every process makes the same calls (`init_state`) next step
+            self.decode_state = state
         completions = batch.loss_mask  # every sampled token: what the KL penalty covers
         keep = {i: np.concatenate([grp.keep() for grp in groups if grp.shard == i] + [[]])
                 for i in layouts}  # fmt: skip
@@ -254,23 +255,25 @@ class Rollouts:
         return Rollout(batch, groups, own(shaped), stats, layout,
                        int(S.flat(everyone, "lengths", np.int64).sum()))  # fmt: skip
 
-    def _batch(self, groups):
-        """(numpy Batch of the S shards' rows, shard -> its Layout, rows per shard): this
-        process's shards packed each into the same agreed number of rows, the others zero."""
+    def _batch(self, groups, idle: bool):
+        """(numpy Batch of the S shards' rows, shard -> its Layout, rows per shard, whether every
+        process's loop is `idle`): this process's shards packed each into the same agreed number
+        of rows, the others zero."""
         c, s = self.config, self.config.sampling
         width, m = self.width, c.rl.minibatches
         by = {i: [grp for grp in groups if grp.shard == i] for i in self.local}
         lengths = {i: [len(grp.prompt) + cp.length for grp in gs for cp in grp.completions]
                    for i, gs in by.items()}  # fmt: skip
         need = [place(n, width, c.rl.pack, self.row_multiple, m).rows for n in lengths.values()]
-        rows = int(agree([max(need, default=0)]).max())
+        everyone = agree([max(need, default=0), idle])
+        rows, idle = int(everyone[:, 0].max()), bool(everyone[:, 1].all())
         parts = {i: build_batch(gs, width, self.pad_id, s.min_new_tokens, c.rl.pack,
                                 self.row_multiple, m, rows=rows) for i, gs in by.items()}  # fmt: skip
         zero = jax.tree.map(np.zeros_like, next(iter(parts.values()))[0])
         blocks = [parts[i][0] if i in parts else zero for i in range(self.num_shards)]
         batch = jax.tree.map(lambda *xs: np.concatenate(xs), *blocks)
         self.row_shapes.add(rows)
-        return batch, {i: lay for i, (_, lay) in parts.items()}, rows
+        return batch, {i: lay for i, (_, lay) in parts.items()}, rows, idle
 
     def _stats(self, groups, counts, rows, extra) -> dict[str, float]:
         """The step's statistics from every process's summaries and counters."""
