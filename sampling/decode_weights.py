@@ -57,13 +57,7 @@ class DecodeWeights:
             return params
         # Cast where the params lie (bytes halved before they move), then one reshard: each
         # device gathers its tensor shard of every weight over the shard axes.
-        out = jax.device_put(_cast_floats(params, dt), target)
-        if jax.process_count() > 1:
-            # Its collectives span the hosts: done before the round's `peers.agree` is issued.
-            # Both in flight at once deadlocked the CPU (gloo) runtime: one process blocked
-            # dispatching this reshard, its peer in the agreement (3 runs in 4 of a 2 x 4 run).
-            jax.block_until_ready(out)
-        return out
+        return jax.device_put(_cast_floats(params, dt), target)
 
     def decode_shardings(self, params):
         """Per leaf of params (arrays or sharded shape structs) its NamedSharding in the
