@@ -96,18 +96,27 @@ def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
         "greedy": engine(SamplingParams(temperature=0.0)),
         "eval": engine(SamplingParams(temperature=config.eval.temperature)),
     }
-    check_hosts(mesh, rules, model_cfg.num_kv_heads)
+    check_hosts(mesh, rules, model_cfg.num_kv_heads, config.sampling.weights_layout)
     return Run(config, mesh, model_cfg, ids, tokenizer, learner, learner.init_state(params),
                ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
 
 
-def check_hosts(mesh, rules, kv_heads: int) -> None:
+def check_hosts(mesh, rules, kv_heads: int, weights_layout: str = "training") -> None:
     """A multi-process run packs each batch shard's groups into that shard's learner rows on its
     own process (`rl.rollout`): the learner's batch axes must be the sampler's shard axes
-    (ValueError otherwise, one line; each shard on one process is the engine's check)."""
+    (ValueError otherwise, one line; each shard on one process is the engine's check). On CPU
+    it decodes from the training layout: the per-rollout reshard of `weights_layout="tensor"`
+    (`sampling.decode_weights`) hung XLA:CPU's gloo runtime now and then (one process launching
+    it, its peer past it; 1 run in 3 to 8 of a 2 x 4 run here), never the training layout."""
     if jax.process_count() == 1:
         return
     shape = dict(mesh.shape)
+    if mesh.devices.flat[0].platform == "cpu" and weights_layout == "tensor":
+        raise ValueError(
+            "config.sampling.weights_layout='tensor': a multi-process run on CPU decodes from "
+            "the training layout (the per-rollout reshard of 'tensor' hangs XLA:CPU's gloo "
+            "collectives now and then); set --config.sampling.weights_layout=training"
+        )
     shards = partitioned.shard_axes(shape, rules, kv_heads)
     batch = tuple(a for a in partitioned.spec_axes(dict(rules).get("batch")) if shape[a] > 1)
     if shards != batch:

@@ -151,7 +151,7 @@ def replica_groups(line: str) -> list[list[int]] | None:
     `[G,N]<=[d...]` with an optional transpose `T(...)`, or its mesh form
     `mesh['a'=4,'b'=2] {'b'}` (the devices along the named axes; `device_ids=(...)` an iota
     order of them); None when it names none."""
-    m = re.search(r"source_target_pairs=\{([^=]*?)\}(?:,|$| )", line)
+    m = re.search(r"source_target_pairs=\{((?:\{[\d,]+\},?)*)\}", line)
     if m:
         return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)\}", m.group(1))]
     m = re.search(

@@ -10,7 +10,12 @@ import sys
 
 import jax
 
-MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+MESH = [
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
+    "--config.sampling.weights_layout=training",
+]  # on CPU: launch.build.check_hosts
 
 
 def rollout(out: str, tasks: str, isolation: str) -> dict:

@@ -250,3 +250,22 @@ def test_hlo_async_forms_and_tuples():
 def test_hlo_needs_an_entry():
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo.parse("HloModule m\n")
+
+
+def test_hlo_replica_groups_in_each_form():
+    """The device groups of each spelling XLA prints, and whether they span two hosts."""
+    cp = "%c = s32[2,1,1] collective-permute(%x), source_target_pairs={{0,0},{1,2},{2,1},{7,7}}, "
+    assert hlo.replica_groups(cp + 'metadata={op_name="g"}') == [[0, 0], [1, 2], [2, 1], [7, 7]]
+    assert hlo.replica_groups("all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%a") == [
+        [0, 1],
+        [2, 3],
+    ]
+    iota = "all-gather(%x), replica_groups=[4,2]<=[2,2,2]T(1,0,2), dimensions={0}"
+    assert hlo.replica_groups(iota) == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    named = "all-reduce(%x), replica_groups=mesh['a'=2,'b'=4] {'a'}, to_apply=%add"
+    assert hlo.replica_groups(named) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo.replica_groups("all-reduce(%x), to_apply=%add") is None
+    host = lambda d: d // 4  # devices 0-3 on one host, 4-7 on the other
+    c = lambda line: hlo.Collective("x", "c", "main", [], (), "", hlo.replica_groups(line))
+    assert not c(cp).spans(host) and not c(iota).spans(host) and c(named).spans(host)
+    assert c("all-reduce(%x), to_apply=%add").spans(host)  # no groups: every device

@@ -33,7 +33,10 @@ from tests.launch.host_tools import record, steps
 
 pytestmark = pytest.mark.slow  # multi-process training runs
 
-MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+# On CPU a multi-process run decodes from the training layout (launch.build.check_hosts), and
+# its one-process baseline alike.
+MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+        "--config.sampling.weights_layout=training"]  # fmt: skip
 ARGS = [
     f"--config={ROOT}/configs/calc_tool.py", "--config.num_steps=3",
     "--config.checkpoint_every=2", "--config.eval_every=0", "--config.rl.partial_rollouts=True",
@@ -160,14 +163,9 @@ def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
         one = rollout(str(tmp_path / "one"), str(tasks), sandbox_isolation())
     if one["mode"] != "bwrap":
         pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
-    two = _pair(
-        None,
-        tmp_path / "two",
-        str(tasks),
-        sandbox_isolation(),
-        args=[],
-        module="tests.launch.host_repo",
-    )
+    _pair(None, tmp_path / "two", str(tasks), sandbox_isolation(), args=[],
+          module="tests.launch.host_repo")  # fmt: skip
+    two = [json.loads((tmp_path / "two" / f"process{i}.json").read_text()) for i in (0, 1)]
     runs = [p["sandbox_runs"] for p in two]
     assert sum(runs) == one["sandbox_runs"] > 0 and [p["episodes"] for p in two] == [8, 8]
     assert all(0.25 <= n / sum(runs) <= 0.75 for n in runs), runs  # about half each
@@ -177,7 +175,7 @@ def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
 
 
 TRAFFIC = """
-import json, sys
+import dataclasses, json, sys
 import jax
 jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
 import numpy as np
@@ -206,8 +204,10 @@ for name in ("process_allgather", "broadcast_one_to_all", "sync_global_devices")
 owner = lambda d: mesh.devices.flat[d].process_index
 out = {}
 for slots in (8, 32):
+    # Decoded from the training layout (CPU: launch.build.check_hosts); the default "tensor"
+    # layout's program is lowered and compiled below, not run.
     ecfg = EngineConfig(num_slots=slots, page_size=8, num_pages=16 * slots, max_prompt_len=16,
-                        max_new_tokens=12, steps_per_call=4)
+                        max_new_tokens=12, steps_per_call=4, weights_layout="training")
     engine = Engine(CFG, graphdef, ecfg, SamplingParams(1.0), mesh=mesh)
     dispatch, decoded = engine.dispatch, [0]
     def counting(*a, **k):
@@ -221,13 +221,19 @@ for slots in (8, 32):
     _, res = engine.generate_all(params, engine.init_state(), prompts, g, shards=shards,
                                  request_ids=[1000 * jax.process_index() + j for j in range(len(shards))])
     state = engine.init_state()
-    compiled = steps.generate.lower(engine.graphdef, engine.decode_params(params), state,
-                                    engine.sampling, 4, (), engine.backend, jax.random.key(0),
-                                    engine.layout, engine._cascade_group(), False).compile()
-    spanning = [c for c in hlo.collectives(compiled.as_text()) if c.spans(owner)]
+    spanning = {}
+    for layout in ("tensor", "training"):
+        e = Engine(CFG, graphdef, dataclasses.replace(ecfg, weights_layout=layout),
+                   SamplingParams(1.0), mesh=mesh)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        compiled = steps.generate.lower(e.graphdef, e.abstract_decode_params(abstract), state,
+                                        e.sampling, 4, (), e.backend, jax.random.key(0),
+                                        e.layout, e._cascade_group(), False).compile()
+        spanning[layout] = [[c.kind, c.shapes] for c in hlo.collectives(compiled.as_text())
+                            if c.spans(owner)]
     out[slots] = {"decode_calls": decoded[0], "agree": peers.CALLS[0] - before,
                   "multihost": calls["multihost"] - multi,
-                  "spanning": [[c.kind, c.shapes] for c in spanning],
+                  "spanning": spanning,
                   "finished": sum(len(r) for r in res)}
 print("RESULT " + json.dumps(out))
 """
@@ -257,7 +263,8 @@ def test_a_decode_call_moves_no_token_between_hosts(tmp_path):
             assert r["decode_calls"] > 0 and r["finished"] > 0
             assert r["agree"] == r["decode_calls"] + 1, r  # one per round: no more per slot
             assert r["multihost"] == r["agree"], r  # peers.agree is the only multihost call
-            for kind, shapes in r["spanning"]:  # no array of the slots: no token, no log-prob
-                assert all(len(dims) == 0 for _, dims in shapes), (kind, shapes)
-        assert small["spanning"] == big["spanning"] and small["spanning"], small["spanning"]
+            for layout, spans in r["spanning"].items():  # no array of the slots: no token,
+                for kind, shapes in spans:  # no log-prob (in either decode layout)
+                    assert all(len(dims) == 0 for _, dims in shapes), (layout, kind, shapes)
+        assert small["spanning"] == big["spanning"] and small["spanning"]["tensor"], small
     print({k: (v["decode_calls"], v["agree"], v["spanning"]) for k, v in results[0].items()})

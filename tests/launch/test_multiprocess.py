@@ -33,6 +33,7 @@ TINY = [
     "--config.rl.extra_groups=4", "--config.rl.is_correction=tis",
     "--config.sampling.steps_per_call=1", "--config.sampling.temperature=1.5",
     "--config.rl.dynamic_sampling=True",
+    "--config.sampling.weights_layout=training",  # on CPU (launch.build.check_hosts)
 ]  # fmt: skip
 
 
