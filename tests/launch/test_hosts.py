@@ -5,7 +5,9 @@ shards, 2 on each process).
 - The CPU tool demo (configs/calc_tool.py) with partial rollouts, its calculator behind random
   0-60 ms delays on the two processes (unseeded: tests/launch/jittered_tools.py) and instant on
   the one: each process reads only its shards' records and calls the tool for its own episodes
-  (the two counts add up to the one process's), and the runs train alike within 1e-5.
+  (the two counts add up to the one process's), and the runs train alike within 1e-5; one of
+  the two processes killed (kill -9) and both restarted, the jittered run's parameters are
+  bitwise those of the instant tool's straight run on two processes.
 - A tool whose answers hold the process index and a random digit trains 3 steps on the two
   processes: nothing requires the hosts to agree, and each process's groups hold exactly the
   observations its own tool produced, in the rows of the batch that process holds.
@@ -91,8 +93,10 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
     """The calculator behind random delays on two processes, one of them killed (kill -9) after
     step 2's checkpoint and both restarted, against the instant calculator on one: per step the
     processes read their own shards' records, call the tool for their own episodes and train
-    exactly the sequences the one process trains (ids), and the runs train alike within 1e-5."""
-    one, two = tmp_path / "one", tmp_path / "two"
+    exactly the sequences the one process trains (ids), and the runs train alike within 1e-5.
+    Against the instant calculator's straight run on the same two processes: bitwise equal
+    parameters (the delays and the kill change nothing)."""
+    one, two, instant = tmp_path / "one", tmp_path / "two", tmp_path / "instant"
     with record(str(tmp_path / "one_out")):
         assert train_here([f"--workdir={one}", *ARGS], devices=8) == 0
     (single,) = steps(tmp_path / "one_out")
@@ -134,6 +138,11 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
     for name in pa:
         np.testing.assert_allclose(np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5,
                                    err_msg=name)  # fmt: skip
+    _pair(instant, tmp_path / "instant_out")  # 2 x 4, instant tool, straight
+    assert steps(tmp_path / "instant_out") == [p0, p1]  # reads, tool calls, trained ids
+    pi = flatten(load_run(str(instant))[0].state.params)
+    for name in pa:
+        np.testing.assert_array_equal(np.asarray(pb[name]), np.asarray(pi[name]), err_msg=name)
 
 
 def test_tools_may_differ_between_hosts(tmp_path):
