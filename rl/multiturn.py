@@ -54,12 +54,17 @@ class EpisodeSampler:
         self._warned: set[str] = set()
         self.live: dict = {}  # request key -> its G episodes, until scored
         self._lock = threading.Lock()
-        self._calls = [0, 0.0]  # this process's tool calls and their seconds, ever
+        self._calls = [0, 0.0]  # tool calls and seconds of this process's scored episodes
 
     @property
     def counters(self) -> dict[str, float]:
         """This process's tool calls, tool seconds and sandbox runs so far (each process runs
-        its own episodes' tools: `rollout/tool_calls_per_process_max` and the like)."""
+        its own episodes' tools: `rollout/tool_calls_per_process_max` and the like). Calls and
+        seconds are counted per episode (`Episode.tool_calls`, `tool_seconds`) once its group
+        ends (`score`, on the loop's thread): a step counts the episodes that ended in it,
+        whatever tool calls are still running (under partial rollouts, which step a group ends in
+        is a function of the loop's logical clock, not of the tools' latency). Sandbox runs are
+        counted as they start."""
         with self._lock:
             calls, seconds = self._calls
         return {"tool_calls": calls, "tool_seconds": seconds, "sandbox_runs": sandbox.RUNS[0]}
@@ -83,11 +88,7 @@ class EpisodeSampler:
             self._warn_once("step", err)
             ep.env_errors += 1
             obs = None
-        took = time.perf_counter() - start
-        ep.tool_seconds += took
-        with self._lock:  # a step that answers is a tool call; one that ends the episode not
-            self._calls[0] += obs is not None
-            self._calls[1] += took
+        ep.tool_seconds += time.perf_counter() - start
         if ep.tool_seconds > self.max_tool_seconds:
             return None
         return obs
@@ -137,6 +138,9 @@ class EpisodeSampler:
     def score(self, key):
         """(episodes, future of their f32 [G] rewards) of a group whose G episodes ended."""
         episodes = self.live.pop(key)
+        with self._lock:
+            self._calls[0] += sum(ep.tool_calls for ep in episodes)
+            self._calls[1] += sum(ep.tool_seconds for ep in episodes)
         return episodes, self.pool.submit(self._score, episodes)
 
     def abandon(self) -> None:

@@ -109,3 +109,30 @@ def test_two_processes_equal_one_even_after_one_dies(tmp_path):
             np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5, err_msg=name
         )
     print(f"process 0 stopped {waited:.1f} s after process 1 was killed")
+
+
+def test_two_processes_equal_one_synchronously(tmp_path):
+    """The synchronous loop (no partial rollouts) with dynamic sampling, 2 steps: 2 x 4 trains
+    as 1 x 8 within 1e-5 (each process refills its own shards' zero-variance groups)."""
+    sync = [
+        "--config.rl.partial_rollouts=False",
+        "--config.rl.extra_groups=0",
+        "--config.rl.is_correction=none",
+        "--config.num_steps=2",
+    ]  # over TINY's
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    assert main([f"--workdir={single}", *TINY, *sync]) == 0
+    port = _free_port()
+    _wait([_launch(multi, 4, i, 2, port, sync) for i in range(2)])
+    a, b = train_metrics(single), train_metrics(multi)
+    assert sorted(a) == sorted(b) == [1, 2]
+    rows = [json.loads(x) for x in open(single / "metrics.jsonl") if '"loss"' in x]
+    assert sum(r["dynamic_sampling_tries"] for r in rows) > 2  # refill rounds were drawn
+    assert not any("rollout/carried_groups" in r for r in rows)  # the synchronous loop
+    for step in a:
+        got, want = list(b[step].values()), list(a[step].values())
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"step {step}")
+    pa, pb = (flatten(load_run(str(w))[0].state.params) for w in (single, multi))
+    for name in pa:
+        np.testing.assert_allclose(np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5,
+                                   err_msg=name)  # fmt: skip
