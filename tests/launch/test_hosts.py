@@ -57,8 +57,10 @@ def _free_port():
 def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools", kill_after=None):
     """Two processes of 4 CPU devices each running `module` with out, flags and the run's args;
     with kill_after, process 1 is killed (SIGKILL) once that step's checkpoint is committed, and
-    process 0 must stop on its own. Returns process 0's stderr."""
-    port, procs = _free_port(), []
+    process 0 must stop on its own. Returns process 0's stderr. Each process's output goes to a
+    file (OUT.p<i>.log), not a pipe: a pipe read after its peer's could fill and block a process
+    that its peer then waits for in a collective."""
+    port, procs, logs = _free_port(), [], [f"{out}.p{i}.log" for i in range(2)]
     for i in range(2):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
@@ -66,23 +68,23 @@ def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools", kil
                    JAX_COMPILATION_CACHE_DIR=process_cache(i))  # fmt: skip
         run = [f"--workdir={workdir}"] if workdir else []
         cmd = [sys.executable, "-m", module, str(out), *flags, *run, *args]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        with open(logs[i], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+    tail = lambda i: open(logs[i]).read()[-3000:]
     if kill_after is not None:
         while not (workdir / "checkpoints" / str(kill_after)).exists():
-            assert procs[1].poll() is None, procs[1].communicate()[1][-3000:]
+            assert procs[1].poll() is None, tail(1)
             time.sleep(0.05)  # polling a directory the run writes; nothing is timed
         procs[1].kill()
-        err = procs[0].communicate(timeout=300)[1]
+        procs[0].wait(timeout=300)
         procs[1].wait()
-        assert procs[0].returncode != 0, err[-3000:]
-        return err
-    errs = []
-    for p in procs:
-        err = p.communicate(timeout=900)[1]
-        assert p.returncode == 0, err[-3000:]
-        errs.append(err)
-    return errs[0]
+        assert procs[0].returncode != 0, tail(0)
+        return open(logs[0]).read()
+    for i, p in enumerate(procs):
+        p.wait(timeout=900)
+        assert p.returncode == 0, tail(i)
+    return open(logs[0]).read()
 
 
 def _rows(workdir):
@@ -262,14 +264,16 @@ def test_a_decode_call_moves_no_token_between_hosts(tmp_path):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
                    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                    JAX_COMPILATION_CACHE_DIR=process_cache(i))  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", TRAFFIC, f"127.0.0.1:{port}", str(i)], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        with open(tmp_path / f"p{i}.log", "w") as log:  # a file, not a pipe: _pair says why
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", TRAFFIC, f"127.0.0.1:{port}", str(i)], cwd=ROOT, env=env,
+                stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.split("RESULT ", 1)[1]))
+    for i, p in enumerate(procs):
+        p.wait(timeout=600)
+        out = (tmp_path / f"p{i}.log").read_text()
+        assert p.returncode == 0, out[-3000:]
+        results.append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
     for res in results:
         small, big = res["8"], res["32"]
         for r in (small, big):

@@ -44,6 +44,8 @@ def _free_port():
 
 
 def _launch(workdir, devices, process_id=None, num_processes=None, port=None, extra=()):
+    """The run as a subprocess, its output to a file beside workdir (`_err`): a pipe read after
+    its peer's could fill and block a process that its peer then waits for in a collective."""
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
     if num_processes:
         env.update(
@@ -52,17 +54,23 @@ def _launch(workdir, devices, process_id=None, num_processes=None, port=None, ex
             JAX_COMPILATION_CACHE_DIR=process_cache(process_id),  # the twin compiles alike
         )  # fmt: skip
     cmd = [sys.executable, "-m", "launch.train", f"--workdir={workdir}", *TINY, *extra]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    with open(f"{workdir}.p{process_id}.log", "a") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log.name
+    return proc
+
+
+def _err(proc) -> str:
+    """What the process has written so far (its output and errors)."""
+    return open(proc.log).read()
 
 
 def _wait(procs) -> list[str]:
     errs = []
     for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        errs.append(err)
+        p.wait(timeout=600)
+        assert p.returncode == 0, _err(p)[-3000:]
+        errs.append(_err(p))
     return errs
 
 
@@ -77,11 +85,12 @@ def test_two_processes_equal_one_even_after_one_dies(tmp_path):
     port = _free_port()
     procs = [_launch(multi, 4, i, 2, port) for i in range(2)]
     while not (multi / "checkpoints" / "2").exists():
-        assert procs[1].poll() is None, procs[1].communicate()[1][-3000:]
+        assert procs[1].poll() is None, _err(procs[1])[-3000:]
         time.sleep(0.05)  # polling a directory the run writes; nothing is timed
     procs[1].kill()
     killed_at = time.monotonic()
-    err = procs[0].communicate(timeout=300)[1]
+    procs[0].wait(timeout=300)
+    err = _err(procs[0])
     waited = time.monotonic() - killed_at
     procs[1].wait()
     assert procs[0].returncode != 0 and waited < 60, (procs[0].returncode, waited, err[-3000:])
