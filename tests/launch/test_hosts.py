@@ -287,4 +287,9 @@ def test_a_decode_call_moves_no_token_between_hosts(tmp_path):
         assert small["spanning"] == big["spanning"], (small, big)
         # what each process sends per agreement: the same few dozen int32 at 8 and 32 slots
         assert small["sizes"] == big["sizes"] and max(small["sizes"]) <= 64, (small, big)
-    print({k: (v["decode_calls"], v["agree"], v["spanning"]) for k, v in results[0].items()})
+    print(
+        {
+            k: (v["decode_calls"], v["agree"], v["sizes"], v["spanning"])
+            for k, v in results[0].items()
+        }
+    )
