@@ -8,6 +8,7 @@ shards, 2 on each process).
   (the two counts add up to the one process's), and the runs train alike within 1e-5; one of
   the two processes killed (kill -9) and both restarted, the jittered run's parameters are
   bitwise those of the instant tool's straight run on two processes.
+- The same demo without partial rollouts (the synchronous multi-turn loop): alike within 1e-5.
 - A tool whose answers hold the process index and a random digit trains 3 steps on the two
   processes: nothing requires the hosts to agree, and each process's groups hold exactly the
   observations its own tool produced, in the rows of the batch that process holds.
@@ -161,6 +162,31 @@ def test_tools_may_differ_between_hosts(tmp_path):
     # observations of its own tool in them
     assert all(p[s]["groups"] == 4 and p[s]["checked"] > 0 for p in (p0, p1) for s in p)
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_synchronous_multi_turn_run_trains_as_one_host(tmp_path):
+    """The calculator demo without partial rollouts, 2 steps: two processes train the sequences
+    the one process trains (ids, per step) and alike within 1e-5."""
+    sync = [a for a in ARGS if "partial_rollouts" not in a and "is_correction" not in a]
+    sync = [a for a in sync if "num_steps" not in a] + ["--config.num_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    with record(str(tmp_path / "one_out")):
+        assert train_here([f"--workdir={one}", *sync], devices=8) == 0
+    _pair(two, tmp_path / "two_out", args=sync)
+    (single,), (p0, p1) = steps(tmp_path / "one_out"), steps(tmp_path / "two_out")
+    for s in (1, 2):
+        assert sorted(p0[s]["trained"] + p1[s]["trained"]) == single[s]["trained"], s
+        assert p0[s]["tool_calls"] + p1[s]["tool_calls"] == single[s]["tool_calls"] > 0, s
+    rows_one, rows_two = _rows(one), _rows(two)
+    assert [r["step"] for r in rows_one] == [r["step"] for r in rows_two] == [1, 2]
+    keys = [k for k in METRIC_KEYS if k in rows_one[0]]
+    for a, b in zip(rows_one, rows_two):
+        np.testing.assert_allclose([b[k] for k in keys], [a[k] for k in keys], atol=1e-5,
+                                   rtol=1e-5, err_msg=f"step {a['step']}")  # fmt: skip
+    pa, pb = (flatten(load_run(str(w))[0].state.params) for w in (one, two))
+    for name in pa:
+        np.testing.assert_allclose(np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5,
+                                   err_msg=name)  # fmt: skip
 
 
 def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
