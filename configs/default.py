@@ -70,7 +70,7 @@ def get_config():
     c.data.use_chat_template = False  # wrap prompts in the tokenizer's chat template
     c.data.system_prompt = ""  # prepended to every prompt ("" = none)
     c.data.chat_template_kwargs = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
-    c.data.train = ml_collections.ConfigDict()  # training prompts (rl/data.py source config)
+    c.data.train = ml_collections.ConfigDict()  # training prompts (rl/sources.py source config)
     c.data.train.type = "arithmetic"  # arithmetic (built-in) | jsonl | parquet | hf
     c.data.train.path = ""  # file path or glob (jsonl / parquet); hf: Hub id or local directory
     c.data.train.name = ""  # hf: the dataset's subset (config name; "" = its default)

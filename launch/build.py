@@ -37,11 +37,12 @@ from models.hf_config import GenerationIds
 from models.sharding import base_graphdef, make_mesh, run_devices, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer, checksums
-from rl.data import load_records, make_prompt_stream, tokenize_prompts
+from rl.data import make_prompt_stream, tokenize_prompts
 from rl.envs import Environment, make_env
 from rl.evaluation import evaluate
 from rl.learner import Learner, TrainState, batch_sharding
 from rl.rollout import Rollouts
+from rl.sources import load_records
 from sampling import partitioned
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine

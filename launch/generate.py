@@ -32,7 +32,7 @@ from models.hf_config import CheckpointError
 from models.hub import HubError, resolve
 from models.sharding import make_mesh, run_devices
 from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
-from rl.data import read_jsonl
+from rl.sources import read_jsonl
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 

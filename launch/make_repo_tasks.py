@@ -7,7 +7,7 @@
 
 The second form converts SWE-Gym / SWE-smith / R2E-Gym rows whose repositories are checked out
 locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`). The rows are a
-jsonl file or a `datasets` dataset: a Hub dataset id read as rl/data.py reads an "hf" source
+jsonl file or a `datasets` dataset: a Hub dataset id read as rl/sources.py reads an "hf" source
 (`--from_rows SWE-Gym/SWE-Gym --split train [--name SUBSET --revision COMMIT]`; HF_HUB_OFFLINE=1
 reads the Hub cache), a save_to_disk directory, a directory of data files or a parquet file. A
 bad id, subset, split or revision stops with one line naming the flag.

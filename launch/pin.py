@@ -14,7 +14,7 @@ import numpy as np
 
 from launch.cli import UsageError
 from models.hub import CONFIG_FILES, MODEL_FILES, HubError, is_local, resolve
-from rl.data import names_files
+from rl.sources import names_files
 
 
 def model_dir(c: ml_collections.ConfigDict, weights: bool = True) -> str:
@@ -112,7 +112,7 @@ def _agreed(resolve_commit, revision: str) -> str:
 def _dataset_commit(src, revision: str, split: str = "train") -> str:
     if is_local(src.path) or names_files(src.path):
         return ""  # (validate names a missing file)
-    try:  # the card only: the subset's files are fetched by validate / rl.data at this commit
+    try:  # the card only: the subset's files are fetched by validate / rl.sources at this commit
         return resolve(src.path, revision, field=f"config.data.{split}.path",
                        revision_field=f"config.data.{split}.revision", repo_type="dataset",
                        allow_patterns=("README.md",))[1]  # fmt: skip

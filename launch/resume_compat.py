@@ -23,7 +23,7 @@ RESUMABLE_CHANGES = (
     "env.isolation", "env.images_dir", "log.", "model.revision",
 )  # fmt: skip
 
-# Fields added with Hub ids (models/hub.py, rl/data.py's "hf" sources): a run saved before them
+# Fields added with Hub ids (models/hub.py, rl/sources.py's "hf" sources): a run saved before them
 # resumes while they hold these values (a local checkpoint directory), and data.train.name and
 # revision whatever they hold while data.train.type is not "hf" (they are read by "hf" only).
 # data.train.hf_commit (launch.pin.pin_data) is compared as model.hf_commit is, the revision

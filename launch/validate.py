@@ -25,12 +25,13 @@ from models.hf_config import CheckpointError, config_from_hf
 from models.hub import HubError, shadowing
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
-from rl.data import SourceError, hub_dataset_dir, load_records, reward_inputs
+from rl.data import reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from rl.reward_registry import CODE_REWARDS
 from rl.rewards import REWARDS
 from rl.sandbox import ISOLATIONS, isolation_of
+from rl.sources import SourceError, hub_dataset_dir, load_records
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
 from sampling.page_allocator import group_pages

@@ -35,11 +35,11 @@ environment grades FAIL_TO_PASS / PASS_TO_PASS with pytest and refuses a record 
 `test_cmd` (rl.envs.repo.check_record).
 
 Where the rows come from (`read_rows`): a jsonl file, read line by line as today; anything else
-is an "hf" data source of rl/data.py, resolved by its code: a Hub dataset id
+is an "hf" data source of rl/sources.py, resolved by its code: a Hub dataset id
 (`SWE-Gym/SWE-Gym`, with subset `name`, `split` and `revision`; fetched into the Hub cache,
 HF_HUB_OFFLINE=1 reading the cache alone), a `save_to_disk` directory, a directory of data
 files, or a parquet / json / csv file or glob. A local directory whose path reads like an id
-(`./SWE-Gym/SWE-Gym` under the working directory) is read, not the Hub id: rl/data.py's rule.
+(`./SWE-Gym/SWE-Gym` under the working directory) is read, not the Hub id: rl/sources.py's rule.
 A bad id, revision, subset or split, or a dataset without an `instance_id` column, is one line
 naming the flag (`HubError` / `RowsError`).
 """
@@ -169,11 +169,11 @@ FLAGS = {"path": "--from_rows", "name": "--name", "split": "--split", "revision"
 def read_rows(path: str, *, name: str | None = None, split: str = "train", revision: str = "",
               flags: dict | None = None) -> tuple[Sequence[dict], str]:  # fmt: skip
     """(rows, commit) of SWE-style rows at `path` (module docstring): a jsonl file's lines as
-    dicts, or an "hf" source's rows read by rl/data.py (`HFRecords`, random access, no copy),
+    dicts, or an "hf" source's rows read by rl/sources.py (`HFRecords`, random access, no copy),
     and the Hub commit they were read at ("" for local files). Raises RowsError (one line naming
     `flags`' flag of the bad path, subset, split or revision)."""
     from models.hub import HubError, shadowing
-    from rl.data import SourceError, hub_dataset_dir, load_records, read_jsonl
+    from rl.sources import SourceError, hub_dataset_dir, load_records, read_jsonl
 
     flag = {**FLAGS, **(flags or {})}
     path = os.fspath(path)
@@ -190,7 +190,7 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
     except ImportError:
         raise RowsError(f"{flag['path']}={path!r}: reading rows other than jsonl needs the "
                         "datasets library: pip install -e '.[hub]'") from None  # fmt: skip
-    try:  # the Hub id resolved once, by rl/data.py's code, its errors naming our flags
+    try:  # the Hub id resolved once, by rl/sources.py's code, its errors naming our flags
         directory = hub_dataset_dir(path, revision, name, field=flag["path"],
                                     revision_field=flag["revision"])  # fmt: skip
     except HubError as e:

@@ -195,7 +195,7 @@ def test_a_revision_of_a_local_path_is_refused(tmp_path):
     was dropped silently: a local directory spelled like the id was read whatever revision the
     user asked for)."""
     from models.hub import HubError, resolve
-    from rl.data import hub_dataset_dir
+    from rl.sources import hub_dataset_dir
 
     (tmp_path / "org" / "name").mkdir(parents=True)
     (tmp_path / "rows.parquet").write_bytes(b"")
@@ -555,7 +555,7 @@ def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
     from launch.cli import UsageError, config_json, parse_args
     from launch.pin import pin_data
     from launch.resume_compat import check_resumable
-    from rl.data import load_records
+    from rl.sources import load_records
     from tests.launch.test_real_configs import DATA
 
     argv = ["--config", os.path.join(ROOT, "configs", "qwen2_5_0_5b_gsm8k.py")]

@@ -12,7 +12,8 @@ import os
 import pytest
 
 from launch.cli import parse_args
-from rl.data import PromptStream, load_records
+from rl.data import PromptStream
+from rl.sources import load_records
 from tests.conftest import train_here, train_metrics
 
 # three training runs of 6-12 steps, in this process on one device (tests.conftest.train_here: the

@@ -9,7 +9,8 @@ import pytest
 
 from configs import default
 from models.tokenizer import CharTokenizer, load_tokenizer
-from rl.data import format_prompt, load_records, make_prompt_stream, reward_inputs
+from rl.data import format_prompt, make_prompt_stream, reward_inputs
+from rl.sources import load_records
 from rl.tasks import ARITHMETIC_ALPHABET, arithmetic_records, is_heldout
 
 ARITH = {"type": "arithmetic", "num": 50, "digits": 2, "ops": "+-*", "seed": 1}

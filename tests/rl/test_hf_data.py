@@ -1,4 +1,4 @@
-"""Data sources of type "hf" (rl/data.py): a `save_to_disk` directory (load_from_disk) and a
+"""Data sources of type "hf" (rl/sources.py): a `save_to_disk` directory (load_from_disk) and a
 directory of parquet files (datasets.load_dataset) give the records of the same rows as jsonl, in
 the same order, per batch shard, through grain's random access, and resume as jsonl does."""
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rl.data import HFRecords, load_records, make_prompt_stream
+from rl.data import make_prompt_stream
+from rl.sources import HFRecords, load_records
 
 datasets = pytest.importorskip("datasets")
 
@@ -71,7 +72,7 @@ def test_a_hub_dataset_is_fetched_for_its_subset_only(tmp_path):
     """subset_files: the files of the asked subset from the card's `configs` (openai/gsm8k has
     `main` and `socratic`), the default or only subset without a name, all files (None) where the
     card does not say; a subset it does not hold, or none of several, is refused naming them."""
-    from rl.data import SourceError, subset_files
+    from rl.sources import SourceError, subset_files
 
     card = """---
 configs:
@@ -117,7 +118,7 @@ def test_bad_fields_name_the_field(sources, source, changes, message):
     """A wrong split, subset or prompt field of an "hf" source raises SourceError, its message
     starting with the field (launch.validate prefixes config.data.<split>.); the split and the
     prompt field are checked before load_dataset generates the Arrow cache."""
-    from rl.data import SourceError
+    from rl.sources import SourceError
 
     paths = {k: v["path"] for k, v in sources.items()}
     with pytest.raises(SourceError) as e:
@@ -161,7 +162,7 @@ def test_values_json_cannot_carry(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rl.data import SourceError
+    from rl.sources import SourceError
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     when = datetime.datetime(2024, 1, 2, 3, 4, 5)
