@@ -246,7 +246,10 @@ class Rollouts:
                   for i, lay in layouts.items()}  # fmt: skip
         batch = batch.replace(advantages=shard_blocks(blocks, self.num_shards,
                                                       self.batch_sharding))  # fmt: skip
-        stats = self._stats(everyone, counts, rows, extra)
+        partial = self.partial.stats(everyone, counts) if self.partial is not None else {}
+        stats = S.step_stats(everyone, counts, rows=rows * self.num_shards, width=self.width,
+                             row_shapes=len(self.row_shapes), extra=extra, partial=partial,
+                             episodes=self.episodes is not None)  # fmt: skip
         stats.update({k: float(v) for k, v in adv_stats.items()})
         if penalty is not None:
             stats["reward/kl_penalty_mean"] = float(penalty.mean())
@@ -274,34 +277,6 @@ class Rollouts:
         batch = jax.tree.map(lambda *xs: np.concatenate(xs), *blocks)
         self.row_shapes.add(rows)
         return batch, {i: lay for i, (_, lay) in parts.items()}, rows, idle
-
-    def _stats(self, groups, counts, rows, extra) -> dict[str, float]:
-        """The step's statistics from every process's summaries and counters."""
-        total = lambda name: S.total(counts, name)
-        stats = {
-            "learn/rows": float(rows * self.num_shards),
-            "learn/row_shapes": float(len(self.row_shapes)),
-            "learn/padding_frac": 1.0 - float(sum(g["prompt_len"] * len(g["lengths"])
-                                                  for g in groups) + S.flat(groups, "lengths").sum())
-            / (rows * self.num_shards * self.width),
-            "rollout/slot_utilization": total("decoded") / max(counts[0]["slot_steps"], 1.0),
-            "rollout/preemptions": total("preemptions"),
-            "rollout/recomputed_tokens": total("recomputed_tokens"),
-            **S.length_stats(groups),
-            **S.reward_parts(groups),
-            **extra,
-        }  # fmt: skip
-        for name in counts[0]:  # what the processes counted of the step, summed
-            if name.startswith("sum/"):
-                stats[name[4:]] = total(name)
-        if self.partial is not None:
-            stats.update(self.partial.stats(groups, counts))
-        if self.episodes is not None:
-            stats.update(S.episode_stats(groups, int(total("prefill_tokens")),
-                                         int(total("reprefill_tokens"))))  # fmt: skip
-            for name in ("tool_calls", "tool_seconds", "sandbox_runs"):
-                stats.update(S.per_process(counts, name))
-        return stats
 
     def _sample(self, step: int, params, state, data):
         """(state, this process's groups, stats) of a synchronous step: B/S groups per shard,

@@ -157,3 +157,42 @@ def per_process(counters: list[dict], name: str) -> dict[str, float]:
 
 def total(counters: list[dict], name: str) -> float:
     return float(sum(c.get(name, 0.0) for c in counters))
+
+
+def step_stats(
+    groups: list[dict],
+    counts: list[dict],
+    *,
+    rows: int,
+    width: int,
+    row_shapes: int,
+    extra: dict,
+    partial: dict,
+    episodes: bool,
+) -> dict[str, float]:
+    """A step's statistics from every process's group summaries and counters: `rows` learner
+    rows of `width` tokens (all shards), `row_shapes` row counts compiled so far, the sampler's
+    `extra` statistics, partial rollouts' (`rl.partial`) and, for `episodes`, the episodes'."""
+    sums = lambda name: total(counts, name)
+    stats = {
+        "learn/rows": float(rows),
+        "learn/row_shapes": float(row_shapes),
+        "learn/padding_frac": 1.0 - float(sum(g["prompt_len"] * len(g["lengths"]) for g in groups)
+                                          + flat(groups, "lengths").sum()) / (rows * width),
+        "rollout/slot_utilization": sums("decoded") / max(counts[0]["slot_steps"], 1.0),
+        "rollout/preemptions": sums("preemptions"),
+        "rollout/recomputed_tokens": sums("recomputed_tokens"),
+        **length_stats(groups),
+        **reward_parts(groups),
+        **extra,
+    }  # fmt: skip
+    for name in counts[0]:  # what the processes counted of the step, summed
+        if name.startswith("sum/"):
+            stats[name[4:]] = sums(name)
+    stats.update(partial)
+    if episodes:
+        stats.update(episode_stats(groups, int(sums("prefill_tokens")),
+                                   int(sums("reprefill_tokens"))))  # fmt: skip
+        for name in ("tool_calls", "tool_seconds", "sandbox_runs"):
+            stats.update(per_process(counts, name))
+    return stats
