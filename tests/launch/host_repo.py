@@ -21,21 +21,12 @@ MESH = [
 def rollout(out: str, tasks: str, isolation: str) -> dict:
     from launch.build import build
     from launch.cli import parse_args
-    from rl import sandbox
-    from rl.data import make_prompt_stream
     from tests.rl import repo_scripted
 
     config = parse_args(repo_scripted.args(tasks, isolation, prompts=8) + MESH, {})[0]
     run = build(config)
-    data = make_prompt_stream(config.data.train, batch_size=8, seed=0)
-    rollouts, before = run.rollouts(), sandbox.RUNS[0]
-    try:
-        r = rollouts(0, run.state.params, data)
-    finally:
-        rollouts.close()
-        run.env.shutdown()
-    repo_scripted.check(r)
-    result = {"sandbox_runs": sandbox.RUNS[0] - before, "mode": run.env.tools.mode,
+    r, runs = repo_scripted.rollout(run, config, batch_size=8)
+    result = {"sandbox_runs": runs, "mode": run.env.tools.mode,
               "episodes": sum(len(g.episodes) for g in r.groups),
               "per_process": {k: v for k, v in r.stats.items() if "per_process" in k}}  # fmt: skip
     os.makedirs(out, exist_ok=True)

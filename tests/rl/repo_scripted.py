@@ -71,3 +71,20 @@ def check(rollout) -> None:
             assert r == (1.0 if ep.k == 0 else 0.0), (grp.record["instance_id"], ep.k, r)
             assert ep.submitted and ep.num_turns == 3 and ep.workspace is None
             assert ep.tool_errors == (1 if ep.k == 1 else 0)
+
+
+def rollout(run, config, batch_size: int):
+    """(step 0's Rollout of the built `run`, the sandbox runs it started), the script's outcome
+    checked; the run's rollouts and environment are closed after it."""
+    from rl import sandbox
+    from rl.data import make_prompt_stream
+
+    data = make_prompt_stream(config.data.train, batch_size=batch_size, seed=0)
+    rollouts, before = run.rollouts(), sandbox.RUNS[0]
+    try:
+        r = rollouts(0, run.state.params, data)
+    finally:
+        rollouts.close()
+        run.env.shutdown()
+    check(r)
+    return r, sandbox.RUNS[0] - before

@@ -273,7 +273,6 @@ def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
 def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
     from launch.build import build
     from launch.cli import parse_args
-    from rl.data import make_prompt_stream
 
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
@@ -282,14 +281,7 @@ def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
     run = build(config)
     if run.env.tools.mode != "bwrap":
         pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
-    data = make_prompt_stream(config.data.train, batch_size=10, seed=0)
-    rollouts = run.rollouts()
-    try:
-        rollout = rollouts(0, run.state.params, data)
-    finally:
-        rollouts.close()
-        run.env.shutdown()
-    scripted.check(rollout)
+    rollout = scripted.rollout(run, config, batch_size=10)[0]
     ids = {grp.record["instance_id"] for grp in rollout.groups}
     assert len(rollout.groups) == 10
     assert sum(grp.rewards[0] for grp in rollout.groups) == 10  # the fix, on every task seen
