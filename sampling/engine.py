@@ -33,10 +33,10 @@ function pins its output to that layout, so donation reuses the same buffers.
 
 Page allocation is host-side (`sampling.page_allocator` says why): before each call the host
 gives every busy slot the pages of its next `num_steps` tokens, counted from an upper bound of
-its length while calls are in flight (`growth`). What admission sets aside is
-`EngineConfig.reserve`'s: "budget" reserves a group's worst-case pages (`group_pages`) up front,
-so a running request never runs out; "demand" only the pages of its prompt and first call
-(`admission_pages`), and a shard that runs out frees the pages of its newest sequences
+its length while calls are in flight (`growth`; the budget is `sampling.budget`'s). What
+admission sets aside is `EngineConfig.reserve`'s: "budget" reserves a group's worst-case pages
+(`group_pages`) up front, so a running request never runs out; "demand" only the pages of its
+prompt and first call (`admission_pages`), and a shard that runs out frees the pages of its newest sequences
 (`evict`: preemption, decided by `sampling.episodes`), which are recomputed over their whole
 history when they come back (`restore`, a chunked prefill, as vLLM's recompute preemption).
 
@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
 from sampling import partitioned, steps
+from sampling.budget import PageBudget
 from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
 from sampling.page_allocator import (
@@ -70,7 +71,6 @@ from sampling.page_allocator import (
     PageAllocator,
     PageTable,
     PoolTotals,
-    group_pages,
 )
 from sampling.paged_attention import resolve_backend
 from sampling.peers import global_array, local_values, shard_processes
@@ -93,7 +93,7 @@ from sampling.turns import Turns
 MAX_PREFILL_BATCH = CHUNK  # prompts per shard per prefill call
 
 
-class Engine(Turns, Rounds, DecodeWeights):
+class Engine(Turns, Rounds, DecodeWeights, PageBudget):
     """Host side of the sampler: allocator, page table, slot bookkeeping; device state is passed
     in and returned (donated) by every call. `mesh` (with the parameters' `rules`) lays the state
     out over the devices; None keeps it on the default device."""
@@ -215,9 +215,6 @@ class Engine(Turns, Rounds, DecodeWeights):
     def state_shardings(self) -> DecodeState | None:
         """The NamedSharding of every DecodeState field, or None without a mesh."""
         return self._shardings
-
-    def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.ecfg.page_size)
 
     def prefill(self, params, state, prompt: list[int]) -> tuple[DecodeState, Prefix]:
         state, (prefix,) = self.prefill_many(params, state, [prompt])
@@ -384,39 +381,6 @@ class Engine(Turns, Rounds, DecodeWeights):
                 self._serial[s] += 1
         return r
 
-    def growth(self, num_steps: int | None = None) -> dict[int, tuple[int, int]]:
-        """Per busy slot, (its length bound after one more call of num_steps, the pages it then
-        takes from its shard's pool): what `dispatch` allocates."""
-        num_steps = num_steps or self.ecfg.steps_per_call
-        out = {}
-        for s, n in self._len.items():
-            bound = min(n + num_steps, self._cap[s])
-            out[s] = bound, self._pages_for(bound) - len(self.table.row(s))
-        return out
-
-    def shortfall(self, num_steps: int | None = None) -> dict[int, int]:
-        """Per shard whose pool cannot give the next call's pages (`growth`), how many it lacks."""
-        need = [0] * self.num_shards
-        for s, (_, n) in self.growth(num_steps).items():
-            need[self.shard_of(s)] += max(n, 0)
-        return {i: n - p.num_free for i, (n, p) in enumerate(zip(need, self.pools))
-                if n > p.num_free}  # fmt: skip
-
-    def room(self, shard: int) -> int:
-        """Pages of a shard's pool free and not reserved (`_reserved`)."""
-        return self.pools[shard].num_free - self._reserved(shard)
-
-    def headroom(self, shard: int) -> int:
-        """`room` less the pages the shard's busy slots take at the next call (`growth`)."""
-        grow = sum(max(n, 0) for s, (_, n) in self.growth().items() if self.shard_of(s) == shard)
-        return self.room(shard) - grow
-
-    @property
-    def watermark(self) -> int:
-        """Pages a new admission leaves free on its shard ("demand": kv_watermark of the pool)."""
-        e = self.ecfg
-        return int(np.ceil(e.kv_watermark * (self.pages_per_shard - 1))) if e.demand else 0
-
     def _cascade_group(self) -> int:
         """The decode loop's block size: blockwise only (others get 1, not one per group size)."""
         return self.group if self.backend == "blockwise" else 1
@@ -445,31 +409,6 @@ class Engine(Turns, Rounds, DecodeWeights):
         """g free slots of a shard for a group (`requests.take_slots`); `bulk_insert` marks them
         busy."""
         return take_slots(self.free_on(shard), g, self.group, self.ecfg.num_slots)
-
-    def worst_case_pages(self, prompt_len: int, max_new, g: int) -> int:
-        """Pages a group of g samples (max_new: one or g budgets) may hold (`group_pages`)."""
-        return group_pages(prompt_len, max_new, self.ecfg.page_size, g)
-
-    def admission_pages(self, prompt_len: int, max_new, g: int) -> int:
-        """Pages admitting a group sets aside: "budget" its worst case; "demand" its prompt and
-        each sample's first call (steps_per_call tokens, at most its budget)."""
-        e = self.ecfg
-        if not e.demand:
-            return self.worst_case_pages(prompt_len, max_new, g)
-        budgets = [max_new] * g if np.ndim(max_new) == 0 else list(max_new)
-        return self.worst_case_pages(prompt_len, [min(m, e.steps_per_call) for m in budgets], g)
-
-    def _reserved(self, shard: int | None = None) -> int:
-        """Pages promised but not yet allocated, on one shard or on all (None): to samples not
-        inserted yet, and ("budget") to busy slots and parked episodes up to their caps."""
-        on = lambda i: shard is None or i == shard
-        promised = sum(n for c, n in self.promised.items() if on(self.promised_on.get(c, 0)))
-        if self.ecfg.demand:
-            return promised
-        busy = sum(self._pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap
-                   if on(self.shard_of(s)))  # fmt: skip
-        parked = sum(self._pages_for(p.cap) - len(p.pages) for p in self._parked if on(p.shard))
-        return busy + parked + promised
 
     def generate_all(
         self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
