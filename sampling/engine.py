@@ -36,9 +36,10 @@ gives every busy slot the pages of its next `num_steps` tokens, counted from an 
 its length while calls are in flight (`growth`; the budget is `sampling.budget`'s). What
 admission sets aside is `EngineConfig.reserve`'s: "budget" reserves a group's worst-case pages
 (`group_pages`) up front, so a running request never runs out; "demand" only the pages of its
-prompt and first call (`admission_pages`), and a shard that runs out frees the pages of its newest sequences
-(`evict`: preemption, decided by `sampling.episodes`), which are recomputed over their whole
-history when they come back (`restore`, a chunked prefill, as vLLM's recompute preemption).
+prompt and first call (`admission_pages`), and a shard that runs out frees the pages of its
+newest sequences (`evict`: preemption, decided by `sampling.episodes`), which are recomputed
+over their whole history when they come back (`restore`, a chunked prefill, as vLLM's recompute
+preemption).
 
 Misuse (a consumed or stale Prefix; busy, repeated or out-of-range slots) raises ValueError
 before anything changes; `prefill_many` allocates all or nothing. Every call donates the state it
