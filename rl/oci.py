@@ -27,12 +27,16 @@ the rootfs is `/`); device nodes are skipped (what was below them removed all th
 made, setuid/setgid bits dropped (the sandbox's programs never gain privileges; image.json's
 `setuid_dropped` lists the files), ownership kept when we are root and left to us otherwise,
 modification times kept (the image's .pyc files stay valid). Directory modes are applied at the
-end, so a read-only directory can still be filled as non-root.
+end, so a read-only directory can still be filled as non-root. A layer tar is read as Go's
+archive/tar (Docker's, containerd's) reads it: one that ends right after its last member's data,
+without that member's padding to 512 bytes or the end-of-archive blocks (Debian's umoci 0.4.7
+`insert` writes such layers), is whole.
 
 Refused, with one line (`ImageError`: the source, the layer, the member), and nothing left in
 `out` (not made when it was not there): a missing source, a member path that is absolute or has a
 `..` component, a whiteout naming `.` or `..`, a hard link whose target is outside the root or
-missing, any member whose parent path goes through a symlink (an extracted symlink, pointing
+missing, a member whose data is cut short (the archive ends inside it) or a header cut short,
+any member whose parent path goes through a symlink (an extracted symlink, pointing
 anywhere, is never written through: every parent is checked with lstat, files are created with
 O_NOFOLLOW|O_EXCL), a blob whose sha256 is not its digest (manifest, config, layers; a legacy
 layer against the config's diff_ids), a missing or malformed manifest, config or blob, a loop of
@@ -60,6 +64,7 @@ import shutil
 import stat
 import tarfile
 import tempfile
+import zlib
 
 INFO = "image.json"
 ROOTFS = "rootfs"
@@ -305,6 +310,34 @@ class _Hashing(io.RawIOBase):
         return "sha256:" + self.h.hexdigest()
 
 
+class _Tail(io.RawIOBase):
+    """The layer's tar as tarfile reads it, with zeros after its end up to the next 512-byte
+    block (`padded`: the tar was `size` bytes, off a block): tarfile reads a member's padding
+    before the next header and refuses an archive without it, which Debian's umoci 0.4.7
+    `insert` writes and Go's archive/tar (Docker's, containerd's) reads. Whether the zeros only
+    stood in for padding is checked afterwards (`_Layers.check_tail`)."""
+
+    def __init__(self, f):
+        self.f, self.size, self.padded, self.left = f, 0, False, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if not self.padded:
+            data = self.f.read(len(b))
+            if data:
+                self.size += len(data)
+                b[: len(data)] = data
+                return len(data)
+            self.left = -self.size % tarfile.BLOCKSIZE
+            self.padded = self.left > 0
+        n = min(self.left, len(b))
+        b[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
 class _Layers:
     """Applies layer tars onto `root`, refusing what could write outside it."""
 
@@ -373,21 +406,38 @@ class _Layers:
             self.refuse(f"{label}: zstd layers are not supported (gzip or uncompressed tar)")
         stream = gzip.GzipFile(fileobj=reader) if head[:2] == b"\x1f\x8b" else reader
         made: set[str] = set()  # paths this layer wrote: an opaque dir keeps them
-        self.label = label
+        self.label, tail, last = label, _Tail(stream), None
         try:
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
-                for m in tar:
-                    self.member(tar, m, made)
+            with tarfile.open(fileobj=tail, mode="r|") as tar:
+                for last in tar:
+                    self.member(tar, last, made)
                 stream.read()  # to the end of the compressed stream
         except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as err:
             if isinstance(err, ImageError):
                 raise
             self.refuse(f"unreadable layer: {type(err).__name__}: {err}")
+        if tail.padded:
+            self.check_tail(last, tail.size)
         reader.read()
         got = hashing.drain()
         self.label = ""
         if got != digest:
             self.refuse(f"{label}: layer digest mismatch ({got[:23]}... != {digest[:23]}...)")
+
+    def check_tail(self, last: tarfile.TarInfo | None, size: int) -> None:
+        """A tar that ends off a 512-byte block (`size` bytes): read as Go's archive/tar reads
+        it when its last member is whole and only that member's padding and the end-of-archive
+        blocks are missing; refused when the member's data is cut short (the zeros `_Tail` gave
+        stood in for it) or a partial block follows it (a header cut short)."""
+        if last is None:
+            self.refuse(f"the layer is {size} bytes, not a tar")
+        stored = last.size if last.isreg() and not last.issparse() else 0
+        end = last.offset_data + stored
+        if size < end:
+            self.refuse(f"member {last.name!r}: its data is cut short ({size - last.offset_data} "
+                        f"of {stored} bytes)")  # fmt: skip
+        if size > end + (-end % tarfile.BLOCKSIZE):
+            self.refuse(f"a partial block after member {last.name!r} (the archive is cut short)")
 
     def member(self, tar, m: tarfile.TarInfo, made: set) -> None:
         self.name = m.name
@@ -450,7 +500,12 @@ class _Layers:
         elif m.isreg():
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as out:
-                shutil.copyfileobj(tar.extractfile(m), out, 1 << 20)
+                try:
+                    shutil.copyfileobj(tar.extractfile(m), out, 1 << 20)
+                except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as err:
+                    cut = "unexpected end of data" in str(err) or isinstance(err, EOFError)
+                    why = "its data is cut short" if cut else "its data is unreadable"
+                    self.refuse(f"member {m.name!r}: {why} ({type(err).__name__}: {err})")
         else:
             return  # other types (a GNU sparse or contiguous file is read as a file above)
         self.finish(full, m)
