@@ -129,11 +129,25 @@ def check_hosts(mesh, rules, kv_heads: int, weights_layout: str = "training") ->
 
 
 def prepare(config) -> tuple[Run, object, list]:
-    """The run's parts, its data iterator and held-out records. Every prompt is tokenised once
-    here, so a prompt over sampling.max_prompt_len fails now, not hours into the run."""
+    """The run's parts, its data iterator and held-out records. Every prompt is made once here,
+    as the rollout and the evaluation make it (with an environment, its first prompt: for env
+    `repo` the instructions and tool schemas through the chat template), so a prompt over
+    sampling.max_prompt_len, or one the tokenizer cannot encode, fails now (one line naming the
+    record), before the workdir is written, not at the first evaluation or hours into the run."""
     run = build(config)
     data = make_prompt_stream(config.data.train, batch_size=config.data.prompts_per_step,
                               seed=config.seed)  # fmt: skip
+    try:
+        eval_records = check_prompts(config, run)
+    except Exception:
+        if hasattr(run.env, "shutdown"):  # the repo environment's sandboxes (their threads)
+            run.env.shutdown()
+        raise
+    return run, data, eval_records
+
+
+def check_prompts(config, run: Run) -> list:
+    """Every train and held-out record's prompt made once (`prepare`); the held-out records."""
     eval_records = load_records(config.data.eval)
     for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
         if config.env.get("name") == "repo":  # refuse unsupported record fields at load time
@@ -142,8 +156,9 @@ def prepare(config) -> tuple[Run, object, list]:
             for r in records:
                 check_record(r, config.env)  # an image record's isolation and image too
         field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
-        tokenize_prompts(records, run.tokenizer, config, field, keep=False)
-    return run, data, eval_records
+        tokenize_prompts(records, run.tokenizer, config, field, keep=False, env=run.env,
+                         split=split)  # fmt: skip
+    return eval_records
 
 
 def check_base(run: Run, meta: dict, base: dict | None) -> None:

@@ -145,17 +145,35 @@ def format_prompt(
 
 
 def tokenize_prompts(
-    records: Sequence[Mapping], tokenizer: Tokenizer, config, prompt_field: str, keep: bool = True
+    records: Sequence[Mapping],
+    tokenizer: Tokenizer,
+    config,
+    prompt_field: str,
+    keep: bool = True,
+    env=None,
+    split: str = "",
 ):
     """Prompt ids of records under a training config's data settings (chat template, system
-    prompt, template kwargs); a prompt longer than config.sampling.max_prompt_len is an error.
+    prompt, template kwargs), or, with `env`, the environment's first prompts (`env.prompt`:
+    for env `repo` its instructions and tool schemas through the chat template). A prompt
+    longer than config.sampling.max_prompt_len, or one the tokenizer cannot encode, is a
+    ValueError naming the record (of config.data.<split> when `split` is given) and, for the
+    latter, whether its prompt field or the text around it holds what the tokenizer lacks.
     Without `keep` the ids are only checked, one record at a time, and None is returned: a
-    large "hf" source is not copied into a list of token lists (launch.train.prepare)."""
+    large "hf" source is not copied into a list of token lists (launch.build.prepare)."""
     d = config.data
+    kwargs = d.chat_template_kwargs.to_dict()
     prompts, longest, where = [], -1, None
     for i, r in enumerate(records):
-        ids = format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None,
-                            prompt_field, d.chat_template_kwargs.to_dict())  # fmt: skip
+        try:
+            if env is not None:
+                ids = env.prompt(r, prompt_field)
+            else:
+                ids = format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None,
+                                    prompt_field, kwargs)  # fmt: skip
+        except ValueError as err:  # a character the tokenizer lacks (CharTokenizer), a field
+            why = _unencodable(r, i, split, prompt_field, tokenizer, config, err, bool(env))
+            raise ValueError(why) from None
         if len(ids) > longest:  # the first of the longest
             longest, where = len(ids), i
         if keep:
@@ -163,11 +181,38 @@ def tokenize_prompts(
     if where is not None and longest > config.sampling.max_prompt_len:
         text = repr(records[where][prompt_field])
         text = text if len(text) <= 60 else text[:57] + "..."
+        if env is not None:
+            text = f"its {prompt_field!r} {text} in the {config.env.name!r} environment's prompt"
         raise ValueError(
             f"a prompt has {longest} tokens > config.sampling.max_prompt_len="
-            f"{config.sampling.max_prompt_len} (record {where}: {text})"
+            f"{config.sampling.max_prompt_len} ({_record(records[where], where, split)}: {text})"
         )
     return prompts if keep else None
+
+
+def _record(record: Mapping, index: int, split: str) -> str:
+    """How an error names a record: `data.train record 3` (its instance_id too, if it has one)."""
+    name = f"data.{split} record {index}" if split else f"record {index}"
+    iid = record.get("instance_id")
+    return f"{name}, instance_id {iid!r}" if isinstance(iid, str) and iid else name
+
+
+def _unencodable(record, index, split, field, tokenizer, config, err, env: bool) -> str:
+    """The one line for a record whose prompt could not be made (`err`): the tokenizer cannot
+    encode its prompt field, or the text the config or the environment puts around it."""
+    where, value = _record(record, index, split), record.get(field)
+    if not isinstance(value, str):  # (a message list without the chat template, say)
+        return f"{where}: {err}"
+    try:
+        tokenizer.encode(value)
+        what = f"the prompt around its {field!r} (data.system_prompt, the chat template)"
+        if env:
+            what = (f"the {config.env.name!r} environment's prompt around its {field!r} "
+                    "(instructions, tool schemas, the chat template)")  # fmt: skip
+    except ValueError:
+        what = f"its {field!r}"
+    return (f"{where}: {what} cannot be encoded by the tokenizer of "
+            f"config.model.hf_checkpoint={config.model.hf_checkpoint!r}: {err}")  # fmt: skip
 
 
 def reward_inputs(

@@ -229,6 +229,30 @@ def eval_hub_data(monkeypatch):
         json.dump(config, f)
 
 
+def repo_tasks(swap: str = "|`", problem: str = ""):
+    """ckpt/: configs/assets/repo_fix_sft (linked), its character alphabet with swap[0] replaced
+    by swap[1] (the repo environment's prompt has a `, never a |); tasks.jsonl: two tasks of
+    launch.make_repo_tasks (repos/), the first one's issue `problem` when given."""
+
+    def setup(_):
+        from launch.make_repo_tasks import make_tasks
+
+        asset = os.path.join(ROOT, "configs", "assets", "repo_fix_sft")
+        os.mkdir("ckpt")
+        for name in sorted(set(os.listdir(asset)) - {"char_tokenizer.json"}):
+            os.symlink(os.path.join(asset, name), os.path.join("ckpt", name))
+        with open(os.path.join(asset, "char_tokenizer.json")) as f:
+            tok = json.load(f)
+        tok["alphabet"] = tok["alphabet"].replace(*swap) if swap else tok["alphabet"]
+        write(os.path.join("ckpt", "char_tokenizer.json"), json.dumps(tok))(None)
+        rows = make_tasks(".", 2)
+        if problem:
+            rows[0]["problem"] = problem
+            write("tasks.jsonl", "".join(json.dumps(r) + "\n" for r in rows))(None)
+
+    return setup
+
+
 def without(module: str):
     """`module` cannot be imported (as where it is not installed)."""
 
@@ -255,6 +279,11 @@ def bad_count_reward(monkeypatch):
 JSONL = ["--config.data.train.type=jsonl", "--config.data.train.path"]
 GOOD = '{"prompt": "1+1=", "answer": "2"}\n'
 ENV = EIGHT + ["--config.env.name=calculator"]
+REPO = EIGHT + ["--config.model.hf_checkpoint=ckpt", "--config.env.name=repo",
+                "--config.env.isolation=rlimits", *JSONL, "tasks.jsonl",
+                "--config.data.train.prompt_field=problem", "--config.data.eval.type=jsonl",
+                "--config.data.eval.path=tasks.jsonl", "--config.data.eval.prompt_field=problem",
+                "--config.rl.num_generations=2", "--config.sampling.num_pages=4096"]  # fmt: skip
 
 CATALOGUE = [
     # The command line and the config: parse_args and launch.validate, before anything is built.
@@ -331,9 +360,12 @@ CATALOGUE = [
     Case("data-not-utf8", "`data.train.path`: a jsonl file whose line 2 is Latin-1", "latin1.jsonl:2: not UTF-8 text (invalid continuation byte at byte 15)", EIGHT + JSONL + ["latin1.jsonl"], write("latin1.jsonl", GOOD.encode() + '{"prompt": "caf\xe9=", "answer": "1"}\n'.encode("latin-1")), workdir="new"),
     Case("data-malformed-line", "`data.train.path`: a jsonl file whose line 2 is not JSON", "bad.jsonl:2: not valid JSON (Expecting ',' delimiter: line 1 column 13 (char 12))", EIGHT + JSONL + ["bad.jsonl"], write("bad.jsonl", GOOD + '{"prompt": 1+1=}\n'), workdir="new"),
     Case("data-no-prompt-field", "`data.train.path`: a jsonl record without the prompt field", "noprompt.jsonl:1: no prompt field 'prompt' (the record has ['answer', 'question']); set the source's prompt_field", EIGHT + JSONL + ["noprompt.jsonl"], write("noprompt.jsonl", '{"question": "1+1=", "answer": "2"}\n'), workdir="new"),
-    Case("data-prompt-too-long", "`data.train.path`: a jsonl prompt of 9 tokens, over `sampling.max_prompt_len=8`", "a prompt has 9 tokens > config.sampling.max_prompt_len=8 (record 1: '11+11+11=')", EIGHT + JSONL + ["long.jsonl"], write("long.jsonl", GOOD + '{"prompt": "11+11+11=", "answer": "33"}\n'), workdir="new"),
+    Case("data-prompt-too-long", "`data.train.path`: a jsonl prompt of 9 tokens, over `sampling.max_prompt_len=8`", "a prompt has 9 tokens > config.sampling.max_prompt_len=8 (data.train record 1: '11+11+11=')", EIGHT + JSONL + ["long.jsonl"], write("long.jsonl", GOOD + '{"prompt": "11+11+11=", "answer": "33"}\n'), workdir="new"),
     Case("arithmetic-prompt-too-long", "`--config.sampling.max_prompt_len=3` (the built-in task)", "a prompt has 6 tokens > config.sampling.max_prompt_len=3", EIGHT + ["--config.sampling.max_prompt_len=3"], workdir="new"),
     Case("arithmetic-bad-ops", "`--config.data.train.ops=/`", "ops='/' must be a non-empty string of '+-*'", EIGHT + ["--config.data.train.ops=/"], workdir="new"),
+    Case("repo-prompt-too-long", "`--config.env.name=repo --config.sampling.max_prompt_len=1000`, a task whose issue is 68 tokens: with the environment's instructions and tool schemas (rl/envs/repo_tools.py) its prompt is not", "a prompt has 1934 tokens > config.sampling.max_prompt_len=1000 (data.train record 0, instance_id 'task0000_operator_pricing': its 'problem' 'line_total(3, 5) returns 8 instead of 15, so order total... in the 'repo' environment's prompt)", REPO + ["--config.sampling.max_prompt_len=1000"], repo_tasks(), workdir="new"),
+    Case("repo-prompt-unencodable", "`--config.env.name=repo`, a task whose issue holds a character (é) the checkpoint's character tokenizer lacks", "data.train record 0, instance_id 'task0000_operator_pricing': its 'problem' cannot be encoded by the tokenizer of config.model.hf_checkpoint='ckpt': character 'é' is not in the CharTokenizer alphabet", REPO + ["--config.sampling.max_prompt_len=2048"], repo_tasks(problem="café prices are wrong"), workdir="new"),
+    Case("repo-env-prompt-unencodable", "`--config.env.name=repo`, the checkpoint's character tokenizer without the backquote that the environment's instructions hold (configs/assets/repo_fix_sft's, as it is)", "data.train record 0, instance_id 'task0000_operator_pricing': the 'repo' environment's prompt around its 'problem' (instructions, tool schemas, the chat template) cannot be encoded by the tokenizer of config.model.hf_checkpoint='ckpt': character '`' is not in the CharTokenizer alphabet", REPO + ["--config.sampling.max_prompt_len=2048"], repo_tasks(swap=""), workdir="new"),
     Case("tokenizer-missing", "`--config.model.hf_checkpoint=ckpt`, without char_tokenizer.json (and no tokenizer.json)", "ckpt: no tokenizer (neither char_tokenizer.json nor tokenizer.json)", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt("char_tokenizer.json"), workdir="new"),
     Case("char-tokenizer-garbled", "`--config.model.hf_checkpoint=ckpt`, its char_tokenizer.json cut short", "ckpt/char_tokenizer.json: not valid JSON", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"char_tokenizer.json": '{"type": "char", "alpha'}), workdir="new"),
     Case("char-tokenizer-no-alphabet", "`--config.model.hf_checkpoint=ckpt`, its char_tokenizer.json `{\"type\": \"char\"}`", "ckpt/char_tokenizer.json: not a valid char tokenizer (KeyError('alphabet'))", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"char_tokenizer.json": '{"type": "char"}'}), workdir="new"),
