@@ -404,8 +404,11 @@ def main(argv=None) -> int:
                                      revision=a.revision)  # fmt: skip
         except RowsError as e:
             return fail(str(e))
-        os.makedirs(a.out, exist_ok=True)
         records, skipped = convert_rows(rows, a.repos, a.images_dir, a.image_template)
+        if not records:  # nothing to train on: say why, write nothing
+            return fail(f"--from_rows={a.from_rows!r}: none of its {len(rows)} rows converts "
+                        f"(the first: {skipped[0]})")  # fmt: skip
+        os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "tasks.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         for reason in skipped[:10]:

@@ -169,7 +169,7 @@ FLAGS = {"path": "--from_rows", "name": "--name", "split": "--split", "revision"
 def read_rows(path: str, *, name: str | None = None, split: str = "train", revision: str = "",
               flags: dict | None = None) -> tuple[Sequence[dict], str]:  # fmt: skip
     """(rows, commit) of SWE-style rows at `path` (module docstring): a jsonl file's lines as
-    dicts, or an "hf" source's rows read by rl/sources.py (`HFRecords`, random access, no copy),
+    dicts (a `.jsonl` path that does not exist is no such file, never a Hub id), or an "hf" source's rows read by rl/sources.py (`HFRecords`, random access, no copy),
     and the Hub commit they were read at ("" for local files). Raises RowsError (one line naming
     `flags`' flag of the bad path, subset, split or revision)."""
     from models.hub import HubError, shadowing
@@ -177,6 +177,9 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
 
     flag = {**FLAGS, **(flags or {})}
     path = os.fspath(path)
+    if path.endswith(".jsonl") and not os.path.exists(os.path.expanduser(path)):
+        if not any(c in path for c in "*?["):  # (a glob of files is an "hf" source's)
+            raise RowsError(f"{flag['path']}={path!r}: no such file")
     if path.endswith(".jsonl") and os.path.isfile(os.path.expanduser(path)):
         if name or revision or split != "train":
             raise RowsError(f"{flag['path']}={path!r}: a jsonl file has no subset, split or "

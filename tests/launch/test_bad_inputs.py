@@ -20,8 +20,9 @@ from typing import NamedTuple
 import jax
 import pytest
 
-from launch import bench, export, images, train
+from launch import bench, export, images, make_repo_tasks, train
 from launch import eval as eval_
+from launch.workdir_lock import LOCK_FILE
 from models.sharding import on_devices
 from tests.conftest import ROOT, train_here  # (as a script too: the 8 fake devices)
 
@@ -38,9 +39,7 @@ class Case(NamedTuple):
     message: str  # the beginning of the error line, after "error: "
     argv: list[str]
     setup: object = None  # setup(monkeypatch) makes the bad files in the working directory
-    entry: str = (
-        "train"  # launch.train | launch.eval | launch.export | launch.bench | launch.images
-    )
+    entry: str = "train"  # launch.<entry>: train, eval, export, bench, images, make_repo_tasks
     workdir: str = "run"  # launch.train's --workdir: the finished run, or a new one ("new")
     devices: int = 8  # the command runs on this many of the fake devices (`run` was made on one)
 
@@ -279,6 +278,7 @@ def bad_count_reward(monkeypatch):
 JSONL = ["--config.data.train.type=jsonl", "--config.data.train.path"]
 GOOD = '{"prompt": "1+1=", "answer": "2"}\n'
 ENV = EIGHT + ["--config.env.name=calculator"]
+ROW = '{"instance_id": "a__b-1", "problem_statement": "p", "FAIL_TO_PASS": "[]"}\n'  # SWE-Gym's
 REPO = EIGHT + ["--config.model.hf_checkpoint=ckpt", "--config.env.name=repo",
                 "--config.env.isolation=rlimits", *JSONL, "tasks.jsonl",
                 "--config.data.train.prompt_field=problem", "--config.data.eval.type=jsonl",
@@ -408,6 +408,9 @@ CATALOGUE = [
     Case("images-layer-missing", "`python -m launch.images unpack img --out imgs`, img an OCI layout without its layer blob", f"img: blobs/sha256/{_sha_hex(BAD_LAYER)}: No such file or directory", ["unpack", "img", "--out", "imgs"], image(drop_layer=True), entry="images"),
     Case("images-digest-mismatch", "`python -m launch.images unpack img --out imgs`, its layer's bytes not its digest", f"img: layer 0 (blobs/sha256/{'0' * 64}): layer digest mismatch (sha256:{_sha_hex(BAD_LAYER)[:16]}... != sha256:{'0' * 16}...)", ["unpack", "img", "--out", "imgs"], image(layer_digest="sha256:" + "0" * 64), entry="images"),
     Case("images-hostile-member", "`python -m launch.images unpack img --out imgs`, a layer member ../evil", f"img: layer 0 (blobs/sha256/{_sha_hex(EVIL_LAYER)}): member '../evil' escapes the root", ["unpack", "img", "--out", "imgs"], image([EVIL_LAYER]), entry="images"),
+    # launch.make_repo_tasks --from_rows: the rows, before anything is written under --out.
+    Case("repo-tasks-none-convert", "`python -m launch.make_repo_tasks --out out --from_rows rows.jsonl`, no row with a FAIL_TO_PASS test", "--from_rows='rows.jsonl': none of its 1 rows converts (the first: a__b-1: FAIL_TO_PASS is empty)", ["--out", "out", "--from_rows", "rows.jsonl"], write("rows.jsonl", ROW), entry="make_repo_tasks"),
+    Case("repo-tasks-rows-missing", "`python -m launch.make_repo_tasks --out out --from_rows missing.jsonl`, no such file", "--from_rows='missing.jsonl': no such file", ["--out", "out", "--from_rows", "missing.jsonl"], entry="make_repo_tasks"),
 ]  # fmt: skip
 
 
@@ -420,10 +423,11 @@ def finished_run(tmp_path_factory):
 
 
 def snapshot(top: str) -> dict:
-    """{path: (bytes, mtime)} of every file and directory under top, links followed."""
+    """{path: (bytes, mtime)} of every file and directory under top, links followed; but a
+    workdir's run.lock, which names the last run that held it (launch/workdir_lock.py)."""
     out = {}
     for root, dirs, files in os.walk(top, followlinks=True):
-        for name in dirs + files:
+        for name in dirs + [f for f in files if f != LOCK_FILE]:
             path = os.path.join(root, name)
             data = None if os.path.isdir(path) else open(path, "rb").read()
             out[path] = (data, os.stat(path).st_mtime_ns)
@@ -438,7 +442,8 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
         case.setup(monkeypatch)
     argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
     before = snapshot(".")
-    mains = {"train": train, "eval": eval_, "export": export, "bench": bench, "images": images}
+    mains = {"train": train, "eval": eval_, "export": export, "bench": bench, "images": images,
+             "make_repo_tasks": make_repo_tasks}  # fmt: skip
     with on_devices(jax.devices()[: case.devices]):
         rc = mains[case.entry].main(argv)
     err = capsys.readouterr().err
