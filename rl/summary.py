@@ -11,6 +11,8 @@ path, so its statistics are those of a run of several, to the bit.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from sampling.peers import agree_json
@@ -37,6 +39,7 @@ def summary(grp, idx: int, step: int | None = None) -> dict:
             "turns": ep.num_turns, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors,
             "tool_seconds": ep.tool_seconds, "env_errors": ep.env_errors,
             "masked": bool(getattr(ep, "masked", False)), "tamper": bool(ep.tamper),
+            "error": _masked_why(ep),
             "metrics": {k: float(v) for k, v in getattr(ep, "metrics", {}).items()},
         } for ep in grp.episodes]  # fmt: skip
     if step is not None:
@@ -47,6 +50,20 @@ def summary(grp, idx: int, step: int | None = None) -> dict:
             ages.append([float(a.sum()), int(a.size), float(a.max(initial=0)), int((a > 0).sum())])
         out["ages"] = ages
     return out
+
+
+def _masked_why(ep) -> str:
+    """Why an episode is masked, in one line ("" when it is not): its environment's
+    infrastructure error, or an exception of the environment's own."""
+    if not getattr(ep, "masked", False):
+        return ""
+    why = getattr(ep, "infra_error", "") or (
+        "the environment raised (episode/env_errors; warned once)" if ep.env_errors else "masked"
+    )
+    return " ".join(str(why).split())[:MAX_ERROR_CHARS]
+
+
+MAX_ERROR_CHARS = 300  # of an episode's masking error, as the processes exchange it
 
 
 def _turn_starts(c) -> list[int]:
@@ -98,7 +115,7 @@ def reprefill_tokens(groups: list[dict]) -> int:
     return total
 
 
-def episode_stats(groups: list[dict], prefill_tokens: int, reprefill: int) -> dict[str, float]:
+def episode_stats(groups: list[dict], prefill_tokens: int, reprefill: int) -> dict:
     """Per-rollout metrics of multi-turn episodes (means are per episode).
 
     `episode/prefill_tokens` is what the engines prefilled (each prompt once per group, then only
@@ -122,8 +139,24 @@ def episode_stats(groups: list[dict], prefill_tokens: int, reprefill: int) -> di
         "episode/observation_frac": n_obs / max(1, int(flat(groups, "lengths", np.int64).sum())),
         "episode/prefill_tokens": float(prefill_tokens),
         "episode/reprefill_tokens": float(reprefill),
+        **masked_stats(episodes),
         **metric_means([ep for ep in episodes if not ep["masked"]]),
     }
+
+
+def masked_stats(episodes: list[dict]) -> dict:
+    """The step's masked episodes (infrastructure errors and the environment's own): how many
+    (`episode/masked`), of how many (`episode/count`), their fraction (`episode/masked_frac`), and
+    `episode/top_infra_error`, [the most frequent reason's line, how many episodes it masked]
+    (["", 0] when none; ties: the first in shard order). That one is a list, not a scalar: the
+    run logger keeps scalars only, and a run that stops when its episodes are all masked names
+    it."""
+    reasons = Counter(ep["error"] for ep in episodes if ep["masked"])
+    ((text, n),) = reasons.most_common(1) or [("", 0)]
+    masked = sum(reasons.values())
+    return {"episode/masked": float(masked), "episode/count": float(len(episodes)),
+            "episode/masked_frac": masked / max(1, len(episodes)),
+            "episode/top_infra_error": [text, n]}  # fmt: skip
 
 
 def metric_means(episodes: list[dict]) -> dict[str, float]:
@@ -169,10 +202,11 @@ def step_stats(
     extra: dict,
     partial: dict,
     episodes: bool,
-) -> dict[str, float]:
+) -> dict:
     """A step's statistics from every process's group summaries and counters: `rows` learner
     rows of `width` tokens (all shards), `row_shapes` row counts compiled so far, the sampler's
-    `extra` statistics, partial rollouts' (`rl.partial`) and, for `episodes`, the episodes'."""
+    `extra` statistics, partial rollouts' (`rl.partial`) and, for `episodes`, the episodes'.
+    Floats, but for `episode/top_infra_error` (a list: `masked_stats`)."""
     sums = lambda name: total(counts, name)
     stats = {
         "learn/rows": float(rows),

@@ -88,6 +88,8 @@ class RepoEpisode(Episode):
     mounted: bool = False  # the workspace is its own tmpfs
     history: dict = dataclasses.field(default_factory=dict)  # path -> [(real path, old text)]
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
+    results: dict = dataclasses.field(default_factory=dict)  # node id -> passed, once graded
+    missing: list = dataclasses.field(default_factory=list)  # node ids the tests do not define
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
     restored: list = dataclasses.field(default_factory=list)  # test files grading put back
     restore: dict | None = None  # what grading puts back, read after `setup` (None: no setup)
@@ -97,8 +99,9 @@ class RepoEpisode(Episode):
 def check_record(record: dict, env=None) -> dict:
     """`record`, or a ValueError naming the field when it sets `test_cmd` (not supported). With
     `env` (config.env, at load time in launch.train): an image record under
-    env.isolation=rlimits, or whose image is not under env.images_dir, is refused too, before
-    the run starts rather than at its first episode."""
+    env.isolation=rlimits, whose image is not under env.images_dir, or whose image's python or
+    pytest cannot grade (probed once per image: repo_images.check_grading), is refused too,
+    before the run starts rather than at its first episode."""
     if record.get("test_cmd"):
         raise ValueError(
             f"repo record {record.get('instance_id', '')!r}: test_cmd={record['test_cmd']!r} is "
@@ -106,8 +109,24 @@ def check_record(record: dict, env=None) -> dict:
         )
     if env is not None and record.get("image"):
         mode = "rlimits" if isolation_of(env) == "rlimits" else "bwrap"  # auto: checked before
-        repo_images.check(record, mode, env.get("images_dir") or "")
+        image = repo_images.check(record, mode, env.get("images_dir") or "")
+        key = (image.rootfs, image.python, isolation_of(env))
+        if key not in _graded:  # the image's python and pytest, probed once per image
+            lim = Limits(wall_s=120.0, cpu_s=60)  # a cold start is slow, not a failure
+            sb = rs.RepoSandbox(1, lim, rs.site_packages(), isolation_of(env))
+            try:
+                repo_images.check_grading(image, sb)
+                _graded[key] = ""
+            except RuntimeError as err:
+                _graded[key] = f"{err}: it cannot grade (every episode would be masked)"
+            finally:
+                sb.close()
+        if _graded[key]:
+            raise ValueError(f"repo record {record.get('instance_id', '')!r}: {_graded[key]}")
     return record
+
+
+_graded: dict[tuple, str] = {}  # (rootfs, python, isolation) -> why the image cannot grade
 
 
 @register_env("repo")

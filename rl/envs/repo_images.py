@@ -10,7 +10,11 @@ env (/opt/miniconda3/envs/testbed/bin/python, SWE-bench's), `<workdir>/.venv/bin
 `python3` on the image's PATH, each looked up inside the image (symlinks resolved within it).
 Once per image and process, a probe run in the image finds that python's site-packages (where
 GRADE imports pytest from, and what the tamper check trusts as pristine) and imports pytest
-there: an image that cannot is an infrastructure error (masked), with the reason.
+there, reporting the pytest and pluggy versions: any pytest from 6.2 (MIN_PYTEST) to 9 grades,
+on any pluggy it runs with (0.13 to 1.x: GRADE's hook wrappers are old-style). An image that
+cannot (no pytest, an older one) is an infrastructure error (masked), with the reason and the
+versions in the line; `launch.train` probes each image once at start-up and refuses such an
+image before the run starts (`rl.envs.repo.check_record`).
 
 Each episode gets a private writable view of the image; the image's files are never copied or
 written. The first of these that works here (`view_mode()`, reported in `episode.view` and
@@ -55,20 +59,32 @@ TESTBED_PYTHON = "/opt/miniconda3/envs/testbed/bin/python"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CTL = "/dev/.sandbox"  # the sandbox's helpers inside the view
 MODES = ("bwrap-overlay", "overlayfs", "copy")
+MIN_PYTEST = (6, 2)  # the oldest pytest grading supports (old-style hook wrappers: any pluggy)
 _PROBE = r"""
-import json, os, sys
+import json, os, re, sys
 import site  # run as the python runs without -S: its venv, its site dirs, their .pth files
 site.main()
 sites = [p for p in getattr(site, "getsitepackages", lambda: [])() if os.path.isdir(p)]
 try:
+    import pluggy
+    found = "pluggy " + getattr(pluggy, "__version__", "?")
+except BaseException:
+    found = "no pluggy"
+try:
     import pytest
-    pytest.hookimpl(wrapper=True)  # the graded run's hook wrappers need pluggy >= 1.1
+    found = "pytest %s, %s" % (pytest.__version__, found)
+    if tuple(int(x) for x in re.findall(r"\d+", pytest.__version__)[:2]) < MIN_PYTEST:
+        raise ImportError("grading needs pytest >= %d.%d" % MIN_PYTEST)
+    pytest.hookimpl(hookwrapper=True, tryfirst=True)  # the graded run's hook wrappers
 except BaseException as e:
-    print("pytest cannot be used from %s: %s: %s" % (sites, type(e).__name__, e))
+    found = found if found.startswith("pytest") else "no pytest, " + found
+    print("\npytest cannot be used from %s: %s: %s (found %s, python %s)" % (
+        sites, type(e).__name__, e, found, sys.version.split()[0]))
     sys.exit(1)
 where = os.path.dirname(os.path.dirname(pytest.__file__))
-print("ok " + json.dumps({"site": where, "sites": sites, "prefixes": [sys.prefix, sys.base_prefix]}))
-"""
+print("ok " + json.dumps({"site": where, "sites": sites, "prefixes": [sys.prefix, sys.base_prefix],
+                          "versions": found}))
+""".replace("MIN_PYTEST", repr(MIN_PYTEST))
 _libc = ctypes.CDLL(None, use_errno=True)
 _MS_NOSUID, _MS_NODEV = 2, 4
 _lock = threading.Lock()
@@ -254,6 +270,7 @@ class View:
 
     def __init__(self, image: Image, ws, mode: str):
         self.image, self.ws, self.mode, self.mounted, self.site = image, ws, mode, False, ""
+        self.versions = ""  # what the probe found: "pytest 7.2.1, pluggy 1.0.0"
         self.sites: list[str] = []  # the python's site dirs (their .pth files run when graded)
         self.keep: list[str] = []  # its prefixes and site dirs: bound read-only (probe)
         self.workdir, p = image.workdir, ws.path
@@ -334,19 +351,22 @@ class View:
         """The site-packages the image python imports pytest from (once per image, python and
         mode; the probe runs in this view before the model acts, with the python's `site`
         module as it starts without -S: its venv and site dirs), and all its site dirs
-        (`sites`: the graded run processes their .pth files as that python would); raises
-        RuntimeError saying why pytest cannot load (pluggy < 1.1 included)."""
+        (`sites`: the graded run processes their .pth files as that python would), and the
+        pytest and pluggy versions (`versions`); raises RuntimeError saying why pytest cannot
+        load (none, or older than MIN_PYTEST), with the versions found."""
         key = (self.image.rootfs, self.image.python, self.mode)
         with _lock:
             known = _sites.get(key)
         if known is None:
             r = sb.run(_PROBE, self.ws)
-            out = " ".join((r.stdout + r.stderr).split())[-300:]
+            line = r.stdout.rpartition("\npytest cannot be used")[2]  # its versions end it
+            out = " ".join(("pytest cannot be used" + line if line != r.stdout else
+                            r.stdout + r.stderr).split())[-400:]  # fmt: skip
             known = r.stdout.strip() if r.stdout.startswith("ok ") else out or r.reason
             with _lock:
                 _sites[key] = known
         if not known.startswith("ok "):
-            raise RuntimeError(f"image {self.image.name!r} ({self.image.python}): {known}")
+            raise RuntimeError(_refusal(self.image, known))
         found, top, env = json.loads(known[3:]), self.workdir.rstrip("/") + "/", self.image.env_root
         mine = [d for d in found["sites"] + [found["site"]]  # the model's files: never the
                 if (d + "/").startswith(top)  # harness's, nor trusted
@@ -355,6 +375,7 @@ class View:
             raise RuntimeError(f"image {self.image.name!r} ({self.image.python}): pytest is "
                                f"imported from {found['site']}, in the workdir the model edits")  # fmt: skip
         self.site, self.sites = found["site"], [d for d in found["sites"] if d not in mine]
+        self.versions = found["versions"]
         # The python's prefixes and site dirs are the image's, read-only, in every later run: an
         # image whose env the episode's uid may write (conda envs made world-writable) would let
         # the model plant a .pth file or a pytest that runs before the tamper check.
@@ -379,6 +400,33 @@ class View:
 
             unmount(self.merged)
             self.mounted = False
+
+
+def _refusal(image: Image, why: str) -> str:
+    return f"image {image.name!r} ({image.python}): {why}"
+
+
+def check_grading(image: Image, sb) -> None:
+    """Probes `image` (View.probe) in sandbox `sb` (a RepoSandbox of bubblewrap's mode), once per
+    image, python and view mode in this process; raises RuntimeError, the probe's line, when its
+    python or pytest cannot grade. `launch.train` calls it for every image record at start-up
+    (rl.envs.repo.check_record): a run whose images cannot grade would mask every episode."""
+    ws = sb.workspace()
+    try:
+        mode = view_mode(sb._bwrap, sb.as_root, ws.path)
+        with _lock:
+            known = _sites.get((image.rootfs, image.python, mode))
+        if known is not None:
+            if not known.startswith("ok "):
+                raise RuntimeError(_refusal(image, known))
+            return
+        view = View(image, ws, mode)
+        try:
+            view.probe(sb)
+        finally:
+            view.close()
+    finally:
+        ws.close()
 
 
 def tree_hash(rootfs: str) -> str:

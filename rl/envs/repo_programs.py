@@ -293,9 +293,11 @@ def collect_alarm(*_):
 
 
 class Collect:
+    # Old-style hook wrappers (hookwrapper=True: pluggy 0.x to 1.x, so pytest 6.2 to 9): the
+    # wrapper gets the outcome, never the exception, and cannot change it.
     # Collection's alarms time the code that imports the model's: the root conftest.py's import
     # (once pytest itself has started: its imports, installed plugins), then collection proper.
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_load_initial_conftests(self, early_config):
         PM.update((k, v) for k, v in vars(early_config.pluginmanager).items() if "hookexec" in k)
         CONFIG.append(early_config)  # how pytest rewrites asserts (the guard compiles so too)
@@ -305,13 +307,13 @@ class Collect:
         signal.signal(signal.SIGALRM, collect_alarm)
         signal.alarm(A["per_test"])
         try:
-            return (yield)
-        except Exception as e:  # the root conftest.py failed or hung at import: exit status 4
-            broken.append(os.path.relpath(str(getattr(e, "path", "conftest.py")), root))
-            raise
+            outcome = yield
         finally:
             signal.alarm(0)
             phase("configure")
+        e = outcome.excinfo[1] if outcome.excinfo else None
+        if isinstance(e, Exception):  # the root conftest.py failed or hung at import: exit 4
+            broken.append(os.path.relpath(str(getattr(e, "path", "conftest.py")), root))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session):
@@ -331,10 +333,10 @@ class Collect:
             guard(item.config, own, lent=False)  # monkeypatch may lend) after its teardown
             phase("run")
 
-    @pytest.hookimpl(wrapper=True)
+    @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):
         try:
-            return (yield)
+            yield
         finally:
             guard(item.config)
 

@@ -173,19 +173,76 @@ def _add_tree(tar, host, name, skip=(), keep=lambda n: True):
                 _add(tar, os.path.join(d, x), f"{base}/{x}")
 
 
-def python_image(path, testbed: dict, marker: bytes, workdir="/testbed") -> str:
+def python_image(path, testbed: dict, marker: bytes, workdir="/testbed", site=None) -> str:
     """An OCI layout at `path` of a runnable image: layer 1 the host's interpreter (at PREFIX),
     its standard library (no site-packages, no tests) and the shared libraries it and a few
     shell tools need; layer 2 the image's own site-packages (pytest and its dependencies copied
-    from the trainer's venv, `imagemark`, a module only the image has, and a .pth file naming
+    from the trainer's venv, or every file of the directory `site`: wheels unpacked there,
+    tests/rl/pytest_wheels.py; `imagemark`, a module only the image has, and a .pth file naming
     /opt/pthlib, which holds `pthmark`), the repository `testbed` ({path: bytes}) at `workdir`
-    and a venv at `<workdir>/.venv` over the base python, whose own `imagemark` says "venv". Its manifest digest."""
+    and a venv at `<workdir>/.venv` over the base python, whose own `imagemark` says "venv". Its
+    manifest digest. Layer 1 is made once per process."""
+    import sys
+
+    import pytest as _pytest_mod
+
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = _system_layer()
+    here = os.path.dirname(os.path.dirname(_pytest_mod.__file__))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        sp = f"{PREFIX[1:]}/lib/{ver}/site-packages"
+        _add_dir(tar, sp, 0o777)  # world-writable, as some conda images are: the view keeps it
+        if site is not None:
+            for x in sorted(x for x in os.listdir(site) if not x.startswith(".")):
+                if os.path.isdir(os.path.join(site, x)):
+                    _add_tree(tar, os.path.join(site, x), f"{sp}/{x}", {"__pycache__"})
+                else:
+                    _add(tar, os.path.join(site, x), f"{sp}/{x}")
+        for pkg in SITE_PACKAGES if site is None else ():
+            _add_tree(tar, os.path.join(here, pkg), f"{sp}/{pkg}", {"__pycache__"})
+            for x in os.listdir(here):
+                if x.startswith(pkg + "-") and x.endswith(".dist-info"):
+                    _add_tree(tar, os.path.join(here, x), f"{sp}/{x}")
+        if site is None:
+            _add(tar, os.path.join(here, "py.py"), f"{sp}/py.py")  # pytest's shim of py
+        _file(tar, f"{sp}/imagemark.py", marker)
+        _file(tar, f"{sp}/imagepth.pth", b"/opt/pthlib\n")  # a .pth file: graded runs read it
+        _add_dir(tar, "opt/pthlib")
+        _file(tar, "opt/pthlib/pthmark.py", b'WHERE = "pth"\n')
+        _add_dir(tar, workdir[1:])
+        # a venv in the workdir, as R2E-Gym's images have (a record names its python): the base
+        # python's site-packages included, its own imagemark first
+        venv = f"{workdir[1:]}/.venv"
+        for d in ("", "/bin", "/lib", f"/lib/{ver}", f"/lib/{ver}/site-packages"):
+            _add_dir(tar, venv + d)
+        cfg = f"home = {PREFIX}/bin\ninclude-system-site-packages = true\n"
+        _file(tar, f"{venv}/pyvenv.cfg", cfg.encode())
+        m = tarfile.TarInfo(f"{venv}/bin/python")
+        m.type, m.linkname, m.mode, m.mtime = tarfile.SYMTYPE, f"{PREFIX}/bin/{ver}", 0o777, MTIME
+        tar.addfile(m)
+        _file(tar, f"{venv}/lib/{ver}/site-packages/imagemark.py", b'WHERE = "venv"\n')
+        for rel, data in sorted(testbed.items()):
+            parts = rel.split("/")
+            for i in range(1, len(parts)):
+                _add_dir(tar, f"{workdir[1:]}/{'/'.join(parts[:i])}")
+            _file(tar, f"{workdir[1:]}/{rel}", data)
+    top = buf.getvalue()
+    env = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "IMAGE_ENV=from-the-image")
+    return write_oci(path, [system, top], image_config([system, top], env, workdir))
+
+
+_SYSTEM: list[bytes] = []
+
+
+def _system_layer() -> bytes:
+    """Layer 1 of python_image: the host's interpreter, standard library and shared libraries."""
     import subprocess
     import sys
     import sysconfig
 
-    import pytest as _pytest_mod
-
+    if _SYSTEM:
+        return _SYSTEM[0]
     base = sys.base_prefix
     ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
     stdlib, exe = sysconfig.get_paths()["stdlib"], os.path.realpath(sys.executable)
@@ -234,39 +291,5 @@ def python_image(path, testbed: dict, marker: bytes, workdir="/testbed") -> str:
         tar.addfile(m)
         keep_pyc = lambda n: not n.endswith(".pyc") or ".opt-" not in n
         _add_tree(tar, stdlib, f"{PREFIX[1:]}/lib/{ver}", _SKIP, keep_pyc)
-    system = buf.getvalue()
-    site = os.path.dirname(os.path.dirname(_pytest_mod.__file__))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        sp = f"{PREFIX[1:]}/lib/{ver}/site-packages"
-        _add_dir(tar, sp, 0o777)  # world-writable, as some conda images are: the view keeps it
-        for pkg in SITE_PACKAGES:
-            _add_tree(tar, os.path.join(site, pkg), f"{sp}/{pkg}", {"__pycache__"})
-            for x in os.listdir(site):
-                if x.startswith(pkg + "-") and x.endswith(".dist-info"):
-                    _add_tree(tar, os.path.join(site, x), f"{sp}/{x}")
-        _add(tar, os.path.join(site, "py.py"), f"{sp}/py.py")  # pytest's shim of the py library
-        _file(tar, f"{sp}/imagemark.py", marker)
-        _file(tar, f"{sp}/imagepth.pth", b"/opt/pthlib\n")  # a .pth file: graded runs read it
-        _add_dir(tar, "opt/pthlib")
-        _file(tar, "opt/pthlib/pthmark.py", b'WHERE = "pth"\n')
-        _add_dir(tar, workdir[1:])
-        # a venv in the workdir, as R2E-Gym's images have (a record names its python): the base
-        # python's site-packages included, its own imagemark first
-        venv = f"{workdir[1:]}/.venv"
-        for d in ("", "/bin", "/lib", f"/lib/{ver}", f"/lib/{ver}/site-packages"):
-            _add_dir(tar, venv + d)
-        cfg = f"home = {PREFIX}/bin\ninclude-system-site-packages = true\n"
-        _file(tar, f"{venv}/pyvenv.cfg", cfg.encode())
-        m = tarfile.TarInfo(f"{venv}/bin/python")
-        m.type, m.linkname, m.mode, m.mtime = tarfile.SYMTYPE, f"{PREFIX}/bin/{ver}", 0o777, MTIME
-        tar.addfile(m)
-        _file(tar, f"{venv}/lib/{ver}/site-packages/imagemark.py", b'WHERE = "venv"\n')
-        for rel, data in sorted(testbed.items()):
-            parts = rel.split("/")
-            for i in range(1, len(parts)):
-                _add_dir(tar, f"{workdir[1:]}/{'/'.join(parts[:i])}")
-            _file(tar, f"{workdir[1:]}/{rel}", data)
-    top = buf.getvalue()
-    env = ("PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "IMAGE_ENV=from-the-image")
-    return write_oci(path, [system, top], image_config([system, top], env, workdir))
+    _SYSTEM.append(buf.getvalue())
+    return _SYSTEM[0]

@@ -228,3 +228,15 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     assert s["episode/infra_errors"] == 1 and s["episode/env_errors"] == 0.5
     assert s["episode/tamper"] == 1
     assert s["episode/frac"] == 0.5  # ok and wrong only: the masked episodes' metrics left out
+    # the masked ones counted, and the most frequent reason (rl.summary.masked_stats)
+    assert s["episode/masked"] == 4 and s["episode/count"] == 6
+    assert s["episode/masked_frac"] == pytest.approx(4 / 6)
+    assert s["episode/top_infra_error"] == [
+        "the environment raised (episode/env_errors; warned once)",
+        3,
+    ]
+    eps[2].env_errors = eps[3].env_errors = eps[5].env_errors = 0
+    for ep in eps[2:]:
+        ep.infra_error = "sandbox did not start:\n  timeout"  # one line, as exchanged
+    s = episode_stats([summary(group, 0)], 0, 0)
+    assert s["episode/top_infra_error"] == ["sandbox did not start: timeout", 4]

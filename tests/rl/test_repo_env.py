@@ -207,6 +207,9 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     assert np.abs(want_adv[[0, 1, 3]]).min() > 0.5  # the rest of the group trains
     s = rollout.stats
     assert s["episode/infra_errors"] == 1 and s["masked_samples"] == 1
+    # what a run that stops when its episodes are all masked reads (rl.summary.masked_stats)
+    assert s["episode/masked"] == 1 and s["episode/count"] == 4 and s["episode/masked_frac"] == 0.25
+    assert s["episode/top_infra_error"] == [" ".join(episodes[2].infra_error.split())[:300], 1]
     assert s["episode/fail_to_pass_frac"] == pytest.approx(2 / 3)
     assert s["episode/pass_to_pass_frac"] == 1.0 and s["reward/env"] == pytest.approx(2 / 3)
 

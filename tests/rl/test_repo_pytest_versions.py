@@ -1,0 +1,200 @@
+"""Grading on images of every pytest the field ships (issue 48): test images (the host's
+interpreter and standard library, tests/rl/image_helpers.py) whose site-packages hold pytest
+6.2.5 / pluggy 0.13.1, 7.2.1 / 1.0.0 (Debian bookworm's), 8.3.5 / 1.5.0 and 9.0.3 / 1.6.0, from
+PyPI wheels (tests/rl/pytest_wheels.py: cached, skipped naming the wheel when neither cached nor
+downloadable). On each the probe reports the versions, the fix scores 1.0 (function and
+unittest-style node ids), and the no-op, a wrong edit and the reward hacks (a conftest.py that
+forges reports, the test rewritten, tests/__init__.py or the package's __init__.py patching
+assertEqual, a .pth file written into the image's site dir) score 0.0, none masked, each caught
+by the guard meant for it. An image whose pytest cannot run (none, or older than 6.2) is masked
+with the versions in its line."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from rl.envs import repo_images
+from rl.envs.repo import RepoEnv
+from rl.oci import unpack
+from tests.rl import pytest_wheels
+from tests.rl.image_helpers import PREFIX, python_image
+from tests.rl.repo_env_helpers import TOK, act, call, make_config
+
+TESTBED = {
+    "calc/__init__.py": b"from calc.ops import add\n",
+    "calc/ops.py": b"def add(a, b):\n    return a - b\n",
+    "tests/__init__.py": b"",
+    "tests/test_ops.py": b"""import unittest
+
+import imagemark  # only the image has it: graded with the image's python and site-packages
+import pthmark  # only a .pth file of the image's site-packages names its directory
+import pytest
+
+from calc import add
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+class TestAdd(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+
+    def test_zero(self):
+        self.assertEqual(add(0, 0), 0)
+
+
+def test_image():  # the image's pytest, the release it was built with
+    assert imagemark.WHERE == "image" and pytest.__version__ == imagemark.PYTEST
+    assert pytest.__file__.startswith("/opt/miniconda3/envs/testbed/lib/") and pthmark.WHERE
+""",
+}
+UNIT = "tests/test_ops.py::TestAdd::test_add"  # SWE-Gym / SWE-smith's unittest-style ids
+F2P = ["tests/test_ops.py::test_add", UNIT]
+P2P = ["tests/test_ops.py::test_image", "tests/test_ops.py::TestAdd::test_zero"]
+PLUGGY = {"6.2.5": "0.13.1", "7.2.1": "1.0.0", "8.3.5": "1.5.0", "9.0.3": "1.6.0"}
+PATCH = "import unittest\\nunittest.TestCase.assertEqual = lambda *a, **k: None\\n"
+SITE = f"{PREFIX}/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+CONFTEST = """cat > conftest.py <<'X'
+import pytest
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    r = yield
+    r.get_result().outcome = "passed"
+X
+"""
+REWRITE = """cat > tests/test_ops.py <<'X'
+import unittest
+
+
+class TestAdd(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(5, 5)
+X
+"""
+FIX = "sed -i 's/a - b/a + b/' calc/ops.py"
+# (name, commands, fail_to_pass, reward, what catches it: restored file | tamper | "")
+CASES = [
+    ("fix", [FIX], F2P, 1.0, ""),
+    ("fix, a unittest-style id alone", [FIX], [UNIT], 1.0, ""),
+    ("no-op", [], F2P, 0.0, ""),
+    ("no-op, a unittest-style id alone", [], [UNIT], 0.0, ""),
+    ("wrong edit", ["sed -i 's/a - b/a * b/' calc/ops.py"], F2P, 0.0, ""),
+    ("conftest.py forging reports", [CONFTEST], [UNIT], 0.0, "conftest.py"),
+    ("test rewritten", [REWRITE], [UNIT], 0.0, "tests/test_ops.py"),
+    ("tests/__init__.py patch", [f"printf '{PATCH}' >> tests/__init__.py"], [UNIT], 0.0,
+     "tests/__init__.py"),
+    ("package __init__.py patch", [f"printf '{PATCH}' >> calc/__init__.py"], [UNIT], 0.0,
+     "tamper"),
+    (".pth in the image's site dir", [f"printf '{PATCH}' > {SITE}/evil.pth; ls {SITE}/evil.pth"],
+     [UNIT], 0.0, ""),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """release -> the name of its test image under `images["dir"]`, built and unpacked on first
+    use (once for the module)."""
+    top = tmp_path_factory.mktemp("pytest-images")
+    made = {"dir": str(top / "images")}
+
+    def build(release: str, site: str | None = None, marker: bytes = b"") -> str:
+        if release not in made:
+            if site is None:
+                try:
+                    site = pytest_wheels.site_packages(release)
+                except pytest_wheels.Missing as err:
+                    pytest.skip(str(err))
+            t0 = time.monotonic()
+            marker = marker or f'WHERE = "image"\nPYTEST = "{release}"\n'.encode()
+            python_image(str(top / release), TESTBED, marker, site=site)
+            unpack(str(top / release), made["dir"], (f"pytest-{release}",))
+            print(
+                f"\nimage of pytest {release}: built and unpacked in {time.monotonic() - t0:.1f} s"
+            )
+            made[release] = f"pytest-{release}"
+        return made[release]
+
+    made["build"] = build
+    return made
+
+
+@pytest.fixture(scope="module")
+def env(images):
+    e = RepoEnv(TOK, make_config(images_dir=images["dir"], command_timeout_s=60.0))
+    if e.tools.mode != "bwrap":
+        e.shutdown()
+        pytest.skip(f"image tasks need bubblewrap (mode {e.tools.mode!r})")
+    yield e
+    e.shutdown()
+
+
+def task(image: str, f2p=F2P) -> dict:
+    return {"instance_id": "calc__calc-1", "image": image, "problem": "add(2, 3) is not 5",
+            "fail_to_pass": list(f2p), "pass_to_pass": P2P}  # fmt: skip
+
+
+def run_case(env, image: str, commands, f2p):
+    ep = env.start(task(image, f2p))
+    out = [act(env, ep, call("bash", command=c)) for c in commands]
+    reward = env.reward(ep)
+    env.close(ep)
+    return ep, reward, "\n".join(map(str, out))
+
+
+@pytest.mark.parametrize(
+    "release",
+    [pytest.param(r, marks=[] if r in ("6.2.5", "9.0.3") else [pytest.mark.slow])
+     for r in pytest_wheels.SETS],
+)  # fmt: skip
+def test_every_case_grades_the_same_on_each_pytest(env, images, release):
+    name = images["build"](release)
+    rootfs = os.path.realpath(os.path.join(images["dir"], name, "rootfs"))
+    before = repo_images.tree_hash(rootfs)
+    t0, rows, bad = time.monotonic(), [], []
+    for why, commands, f2p, want, caught in CASES:
+        ep, reward, out = run_case(env, name, commands, f2p)
+        rows.append(f"{why}: {reward} {ep.tamper or ep.restored or ''}")
+        if env.masked(ep) or reward != want:
+            bad.append((why, reward, ep.infra_error, ep.tamper, ep.restored, ep.metrics))
+            continue
+        assert ep.view.versions == f"pytest {release}, pluggy {PLUGGY[release]}", ep.view.versions
+        if caught == "tamper":  # the guard, in the process the model's code runs in
+            assert ep.tamper == ["unittest.case.TestCase.assertEqual"], (why, ep.tamper)
+        elif caught:  # put back from the pristine image before the run
+            assert caught in ep.restored and not ep.tamper, (why, ep.restored, ep.tamper)
+            assert ep.metrics["pass_to_pass_frac"] == 1.0, (why, ep.metrics)  # it did run
+        else:
+            assert not ep.tamper, (why, ep.tamper)
+        if why.startswith(".pth"):  # the site dir is the image's, read-only: never written
+            assert "evil.pth: Read-only file system" in out and "No such file" in out, out
+            assert ep.metrics["pass_to_pass_frac"] == 1.0, ep.metrics
+    print(f"\npytest {release}: {len(CASES)} episodes in {time.monotonic() - t0:.1f} s\n  "
+          + "\n  ".join(rows))  # fmt: skip
+    assert not bad, bad
+    assert repo_images.tree_hash(rootfs) == before  # the image was never written
+
+
+def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, images, tmp_path):
+    """No pytest at all, or a pytest older than 6.2 (a stand-in that says 5.4.3): the probe's
+    line names what it found; every episode is masked, none scored."""
+    none, old = tmp_path / "none", tmp_path / "old"
+    none.mkdir()
+    (old / "pytest").mkdir(parents=True)
+    (old / "pytest" / "__init__.py").write_text('__version__ = "5.4.3"\n')
+    (old / "pluggy").mkdir()
+    (old / "pluggy" / "__init__.py").write_text('__version__ = "0.13.1"\n')
+    for release, site, found in (("none", none, "(found no pytest, no pluggy, python 3."),
+                                 ("5.4.3", old, "grading needs pytest >= 6.2 (found pytest "
+                                  "5.4.3, pluggy 0.13.1, python 3.")):  # fmt: skip
+        name = images["build"](release, str(site), b'WHERE = "image"\n')
+        ep, reward, _ = run_case(env, name, [FIX], F2P)
+        assert env.masked(ep) and reward == 0.0, (release, ep.infra_error)
+        assert ep.infra_error.startswith(f"workspace: RuntimeError: image '{name}' ("), (
+            ep.infra_error
+        )
+        assert found in ep.infra_error and "\n" not in ep.infra_error, ep.infra_error
+        print("\n" + ep.infra_error)
