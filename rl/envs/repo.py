@@ -90,6 +90,8 @@ class RepoEpisode(Episode):
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
     results: dict = dataclasses.field(default_factory=dict)  # node id -> passed, once graded
     missing: list = dataclasses.field(default_factory=list)  # node ids the tests do not define
+    results: dict = dataclasses.field(default_factory=dict)  # node id -> passed, once graded
+    missing: list = dataclasses.field(default_factory=list)  # node ids the tests do not define
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
     restored: list = dataclasses.field(default_factory=list)  # test files grading put back
     restore: dict | None = None  # what grading puts back, read after `setup` (None: no setup)

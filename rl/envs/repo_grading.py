@@ -145,9 +145,10 @@ def after_setup(workspace: str, repo: str, tests: tuple[str, ...]) -> dict:
 
 
 def score(ep, r: dict, per_test: float, ended: float) -> float:
-    """The episode's reward from GRADE's result `r` (RepoSandbox.program's dict), with its metrics,
-    `tamper`, `restored`, `grade_timeout` or `infra_error` set; `ended`: time.monotonic() when
-    the run returned (a killed run's phase is aged on the sandbox's own clock)."""
+    """The episode's reward from GRADE's result `r` (RepoSandbox.program's dict), with its metrics
+    and per-test `results`, `missing`, `tamper`, `restored`, `grade_timeout` or `infra_error`
+    set; `ended`: time.monotonic() when the run returned (a killed run's phase is aged on the
+    sandbox's own clock)."""
     run = r["_run"]
     zero = {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
     if not r["_started"]:  # also: the harness (pytest) could not be imported before READY
@@ -176,6 +177,7 @@ def score(ep, r: dict, per_test: float, ended: float) -> float:
         )
         return 0.0
     code, broken = r.get("exit"), r.get("broken")
+    ep.missing = list(r.get("missing", []))  # node ids the pristine tests do not define
     alarm = code == 3 and "TimeoutError" in r.get("internal", [])  # inside pytest: slow
     undefined = r.get("missing") and code not in (2, 3)  # ids the pristine tests lack
     if not broken and (alarm or code == 4 or undefined):
@@ -190,4 +192,5 @@ def score(ep, r: dict, per_test: float, ended: float) -> float:
     passed = r.get("passed", {})  # missing (the run died after READY): all fail
     frac = lambda nodes: sum(bool(passed.get(n)) for n in nodes) / max(1, len(nodes))
     ep.metrics = {"fail_to_pass_frac": frac(f2p), "pass_to_pass_frac": frac(p2p)}
+    ep.results = {n: bool(passed.get(n)) for n in f2p + p2p}  # (launch.make_repo_tasks --validate)
     return float(all(passed.get(n) for n in f2p + p2p))

@@ -12,7 +12,7 @@ there) and the gold patch not applied. The checkout is found as, in order: the r
 path.
 
     record = from_swe_row(row, repos_dir)   # {"instance_id", "repo", "problem", "fail_to_pass",
-                                            #  "pass_to_pass", "setup"}
+                                            #  "pass_to_pass", "setup", "patch" if the row has one}
     record = from_swe_row(row, images_dir=D, image_template="sweb.eval.x86_64.{instance_id}")
                                             # {"instance_id", "image", ...}: runs in the image
 
@@ -26,13 +26,15 @@ template is `swebench/sweb.eval.x86_64.{docker_id}:latest`. The image must be un
 the named test files. A row's `workdir` and `python` pass through. A row with no checkout and
 no image is refused.
 
-A row is refused (ValueError naming the instance) when no checkout is found, when a test id is
-not a pytest node id (SWE-bench's Django and SymPy rows name tests their own way), or when a test
-file it names is missing from a checkout directory (the test patch is not applied). `setup` (a
-shell command run once per workspace, e.g. `pip install -e . --no-deps`; the sandbox has no
-network) passes through when the row has it. A row's `test_cmd` is not carried over: the
-environment grades FAIL_TO_PASS / PASS_TO_PASS with pytest and refuses a record that sets
-`test_cmd` (rl.envs.repo.check_record).
+A row is refused (ValueError naming the instance) when no checkout is found, when a test id is not
+a pytest node id (SWE-bench's Django and SymPy rows name tests their own way), or when a test file
+it names is missing from a checkout directory (the test patch is not applied). `setup` (a shell
+command run once per workspace, e.g. `pip install -e . --no-deps`; the sandbox has no network)
+passes through when the row has it, and so does `patch` (SWE-bench's gold patch, a unified diff):
+the reference fix that `python -m launch.make_repo_tasks --validate` applies
+(rl/envs/repo_reference.py); the environment never shows it to the model. A row's `test_cmd` is not
+carried over: the environment grades FAIL_TO_PASS / PASS_TO_PASS with pytest and refuses a record
+that sets `test_cmd` (rl.envs.repo.check_record).
 
 Where the rows come from (`read_rows`): a jsonl file, read line by line as today; anything else
 is an "hf" data source of rl/sources.py, resolved by its code: a Hub dataset id
@@ -140,8 +142,10 @@ def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"{iid}: no problem_statement")
     where = where or {"repo": repo}
+    patch = row.get("patch")  # the gold patch: the reference fix --validate applies
     return {"instance_id": iid, **where, "problem": problem, "fail_to_pass": f2p,
-            "pass_to_pass": p2p, "setup": row.get("setup") or ""}  # fmt: skip
+            "pass_to_pass": p2p, "setup": row.get("setup") or "",
+            **({"patch": patch} if isinstance(patch, str) and patch.strip() else {})}  # fmt: skip
 
 
 def convert_rows(rows, repos_dir: str | None = None, images_dir: str | None = None,
