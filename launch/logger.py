@@ -9,8 +9,14 @@ and a fingerprint of the final parameters.
 With `config.log.wandb` the same scalars (at the same steps) also go to Weights & Biases, with the
 run's config and, at the end, summary.json as the W&B summary (WANDB_MODE, WANDB_API_KEY and the
 rest of W&B's environment apply). The W&B run id is kept in the workdir (`wandb_run_id`), so a
-resumed run continues the same W&B run; W&B drops points at steps below the last it holds, as
-after a kill -9 the resumed run logs again the steps since its checkpoint (TensorBoard keeps both).
+resumed run continues the same W&B run.
+
+Every step is logged once, also after a kill -9 and a resume. A resumed run computes again the
+steps since its checkpoint, bitwise as the killed run did; what the killed run logged of them
+stands, and the resumed run skips a record (a step's scalars, its samples) that metrics.jsonl
+already holds. That is exact because each record goes to TensorBoard (flushed) and W&B before
+its line is written to metrics.jsonl: a line there means the other two have it. (W&B itself
+drops points below the last step it holds; TensorBoard would keep both.)
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ class RunLogger:
         self.enabled, self.workdir, self.wandb = enabled, workdir, None
         if not enabled:
             return
+        # (step, keys) of the scalar records a killed run of this workdir logged already
+        self.logged = _logged_records(os.path.join(workdir, "metrics.jsonl"))
+        self.sampled = _logged_steps(os.path.join(workdir, "samples.jsonl"))
         self.events = EventFileWriter(os.path.join(workdir, "tensorboard"))
-        self.metrics = open(os.path.join(workdir, "metrics.jsonl"), "a")
-        self.samples = open(os.path.join(workdir, "samples.jsonl"), "a")
+        self.metrics = _append(os.path.join(workdir, "metrics.jsonl"))
+        self.samples = _append(os.path.join(workdir, "samples.jsonl"))
         if config is not None and config.get("log", {}).get("wandb"):
             self.wandb = _wandb_run(workdir, config)
 
@@ -44,30 +53,34 @@ class RunLogger:
         self.events.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        """One record: TensorBoard (flushed), W&B, then its line in metrics.jsonl. A record the
+        workdir's metrics.jsonl holds already (a resumed run redoing a step) is skipped."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in values.items() if np.ndim(v) == 0}
+        if (step, frozenset(clean)) in self.logged:
+            return
         for tag, value in clean.items():
             self._event(step, scalar_pb(tag, value))
-        self.metrics.write(json.dumps({"step": step, **clean}) + "\n")
-        self.metrics.flush()
+        self.events.flush()
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
+        self.metrics.write((json.dumps({"step": step, **clean}) + "\n").encode())
 
     def texts(self, step: int, prompts: list[str], completions: list[str], rewards) -> None:
-        if not self.enabled:
+        """A step's sample texts, skipped when samples.jsonl holds that step already."""
+        if not self.enabled or step in self.sampled:
             return
         rows = [
             {"step": step, "prompt": p, "completion": c, "reward": float(r)}
             for p, c, r in zip(prompts, completions, rewards)
         ]
-        for row in rows:
-            self.samples.write(json.dumps(row) + "\n")
-        self.samples.flush()
         table = "\n\n".join(
             f"`{r['prompt']}` → `{r['completion']}` (reward {r['reward']:.2f})" for r in rows
         )
         self._event(step, text_pb("samples", table))
+        self.events.flush()
+        self.samples.write("".join(json.dumps(row) + "\n" for row in rows).encode())
 
     def completions(self, step: int, rollout, prompt_field: str, n: int) -> None:
         """texts() of a rollout's first n completions (`rl.rollout.Rollout`), with their prompts."""
@@ -103,6 +116,42 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def _append(path: str):
+    """`path` opened to append whole lines, unbuffered: each record is one write(2), which a
+    kill -9 does not cut. A last line without its newline (cut by a full disk) is dropped."""
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "ab", buffering=0)
+
+
+def _logged_records(path: str) -> set[tuple[int, frozenset]]:
+    """(step, keys) of each record in a metrics.jsonl; a line cut short by a kill is ignored."""
+    out = set()
+    for row in _rows(path):
+        out.add((row.pop("step"), frozenset(row)))
+    return out
+
+
+def _logged_steps(path: str) -> set[int]:
+    return {row["step"] for row in _rows(path)}
+
+
+def _rows(path: str):
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # the last line of a killed run, cut short
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                yield row
 
 
 def _wandb_run(workdir: str, config):

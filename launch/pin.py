@@ -1,5 +1,5 @@
 """Start-up resolution done on process 0 first, its answer then taken by every process
-(`_agreed`): the Hub commits a run pins (config.model.hf_checkpoint's, an "hf" data source's),
+(`agreed`): the Hub commits a run pins (config.model.hf_checkpoint's, an "hf" data source's),
 the model's weights at the pinned commit, and W&B credentials. launch.train calls these after
 launch.validate's checks of the config; a resume then compares the pinned commits
 (launch/resume_compat.py)."""
@@ -46,7 +46,7 @@ def pin_model(c: ml_collections.ConfigDict, weights: bool = True) -> None:
     only the config files are fetched: --dry_run, and launch.train, which fetches the weights
     (`fetch_weights`) once the resume has checked the commit."""
     m = c.model
-    m.hf_commit = _agreed(lambda rev: _resolve_commit(c, rev, weights), m.get("revision", ""))
+    m.hf_commit = agreed(lambda rev: _resolve_commit(c, rev, weights), m.get("revision", ""))
 
 
 def fetch_weights(c: ml_collections.ConfigDict) -> None:
@@ -55,7 +55,7 @@ def fetch_weights(c: ml_collections.ConfigDict) -> None:
     resolves to another commit is refused before that commit's weights are downloaded."""
     commit = c.model.get("hf_commit", "")
     if commit:
-        _agreed(lambda rev: _resolve_commit(c, rev, True), commit)
+        agreed(lambda rev: _resolve_commit(c, rev, True), commit)
 
 
 def pin_data(c: ml_collections.ConfigDict) -> None:
@@ -63,8 +63,9 @@ def pin_data(c: ml_collections.ConfigDict) -> None:
     commit recorded in data.<split>.hf_commit ("" for local files), and is read at it from then
     on. The training data's is checked on resume (launch/resume_compat.py): the iterator state
     indexes the rows, so a branch that moved under a run would change what it trains on. The
-    eval data's lets launch.eval read the rows the run evaluated; data.eval may change on resume
-    (its commit then recorded anew)."""
+    eval data's is checked alike while data.eval names the same dataset (it may name another
+    on resume, its commit then recorded anew), and lets launch.eval read the rows the run
+    evaluated."""
     for split in ("train", "eval"):
         src = c.data[split]
         if src.type != "hf" or "hf_commit" not in src or not src.path:
@@ -73,7 +74,7 @@ def pin_data(c: ml_collections.ConfigDict) -> None:
             import datasets  # noqa: F401
         except ImportError:  # validate names the missing library
             return
-        src.hf_commit = _agreed(lambda rev, s=src, n=split: _dataset_commit(s, rev, n),
+        src.hf_commit = agreed(lambda rev, s=src, n=split: _dataset_commit(s, rev, n),
                                 src.get("revision", ""))  # fmt: skip
 
 
@@ -87,7 +88,7 @@ def pinned_commits(c: ml_collections.ConfigDict) -> dict:
     return {k: v for k, v in commits.items() if v}
 
 
-def _agreed(resolve_commit, revision: str) -> str:
+def agreed(resolve_commit, revision: str) -> str:
     """resolve_commit(revision) on process 0, then resolve_commit(that commit) on the others
     (their own caches), "" everywhere for a local path; process 0's UsageError on all."""
     if jax.process_count() == 1:
@@ -99,7 +100,7 @@ def _agreed(resolve_commit, revision: str) -> str:
         try:
             message = b"ok:" + resolve_commit(revision).encode()
         except UsageError as e:
-            message = b"error:" + str(e).encode()[:1000]
+            message = b"error:" + clip_utf8(str(e), 1000)
     buf = np.zeros(1024, np.uint8)
     buf[: len(message)] = np.frombuffer(message, np.uint8)
     got = bytes(multihost_utils.broadcast_one_to_all(buf)).rstrip(b"\0").decode()
@@ -107,6 +108,12 @@ def _agreed(resolve_commit, revision: str) -> str:
         raise UsageError(got[len("error:") :])
     commit = got[len("ok:") :]
     return resolve_commit(commit) if commit else ""
+
+
+def clip_utf8(text: str, limit: int) -> bytes:
+    """text's UTF-8 bytes, at most `limit`, cut on a character boundary (a multi-byte character
+    cut in two would not decode on the other processes)."""
+    return text.encode()[:limit].decode("utf-8", "ignore").encode()
 
 
 def _dataset_commit(src, revision: str, split: str = "train") -> str:
@@ -158,7 +165,7 @@ def check_wandb_login(c: ml_collections.ConfigDict) -> None:
             raise UsageError(wandb_error(e)) from None
         return ""
 
-    _agreed(probe, "")
+    agreed(probe, "")
 
 
 def wandb_error(e: Exception) -> str:

@@ -111,6 +111,11 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
         new = {**new, "data": {**new["data"], "train": train}}
     _check_commit(old, new)
     _check_commit(old, new, "data", "train", "path")
+    # data.eval may change on resume (another held-out set), but the same Hub dataset at another
+    # commit would change the held-out rows under the same name: checked as the train data's.
+    old_eval, new_eval = (c.get("data", {}).get("eval", {}) for c in (old, new))
+    if all(old_eval.get(k) == new_eval.get(k) for k in ("type", "path", "name", "split")):
+        _check_commit(old, new, "data", "eval", "path")
     # f + ".": a section absent from an old run (`log`) matches its prefix ("log.") too
     diff = [f for f in changed_fields(old, new) if not (f + ".").startswith(RESUMABLE_CHANGES)]
     if diff:
@@ -145,7 +150,8 @@ def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:
 
 def _check_commit(old: dict, new: dict, *where: str) -> None:
     """The Hub commit that config.model.hf_checkpoint (launch.pin.pin_model), or with
-    `where` ("data", "train", "path") config.data.train.path (pin_data), resolved to is the one
+    `where` ("data", "train", "path") config.data.train.path (pin_data; data.eval's alike),
+    resolved to is the one
     the run started from: a snapshot that changed under the same id and revision (a moved
     branch, a re-filled cache) would change the weights under the checkpoints, or the rows
     under the data iterator's state."""

@@ -25,6 +25,7 @@ each process runs its own shards' share, and the processes agree on the per-reco
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -40,13 +41,23 @@ from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
 from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
-from launch.pin import check_wandb_login, fetch_weights, pin_data, pin_model, pinned_commits
+from launch.pin import (
+    agreed,
+    check_wandb_login,
+    fetch_weights,
+    pin_data,
+    pin_model,
+    pinned_commits,
+)
 from launch.preemption import Preemption
-from launch.validate import check_isolation, prepare_workdir, validate
+from launch.validate import check_isolation, check_sources, prepare_workdir, validate
+from launch.workdir_lock import WorkdirLock
 from models.sharding import run_devices
-from rl.checkpoint import Checkpointer, CheckpointError, fingerprint
+from rl.checkpoint import Checkpointer, CheckpointError, SaveError, fingerprint
 
 FLAGS = {"workdir": "", "dry_run": False}
+# a full disk, a file system turned read-only, a quota: the run stops in one line (exit code 4)
+DISK_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens", "nonfinite_steps")
 
 
@@ -89,66 +100,90 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                     desc="grpo", file=sys.stderr, disable=not main_process)  # fmt: skip
     nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
     preemption = Preemption()  # SIGTERM / SIGINT: stop after the current step, saved
-    for step in preemption.catching(bar):
-        t0 = time.perf_counter()
-        last = step + 1 == config.num_steps
-        saving = last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-        # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py), and
-        # so does one during which a stop is requested.
-        rollout = rollouts(step, state.params, data, drain=bool(saving),
-                           stop=preemption.requested)  # on the learner's own arrays  # fmt: skip
-        t1 = time.perf_counter()
-        state, history = learner.learn(state, run.ref_params, rollout.batch)
-        t2 = time.perf_counter()
-        new_tokens = rollout.tokens  # every process's completion tokens
-        for k, v in zip(TOTALS, (t1 - t0, t2 - t1, new_tokens, sum(h["tokens"] for h in history))):
-            totals[k] += float(v)
-        metrics = {k: float(np.mean([h[k] for h in history])) for k in history[-1]}
-        metrics.update(rollout.stats, rollout_seconds=t1 - t0, learn_seconds=t2 - t1,
-                       rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
-        if config.log_every and (step + 1) % config.log_every == 0:
-            log.scalars(step + 1, metrics)
-            log.completions(
-                step + 1, rollout, config.data.train.prompt_field, config.num_samples_logged
-            )
-        # Non-finite optimizer steps were skipped (the learner left the state as it was); after
-        # max_nonfinite_steps GRPO steps with one in a row, stop before anything else is saved.
-        skipped = int(sum(h["skipped"] for h in history))
-        totals["nonfinite_steps"] += skipped
-        nonfinite = nonfinite + 1 if skipped else 0
-        if skipped:
-            bar.write(f"step {step + 1}: {skipped} optimizer step(s) with a non-finite loss or "
-                      f"gradient skipped ({nonfinite} GRPO step(s) in a row)")  # fmt: skip
-        if nonfinite >= config.max_nonfinite_steps:
-            _close(bar, rollouts, ckpt)
-            fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
-                 f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
-                 f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
-            log.close()  # the event files and W&B run end here too (an in-process run goes on)
-            return 3
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-        if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
-            ev = _evaluate(run, state, eval_records, log, step + 1)
-            if main_process:
-                bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
-        # A stop requested after this step's batch was complete waits for the next (drained) one.
-        preempted = not last and preemption.requested() and not rollouts.carried
-        if saving or preempted:
-            summary.update(totals, wall_seconds=time.perf_counter() - wall0)
-            meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
-                    "key": seed_key(config.seed), "base": base}  # fmt: skip
-            ckpt.save(step + 1, learner.checkpointed(state), meta)
-        if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
-            _close(bar, rollouts, ckpt, log)  # the checkpointer waits for the save
-            print(f"{preemption.signal_name or 'signal'} received: stopped after step {step + 1} "
-                  f"and saved it in {workdir}; run the same command to resume", file=sys.stderr)  # fmt: skip
-            return 0
-    _close(bar, rollouts, ckpt)
+    # A checkpoint that cannot be written stops the run within a step (rl/checkpoint.py), and
+    # so does a log file on a full or read-only disk: one line, exit code 4.
+    try:
+        for step in preemption.catching(bar):
+            t0 = time.perf_counter()
+            last = step + 1 == config.num_steps
+            saving = last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+            # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py), and
+            # so does one during which a stop is requested.
+            rollout = rollouts(step, state.params, data, drain=bool(saving),
+                               stop=preemption.requested)  # on the learner's own arrays  # fmt: skip
+            t1 = time.perf_counter()
+            state, history = learner.learn(state, run.ref_params, rollout.batch)
+            t2 = time.perf_counter()
+            ckpt.check()  # the previous step's save, if any, is complete (or the run stops)
+            new_tokens = rollout.tokens  # every process's completion tokens
+            for k, v in zip(
+                TOTALS, (t1 - t0, t2 - t1, new_tokens, sum(h["tokens"] for h in history))
+            ):
+                totals[k] += float(v)
+            metrics = {k: float(np.mean([h[k] for h in history])) for k in history[-1]}
+            metrics.update(rollout.stats, rollout_seconds=t1 - t0, learn_seconds=t2 - t1,
+                           rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
+            if config.log_every and (step + 1) % config.log_every == 0:
+                log.scalars(step + 1, metrics)
+                log.completions(
+                    step + 1, rollout, config.data.train.prompt_field, config.num_samples_logged
+                )
+            # Non-finite optimizer steps were skipped (the learner left the state as it was); after
+            # max_nonfinite_steps GRPO steps with one in a row, stop before anything else is saved.
+            skipped = int(sum(h["skipped"] for h in history))
+            totals["nonfinite_steps"] += skipped
+            nonfinite = nonfinite + 1 if skipped else 0
+            if skipped:
+                bar.write(f"step {step + 1}: {skipped} optimizer step(s) with a non-finite loss or "
+                          f"gradient skipped ({nonfinite} GRPO step(s) in a row)")  # fmt: skip
+            if nonfinite >= config.max_nonfinite_steps:
+                _close(bar, rollouts, ckpt)
+                fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
+                     f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
+                     f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
+                log.close()  # the event files and W&B run end here too (an in-process run goes on)
+                return 3
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+            if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
+                ev = _evaluate(run, state, eval_records, log, step + 1)
+                if main_process:
+                    bar.write(f"step {step + 1}: held-out greedy accuracy {ev['accuracy']:.3f}")
+            # A stop requested after this step's batch was complete waits for the next (drained) one.
+            preempted = not last and preemption.requested() and not rollouts.carried
+            if saving or preempted:
+                summary.update(totals, wall_seconds=time.perf_counter() - wall0)
+                meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
+                        "key": seed_key(config.seed), "base": base}  # fmt: skip
+                ckpt.save(step + 1, learner.checkpointed(state), meta)
+            if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
+                _close(bar, rollouts, ckpt, log)  # the checkpointer waits for the save
+                print(f"{preemption.signal_name or 'signal'} received: stopped after step {step + 1} "
+                      f"and saved it in {workdir}; run the same command to resume", file=sys.stderr)  # fmt: skip
+                return 0
+        _close(bar, rollouts, ckpt)
+    except (SaveError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in DISK_ERRORS:
+            raise
+        _close(bar, rollouts)
+        _close_quietly(log)  # (its files may be what cannot be written)
+        fail(str(e) if isinstance(e, SaveError) else f"cannot write {e.filename or workdir}: "
+             f"{e.strerror} ({ckpt.resume_hint()})")  # fmt: skip
+        if jax.process_count() > 1:  # not the others' shutdown barrier: they stop on its
+            sys.stderr.flush()  # missing heartbeat (launch/distributed.py)
+            os._exit(4)
+        return 4
     after = _evaluate(run, state, eval_records, log, config.num_steps)
     wall = time.perf_counter() - wall0
     log.finish(config, summary, totals, after, wall, fingerprint(state.params))
     log.close()
     return 0
+
+
+def _close_quietly(part) -> None:
+    try:
+        part.close()
+    except OSError:
+        pass
 
 
 def _close(*parts) -> None:
@@ -172,27 +207,37 @@ def main(argv=None) -> int:
         # a Hub id: resolved once (its config files), its commit in config.model.hf_commit
         pin_model(config, weights=False)
         pin_data(config)  # a Hub dataset id: its commit in config.data.train.hf_commit
-        validate(config, len(run_devices()), runs_code=False)  # the sandbox is probed above
+        # the sandbox is probed above; a Hub dataset is fetched after the resume check
+        validate(config, len(run_devices()), runs_code=False, sources=False)
         if not opts["dry_run"]:
             check_wandb_login(config)  # process 0's W&B key, before the model loads
         workdir = workdir_for(config_path, opts["workdir"])
         resume = prepare_workdir(config, workdir)
-        if not opts["dry_run"]:  # after the resume has checked the commit
-            fetch_weights(config)
     except UsageError as e:
         return fail(str(e))
     if opts["dry_run"]:
         return dry_run(config)
-    try:  # data and checkpoint problems: one line, and the workdir is not touched
-        parts = prepare(config)
-    except (ValueError, OSError) as e:
-        return fail(str(e))
-    if jax.process_count() == 1:
-        return train(config, *parts, workdir, resume)
+    lock = WorkdirLock(workdir)  # one run per workdir, held by process 0 until it exits
     try:
-        return train(config, *parts, workdir, resume)
-    except Exception as e:  # noqa: BLE001 (any failure of one process of several)
-        peer_failed(e)
+        agreed(lambda _: lock.acquire() or "", "")
+    except UsageError as e:
+        return fail(str(e))
+    try:  # data and checkpoint problems: one line, and the workdir is left as it was
+        check_sources(config)  # (after the resume has checked the data's commit)
+        fetch_weights(config)  # (after the resume has checked the commit)
+        parts = prepare(config)
+    except (UsageError, ValueError, OSError) as e:
+        lock.release(undo=True)
+        return fail(str(e))
+    try:
+        if jax.process_count() == 1:
+            return train(config, *parts, workdir, resume)
+        try:
+            return train(config, *parts, workdir, resume)
+        except Exception as e:  # noqa: BLE001 (any failure of one process of several)
+            peer_failed(e)
+    finally:
+        lock.release()  # (an in-process run; a process that ends releases it anyway)
 
 
 if __name__ == "__main__":

@@ -188,9 +188,13 @@ def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
     _need(not problem, "env.isolation", iso, f"{what} runs model-written code; {problem}")
 
 
-def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = True) -> None:
+def validate(
+    c: ml_collections.ConfigDict, device_count: int, runs_code: bool = True, sources: bool = True
+) -> None:
     """Every check of the config (`runs_code`: whether this path will execute model-written
-    code, so whether the sandbox is probed; launch.train --dry_run will not)."""
+    code, so whether the sandbox is probed; launch.train --dry_run will not). Without
+    `sources` a Hub dataset is not fetched: launch.train calls `check_sources` for it after the
+    resume check, so that a refused resume fetches no dataset file."""
     check_isolation(c, runs_code)  # first: it says whether this machine may run the config at all
     g, b = c.rl.num_generations, c.data.prompts_per_step
     _need(g >= 2, "rl.num_generations", g, "GRPO needs G >= 2 completions per prompt")
@@ -334,28 +338,7 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     path = model_dir(c, weights=False)
     _need(os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint",
           c.model.hf_checkpoint, "has no config.json" + shadowing(c.model.hf_checkpoint))  # fmt: skip
-    for split in ("train", "eval"):
-        src = c.data[split]
-        if src.type in ("jsonl", "parquet"):
-            found = glob.glob(src.path) if src.path else []
-            _need(bool(found), f"data.{split}.path", src.path, f"no {src.type} file there")
-        elif src.type == "hf":
-            _need(bool(src.path), f"data.{split}.path", src.path, "a Hub dataset id, a "
-                  "directory of data files or a save_to_disk directory")  # fmt: skip
-            try:
-                import datasets  # noqa: F401
-            except ImportError:
-                _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
-                      "pip install -e '.[hub]'")  # fmt: skip
-            try:  # a Hub id is fetched now; its subset, split and prompt field checked
-                load_source(c, split)  # (datasets caches what it reads)
-            except UsageError:
-                raise
-            except (ValueError, OSError):  # an empty or unreadable dataset: launch.train.prepare
-                pass  # reports it, as it does a jsonl file's
-        else:
-            _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
-                  f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}")  # fmt: skip
+    check_sources(c, fetch=sources)
     if c.get("log", {}).get("wandb"):
         try:
             import wandb  # noqa: F401
@@ -373,6 +356,34 @@ def validate(c: ml_collections.ConfigDict, device_count: int, runs_code: bool = 
     learner_config(c, ())
     engine_config(c, ())
     check_rewards(c)
+
+
+def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
+    """The train and held-out data sources exist; with `fetch` an "hf" source's Hub id is
+    fetched (at the commit pin_data recorded) and its subset, split and prompt field checked."""
+    for split in ("train", "eval"):
+        src = c.data[split]
+        if src.type in ("jsonl", "parquet"):
+            found = glob.glob(src.path) if src.path else []
+            _need(bool(found), f"data.{split}.path", src.path, f"no {src.type} file there")
+        elif src.type == "hf":
+            _need(bool(src.path), f"data.{split}.path", src.path, "a Hub dataset id, a "
+                  "directory of data files or a save_to_disk directory")  # fmt: skip
+            try:
+                import datasets  # noqa: F401
+            except ImportError:
+                _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
+                      "pip install -e '.[hub]'")  # fmt: skip
+            try:  # a Hub id is fetched now; its subset, split and prompt field checked
+                if fetch:
+                    load_source(c, split)  # (datasets caches what it reads)
+            except UsageError:
+                raise
+            except (ValueError, OSError):  # an empty or unreadable dataset: launch.train.prepare
+                pass  # reports it, as it does a jsonl file's
+        else:
+            _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
+                  f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}")  # fmt: skip
 
 
 def load_source(c: ml_collections.ConfigDict, split: str):

@@ -31,6 +31,12 @@ Restoring deletes and rewrites nothing: with `set_aside` (training), unusable st
 the one restored are renamed to `<step>.unusable`, kept for inspection until someone deletes them
 (orbax would otherwise skip saving those steps again); with no usable step, nothing is touched.
 After a failed read orbax leaves reads in flight whose errors nobody awaits: they are silenced.
+
+A save that fails (a full disk, a workdir turned read-only) is a `SaveError` naming the step,
+the reason and the last complete checkpoint, raised by `save` or `check`: the training loop calls
+`check` after every step, which waits for the previous step's save, so a run stops within one
+step of a save that could not be written instead of training on with nothing saved. The failed
+save's temporary directory is removed (it holds the space a resume needs and is never read).
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
+import traceback
 import warnings
 from typing import Any
 
@@ -61,6 +69,10 @@ class CheckpointError(ValueError):
     """No usable checkpoint (the message names the directory and why each step was refused)."""
 
 
+class SaveError(RuntimeError):
+    """A checkpoint could not be written; the message is one line saying what to do."""
+
+
 class Checkpointer:
     def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
@@ -68,19 +80,59 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.pending: int | None = None  # the step of a save that may still be running
+        _quiet_orbax_errors()  # a failed save is reported by SaveError, in one line
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict[str, Any]) -> None:
-        """Starts an async save; the previous one is finished first by orbax."""
+        """Starts an async save, once the previous one has finished (`check`)."""
+        self.check()
         meta = {**meta, "integrity": {"checksums": checksums(state)}}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-        )
+        self.pending = step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 (a directory that cannot be made, ...)
+            self._failed(e)
+
+    def check(self) -> None:
+        """Waits for the save in flight; raises SaveError if it failed."""
+        if self.pending is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 (orbax re-raises the background save's error)
+            self._failed(e)
+        self.pending = None
+
+    def _failed(self, e: BaseException) -> None:
+        step, self.pending = self.pending, None
+        try:  # orbax's threads end (their own errors again, unread)
+            self.manager.close()
+        except Exception:  # noqa: BLE001
+            pass
+        for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
+            m = TMP.match(name)
+            if m and int(m.group(1)) == step:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        _quiet_abandoned_reads()
+        raise SaveError(
+            f"checkpoint {step} could not be written to {self.directory}: {_write_reason(e)} "
+            f"({self.resume_hint(step)})"
+        ) from None
+
+    def resume_hint(self, failed: int | None = None) -> str:
+        """What a run stopped by its disk says: the last complete checkpoint and what to do."""
+        complete = sorted(s for s in _step_dirs(self.directory) if s != failed)
+        last = f"step {complete[-1]}" if complete else "none"
+        return (f"the last complete checkpoint is {last}; free the space, or make the workdir "
+                "writable, and run the same command to resume")  # fmt: skip
 
     def restore(self, state_like, step: int | None = None):
         """(state, meta) at `step` (default: the latest usable one), in the shardings of
@@ -163,7 +215,8 @@ class Checkpointer:
         return dst
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the last save (SaveError if it failed), then lets orbax go."""
+        self.check()
         self.manager.close()
 
 
@@ -173,6 +226,85 @@ def host_values(tree):
     if jax.process_count() == 1:
         return jax.device_get(tree)
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _step_dirs(directory: str) -> list[int]:
+    """The steps whose directories a save renamed into place (orbax lists these as steps)."""
+    try:
+        return [int(n) for n in os.listdir(directory) if n.isdigit()]
+    except OSError:
+        return []
+
+
+def _write_reason(e: BaseException) -> str:
+    """One line for a failed write: the OS error's own words where one is named ("No space
+    left on device"), else the innermost message's first line."""
+    chain = [e]
+    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for x in chain:
+        if isinstance(x, OSError) and x.errno:
+            return f"{os.strerror(x.errno)} ({x.filename or type(x).__name__})"
+        code = re.search(r"os_error_code='?(\d+)", str(x))
+        if code:
+            return os.strerror(int(code.group(1)))
+    text = str(chain[-1]).strip().splitlines()
+    return f"{type(chain[-1]).__name__}: {text[0][:300] if text else ''}"
+
+
+def _quiet_orbax_errors() -> None:
+    """orbax's save threads log their failure (absl, at ERROR, with its traceback) before the
+    loop learns of it; SaveError says it in one line instead."""
+    absl = logging.getLogger("absl")
+    if not any(getattr(f, "orbax_errors", False) for f in absl.filters):
+
+        def drop(record):
+            return not (record.levelno >= logging.ERROR and _ORBAX in record.pathname)
+
+        drop.orbax_errors = True
+        absl.addFilter(drop)
+        # and asyncio reports each of the save's writes that failed after the first
+        logging.getLogger("asyncio").addFilter(
+            lambda r: not ("never retrieved" in r.getMessage() and _from_orbax(r.exc_info))
+        )
+    # tensorstore then completes the failed save's writes into orbax's event loop, closed by
+    # now: each callback prints "RuntimeError: Event loop is closed" through sys.excepthook,
+    # from no Python frame of ours (call_soon_threadsafe is the outermost one).
+    previous = sys.excepthook
+    if not getattr(previous, "orbax_errors", False):
+
+        def hook(kind, value, tb):
+            frames = traceback.extract_tb(tb)
+            if not (
+                kind is RuntimeError
+                and str(value) == "Event loop is closed"
+                and frames
+                and frames[0].name == "call_soon_threadsafe"
+            ):
+                previous(kind, value, tb)
+
+        hook.orbax_errors = True
+        sys.excepthook = hook
+    previous_unraisable = sys.unraisablehook
+    if not getattr(previous_unraisable, "orbax_errors", False):
+
+        def unraisable(u):
+            frames = traceback.extract_tb(u.exc_traceback)
+            if not (
+                u.exc_type is RuntimeError
+                and str(u.exc_value) == "Event loop is closed"
+                and frames
+                and frames[0].name == "call_soon_threadsafe"
+            ):
+                previous_unraisable(u)
+
+        unraisable.orbax_errors = True
+        sys.unraisablehook = unraisable
+
+
+def _from_orbax(exc_info) -> bool:
+    tb = exc_info[2] if exc_info else None
+    return any(_ORBAX in f.filename for f in traceback.extract_tb(tb))
 
 
 def _commit_problem(path: str) -> str | None:
