@@ -4,9 +4,12 @@
     python -m launch.make_repo_tasks --out DIR --from_rows swe_gym.jsonl --repos CHECKOUTS
     python -m launch.make_repo_tasks --out DIR --from_rows swe_gym.jsonl --images_dir IMAGES \
         --image_template 'swebench/sweb.eval.x86_64.{docker_id}:latest'   # image tasks
+    python -m launch.make_repo_tasks --validate DIR [--isolation auto --workers 4 --images_dir D]
+    python -m launch.make_repo_tasks --reference_episode DIR [--index 0]
 
 The second form converts SWE-Gym / SWE-smith / R2E-Gym rows whose repositories are checked out
-locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`). The rows are a
+locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`), each with the
+row's gold `patch` when it has one; no row converting is an error (one line, nothing written). The rows are a
 jsonl file or a `datasets` dataset: a Hub dataset id read as rl/sources.py reads an "hf" source
 (`--from_rows SWE-Gym/SWE-Gym --split train [--name SUBSET --revision COMMIT]`; HF_HUB_OFFLINE=1
 reads the Hub cache), a save_to_disk directory, a directory of data files or a parquet file. A
@@ -26,6 +29,15 @@ FAIL_TO_PASS tests fail with the bug and pass after the reference fix (`fix`: re
 `new`, once, in `path`); the PASS_TO_PASS tests pass before and after (the other module's tests and
 those of the buggy module that do not reach the bug). `tests/launch/test_make_repo_tasks.py` checks
 both against the reference fix. The problem text reports the symptom as a user would, not the fix.
+
+`--validate DIR` checks DIR/tasks.jsonl (or a jsonl file) as SWE-bench validates gold patches, in
+the repo environment's own sandbox or image (`rl.envs.repo_reference`): per record, the tests of
+the repository as it is, and after its reference fix (`patch` or `fix`) applied with the tools;
+FAIL_TO_PASS must go from failing to passing, PASS_TO_PASS pass both times. The records that
+validate go to valid.jsonl beside the tasks (train on that file); each other one is printed with
+why (`refused <id>: <reason>`); none validating is an error. `--reference_episode DIR --index N`
+runs one episode of record N with its fix applied through the tools, then submit, and prints the
+reward (exit status 0 iff it is 1.0): a smoke test of the sandbox and grading without a model.
 """
 
 from __future__ import annotations

@@ -120,3 +120,44 @@ def test_reference_episode_scores_a_good_record_1_and_a_broken_one_0(tasks_dir, 
     assert main(["--reference_episode", str(d), "--index", "99", *iso]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --index=99: {d}/tasks.jsonl has records 0 to {len(records) - 1}\n"
+
+
+IMAGE_TESTBED = {
+    "calc/__init__.py": b"",
+    "calc/ops.py": b"def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n",
+    "tests/test_ops.py": b"from calc.ops import add, neg\n\n\ndef test_add():\n"
+    b"    assert add(2, 3) == 5\n\n\ndef test_neg():\n    assert neg(2) == -2\n",
+}
+
+
+def test_image_records_validate_in_their_image(tmp_path, capsys):
+    """Image records (tests/rl/image_helpers.py's test image; needs bubblewrap, as image tasks
+    do) are validated in the image, with its python: a good one kept, one whose FAIL_TO_PASS
+    already passes refused; the reference episode runs in the image's view."""
+    if sandbox_isolation() != "bwrap":
+        pytest.skip("image tasks need bubblewrap")
+    from rl.oci import unpack
+    from tests.rl.image_helpers import python_image
+
+    name = "sweb.eval.x86_64.calc__calc-2"
+    python_image(str(tmp_path / "oci"), IMAGE_TESTBED, b'WHERE = "image"\n')
+    unpack(str(tmp_path / "oci"), str(tmp_path / "images"), (name,))
+    good = {"instance_id": "calc__calc-2", "image": name, "problem": "add(2, 3) is -1",
+            "fail_to_pass": ["tests/test_ops.py::test_add"],
+            "pass_to_pass": ["tests/test_ops.py::test_neg"],
+            "fix": {"path": "calc/ops.py", "old": "a - b", "new": "a + b"}}  # fmt: skip
+    bad = {**good, "instance_id": "calc__calc-3", "pass_to_pass": [],
+           "fail_to_pass": good["fail_to_pass"] + good["pass_to_pass"]}  # fmt: skip
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    images = ["--images_dir", str(tmp_path / "images"), "--isolation", "bwrap"]
+    assert main(["--validate", str(tmp_path), *images]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "valid calc__calc-2",
+        "refused calc__calc-3: FAIL_TO_PASS already passing before the fix: "
+        "['tests/test_ops.py::test_neg']",
+        f"kept 1 of 2 records in {tmp_path}/valid.jsonl",
+    ]
+    assert main(["--reference_episode", str(tmp_path), *images]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("calc__calc-2: reward 1.0 (FAIL_TO_PASS 1/1 passing, PASS_TO_PASS 1/1;")
+    assert "sandbox bwrap, image view " in line, line
