@@ -13,7 +13,9 @@ prompt through Qwen3's chat template (`tools`); the reward is 1 when every FAIL_
 PASS_TO_PASS test passes on the final workspace. Harness timeouts and sandbox failures are masked
 out of the loss (`episode/infra_errors`). Rows of SWE-Gym / SWE-smith / R2E-Gym with their
 repositories checked out locally work too: `python -m launch.make_repo_tasks --out DIR --from_rows
-rows.jsonl --repos CHECKOUTS` writes their records (rl/envs/repo_tasks.py). Every
+rows.jsonl --repos CHECKOUTS` writes their records (rl/envs/repo_tasks.py), and `python -m
+launch.make_repo_tasks --validate DIR` keeps those whose gold patch validates in DIR/valid.jsonl
+(train on that; docs/repo_env.md). Every
 field not set here is in configs/qwen3_0_6b_code.py, configs/qwen2_5_0_5b_code.py,
 configs/qwen2_5_0_5b_gsm8k.py or configs/default.py.
 """
