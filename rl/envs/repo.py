@@ -57,6 +57,7 @@ Limits per episode (config `env`, read with defaults): `max_tool_calls` (40), `c
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import posixpath
@@ -90,8 +91,6 @@ class RepoEpisode(Episode):
     metrics: dict = dataclasses.field(default_factory=dict)  # fail_to_pass_frac, ...
     results: dict = dataclasses.field(default_factory=dict)  # node id -> passed, once graded
     missing: list = dataclasses.field(default_factory=list)  # node ids the tests do not define
-    results: dict = dataclasses.field(default_factory=dict)  # node id -> passed, once graded
-    missing: list = dataclasses.field(default_factory=list)  # node ids the tests do not define
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
     restored: list = dataclasses.field(default_factory=list)  # test files grading put back
     restore: dict | None = None  # what grading puts back, read after `setup` (None: no setup)
@@ -104,28 +103,49 @@ def check_record(record: dict, env=None) -> dict:
     env.isolation=rlimits, whose image is not under env.images_dir, or whose image's python or
     pytest cannot grade (probed once per image: repo_images.check_grading), is refused too,
     before the run starts rather than at its first episode."""
-    if record.get("test_cmd"):
-        raise ValueError(
-            f"repo record {record.get('instance_id', '')!r}: test_cmd={record['test_cmd']!r} is "
-            "not supported (grading runs fail_to_pass/pass_to_pass with pytest); drop the field"
-        )
-    if env is not None and record.get("image"):
-        mode = "rlimits" if isolation_of(env) == "rlimits" else "bwrap"  # auto: checked before
-        image = repo_images.check(record, mode, env.get("images_dir") or "")
-        key = (image.rootfs, image.python, isolation_of(env))
-        if key not in _graded:  # the image's python and pytest, probed once per image
-            lim = Limits(wall_s=120.0, cpu_s=60)  # a cold start is slow, not a failure
-            sb = rs.RepoSandbox(1, lim, rs.site_packages(), isolation_of(env))
-            try:
-                repo_images.check_grading(image, sb)
-                _graded[key] = ""
-            except RuntimeError as err:
-                _graded[key] = f"{err}: it cannot grade (every episode would be masked)"
-            finally:
-                sb.close()
+    return check_records([record], env)[0]
+
+
+def check_records(records: list[dict], env=None) -> list[dict]:
+    """check_record of every record, the images probed at once (`env.tool_workers` of them in
+    parallel, each image once per process: a data set of a few thousand images takes minutes,
+    not hours); the first record (in order) that fails raises."""
+    images = []
+    for record in records:
+        if record.get("test_cmd"):
+            raise ValueError(
+                f"repo record {record.get('instance_id', '')!r}: test_cmd={record['test_cmd']!r} "
+                "is not supported (grading runs fail_to_pass/pass_to_pass with pytest); drop the "
+                "field"
+            )
+        if env is not None and record.get("image"):
+            mode = "rlimits" if isolation_of(env) == "rlimits" else "bwrap"  # auto: checked before
+            image = repo_images.check(record, mode, env.get("images_dir") or "")
+            images.append((record, (image.rootfs, image.python, isolation_of(env)), image))
+    todo = {key: image for _, key, image in images if key not in _graded}
+    if todo:  # the images' pythons and pytests, probed once per image
+        workers = max(1, min(len(todo), int(env.get("tool_workers", 8))))
+        lim = Limits(wall_s=120.0, cpu_s=60)  # a cold start is slow, not a failure
+        sb = rs.RepoSandbox(workers, lim, rs.site_packages(), isolation_of(env))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for key, why in zip(todo, pool.map(lambda im: _grades(im, sb), todo.values())):
+                    _graded[key] = why
+        finally:
+            sb.close()
+    for record, key, _ in images:
         if _graded[key]:
             raise ValueError(f"repo record {record.get('instance_id', '')!r}: {_graded[key]}")
-    return record
+    return records
+
+
+def _grades(image: repo_images.Image, sb) -> str:
+    """ "" when `image` can grade, else why not (one line)."""
+    try:
+        repo_images.check_grading(image, sb)
+        return ""
+    except RuntimeError as err:
+        return f"{err}: it cannot grade (every episode would be masked)"
 
 
 _graded: dict[tuple, str] = {}  # (rootfs, python, isolation) -> why the image cannot grade

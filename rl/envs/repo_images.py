@@ -362,7 +362,8 @@ class View:
             line = r.stdout.rpartition("\npytest cannot be used")[2]  # its versions end it
             out = " ".join(("pytest cannot be used" + line if line != r.stdout else
                             r.stdout + r.stderr).split())[-400:]  # fmt: skip
-            known = r.stdout.strip() if r.stdout.startswith("ok ") else out or r.reason
+            silent = f"the probe ended ({r.reason}, exit status {r.returncode}) without a word"
+            known = r.stdout.strip() if r.stdout.startswith("ok ") else out or silent
             with _lock:
                 _sites[key] = known
         if not known.startswith("ok "):
@@ -420,7 +421,7 @@ def check_grading(image: Image, sb) -> None:
             if not known.startswith("ok "):
                 raise RuntimeError(_refusal(image, known))
             return
-        view = View(image, ws, mode)
+        view = ws.view = View(image, ws, mode)  # the sandbox runs in the view (RepoSandbox)
         try:
             view.probe(sb)
         finally:

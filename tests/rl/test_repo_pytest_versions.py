@@ -97,24 +97,35 @@ CASES = [
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """release -> the name of its test image under `images["dir"]`, built and unpacked on first
-    use (once for the module)."""
+    use (once for the module): a release of pytest_wheels.SETS, "trainer" (the trainer's own
+    pytest, copied), "none" (no pytest) or "5.4.3" (a stand-in pytest that says 5.4.3, on a
+    stand-in pluggy 0.13.1: older than grading supports)."""
     top = tmp_path_factory.mktemp("pytest-images")
     made = {"dir": str(top / "images")}
 
-    def build(release: str, site: str | None = None, marker: bytes = b"") -> str:
+    def build(release: str) -> str:
         if release not in made:
-            if site is None:
+            site, marker = str(top / f"site-{release}"), b'WHERE = "image"\n'
+            if release == "trainer":
+                site = None
+            elif release == "none":
+                os.mkdir(site)
+            elif release == "5.4.3":
+                for pkg, version in (("pytest", "5.4.3"), ("pluggy", "0.13.1")):
+                    os.makedirs(f"{site}/{pkg}")
+                    with open(f"{site}/{pkg}/__init__.py", "w") as f:
+                        f.write(f'__version__ = "{version}"\n')
+            else:
                 try:
                     site = pytest_wheels.site_packages(release)
                 except pytest_wheels.Missing as err:
                     pytest.skip(str(err))
+                marker += f'PYTEST = "{release}"\n'.encode()
             t0 = time.monotonic()
-            marker = marker or f'WHERE = "image"\nPYTEST = "{release}"\n'.encode()
             python_image(str(top / release), TESTBED, marker, site=site)
             unpack(str(top / release), made["dir"], (f"pytest-{release}",))
-            print(
-                f"\nimage of pytest {release}: built and unpacked in {time.monotonic() - t0:.1f} s"
-            )
+            took = time.monotonic() - t0
+            print(f"\nimage of pytest {release}: built and unpacked in {took:.1f} s")
             made[release] = f"pytest-{release}"
         return made[release]
 
@@ -178,19 +189,13 @@ def test_every_case_grades_the_same_on_each_pytest(env, images, release):
     assert repo_images.tree_hash(rootfs) == before  # the image was never written
 
 
-def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, images, tmp_path):
+def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, images):
     """No pytest at all, or a pytest older than 6.2 (a stand-in that says 5.4.3): the probe's
     line names what it found; every episode is masked, none scored."""
-    none, old = tmp_path / "none", tmp_path / "old"
-    none.mkdir()
-    (old / "pytest").mkdir(parents=True)
-    (old / "pytest" / "__init__.py").write_text('__version__ = "5.4.3"\n')
-    (old / "pluggy").mkdir()
-    (old / "pluggy" / "__init__.py").write_text('__version__ = "0.13.1"\n')
-    for release, site, found in (("none", none, "(found no pytest, no pluggy, python 3."),
-                                 ("5.4.3", old, "grading needs pytest >= 6.2 (found pytest "
-                                  "5.4.3, pluggy 0.13.1, python 3.")):  # fmt: skip
-        name = images["build"](release, str(site), b'WHERE = "image"\n')
+    for release, found in (("none", "(found no pytest, no pluggy, python 3."),
+                           ("5.4.3", "grading needs pytest >= 6.2 (found pytest 5.4.3, pluggy "
+                            "0.13.1, python 3.")):  # fmt: skip
+        name = images["build"](release)
         ep, reward, _ = run_case(env, name, [FIX], F2P)
         assert env.masked(ep) and reward == 0.0, (release, ep.infra_error)
         assert ep.infra_error.startswith(f"workspace: RuntimeError: image '{name}' ("), (
@@ -198,3 +203,23 @@ def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, ima
         )
         assert found in ep.infra_error and "\n" not in ep.infra_error, ep.infra_error
         print("\n" + ep.infra_error)
+
+
+def test_start_up_probes_every_image_once_and_refuses_the_first_that_cannot(images):
+    """launch.train's check (rl.envs.repo.check_records): the images of many records probed in
+    parallel, once each; the first record whose image cannot grade is refused, in one line."""
+    from rl.envs import repo
+
+    names = [images["build"](r) for r in ("trainer", "none", "5.4.3")]
+    records = [{**task(name), "instance_id": f"t{i}"} for i, name in enumerate(names * 2)]
+    env = {"isolation": "auto", "images_dir": images["dir"], "tool_workers": 3}
+    assert repo.check_records(records[:1], env) == records[:1]
+    with pytest.raises(ValueError) as err:
+        repo.check_records(records, env)
+    line = str(err.value)
+    assert line.startswith("repo record 't1': image 'pytest-none' (") and "\n" not in line, line
+    assert line.endswith(f"No module named 'pytest' (found no pytest, no pluggy, python "
+                         f"{sys.version.split()[0]}): it cannot grade (every episode would be "
+                         "masked)"), line  # fmt: skip
+    probed = [k for k in repo._graded if k[0].startswith(os.path.realpath(images["dir"]))]
+    assert len(probed) == 3 and sum(bool(repo._graded[k]) for k in probed) == 2
