@@ -162,7 +162,6 @@ def tokenize_prompts(
     Without `keep` the ids are only checked, one record at a time, and None is returned: a
     large "hf" source is not copied into a list of token lists (launch.build.prepare)."""
     d = config.data
-    kwargs = d.chat_template_kwargs.to_dict()
     prompts, longest, where = [], -1, None
     for i, r in enumerate(records):
         try:
@@ -170,7 +169,7 @@ def tokenize_prompts(
                 ids = env.prompt(r, prompt_field)
             else:
                 ids = format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None,
-                                    prompt_field, kwargs)  # fmt: skip
+                                    prompt_field, d.chat_template_kwargs.to_dict())  # fmt: skip
         except ValueError as err:  # a character the tokenizer lacks (CharTokenizer), a field
             why = _unencodable(r, i, split, prompt_field, tokenizer, config, err, bool(env))
             raise ValueError(why) from None
