@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -48,6 +49,20 @@ class RunLogger:
         self.samples = _append(os.path.join(workdir, "samples.jsonl"))
         if config is not None and config.get("log", {}).get("wandb"):
             self.wandb = _wandb_run(workdir, config)
+            self._catch_up_wandb()
+
+    def _catch_up_wandb(self) -> None:
+        """A resumed W&B run gets the records of metrics.jsonl that W&B does not hold: W&B
+        buffers its history (an offline run's transaction log is written in 32 KiB blocks), so
+        a kill -9 loses what it had not written, while metrics.jsonl has every line."""
+        rows = list(_rows(os.path.join(self.workdir, "metrics.jsonl")))
+        if not rows:
+            return
+        held = _wandb_held(self.workdir, self.wandb)
+        for row in rows:
+            step = row.pop("step")
+            if (step, frozenset(row)) not in held:
+                self.wandb.log(row, step=step)
 
     def _event(self, step: int, summary) -> None:
         self.events.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
@@ -152,6 +167,47 @@ def _rows(path: str):
                 continue  # the last line of a killed run, cut short
             if isinstance(row, dict) and isinstance(row.get("step"), int):
                 yield row
+
+
+def _wandb_held(workdir: str, run) -> set | _Below:
+    """The records a resumed W&B run holds already: online, every step below the one W&B
+    resumes at (its server drops lower steps anyway); offline, the history of the workdir's
+    earlier offline runs of this id, read with W&B's own reader (`wandb leet inspect`)."""
+    if not run.offline:
+        return _Below(run.step)
+    import shutil
+    import subprocess
+
+    exe = shutil.which("wandb", path=os.path.dirname(sys.executable)) or shutil.which("wandb")
+    held, top = set(), os.path.join(workdir, "wandb")
+    for name in sorted(os.listdir(top)):
+        path = os.path.join(top, name)
+        if not name.startswith("offline-run-") or not name.endswith(run.id):
+            continue
+        if os.path.samefile(path, os.path.dirname(run.dir)):
+            continue
+        out = subprocess.run([exe, "leet", "inspect", "--json", path], capture_output=True,
+                             text=True, timeout=300).stdout  # fmt: skip
+        for line in out.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("type") == "history":
+                item = record["history"]["item"]
+                keys = frozenset(k for k in item if not k.startswith("_"))
+                held.add((item.get("_step"), keys))
+    return held
+
+
+class _Below:
+    """The (step, keys) records at steps below `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def __contains__(self, record) -> bool:
+        return record[0] < self.step
 
 
 def _wandb_run(workdir: str, config):
