@@ -297,6 +297,54 @@ def test_a_moved_id_is_refused_before_its_weights_are_fetched(tmp_path, monkeypa
     ]
 
 
+def test_a_moved_dataset_is_refused_before_its_files_are_fetched(tmp_path, monkeypatch, capsys):
+    """A resume whose Hub dataset now resolves to another commit is refused, naming both
+    commits, before any of that commit's data files is fetched: here the new commit's card is
+    cached but not its parquet files (validation fetched the subset's files first, and offline
+    said they were missing instead of refusing the resume)."""
+    from launch import train
+    from launch.cli import config_json, parse_args
+
+    card = GSM8K_CARD.encode()
+    add_snapshot(tmp_path / "hub", "org/data", {"README.md": card}, B, refs=("main",),
+                 repo_type="dataset")  # fmt: skip
+    offline_hub(monkeypatch, tmp_path / "hub")
+    argv = ["--config.mesh.data=8", "--config.data.train.type=hf",
+            "--config.data.train.path=org/data", "--config.data.train.name=main"]  # fmt: skip
+    saved = config_json(parse_args(argv, {})[0])
+    saved["data"]["train"]["hf_commit"] = A  # the run started from commit A
+    os.makedirs(tmp_path / "run" / "checkpoints" / "1")
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+    assert train.main([*argv, "--workdir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: config.data.train.path='org/data' resolves to commit {B}, but this run started "
+        f"from commit {A}; resume with --config.data.train.revision={A} or use a new --workdir"
+    ]
+
+
+def test_process_0s_error_reaches_the_others_whole_characters(monkeypatch):
+    """launch.pin.agreed broadcasts process 0's error in 1,024 bytes: a message cut at 1,000
+    bytes in the middle of a two-byte character failed to decode on the other processes
+    (UnicodeDecodeError); it is cut on a character boundary. Two processes are faked: the
+    broadcast returns process 0's buffer."""
+    from jax.experimental import multihost_utils
+
+    from launch import pin
+    from launch.cli import UsageError
+
+    monkeypatch.setattr(pin.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(pin.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: x)
+    text = "x" + "é" * 700  # 1,401 bytes: the 1,000th byte is the first of an "é"
+
+    def refuse(_):
+        raise UsageError(text)
+
+    with pytest.raises(UsageError) as e:
+        pin.agreed(refuse, "")
+    assert text.startswith(str(e.value)) and len(str(e.value).encode()) == 999
+
+
 def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
     """wandb.init failing after the start-up check (the server unreachable, the key refused)
     is a UsageError of one line naming log.wandb (launch.train prints it and stops), not
@@ -551,7 +599,8 @@ def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
     points at another commit (its rows reversed) a resume is refused in one line naming
     data.train.path and both commits, and resumes with --config.data.train.revision=<the old
     commit> on the old rows; the eval source (it may change on resume) is still read at the
-    recorded commit, what launch.eval reads. A local source pins nothing."""
+    recorded commit, what launch.eval reads. The eval source's commit is checked alike while it
+    names the same dataset (it may name another on resume). A local source pins nothing."""
     from launch.cli import UsageError, config_json, parse_args
     from launch.pin import pin_data
     from launch.resume_compat import check_resumable
@@ -583,8 +632,25 @@ def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
         )
         pinned = parse_args(argv + [f"--config.data.train.revision={D}"], {})[0]
         pin_data(pinned)
-        check_resumable(saved, config_json(pinned))  # (the eval commit may change)
+        with pytest.raises(UsageError) as e:  # the same eval dataset at another commit
+            check_resumable(saved, config_json(pinned))
+        assert str(e.value) == (
+            f"config.data.eval.path='{DATASET}' resolves to commit {other}, but this run "
+            f"started from commit {D}; resume with --config.data.eval.revision={D} or use a "
+            "new --workdir"
+        )
+        pinned = parse_args(argv + [f"--config.data.train.revision={D}",
+                                    f"--config.data.eval.revision={D}"], {})[0]  # fmt: skip
+        pin_data(pinned)
+        check_resumable(saved, config_json(pinned))
         assert list(load_records(pinned.data.train)) == rows
+        assert list(load_records(pinned.data.eval)) == eval_rows
+        # another held-out set (data.eval may change on resume): its commit is not compared
+        local_eval = os.path.join(str(hub), "gsm8k")
+        other_eval = parse_args(argv + [f"--config.data.train.revision={D}",
+                                        f"--config.data.eval.path={local_eval}"], {})[0]  # fmt: skip
+        pin_data(other_eval)
+        check_resumable(saved, config_json(other_eval))
         assert list(load_records(config.data.eval)) == eval_rows  # at the recorded commit
     finally:
         add_snapshot(
