@@ -126,8 +126,8 @@ def _not_graded(ep: RepoEpisode, when: str) -> str:
 
 
 def validate(env: RepoEnv, record: dict) -> str:
-    """ "" when the record's reference fix validates, else why not, in one line (module
-    docstring)."""
+    """Why the record's reference fix does not validate, in one line (module docstring); ""
+    when it does."""
     if not fix_calls(record):
         return "no reference fix (neither a `patch` nor a `fix` field)"
     _, before, _ = episode(env, record, [])
