@@ -15,6 +15,7 @@ enough to own.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import datetime
 import difflib
@@ -185,6 +186,16 @@ def workdir_for(config_path: str, given: str) -> str:
         return given
     name = os.path.splitext(os.path.basename(config_path))[0]
     return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the side entry points (eval, export, generate, images, inspect, sft,
+    make_repo_tasks): a usage error is one line, `error: <what> (<prog> --help lists the
+    flags)`, exit code 2, as every entry point answers bad input; --help as argparse's."""
+
+    def error(self, message):
+        print(f"error: {message} ({self.prog} --help lists the flags)", file=sys.stderr)
+        sys.exit(2)
 
 
 def fail(message: str) -> int:

@@ -11,12 +11,16 @@ import json
 import sys
 
 from launch.build import load_run
-from launch.cli import UsageError, fail
+from launch.cli import ArgumentParser, UsageError, fail
 from launch.validate import load_source
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(
+        prog="python -m launch.eval",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--workdir", required=True, help="training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ import shutil
 import sys
 
 from launch.build import load_run
-from launch.cli import UsageError, fail
+from launch.cli import ArgumentParser, UsageError, fail
 from launch.pin import model_dir
 from launch.validate import DTYPES, check_writable_dir
 from models.hf import save_adapter, save_hf
@@ -48,7 +48,11 @@ def adapter_base(config) -> tuple[str, str | None]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(
+        prog="python -m launch.export",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--workdir", required=True, help="training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, help="HF checkpoint directory to write")

@@ -27,6 +27,7 @@ import sys
 
 import tqdm
 
+from launch.cli import ArgumentParser
 from models.hf import load_hf
 from models.hf_config import CheckpointError
 from models.hub import HubError, resolve
@@ -55,7 +56,11 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(
+        prog="python -m launch.generate",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--hf_checkpoint", required=True, help="HF checkpoint directory or Hub id")
     p.add_argument("--revision", default="", help="Hub id: commit, branch or tag")
     p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'prompt_ids' per line")
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--num_pages", type=int, default=1024, help="KV pages in the pool")
     args = p.parse_args(argv)
     if not os.path.exists(args.prompts):
-        print(f"--prompts: {args.prompts} does not exist", file=sys.stderr)
+        print(f"error: --prompts: {args.prompts} does not exist", file=sys.stderr)
         return 2
     try:  # a directory as it is, a Hub id from the Hub cache (HF_HOME; HF_HUB_OFFLINE=1)
         args.hf_checkpoint = resolve(args.hf_checkpoint, args.revision, field="--hf_checkpoint",

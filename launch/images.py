@@ -16,15 +16,15 @@ layer and member), exit status 2, and nothing left under DIR. Setuid / setgid bi
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from launch.cli import ArgumentParser
 from rl.oci import ImageError, unpack
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.images", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m launch.images", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     u = sub.add_parser("unpack", help="an OCI layout or docker save tarball -> a root filesystem")
     u.add_argument("src", help="OCI image layout directory, or docker save tarball")

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from launch.cli import ArgumentParser
 from models.hf import load_hf
 from models.hf_config import CheckpointError
 from models.sharding import flatten, make_mesh, param_count, run_devices
@@ -37,7 +38,11 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(
+        prog="python -m launch.inspect",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--hf_checkpoint", required=True, help="HF checkpoint directory")
     p.add_argument("--mesh", default="", help="e.g. data=2,fsdp=2,tensor=2 (default: data=all)")
     p.add_argument("--fake_devices", type=int, default=0, help="split the CPU into N devices")
@@ -45,7 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="greedy tokens to generate")
     args = p.parse_args(argv)
     if not os.path.isdir(args.hf_checkpoint):
-        print(f"--hf_checkpoint: {args.hf_checkpoint} is not a directory", file=sys.stderr)
+        print(f"error: --hf_checkpoint: {args.hf_checkpoint} is not a directory", file=sys.stderr)
         return 2
 
     if args.fake_devices:  # before the first use of a device initialises the backend

@@ -42,7 +42,6 @@ reward (exit status 0 iff it is 1.0): a smoke test of the sandbox and grading wi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -50,6 +49,8 @@ import shutil
 import sys
 import tarfile
 import textwrap
+
+from launch.cli import ArgumentParser
 
 PACKAGES = ("shoplib", "geomkit", "timeutil", "gradebook", "invtrack", "statpak", "unitconv",
             "textops")  # fmt: skip
@@ -488,7 +489,7 @@ def reference_main(a) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m launch.make_repo_tasks", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="output directory (repos/ and tasks.jsonl)")
     p.add_argument("--num", type=int, default=64, help="tasks to generate")
     p.add_argument("--seed", type=int, default=0, help="generator seed")

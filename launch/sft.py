@@ -54,6 +54,7 @@ import optax
 from flax import nnx
 
 from launch import sft_repo_fix
+from launch.cli import ArgumentParser
 from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
@@ -200,7 +201,11 @@ def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(
+        prog="python -m launch.sft",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--out", required=True, help="HF checkpoint directory to write")
     p.add_argument("--task", default="arithmetic", choices=sorted(TASKS))
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (task default)")

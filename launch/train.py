@@ -229,15 +229,18 @@ def main(argv=None) -> int:
     except (UsageError, ValueError, OSError) as e:
         lock.release(undo=True)
         return fail(str(e))
+    rc = 1
     try:
         if jax.process_count() == 1:
-            return train(config, *parts, workdir, resume)
+            rc = train(config, *parts, workdir, resume)
+            return rc
         try:
-            return train(config, *parts, workdir, resume)
+            rc = train(config, *parts, workdir, resume)
+            return rc
         except Exception as e:  # noqa: BLE001 (any failure of one process of several)
             peer_failed(e)
-    finally:
-        lock.release()  # (an in-process run; a process that ends releases it anyway)
+    finally:  # (an in-process run; a process that ends releases it anyway); a refused resume
+        lock.release(undo=rc == 2)  # leaves the workdir as it found it
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class WorkdirLock:
         self.workdir, self.path = workdir, os.path.join(workdir, LOCK_FILE)
         self.fd: int | None = None
         self.made_dir = self.made_file = False
+        self.dir_times = (0, 0)
 
     def acquire(self) -> None:
         """Takes the lock, creating the workdir if need be; a UsageError of one line naming
@@ -42,6 +43,9 @@ class WorkdirLock:
         except OSError as e:
             raise UsageError(f"--workdir {self.workdir}: {e.strerror}") from None
         self.made_file = not os.path.exists(self.path)
+        if self.made_file and not self.made_dir:  # (put back by release's undo)
+            st = os.stat(self.workdir)
+            self.dir_times = (st.st_atime_ns, st.st_mtime_ns)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -76,6 +80,8 @@ class WorkdirLock:
             return
         if undo and self.made_file:
             os.unlink(self.path)
+            if not self.made_dir:
+                os.utime(self.workdir, ns=self.dir_times)
         os.close(self.fd)
         self.fd = None
         if undo and self.made_dir:

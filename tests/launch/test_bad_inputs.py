@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import pytest
 
-from launch import bench, export, images, make_repo_tasks, train
+from launch import bench, export, generate, images, make_repo_tasks, train
 from launch import eval as eval_
 from launch.workdir_lock import LOCK_FILE
 from models.sharding import on_devices
@@ -39,7 +39,9 @@ class Case(NamedTuple):
     message: str  # the beginning of the error line, after "error: "
     argv: list[str]
     setup: object = None  # setup(monkeypatch) makes the bad files in the working directory
-    entry: str = "train"  # launch.<entry>: train, eval, export, bench, images, make_repo_tasks
+    entry: str = (
+        "train"  # launch.<entry>: train, eval, export, bench, images, make_repo_tasks, generate
+    )
     workdir: str = "run"  # launch.train's --workdir: the finished run, or a new one ("new")
     devices: int = 8  # the command runs on this many of the fake devices (`run` was made on one)
 
@@ -340,14 +342,14 @@ CATALOGUE = [
     Case("hub-revision-local", "`--config.model.hf_checkpoint=ckpt --config.model.revision=v2`, ckpt/ a local checkpoint", "config.model.revision='v2': config.model.hf_checkpoint='ckpt' is local, which has no revisions: drop it", EIGHT + ["--config.model.hf_checkpoint=ckpt", "--config.model.revision=v2"], ckpt()),
     Case("hub-id-shadowed", "`--config.model.hf_checkpoint=org/tiny`, an empty directory org/tiny in the working directory (the Hub cache holding org/tiny)", "config.model.hf_checkpoint='org/tiny': has no config.json (org/tiny is the local directory <cwd>/org/tiny, read before the Hub id of that spelling: move it, or run elsewhere, to use the Hub's)", EIGHT + ["--config.model.hf_checkpoint=org/tiny"], shadowed),
     Case("hub-dataset-missing", "`--config.data.train.type=hf --config.data.train.path=org/nodata`, offline, not in the Hub cache", "config.data.train.path='org/nodata': not a local directory, and not in the Hub cache <cwd>/hub (HF_HUB_OFFLINE=1)", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/nodata"], hub_cache),
-    Case("hub-dataset-subset-missing", "`--config.data.train.type=hf --config.data.train.path=org/gsm --config.data.train.name=mian`, offline, the card's subsets main and socratic (no data file fetched)", "config.data.train.name='mian': org/gsm: no such subset (it has ['main', 'socratic'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/gsm", "--config.data.train.name=mian"], hub_card),
+    Case("hub-dataset-subset-missing", "`--config.data.train.type=hf --config.data.train.path=org/gsm --config.data.train.name=mian`, offline, the card's subsets main and socratic (no data file fetched)", "config.data.train.name='mian': org/gsm: no such subset (it has ['main', 'socratic'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/gsm", "--config.data.train.name=mian"], hub_card, workdir="new"),
     Case("hub-snapshot-no-weights", "`--config.model.hf_checkpoint=org/partial`, offline, the cache holding its config files only (what a `--dry_run` fetched)", "config.model.hf_checkpoint='org/partial': the snapshot 1111111111111111111111111111111111111111 has no *.safetensors weights in the Hub cache (it holds what a --dry_run fetched, or part of it): fetch it once without HF_HUB_OFFLINE", EIGHT + ["--config.model.hf_checkpoint=org/partial"], hub_partial, workdir="new"),
     Case("hub-snapshot-shard-missing", "`--config.model.hf_checkpoint=org/sharded`, offline, the cache holding one of the two shards its index names", "config.model.hf_checkpoint='org/sharded': the snapshot 2222222222222222222222222222222222222222 lacks 1 of the 2 shards its model.safetensors.index.json names (model-00002-of-00002.safetensors) in the Hub cache", EIGHT + ["--config.model.hf_checkpoint=org/sharded"], hub_sharded, workdir="new"),
-    Case("hf-data-file-missing", "`--config.data.train.type=hf --config.data.train.path=data/tain.parquet` (a typo)", "config.data.train.path='data/tain.parquet': no such data file", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/tain.parquet"], parquet_rows),
-    Case("hf-data-split-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.split=validation`, data/ holding train.parquet", "config.data.train.split='validation': no such split of data (it has ['train'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.split=validation"], parquet_rows),
-    Case("hf-data-subset-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.name=main`, data/ without subsets", "config.data.train.name='main': data: BuilderConfig 'main' not found. Available: ['default']", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.name=main"], parquet_rows),
-    Case("hf-data-no-prompt-field", "`--config.data.train.type=hf --config.data.train.path=data/train.parquet --config.data.train.prompt_field=question`, a file without that column", "config.data.train.prompt_field='question': no such column in data/train.parquet split 'train' (columns: ['answer', 'prompt'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/train.parquet", "--config.data.train.prompt_field=question"], parquet_rows),
-    Case("hf-data-bytes-column", "`--config.data.train.type=hf --config.data.train.path=data/blob.parquet`, a file with a column of bytes", "config.data.train.path='data/blob.parquet': columns ['image'] hold bytes (binary, or an Image / Audio feature), which a record cannot carry (records are JSON: logged with their completions, read by rewards as a jsonl line is); remove them (datasets' remove_columns, then save_to_disk) and read that", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/blob.parquet"], parquet_bytes),
+    Case("hf-data-file-missing", "`--config.data.train.type=hf --config.data.train.path=data/tain.parquet` (a typo)", "config.data.train.path='data/tain.parquet': no such data file", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/tain.parquet"], parquet_rows, workdir="new"),
+    Case("hf-data-split-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.split=validation`, data/ holding train.parquet", "config.data.train.split='validation': no such split of data (it has ['train'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.split=validation"], parquet_rows, workdir="new"),
+    Case("hf-data-subset-missing", "`--config.data.train.type=hf --config.data.train.path=data --config.data.train.name=main`, data/ without subsets", "config.data.train.name='main': data: BuilderConfig 'main' not found. Available: ['default']", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data", "--config.data.train.name=main"], parquet_rows, workdir="new"),
+    Case("hf-data-no-prompt-field", "`--config.data.train.type=hf --config.data.train.path=data/train.parquet --config.data.train.prompt_field=question`, a file without that column", "config.data.train.prompt_field='question': no such column in data/train.parquet split 'train' (columns: ['answer', 'prompt'])", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/train.parquet", "--config.data.train.prompt_field=question"], parquet_rows, workdir="new"),
+    Case("hf-data-bytes-column", "`--config.data.train.type=hf --config.data.train.path=data/blob.parquet`, a file with a column of bytes", "config.data.train.path='data/blob.parquet': columns ['image'] hold bytes (binary, or an Image / Audio feature), which a record cannot carry (records are JSON: logged with their completions, read by rewards as a jsonl line is); remove them (datasets' remove_columns, then save_to_disk) and read that", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=data/blob.parquet"], parquet_bytes, workdir="new"),
     Case("datasets-missing", "`--config.data.train.type=hf`, the `datasets` library not installed", "config.data.train.type='hf': needs the datasets library: pip install -e '.[hub]'", EIGHT + ["--config.data.train.type=hf", "--config.data.train.path=org/data"], without("datasets")),
     Case("wandb-missing", "`--config.log.wandb=True`, the `wandb` library not installed", "config.log.wandb=True: needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)", EIGHT + ["--config.log.wandb=True"], without("wandb")),
     Case("wandb-no-key", "`--config.log.wandb=True`, W&B online, no API key (no `WANDB_API_KEY`, no `wandb login`), no terminal", "config.log.wandb=True: W&B: No API key configured", EIGHT + ["--config.log.wandb=True"], wandb_no_key, workdir="new"),
@@ -408,6 +410,11 @@ CATALOGUE = [
     Case("images-layer-missing", "`python -m launch.images unpack img --out imgs`, img an OCI layout without its layer blob", f"img: blobs/sha256/{_sha_hex(BAD_LAYER)}: No such file or directory", ["unpack", "img", "--out", "imgs"], image(drop_layer=True), entry="images"),
     Case("images-digest-mismatch", "`python -m launch.images unpack img --out imgs`, its layer's bytes not its digest", f"img: layer 0 (blobs/sha256/{'0' * 64}): layer digest mismatch (sha256:{_sha_hex(BAD_LAYER)[:16]}... != sha256:{'0' * 16}...)", ["unpack", "img", "--out", "imgs"], image(layer_digest="sha256:" + "0" * 64), entry="images"),
     Case("images-hostile-member", "`python -m launch.images unpack img --out imgs`, a layer member ../evil", f"img: layer 0 (blobs/sha256/{_sha_hex(EVIL_LAYER)}): member '../evil' escapes the root", ["unpack", "img", "--out", "imgs"], image([EVIL_LAYER]), entry="images"),
+    # usage errors of the entry points on argparse (launch.cli.ArgumentParser) and launch.generate
+    Case("eval-no-workdir", "`python -m launch.eval` (no --workdir)", "the following arguments are required: --workdir (python -m launch.eval --help lists the flags)", [], entry="eval"),
+    Case("generate-flags-missing", "`python -m launch.generate --prompts p.jsonl`", "the following arguments are required: --hf_checkpoint, --output (python -m launch.generate --help lists the flags)", ["--prompts", "p.jsonl"], entry="generate"),
+    Case("generate-prompts-missing", "`python -m launch.generate --hf_checkpoint ckpt --prompts missing.jsonl --output out.jsonl`, no such file", "--prompts: missing.jsonl does not exist", ["--hf_checkpoint", "ckpt", "--prompts", "missing.jsonl", "--output", "out.jsonl"], entry="generate"),
+    Case("images-unknown-flag", "`python -m launch.images unpack img --out imgs --nope`", "unrecognized arguments: --nope (python -m launch.images --help lists the flags)", ["unpack", "img", "--out", "imgs", "--nope"], entry="images"),
     # launch.make_repo_tasks --from_rows: the rows, before anything is written under --out.
     Case("repo-tasks-none-convert", "`python -m launch.make_repo_tasks --out out --from_rows rows.jsonl`, no row with a FAIL_TO_PASS test", "--from_rows='rows.jsonl': none of its 1 rows converts (the first: a__b-1: FAIL_TO_PASS is empty)", ["--out", "out", "--from_rows", "rows.jsonl"], write("rows.jsonl", ROW), entry="make_repo_tasks"),
     Case("repo-tasks-rows-missing", "`python -m launch.make_repo_tasks --out out --from_rows missing.jsonl`, no such file", "--from_rows='missing.jsonl': no such file", ["--out", "out", "--from_rows", "missing.jsonl"], entry="make_repo_tasks"),
@@ -443,9 +450,12 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
     argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
     before = snapshot(".")
     mains = {"train": train, "eval": eval_, "export": export, "bench": bench, "images": images,
-             "make_repo_tasks": make_repo_tasks}  # fmt: skip
+             "make_repo_tasks": make_repo_tasks, "generate": generate}  # fmt: skip
     with on_devices(jax.devices()[: case.devices]):
-        rc = mains[case.entry].main(argv)
+        try:
+            rc = mains[case.entry].main(argv)
+        except SystemExit as e:  # argparse's usage errors (launch.cli.ArgumentParser)
+            rc = e.code
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and "Traceback" not in err, err
