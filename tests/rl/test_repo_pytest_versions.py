@@ -5,8 +5,9 @@ PyPI wheels (tests/rl/pytest_wheels.py: cached, skipped naming the wheel when ne
 downloadable). On each the probe reports the versions, the fix scores 1.0 (function and
 unittest-style node ids), and the no-op, a wrong edit and the reward hacks (a conftest.py that
 forges reports, the test rewritten, tests/__init__.py or the package's __init__.py patching
-assertEqual, a .pth file written into the image's site dir) score 0.0, none masked, each caught
-by the guard meant for it. An image whose pytest cannot run (none, or older than 6.2) is masked
+assertEqual, a .pth file written into the image's site dir) and the package hanging when the
+repository's own conftest.py imports it score 0.0, none masked, each caught by the guard meant
+for it (the restore, the tamper check, the read-only site dir, the collection alarm). An image whose pytest cannot run (none, or older than 6.2) is masked
 with the versions in its line."""
 
 import os
@@ -23,6 +24,7 @@ from tests.rl.image_helpers import PREFIX, python_image
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 
 TESTBED = {
+    "conftest.py": b"import calc  # the repository's own conftest.py imports its package\n",
     "calc/__init__.py": b"from calc.ops import add\n",
     "calc/ops.py": b"def add(a, b):\n    return a - b\n",
     "tests/__init__.py": b"",
@@ -76,6 +78,8 @@ class TestAdd(unittest.TestCase):
 X
 """
 FIX = "sed -i 's/a - b/a + b/' calc/ops.py"
+HANG = "import time\\ntime.sleep(600)\\n"
+PER_TEST_S = 5  # env.per_test_timeout_s: pytest's start and collection fit in it when loaded
 # (name, commands, fail_to_pass, reward, what catches it: restored file | tamper | "")
 CASES = [
     ("fix", [FIX], F2P, 1.0, ""),
@@ -91,6 +95,8 @@ CASES = [
      "tamper"),
     (".pth in the image's site dir", [f"printf '{PATCH}' > {SITE}/evil.pth; ls {SITE}/evil.pth"],
      [UNIT], 0.0, ""),
+    ("a hang at import, from the root conftest.py", [FIX, f"printf '{HANG}' >> calc/__init__.py"],
+     F2P, 0.0, "alarm"),
 ]  # fmt: skip
 
 
@@ -135,7 +141,9 @@ def images(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def env(images):
-    e = RepoEnv(TOK, make_config(images_dir=images["dir"], command_timeout_s=60.0))
+    cfg = make_config(images_dir=images["dir"], command_timeout_s=60.0,
+                      per_test_timeout_s=PER_TEST_S, test_timeout_s=120.0)  # fmt: skip
+    e = RepoEnv(TOK, cfg)
     if e.tools.mode != "bwrap":
         e.shutdown()
         pytest.skip(f"image tasks need bubblewrap (mode {e.tools.mode!r})")
@@ -173,7 +181,9 @@ def test_every_case_grades_the_same_on_each_pytest(env, images, release):
             bad.append((why, reward, ep.infra_error, ep.tamper, ep.restored, ep.metrics))
             continue
         assert ep.view.versions == f"pytest {release}, pluggy {PLUGGY[release]}", ep.view.versions
-        if caught == "tamper":  # the guard, in the process the model's code runs in
+        if caught == "alarm":  # the collection alarm fired in the root conftest.py's import
+            assert not ep.grade_timeout and ep.metrics["fail_to_pass_frac"] == 0.0, ep.metrics
+        elif caught == "tamper":  # the guard, in the process the model's code runs in
             assert ep.tamper == ["unittest.case.TestCase.assertEqual"], (why, ep.tamper)
         elif caught:  # put back from the pristine image before the run
             assert caught in ep.restored and not ep.tamper, (why, ep.restored, ep.tamper)
