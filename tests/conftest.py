@@ -77,7 +77,8 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # workers ended apart by a whole long file. A file missing here only runs later; keep the list short.
 LONG_FIRST = (
     "tests/sampling/test_preemption.py", "tests/sampling/test_paged_attention.py",
-    "tests/rl/test_repo_images.py", "tests/sampling/test_distribution.py",
+    "tests/rl/test_repo_images.py", "tests/rl/test_repo_pytest_versions.py",
+    "tests/sampling/test_distribution.py",
     "tests/sampling/test_shard_pools.py", "tests/models/test_hf.py", "tests/rl/test_sandbox.py",
     "tests/rl/test_learner.py", "tests/launch/test_bad_inputs.py",
     "tests/sampling/test_engine_scale.py", "tests/rl/test_repo_grading.py",
