@@ -131,6 +131,7 @@ def test_code_config_one_step(config, fixture, tmp_path):
     assert step["episode/prefill_tokens"] < step["episode/reprefill_tokens"]
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 def test_export_of_a_trained_run_reads_back_equal(tmp_path, capsys):
     """launch.export of a trained run: our importer reads it back bitwise, and transformers (where
     installed) loads it and gives our logits."""

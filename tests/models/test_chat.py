@@ -174,6 +174,7 @@ def _conversation(name, assistant, results=RESULTS, final=None):
 STOPS = {"eot": lambda t: True, "open": lambda t: False, "mixed": lambda t: t % 2 == 1}
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 @pytest.mark.parametrize("stop", list(STOPS))
 @pytest.mark.parametrize("name", FAMILIES)
 def test_episode_equals_full_rendering(name, stop, tokenizer_dir, reference):
@@ -186,6 +187,7 @@ def test_episode_equals_full_rendering(name, stop, tokenizer_dir, reference):
     assert _episode(tok, msgs, STOPS[stop], **kwargs) == reference(d, msgs, True, **kwargs)
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_final_turn(name, tokenizer_dir, reference):
     """A closed final turn: the full rendering adds only the template's text after the end-of-turn
@@ -202,6 +204,7 @@ def test_final_turn(name, tokenizer_dir, reference):
     assert tok.decode(full[len(ours) :], skip_special=False) == ("" if name == "llama" else "\n")
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_consecutive_tool_messages(name, tokenizer_dir, reference):
     """Two tool results after one turn (parallel calls) go in one delta: Qwen's template puts
@@ -217,6 +220,7 @@ def _text(tok, ids):
     return tok.decode(ids, skip_special=False)
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 def test_qwen3_think_blocks_kept_where_rerendering_drops_them(tokenizer_dir, reference):
     d = tokenizer_dir("qwen3")
     tok = load_tokenizer(d)

@@ -202,6 +202,7 @@ def _hf_logits(model_dir, ref):
     return out.logits.float().numpy()
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 @pytest.mark.parametrize("name", NAMES)
 def test_live_hf_parity_and_export_loads_in_transformers(name, mesh, tmp_path):
     pytest.importorskip("transformers")

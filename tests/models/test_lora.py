@@ -77,6 +77,7 @@ def test_fresh_adapters_change_nothing_and_are_sharded(mesh):
     assert a.sharding.spec[0] == "fsdp"
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_merged_export_loads_in_transformers(name, mesh, tmp_path):
     pytest.importorskip("transformers")
@@ -88,6 +89,7 @@ def test_merged_export_loads_in_transformers(name, mesh, tmp_path):
     assert np.abs(ours[valid] - _hf_logits(str(tmp_path), ref)[valid]).max() < 1e-4
 
 
+@pytest.mark.hf  # transformers / torch / peft: CI's second pass (.ci/run)
 @pytest.mark.parametrize("name", ["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_adapter_export_loads_through_peft(name, mesh, tmp_path):
     pytest.importorskip("peft")
