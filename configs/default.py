@@ -215,6 +215,11 @@ def get_config():
     # refuse to start, bwrap = the same, rlimits = the weak mode without namespaces (uid as root)
     c.env.isolation = "auto"  # auto | bwrap | rlimits
     c.env.images_dir = ""  # repo: where records' image names are unpacked (launch.images unpack)
+    # A run whose episodes are masked (infrastructure errors: no sandbox, a harness that cannot
+    # run) trains on nothing: it stops, naming the most frequent error, after max_masked_steps
+    # steps in a row with at least this fraction of their episodes masked.
+    c.env.max_masked_fraction = 1.0  # in (0, 1]; 1.0 = every episode of the step
+    c.env.max_masked_steps = 2  # >= 1
     # sampling.max_new_tokens is the episode's budget after the prompt: model + observation tokens.
 
     c.eval = ml_collections.ConfigDict()

@@ -17,10 +17,12 @@ from rl.sandbox import isolation_of
 # is host policy (how model-written code is contained on this machine), not part of the
 # trajectory: a run moved to a host without bubblewrap resumes with --config.env.isolation=rlimits.
 # env.images_dir is where this host keeps the unpacked images (the records name them).
+# env.max_masked_* only say when a run that trains on nothing stops.
 RESUMABLE_CHANGES = (
     "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
     "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
-    "env.isolation", "env.images_dir", "log.", "model.revision",
+    "env.isolation", "env.images_dir", "log.", "model.revision", "env.max_masked_fraction",
+    "env.max_masked_steps",
 )  # fmt: skip
 
 # Fields added with Hub ids (models/hub.py, rl/sources.py's "hf" sources): a run saved before them

@@ -99,6 +99,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     bar = tqdm.tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
                     desc="grpo", file=sys.stderr, disable=not main_process)  # fmt: skip
     nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
+    masked = 0  # steps in a row whose episodes were (mostly) masked
     preemption = Preemption()  # SIGTERM / SIGINT: stop after the current step, saved
     # A checkpoint that cannot be written stops the run within a step (rl/checkpoint.py), and
     # so does a log file on a full or read-only disk: one line, exit code 4.
@@ -143,6 +144,16 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                      f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
                 log.close()  # the event files and W&B run end here too (an in-process run goes on)
                 return 3
+            # Episodes masked by infrastructure errors train nothing: after env.max_masked_steps
+            # steps in a row that masked env.max_masked_fraction of them, stop, nothing saved.
+            masked = masked + 1 if _mostly_masked(rollout.stats, config.env) else 0
+            if masked >= config.env.max_masked_steps:
+                _close(bar, rollouts, ckpt)
+                fail(_masked_message(step + 1, masked, rollout.stats, config.env)
+                     + f"; stopped (last checkpoint: step {ckpt.latest_step() or 'none'} in "
+                     f"{workdir})")  # fmt: skip
+                log.close()
+                return 3
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
             if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
                 ev = _evaluate(run, state, eval_records, log, step + 1)
@@ -177,6 +188,22 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     log.finish(config, summary, totals, after, wall, fingerprint(state.params))
     log.close()
     return 0
+
+
+def _mostly_masked(stats: dict, env) -> bool:
+    """Whether a step's episodes were masked (rl.summary.masked_stats) as env.max_masked_*
+    say; a step without environment episodes never is."""
+    count = stats.get("episode/count", 0)
+    return count > 0 and stats["episode/masked_frac"] >= env.max_masked_fraction
+
+
+def _masked_message(step: int, steps: int, stats: dict, env) -> str:
+    text, n = stats["episode/top_infra_error"]
+    masked, count = int(stats["episode/masked"]), int(stats["episode/count"])
+    return (f"step {step}: {masked} of {count} episodes masked by infrastructure errors, "
+            f"{steps} step(s) in a row (env.max_masked_fraction={env.max_masked_fraction}, "
+            f"env.max_masked_steps={env.max_masked_steps}): the run trains on nothing; the most "
+            f"frequent error ({n} episodes): {text}")  # fmt: skip
 
 
 def _close_quietly(part) -> None:

@@ -333,6 +333,10 @@ def validate(
               f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages"
               + (f" / {shards} shards" if shards > 1 else ""))  # fmt: skip
     _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
+    m = c.env
+    _need(0 < m.max_masked_fraction <= 1, "env.max_masked_fraction", m.max_masked_fraction,
+          "must be in (0, 1]")  # fmt: skip
+    _need(m.max_masked_steps >= 1, "env.max_masked_steps", m.max_masked_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
     path = model_dir(c, weights=False)
