@@ -38,6 +38,9 @@ class Missing(Exception):
     """A wheel neither in the cache nor downloadable: one line naming it."""
 
 
+_offline: list[str] = []  # the first failed download's line: later ones are not tried
+
+
 def cache_dir() -> str:
     return os.path.expanduser(os.environ.get("JAX_GRPO_WHEELS") or "~/.cache/jax-grpo-wheels")
 
@@ -51,17 +54,21 @@ def _wheel(cache: str, pin: str) -> str:
         return next((f for f in sorted(os.listdir(cache)) if f.lower().startswith(stem)
                      and f.endswith(".whl")), None)  # fmt: skip
 
-    if (found := find()) is None:
+    if (found := find()) is None and _offline:
+        raise Missing(_offline[0])
+    if found is None:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.11", "--dest", cache, pin]  # fmt: skip
+               "--python-version", "3.11", "--retries", "1", "--timeout", "20", "--dest", cache,
+               pin]  # fmt: skip
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
             why = (r.stderr.strip().splitlines() or ["?"])[-1]
         except (OSError, subprocess.TimeoutExpired) as err:
             why = str(err)
-        if (found := find()) is None:
-            raise Missing(f"wheel {pin} is not in {cache} and pip download failed ({why}); "
-                          "fill the cache where PyPI is reachable: python -m tests.rl.pytest_wheels")  # fmt: skip
+        if (found := find()) is None:  # no second try in this process: offline, say so at once
+            _offline.append(f"wheel {pin} is not in {cache} and pip download failed ({why}); "
+                            "fill the cache where PyPI is reachable: python -m tests.rl.pytest_wheels")  # fmt: skip
+            raise Missing(_offline[0])
     return os.path.join(cache, found)
 
 
