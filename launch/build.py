@@ -151,10 +151,9 @@ def check_prompts(config, run: Run) -> list:
     eval_records = load_records(config.data.eval)
     for split, records in (("train", load_records(config.data.train)), ("eval", eval_records)):
         if config.env.get("name") == "repo":  # refuse unsupported record fields at load time
-            from rl.envs.repo import check_record
+            from rl.envs.repo import check_records
 
-            for r in records:
-                check_record(r, config.env)  # an image record's isolation and image too
+            check_records(records, config.env)  # image records: isolation, images probed at once
         field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
         tokenize_prompts(records, run.tokenizer, config, field, keep=False, env=run.env,
                          split=split)  # fmt: skip
