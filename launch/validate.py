@@ -369,7 +369,8 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
         src = c.data[split]
         if src.type in ("jsonl", "parquet"):
             found = glob.glob(src.path) if src.path else []
-            _need(bool(found), f"data.{split}.path", src.path, f"no {src.type} file there")
+            _need(bool(found), f"data.{split}.path", src.path,
+                  f"no {src.type} file there" + _tasks_hint(c, split))  # fmt: skip
         elif src.type == "hf":
             _need(bool(src.path), f"data.{split}.path", src.path, "a Hub dataset id, a "
                   "directory of data files or a save_to_disk directory")  # fmt: skip
@@ -388,6 +389,23 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
         else:
             _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
                   f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}")  # fmt: skip
+
+
+def _tasks_hint(c: ml_collections.ConfigDict, split: str) -> str:
+    """The command that makes env repo's missing tasks file, as the README's recipe makes it
+    (planted-bug tasks; a --validate'd valid.jsonl from its directory's tasks.jsonl)."""
+    if c.env.get("name") != "repo":
+        return ""
+    path = c.data[split].path
+    out = os.path.dirname(path) or "."
+    if os.path.basename(path) == "valid.jsonl":
+        return f" (make it with python -m launch.make_repo_tasks --validate {out})"
+    what, num, seed = ("training", 512, 0) if split == "train" else ("held-out", 64, 1)
+    if os.path.basename(path) == "tasks.jsonl":
+        make = f"--out {out} --num {num} --seed {seed}"
+    else:  # make_repo_tasks names its file
+        make = f"--out DIR --num {num} --seed {seed}, then set it to DIR/tasks.jsonl"
+    return f" (make the {what} tasks with python -m launch.make_repo_tasks {make})"
 
 
 def load_source(c: ml_collections.ConfigDict, split: str):
