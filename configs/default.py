@@ -35,6 +35,8 @@ def get_config():
     c.log.wandb_entity = ""  # "" = the default entity of the W&B login
     c.log.wandb_name = ""  # run name ("" = the workdir's name)
     c.log.wandb_tags = ()
+    # steps between progress lines on stderr when it is no terminal (a file, a pipe); on one, a bar
+    c.log.progress_every = 10
     c.max_nonfinite_steps = (
         3  # stop after this many steps in a row with a skipped non-finite update
     )

@@ -38,8 +38,10 @@ def get_config():
     c.sampling.max_new_tokens = 28672  # episode budget after it: 32,768 tokens in all
     c.sampling.prefill_chunk = 512  # prompt / observation tokens per prefill pass
     # Slots and pages are totals for the mesh, split over its 8 batch shards (fsdp=8), each
-    # shard with its own pool and null page. Each running episode reserves its whole budget of
-    # pages: per shard 32 slots x 1,024 pages of 32 tokens, 12 GiB of bf16 KV per device while
+    # shard with its own pool and null page. An episode takes pages as it grows
+    # (sampling.reserve="demand"; a shard that runs out preempts its newest episodes and
+    # recomputes them later); the pool holds every slot's whole budget, per shard 32 slots x
+    # 1,024 pages of 32 tokens, so none is preempted: 12 GiB of bf16 KV per device while
     # sampling, freed before learning; 256 episodes in flight on 8 devices.
     c.sampling.num_slots = 256
     c.sampling.page_size = 32

@@ -56,8 +56,11 @@ def get_config():
     c.sampling.max_prompt_len = 2048  # instructions, tool schemas and the issue, templated
     c.sampling.max_new_tokens = 14336  # episode budget: model turns + tool output (16k in all)
     c.sampling.prefill_chunk = 512  # prompt / observation tokens per prefill pass
-    # Each running episode reserves its whole budget of pages: 64 slots x 512 pages of 32 tokens,
-    # split over the 8 batch shards (fsdp=8), each with its own pool and null page.
+    # An episode takes KV pages as it grows (sampling.reserve="demand"; a shard that runs out
+    # preempts its newest episodes and recomputes them later). The pool holds every slot's whole
+    # budget, 64 slots x 512 pages of 32 tokens (16k), split over the 8 batch shards (fsdp=8),
+    # each with its own pool and null page: no episode is ever preempted; a smaller pool
+    # preempts only when long episodes meet.
     c.sampling.num_slots = 64
     c.sampling.page_size = 32
     c.sampling.num_pages = 8 * (8 * 512 + 1)

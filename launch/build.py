@@ -216,15 +216,18 @@ def base_checksums(run: Run) -> dict | None:
     return checksums(lora.base(run.state.params)) if run.learner.lora else None
 
 
-def load_run(workdir: str, step: int | None = None, runs_code: bool = True) -> tuple[Run, int]:
+def load_run(
+    workdir: str, step: int | None = None, runs_code: bool = True, flag: str = "--workdir"
+) -> tuple[Run, int]:
     """(run with its state restored from the checkpoint at `step` (default: the latest), step),
     for evaluating or exporting a run: without the reference copy, and on the devices at hand
     (the training mesh when it fits them, else fsdp over all of them; orbax reshards).
     `runs_code=False` (launch.export: no episode runs) builds no environment and probes no
-    sandbox, so a code run exports on a host where its sandbox would be refused."""
+    sandbox, so a code run exports on a host where its sandbox would be refused. Errors name
+    the workdir as `flag` (launch.generate: --hf_checkpoint)."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
-        raise UsageError(f"--workdir {workdir}: no config.json (not a training run)")
+        raise UsageError(f"{flag} {workdir}: no config.json (not a training run)")
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
     init_distributed(config)
@@ -234,7 +237,7 @@ def load_run(workdir: str, step: int | None = None, runs_code: bool = True) -> t
     ckpt = Checkpointer(workdir)
     steps = ckpt.manager.all_steps()
     if not steps or (step is not None and step not in steps):
-        raise UsageError(f"--workdir {workdir}: no checkpoint at step {step} (have {list(steps)})")
+        raise UsageError(f"{flag} {workdir}: no checkpoint at step {step} (have {list(steps)})")
     check_isolation(config, runs_code)  # code rewards or an environment that cannot run here
     run = build(config, with_reference=False, with_env=runs_code)
     saved, meta = ckpt.restore(run.learner.checkpointed(run.state), step)

@@ -135,18 +135,32 @@ def _unknown(config, dotted):
     raise UsageError(f"--config.{dotted}: no such config field{hint}")
 
 
-def parse_args(argv: Sequence[str], flags: dict[str, object]):
-    """(config, config_path, options) from argv.
+def parse_args(argv: Sequence[str], flags: dict[str, object], usage: str = ""):
+    """(config, config_path, options) from argv (`split_args`), the overrides applied."""
+    config_path, overrides, options = split_args(argv, flags, usage)
+    return load_config(config_path, overrides), config_path, options
+
+
+def split_args(
+    argv: Sequence[str], flags: dict[str, object], usage: str = ""
+) -> tuple[str, list[tuple[str, str]], dict[str, object]]:
+    """(config_path, overrides [(dotted field, text)], options) from argv.
 
     `flags` maps the other accepted `--name` options to their defaults; a bool default makes a
     switch (`--dry_run`), anything else takes a value (`--workdir DIR` or `--workdir=DIR`).
+    `--help` (or `-h`) prints `usage` and the accepted options to stdout and exits 0, as
+    argparse does.
     """
     options = dict(flags)
     config_path = DEFAULT_CONFIG
     overrides: list[tuple[str, str]] = []
+    known = ", ".join(f"--{k}" for k in ["config", *options]) + ", --config.<field>=<value>"
     args = list(argv)
     while args:
         arg = args.pop(0)
+        if arg in ("--help", "-h"):
+            print(usage.rstrip("\n") if usage else f"options: {known}")
+            sys.exit(0)
         if not arg.startswith("--"):
             raise UsageError(f"unexpected argument {arg!r}")
         name, eq, value = arg[2:].partition("=")
@@ -168,12 +182,18 @@ def parse_args(argv: Sequence[str], flags: dict[str, object]):
         elif name in options:
             options[name] = True
         else:
-            known = ", ".join(f"--{k}" for k in ["config", *options])
-            raise UsageError(f"unknown option --{name} (known: {known}, --config.<field>=<value>)")
+            raise UsageError(f"unknown option --{name} (known: {known}; --help explains them)")
+    return config_path, overrides, options
+
+
+def load_config(
+    config_path: str, overrides: Sequence[tuple[str, str]]
+) -> ml_collections.ConfigDict:
+    """The config file's config with the overrides applied, in order."""
     config = load_config_file(config_path)
     for dotted, value in overrides:
         apply_override(config, dotted, value)
-    return config, config_path, options
+    return config
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:

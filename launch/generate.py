@@ -14,8 +14,14 @@ prompt with chat markup as `prompt_ids`. Each output line holds `prompt_index`, 
 `finish_reason` ("stop" or "length"), and `text` where a tokenizer is present. Parameters are
 sharded over all local devices on the data axis; a progress bar goes to stderr.
 
-To sample from a training run, export it first (`python -m launch.export --workdir W --out DIR`):
-the exported directory is an HF checkpoint with its tokenizer files.
+--hf_checkpoint may also be a training run's workdir (`launch.train --workdir W`): its latest
+checkpoint (or `--step N`) is restored as `launch.eval` restores it, on the devices at hand, and
+sampled with the run's tokenizer, mesh and sharding rules; nothing is exported.
+
+    python -m launch.generate --hf_checkpoint runs/default-... [--step N] --prompts p.jsonl \
+        --output out.jsonl
+
+`python -m launch.export --workdir W --out DIR` makes an HF checkpoint of it for other tools.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import sys
 
 import tqdm
 
-from launch.cli import ArgumentParser
+from launch.cli import ArgumentParser, UsageError, fail
 from models.hf import load_hf
 from models.hf_config import CheckpointError
 from models.hub import HubError, resolve
@@ -55,14 +61,40 @@ def read_prompts(path: str, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def is_training_run(path: str) -> bool:
+    """Whether `path` is a launch.train workdir: its config.json is a run's config (with
+    model.hf_checkpoint), not a model's."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object
+        return False
+    return isinstance(model, dict) and "hf_checkpoint" in model
+
+
+def from_run(workdir: str, step: int | None):
+    """(model config, graphdef, params, generation ids, tokenizer, engine layout) of a training
+    run's checkpoint at `step` (default: the latest), restored as launch.eval restores it: on
+    the devices at hand, without the reference copy; the engine on the run's mesh and rules."""
+    from launch.build import load_run  # (the RL parts: only for a run)
+
+    run, step = load_run(workdir, step, runs_code=False, flag="--hf_checkpoint")
+    print(f"sampling from step {step} of the run in {workdir}", file=sys.stderr)
+    layout = {"mesh": run.mesh, "rules": tuple(tuple(r) for r in run.config.rules)}
+    return run.model_cfg, run.learner.graphdef, run.state.params, run.ids, run.tokenizer, layout
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(
         prog="python -m launch.generate",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--hf_checkpoint", required=True, help="HF checkpoint directory or Hub id")
+    p.add_argument("--hf_checkpoint", required=True,
+                   help="HF checkpoint directory, Hub id or training run's workdir")  # fmt: skip
     p.add_argument("--revision", default="", help="Hub id: commit, branch or tag")
+    p.add_argument("--step", type=int, default=None,
+                   help="a training run's checkpoint step (default: latest)")  # fmt: skip
     p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'prompt_ids' per line")
     p.add_argument("--output", required=True, help="jsonl to write")
     p.add_argument("--num_samples", type=int, default=1, help="completions per prompt (G)")
@@ -77,38 +109,50 @@ def main(argv=None) -> int:
     p.add_argument("--num_pages", type=int, default=1024, help="KV pages in the pool")
     args = p.parse_args(argv)
     if not os.path.exists(args.prompts):
-        print(f"error: --prompts: {args.prompts} does not exist", file=sys.stderr)
-        return 2
-    try:  # a directory as it is, a Hub id from the Hub cache (HF_HOME; HF_HUB_OFFLINE=1)
-        args.hf_checkpoint = resolve(args.hf_checkpoint, args.revision, field="--hf_checkpoint",
-                                     revision_field="--revision")[0]  # fmt: skip
-    except HubError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    try:
-        files = ("tokenizer.json", CHAR_TOKENIZER_FILE)
-        has_tok = any(os.path.exists(os.path.join(args.hf_checkpoint, f)) for f in files)
-        tokenizer = load_tokenizer(args.hf_checkpoint) if has_tok else None
-        prompts = read_prompts(args.prompts, tokenizer)
+        return fail(f"--prompts: {args.prompts} does not exist")
+    layout = {}  # the engine's mesh and rules: a training run's own
+    if is_training_run(args.hf_checkpoint):  # its checkpoint, restored as launch.eval does
+        try:
+            if args.revision:
+                raise UsageError("--revision: a Hub id's; --hf_checkpoint is a training run")
+            cfg, graphdef, params, ids, tokenizer, layout = from_run(args.hf_checkpoint, args.step)
+            prompts = read_prompts(args.prompts, tokenizer)
+        except (UsageError, ValueError) as e:
+            return fail(str(e))
+    else:
+        if args.step is not None:
+            return fail("--step: only with a training run's workdir as --hf_checkpoint")
+        try:  # a directory as it is, a Hub id from the Hub cache (HF_HOME; HF_HUB_OFFLINE=1)
+            ref, rev = args.hf_checkpoint, args.revision
+            args.hf_checkpoint = resolve(ref, rev, field="--hf_checkpoint",
+                                         revision_field="--revision")[0]  # fmt: skip
+        except HubError as e:
+            return fail(str(e))
+        try:
+            files = ("tokenizer.json", CHAR_TOKENIZER_FILE)
+            has_tok = any(os.path.exists(os.path.join(args.hf_checkpoint, f)) for f in files)
+            tokenizer = load_tokenizer(args.hf_checkpoint) if has_tok else None
+            prompts = read_prompts(args.prompts, tokenizer)
+            cfg, graphdef, params, ids = load_hf(
+                args.hf_checkpoint, make_mesh({"data": len(run_devices())})
+            )
+        except (ValueError, CheckpointError) as e:
+            return fail(str(e))
+    try:  # the sampler's flags, as the engine checks them
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-        cfg, graphdef, params, ids = load_hf(
-            args.hf_checkpoint, make_mesh({"data": len(run_devices())})
+        ecfg = EngineConfig(
+            num_slots=max(args.num_slots, args.num_samples),
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            max_prompt_len=max(len(x) for x in prompts),
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.min_new_tokens,
+            steps_per_call=min(16, args.max_new_tokens),
+            stop_ids=ids.eos_ids,
         )
-    except (ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    ecfg = EngineConfig(
-        num_slots=max(args.num_slots, args.num_samples),
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_prompt_len=max(len(x) for x in prompts),
-        max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.min_new_tokens,
-        steps_per_call=min(16, args.max_new_tokens),
-        stop_ids=ids.eos_ids,
-    )
-    engine = Engine(cfg, graphdef, ecfg, sampling)
+        engine = Engine(cfg, graphdef, ecfg, sampling, **layout)
+    except ValueError as e:
+        return fail(str(e))
     total = len(prompts) * args.num_samples
     with tqdm.tqdm(total=total, desc="sequences", file=sys.stderr) as bar:
         _, results = engine.generate_all(

@@ -22,6 +22,7 @@ drops points below the last step it holds; TensorBoard would keep both.)
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -104,15 +105,19 @@ class RunLogger:
 
     def finish(self, config, summary, totals, after, wall, params_fingerprint) -> None:
         """summary.json and the run's last line: accuracy before and after, throughput, params
-        fingerprint. `summary` is updated on every process, written by process 0."""
+        fingerprint, and pass@k where it was measured (eval.pass_k > 0 and a record had k
+        unmasked samples): a metric that was not measured is left out, never null or NaN.
+        `summary` is updated on every process, written by process 0."""
         k = f"pass@{config.eval.pass_k}"
         summary.update(
             accuracy_after=after["accuracy"], steps=config.num_steps, wall_seconds=wall,
             rollout_seconds=totals["rollout_seconds"], learn_seconds=totals["learn_seconds"],
             rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_seconds"], 1e-9),
             learn_tokens_per_s=totals["learn_tokens"] / max(totals["learn_seconds"], 1e-9),
-            params_fingerprint=params_fingerprint, **{k: after.get(k)},
+            params_fingerprint=params_fingerprint,
         )  # fmt: skip
+        if config.eval.pass_k and _measured(after.get(k)):
+            summary[k] = after[k]
         if not self.enabled:
             return
         with open(os.path.join(self.workdir, "summary.json"), "w") as f:
@@ -131,6 +136,10 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def _measured(value) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def _append(path: str):

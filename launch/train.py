@@ -17,6 +17,9 @@ With partial rollouts (`rl/partial.py`) episodes in flight are carried from one 
 next; a step that saves (a checkpoint step, the last, or one during which SIGTERM came) drains
 them first, so no checkpoint holds any.
 `--dry_run` lowers both phases with abstract shapes and prints XLA's memory estimate instead.
+A run prints its config file, the fields set on the command line and the path of config.json
+(every field with `--print_config`), then a progress bar where stderr is a terminal, or a line
+every `log.progress_every` steps where it is a file or a pipe (nohup): no carriage-return frames.
 
 Evaluation splits the held-out records over the batch shards as a rollout splits its prompts:
 each process runs its own shards' share, and the processes agree on the per-record results
@@ -37,7 +40,7 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from launch.build import Run, base_checksums, prepare, restore_latest, seed_key
-from launch.cli import UsageError, config_json, fail, parse_args, workdir_for
+from launch.cli import UsageError, config_json, fail, load_config, split_args, workdir_for
 from launch.distributed import init_distributed, peer_failed
 from launch.dry_run import dry_run
 from launch.logger import RunLogger
@@ -55,13 +58,32 @@ from launch.workdir_lock import WorkdirLock
 from models.sharding import run_devices
 from rl.checkpoint import Checkpointer, CheckpointError, SaveError, fingerprint
 
-FLAGS = {"workdir": "", "dry_run": False}
+FLAGS = {"workdir": "", "dry_run": False, "print_config": False}
+USAGE = """\
+usage: python -m launch.train [--config FILE] [--workdir DIR] [--config.<field>=<value> ...]
+                              [--dry_run] [--print_config]
+
+  --config FILE             the config file (default: configs/default.py); its docstring
+                            gives the command it is meant for
+  --workdir DIR             the run's directory (default: runs/<config>-<timestamp>); one
+                            that holds a checkpoint is resumed
+  --config.<field>=<value>  sets a config field, e.g. --config.rl.num_generations=16 (a
+                            python literal, else a string); a typo'd field is named
+  --dry_run                 lowers both phases with abstract shapes, prints the memory each
+                            device needs and exits: nothing is trained
+  --print_config            prints every config field at start-up (without it: the config
+                            file, the fields set on the command line and the saved config.json)
+  --help                    this text
+"""
 # a full disk, a file system turned read-only, a quota: the run stops in one line (exit code 4)
 DISK_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens", "nonfinite_steps")
 
 
-def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> int:
+def train(
+    config, run: Run, data, eval_records, workdir: str, resume: bool, config_path: str = "",
+    overrides=(), print_config: bool = False,
+) -> int:  # fmt: skip
     main_process = jax.process_index() == 0
     # Every process has checked the workdir (main) before the first one writes to it.
     multihost_utils.sync_global_devices("workdir checked")
@@ -80,7 +102,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     if main_process:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_json(config), f, indent=2)
-        print(config)
+        print(config if print_config else config_lines(config_path, overrides, workdir))
     summary.update(pinned_commits(config))  # the Hub snapshots of its weights and prompts
     try:
         log = RunLogger(workdir, enabled=main_process, config=config)
@@ -96,8 +118,13 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
     totals = {k: summary.get(k, 0.0) for k in TOTALS}
     wall0 = time.perf_counter() - summary.get("wall_seconds", 0.0)
     rollouts = run.rollouts()
+    # A bar on a terminal; in a file or a pipe (nohup, a notebook) a line every
+    # log.progress_every steps instead of the bar's carriage-return frames.
+    on_terminal = main_process and _terminal()
     bar = tqdm.tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
-                    desc="grpo", file=sys.stderr, disable=not main_process)  # fmt: skip
+                    desc="grpo", file=sys.stderr, disable=not on_terminal)  # fmt: skip
+    progress = Progress(start, config.num_steps, config.log.progress_every,
+                        enabled=main_process and not on_terminal)  # fmt: skip
     nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
     masked = 0  # steps in a row whose episodes were (mostly) masked
     preemption = Preemption()  # SIGTERM / SIGINT: stop after the current step, saved
@@ -155,6 +182,7 @@ def train(config, run: Run, data, eval_records, workdir: str, resume: bool) -> i
                 log.close()
                 return 3
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+            progress.step(step + 1, metrics)
             if config.eval_every and (step + 1) % config.eval_every == 0 and not last:
                 ev = _evaluate(run, state, eval_records, log, step + 1)
                 if main_process:
@@ -206,6 +234,50 @@ def _masked_message(step: int, steps: int, stats: dict, env) -> str:
             f"frequent error ({n} episodes): {text}")  # fmt: skip
 
 
+def config_lines(config_path: str, overrides, workdir: str, max_lines: int = 16) -> str:
+    """The config as a run prints it: the file, the fields set on the command line (their
+    values as given; past `max_lines` lines, how many more), and where every field is saved."""
+    items = [f"{k}={v}" for k, v in overrides] or ["none"]
+    lines, shown = [f"config {config_path}; set on the command line:"], 0
+    for item in items:
+        if len(lines[-1]) + 1 + len(item) > 100:
+            if len(lines) == max_lines:
+                break
+            lines.append("   ")
+        lines[-1] += " " + item
+        shown += 1
+    more = f"{len(items) - shown} more set; " if shown < len(items) else ""
+    saved = os.path.join(workdir, "config.json")
+    return "\n".join([*lines, f"{more}every field: {saved} (--print_config prints them here)"])
+
+
+def _terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
+class Progress:
+    """Progress where stderr is no terminal (a file, a pipe): one line every `every` steps and
+    at the last one, `step 10/60: reward 0.430 loss 0.0700 (1.2 s/step)`, the seconds per step
+    over those steps, everything included (evaluation, checkpoints)."""
+
+    def __init__(self, start: int, total: int, every: int, enabled: bool):
+        self.total, self.every, self.enabled = total, every, enabled
+        self.last, self.t = start, time.perf_counter()
+
+    def step(self, step: int, metrics: dict) -> None:
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        now = time.perf_counter()
+        per_step = (now - self.t) / max(step - self.last, 1)
+        self.last, self.t = step, now
+        line = (f"step {step}/{self.total}: reward {metrics['reward_mean']:.3f} loss "
+                f"{metrics['loss']:.4f} ({per_step:.1f} s/step)")  # fmt: skip
+        print(line, file=sys.stderr, flush=True)
+
+
 def _close_quietly(part) -> None:
     try:
         part.close()
@@ -227,7 +299,9 @@ def _evaluate(run: Run, state, records, log: RunLogger, step: int) -> dict:
 
 def main(argv=None) -> int:
     try:
-        config, config_path, opts = parse_args(sys.argv[1:] if argv is None else argv, FLAGS)
+        args = sys.argv[1:] if argv is None else argv
+        config_path, overrides, opts = split_args(args, FLAGS, USAGE + "\n" + __doc__)
+        config = load_config(config_path, overrides)
         init_distributed(config)
         # first: whether this machine may run the config at all (before any Hub download)
         check_isolation(config, probe=not opts["dry_run"])
@@ -256,13 +330,13 @@ def main(argv=None) -> int:
     except (UsageError, ValueError, OSError) as e:
         lock.release(undo=True)
         return fail(str(e))
-    rc = 1
+    rc, shown = 1, (config_path, overrides, opts["print_config"])  # the config, as printed
     try:
         if jax.process_count() == 1:
-            rc = train(config, *parts, workdir, resume)
+            rc = train(config, *parts, workdir, resume, *shown)
             return rc
         try:
-            rc = train(config, *parts, workdir, resume)
+            rc = train(config, *parts, workdir, resume, *shown)
             return rc
         except Exception as e:  # noqa: BLE001 (any failure of one process of several)
             peer_failed(e)

@@ -339,6 +339,8 @@ def validate(
     _need(m.max_masked_steps >= 1, "env.max_masked_steps", m.max_masked_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
+    every = c.log.progress_every
+    _need(every >= 1, "log.progress_every", every, "must be >= 1")
     path = model_dir(c, weights=False)
     _need(os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint",
           c.model.hf_checkpoint, "has no config.json" + shadowing(c.model.hf_checkpoint))  # fmt: skip
