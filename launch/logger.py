@@ -34,6 +34,7 @@ from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 WANDB_ID_FILE = "wandb_run_id"  # in the workdir: the W&B run a resumed run continues
+WANDB_IN_USE_S = 90.0  # how long a resume waits for a killed run's W&B process to let its run go
 
 
 class RunLogger:
@@ -228,18 +229,31 @@ def _wandb_run(workdir: str, config):
 
     w, id_file = config.log, os.path.join(workdir, WANDB_ID_FILE)
     run_id = open(id_file).read().strip() if os.path.exists(id_file) else None
-    try:
-        run = wandb.init(
-            project=w.wandb_project or None, entity=w.wandb_entity or None,
-            name=w.wandb_name or os.path.basename(os.path.normpath(workdir)),
-            tags=list(w.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
-            dir=workdir, config=config_json(config),
-        )  # fmt: skip
-    except Exception as e:  # noqa: BLE001 (no key, the server unreachable: one line)
-        from launch.cli import UsageError
-        from launch.pin import wandb_error
+    waited_since = None
+    while True:
+        try:
+            run = wandb.init(
+                project=w.wandb_project or None, entity=w.wandb_entity or None,
+                name=w.wandb_name or os.path.basename(os.path.normpath(workdir)),
+                tags=list(w.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
+                dir=workdir, config=config_json(config),
+            )  # fmt: skip
+            break
+        except Exception as e:  # noqa: BLE001 (no key, the server unreachable: one line)
+            from launch.cli import UsageError
+            from launch.pin import wandb_error
 
-        raise UsageError(wandb_error(e)) from None
+            # A run killed a moment ago (kill -9) leaves its W&B service process behind for a
+            # few seconds, holding the run id: wait for it rather than fail the resume.
+            now = time.monotonic()
+            if run_id and "in use" in str(e) and now - (waited_since or now) < WANDB_IN_USE_S:
+                if waited_since is None:
+                    waited_since = now
+                    print(f"W&B run {run_id} is still held by the W&B process of the run before "
+                          f"this one; waiting up to {WANDB_IN_USE_S:.0f} s", file=sys.stderr)  # fmt: skip
+                time.sleep(2.0)
+                continue
+            raise UsageError(wandb_error(e)) from None
     if run_id is None:
         with open(id_file, "w") as f:
             f.write(run.id)

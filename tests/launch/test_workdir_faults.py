@@ -266,3 +266,54 @@ def test_kill9_then_resume_logs_every_step_once(tmp_path, straight):
         for key, value in row.items():
             assert values[step][key] == pytest.approx(value, rel=1e-6, abs=0), (step, key)
     shutil.rmtree(workdir / "wandb")
+
+
+def test_a_workdir_made_unwritable_stops_the_run_and_it_resumes_exactly(straight, tmp_path, capfd):
+    """Once checkpoint 3 is committed, the workdir and its checkpoints/ become unwritable
+    (`chattr +i`: not even root may create a file there, as on a file system remounted
+    read-only, which Linux refuses while files are open for writing). The save of step 6
+    fails: exit code 4, one line, no traceback. Writable again, the same command resumes from
+    step 3 and ends bitwise equal to the straight run."""
+    import threading
+
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr (e2fsprogs)")
+    workdir = tmp_path / "run"
+    ckpts = workdir / "checkpoints"
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not supported here (root on ext4 and the like)")
+    subprocess.run(["chattr", "-i", str(probe)], check=True)
+    done = threading.Event()
+
+    def freeze():
+        while not done.is_set() and not (ckpts / "3").is_dir():
+            time.sleep(0.01)  # polling the run's directory; nothing is timed
+        if not done.is_set():
+            subprocess.run(["chattr", "+i", str(ckpts), str(workdir)], check=True)
+
+    watcher = threading.Thread(target=freeze)
+    watcher.start()
+    capfd.readouterr()
+    try:
+        rc = train_here(_args(workdir))
+    finally:
+        done.set()
+        watcher.join()
+        subprocess.run(["chattr", "-i", str(ckpts), str(workdir)], check=True)
+    out, err = capfd.readouterr()
+    assert rc == 4, err[-3000:]
+    errors = [x for x in _lines(err) if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint 6 could not be written to {ckpts}: Operation not permitted"
+    ), err[-3000:]
+    assert errors[0].endswith(
+        "(the last complete checkpoint is step 3; free the space, or make the workdir writable, "
+        "and run the same command to resume)"
+    )
+    assert "Traceback" not in out + err
+    assert train_here(_args(workdir)) == 0
+    assert "resumed from step 3" in capfd.readouterr().err
+    assert _summary(workdir)["params_fingerprint"] == _summary(straight)["params_fingerprint"]
+    assert train_metrics(workdir) == train_metrics(straight)
