@@ -42,6 +42,7 @@ from models.tokenizer import CHAR_TOKENIZER_FILE, load_tokenizer
 from rl.sources import read_jsonl
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
@@ -155,7 +156,8 @@ def main(argv=None) -> int:
         return fail(str(e))
     total = len(prompts) * args.num_samples
     with tqdm.tqdm(total=total, desc="sequences", file=sys.stderr) as bar:
-        _, results = engine.generate_all(
+        _, results = generate_all(
+            engine,
             params,
             engine.init_state(),
             prompts,

@@ -72,6 +72,7 @@ from rl.tasks import (
 )
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 
 # Per-task defaults: alphabet, operand digits, operators, optimizer steps.
 TASKS = {
@@ -149,7 +150,7 @@ def greedy_accuracy(graphdef, params, records, tok, max_new: int) -> float:
                         max_new_tokens=max_new, steps_per_call=max_new, stop_ids=tok.eos_ids)  # fmt: skip
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=0.0))
     prompts = [tok.encode(r["prompt"]) for r in records]
-    _, results = engine.generate_all(params, engine.init_state(), prompts)
+    _, results = generate_all(engine, params, engine.init_state(), prompts)
     answers = [tok.decode(group[0].tokens) for group in results]
     return float(np.mean([a == r["answer"] for a, r in zip(answers, records)]))
 
@@ -166,7 +167,7 @@ def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed:
     wants = [tok.encode(r["answer"]) + [eos] for r in records]
 
     def decode(engine, prompts, g=1):
-        _, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=seed)
+        _, results = generate_all(engine, params, engine.init_state(), prompts, g, seed=seed)
         return [[c.tokens for c in group] for group in results]
 
     def observation(turn_ids):  # as rl/envs/calculator.py: the text after the last "<"

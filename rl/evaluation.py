@@ -20,6 +20,7 @@ from rl.multiturn import EpisodeSampler
 from rl.rewards import get_reward
 from rl.rollout import env_prompts
 from rl.summary import metric_means
+from sampling.episodes import generate_all
 from sampling.peers import agree_json
 
 
@@ -122,8 +123,8 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     mine = [records[j] for j in index]
     prompts = tokenize_prompts(mine, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]
-    _, greedy = greedy_engine.generate_all(
-        params, greedy_engine.init_state(), prompts, 1, seed=seed, request_ids=index,
+    _, greedy = generate_all(
+        greedy_engine, params, greedy_engine.init_state(), prompts, 1, seed=seed, request_ids=index,
         shards=shards,
     )  # fmt: skip
     texts = decode([g[0] for g in greedy])
@@ -136,8 +137,8 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
         "example": rows[0]["text"] if rows else "",
     }
     if k:
-        _, sampled = sample_engine.generate_all(
-            params, sample_engine.init_state(), prompts, n, seed=seed + 1, request_ids=index,
+        _, sampled = generate_all(
+            sample_engine, params, sample_engine.init_state(), prompts, n, seed=seed + 1, request_ids=index,
             shards=shards,
         )  # fmt: skip
         samples = decode([c for group in sampled for c in group])

@@ -36,6 +36,7 @@ import numpy as np
 
 from rl import sandbox
 from rl.envs.base import Environment, Episode, Turn
+from sampling.engine import Engine
 from sampling.episodes import EpisodeLoop
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class EpisodeSampler:
     """Runs an environment's episodes on an engine; holds the tool worker pool."""
 
-    def __init__(self, env: Environment, engine, tokenizer, env_cfg):
+    def __init__(self, env: Environment, engine: Engine, tokenizer, env_cfg):
         self.env, self.engine, self.tokenizer = env, engine, tokenizer
         self.vocab_size = engine.cfg.vocab_size
         self.max_turns = env_cfg.max_turns

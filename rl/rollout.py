@@ -1,6 +1,6 @@
 """Rollout: the sampling half of one GRPO step, from data records to the learner's Batch.
 
-    records --tokenise--> prompts --Engine.generate_all(params)--> G completions each
+    records --tokenise--> prompts --generate_all(engine, params)--> G completions each
             --rewards (worker thread, as each group finishes)--> [KL folded into rewards]
             --group advantages--> learner Batch (device, sharded over the batch axes)
 
@@ -57,6 +57,8 @@ from rl.packing import Layout, build_batch, place
 from rl.partial import PartialRollouts
 from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
+from sampling.engine import Engine
+from sampling.episodes import generate_all
 from sampling.peers import agree, local_values, shard_blocks
 
 
@@ -116,7 +118,15 @@ class Rollouts:
     """
 
     def __init__(
-        self, config, engine, tokenizer, learner, ref_params, batch_sharding, pad_id, env=None
+        self,
+        config,
+        engine: Engine,
+        tokenizer,
+        learner,
+        ref_params,
+        batch_sharding,
+        pad_id,
+        env=None,
     ):
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
         self.learner, self.ref_params = learner, ref_params
@@ -333,9 +343,9 @@ class Rollouts:
                 if not left[i]:
                     futures[i] = self.score(records[i], prompts[i], done[i])
 
-            state, _ = self.engine.generate_all(params, state, prompts, g, seed=seed,
-                                                request_ids=ids, on_finish=on_finish,
-                                                shards=shards)  # fmt: skip
+            state, _ = generate_all(self.engine, params, state, prompts, g, seed=seed,
+                                    request_ids=ids, on_finish=on_finish,
+                                    shards=shards)  # fmt: skip
             groups = [futures[i].result() for i in range(len(prompts))]
         for grp, i in zip(groups, shards):
             grp.shard = i

@@ -1,7 +1,7 @@
 """The weights the sampler decodes from (`EngineConfig.weights_layout`, `weights_dtype`): a copy
 in the compute dtype laid out for decoding, made once per rollout and dropped when it ends, or
-the training arrays themselves. Mixed into `sampling.engine.Engine` (its `cfg`, `ecfg` and
-`layout`).
+the training arrays themselves. One `DecodeWeights` per engine (`Engine.weights`), made from the
+engine's model config, engine config and layout.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.config import ModelConfig
 from sampling import partitioned
+from sampling.requests import EngineConfig
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -28,13 +30,17 @@ def _recast(x, dtype) -> bool:
 
 
 class DecodeWeights:
-    """Engine methods for the decode copy of the weights (module docstring)."""
+    """The decode copy of the weights of one engine (module docstring): `layout` is the engine's
+    (mesh, rules), or None without a mesh."""
 
-    def decode_params(self, params):
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, layout):
+        self.cfg, self.ecfg, self.layout = cfg, ecfg, layout
+
+    def params(self, params):
         """The weights decoding reads, made once per rollout (`sampling.episodes` calls this at
         the start of every `run`) and dropped when it ends, before the learner runs:
         - weights_layout "tensor": a copy in the model's compute dtype laid out for decoding
-          (`decode_shardings`: split over tensor only, replicated over the shard axes), so each
+          (`shardings`: split over tensor only, replicated over the shard axes), so each
           device computes its own slots with no collective over data or fsdp. The params
           themselves when they already are in that dtype and layout (one device, say);
         - "training": `params` themselves (zero copy), or with `weights_dtype` a copy in that
@@ -47,7 +53,7 @@ class DecodeWeights:
         if e.weights_layout == "training":
             dt = e.weights_dtype
             return params if dt in ("", self.cfg.param_dtype) else _cast_floats(params, dt)
-        target, dt = self.decode_shardings(params), self.cfg.dtype
+        target, dt = self.shardings(params), self.cfg.dtype
         recast = any(_recast(x, dt) for x in jax.tree.leaves(params))
         if target is None:  # no mesh: only the dtype may change
             return _cast_floats(params, dt) if recast else params
@@ -59,7 +65,7 @@ class DecodeWeights:
         # device gathers its tensor shard of every weight over the shard axes.
         return jax.device_put(_cast_floats(params, dt), target)
 
-    def decode_shardings(self, params):
+    def shardings(self, params):
         """Per leaf of params (arrays or sharded shape structs) its NamedSharding in the
         "tensor" decode layout: its own spec less the shard axes; None without a mesh."""
         if self.layout is None:
@@ -73,8 +79,8 @@ class DecodeWeights:
             lambda x: NamedSharding(mesh, PartitionSpec(*map(keep, x.sharding.spec))), params
         )
 
-    def abstract_decode_params(self, abstract_params):
-        """What `decode_params` returns for abstract (sharded) params: shape structs."""
+    def abstract(self, abstract_params):
+        """What `params` returns for abstract (sharded) params: shape structs."""
         if self.ecfg.weights_layout == "training":
             dt = self.ecfg.weights_dtype
             if dt in ("", self.cfg.param_dtype):
@@ -83,7 +89,7 @@ class DecodeWeights:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding),
                                 abstract_params)  # fmt: skip
         dt = lambda x: self.cfg.dtype if _recast(x, self.cfg.dtype) else x.dtype
-        target = self.decode_shardings(abstract_params)
+        target = self.shardings(abstract_params)
         if target is None:
             target = jax.tree.map(lambda x: x.sharding, abstract_params)
         return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt(x), sharding=sh),

@@ -1,6 +1,10 @@
-"""Sampler engine in the shape of JetStream's: prefill, insert / bulk_insert, generate, free_resource,
-plus the batch loop `generate_all` (continuous batching over a fixed number of slots; it is
-`sampling.episodes.generate_episodes`, which also runs multi-turn episodes with `park` / `resume`).
+"""The sampler engine: device work only, in the shape of JetStream's (prefill, insert /
+bulk_insert, generate, free_resource). The host bookkeeping of slots and pages is its page book
+(`Engine.pages`, `sampling.pages.PageBook`), the weights it decodes from are its
+`sampling.decode_weights.DecodeWeights`, and the work it queues for a round is its
+`sampling.plan.Plan`: members, not bases. The batch loop that drives it (continuous batching,
+episodes, admission, preemption, `generate_all`) is `sampling.episodes`, which this module does not
+import.
 
 Device work is jitted (`sampling.steps`) over the donated `sampling.state.DecodeState`:
 - `prefill` / `prefill_many`: prompts right-padded to a power-of-two length bucket, up to
@@ -18,32 +22,29 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
 - `generate`: up to `num_steps` decode steps in one `lax.while_loop`; `dispatch` and `collect`
   are its two halves, so that the batch loop queues call n+1 before it reads call n.
 - `park` / `resume`: a sequence between two turns of an episode frees its slot but keeps its pages
-  and their reservation; `resume` prefills only its new tokens (batched) after its cached history
-  and puts it in any free slot (`sampling.turns`).
+  and their reservation (`PageBook.park`); `resume` prefills only its new tokens (batched) after
+  its cached history and puts it in any free slot of its shard. `restore` recomputes a sequence
+  whose pages were freed (`PageBook.evict`: preemption) over its whole history (a chunked
+  prefill, as vLLM's recompute preemption), `refresh` recomputes a parked one's KV in place under
+  new parameters.
 
-Rounds: the methods above change the host bookkeeping and queue their device work, which
-`flush` issues (`sampling.rounds`, `sampling.plan`): at once for a direct caller, once per round
-inside the episode loop, where the processes of a multi-process run first agree on the calls'
+Rounds: the methods above change the page book and queue their device work in the plan, which
+`flush` issues (`sampling.plan`): at once for a direct caller, once per round inside the episode
+loop (`deferred_rounds`), where the processes of a multi-process run first agree on the calls'
 shapes. Each process decides and feeds only its own batch shards (`local_shards`) and reads back
-only their slots. The weights decoding reads are `sampling.decode_weights`'.
+only their slots.
 
 Sharding: no `in_shardings`, so parameters are used in their own shardings, never gathered per
 call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
 function pins its output to that layout, so donation reuses the same buffers.
 
-Page allocation is host-side (`sampling.page_allocator` says why): before each call the host
-gives every busy slot the pages of its next `num_steps` tokens, counted from an upper bound of
-its length while calls are in flight (`growth`; the budget is `sampling.budget`'s). What
-admission sets aside is `EngineConfig.reserve`'s: "budget" reserves a group's worst-case pages
-(`group_pages`) up front, so a running request never runs out; "demand" only the pages of its
-prompt and first call (`admission_pages`), and a shard that runs out frees the pages of its
-newest sequences (`evict`: preemption, decided by `sampling.episodes`), which are recomputed
-over their whole history when they come back (`restore`, a chunked prefill, as vLLM's recompute
-preemption).
+Page allocation is host-side (`sampling.page_allocator` says why): before each call the page
+book gives every busy slot the pages of its next `num_steps` tokens (`PageBook.grow`; the budget
+and `EngineConfig.reserve` are `sampling.pages`').
 
 Misuse (a consumed or stale Prefix; busy, repeated or out-of-range slots) raises ValueError
 before anything changes; `prefill_many` allocates all or nothing. Every call donates the state it
-is given; `init_state()` resets the host bookkeeping with it.
+is given; `init_state()` resets the page book with it.
 
 Randomness: the token of sample g of request r fed at cache position p is drawn with
 fold_in(fold_in(fold_in(root, r), g), p). It does not depend on the slot or on the other requests
@@ -55,6 +56,8 @@ banned distribution, and the learner applies the same ban (`rl.learner.Batch.sto
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,41 +66,22 @@ from jax.sharding import NamedSharding
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
 from sampling import partitioned, steps
-from sampling.budget import PageBudget
 from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
-from sampling.page_allocator import (
-    NULL_PAGE,
-    OutOfPagesError,
-    PageAllocator,
-    PageTable,
-    PoolTotals,
-)
 from sampling.paged_attention import resolve_backend
-from sampling.peers import global_array, local_values, shard_processes
-from sampling.plan import CHUNK, Plan
-from sampling.requests import (
-    EngineConfig,
-    Parked,
-    Prefix,
-    Results,
-    Ticket,
-    check_insert,
-    check_prompt,
-    check_slots,
-    take_slots,
-)
-from sampling.rounds import Rounds
+from sampling.pages import PageBook
+from sampling.peers import agree, global_array, local_values, shard_processes
+from sampling.plan import CHUNK, EXTENDS, Plan, Row
+from sampling.requests import EngineConfig, Parked, Prefix, Results, Ticket, check_slots
 from sampling.state import DecodeState, state_shardings
-from sampling.turns import Turns
 
 MAX_PREFILL_BATCH = CHUNK  # prompts per shard per prefill call
 
 
-class Engine(Turns, Rounds, DecodeWeights, PageBudget):
-    """Host side of the sampler: allocator, page table, slot bookkeeping; device state is passed
-    in and returned (donated) by every call. `mesh` (with the parameters' `rules`) lays the state
-    out over the devices; None keeps it on the default device."""
+class Engine:
+    """The sampler's device work over a page book (`pages`); device state is passed in and
+    returned (donated) by every call. `mesh` (with the parameters' `rules`) lays the state out
+    over the devices; None keeps it on the default device."""
 
     def __init__(
         self, cfg: ModelConfig, graphdef, ecfg: EngineConfig, sampling: SamplingParams,
@@ -138,20 +122,20 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
         axes = partitioned.shard_axes(shape, rules, cfg.num_kv_heads)
         self.owners = [0] * s if mesh is None else shard_processes(mesh, axes)
         self.local_shards = [i for i in range(s) if self.owners[i] == jax.process_index()]
+        self.weights = DecodeWeights(cfg, ecfg, self.layout)
         self._shardings = self._rows = None
         if mesh is not None:
-            self._shardings = state_shardings(jax.eval_shape(self._zeros), *self.layout)
+            self._shardings = state_shardings(jax.eval_shape(self.zeros), *self.layout)
             self._rows = NamedSharding(mesh, partitioned.specs(mesh, rules, cfg.num_kv_heads)[1])
         # Device work is queued (`sampling.plan`) and issued by `flush`: at once after each call
-        # (a direct use of the engine), or once per round inside `EpisodeLoop.run` (`deferred`).
-        self.deferred = False
+        # (a direct use of the engine), or once per round inside the episode loop
+        # (`deferred_rounds`).
+        self._deferred = False
         self._chunks = max(1, -(-self.slots_per_shard // CHUNK))  # prefill calls per batch
         # Jitted once: a new jit of it per init_state compiled again at every rollout.
-        self._fresh = jax.jit(self._zeros, out_shardings=self._shardings)
-        self.pools = [PageAllocator(self.pages_per_shard) for _ in range(s)]  # one per shard
-        self.table = PageTable(ecfg.num_slots, ecfg.pages_per_seq)  # shard-local page ids
+        self._fresh = jax.jit(self.zeros, out_shardings=self._shardings)
+        self.pages = PageBook(ecfg, s, self.local_shards)
         self.prefill_tokens = 0  # tokens computed by prefill (prompts, resumed turns), ever
-        self.preemptions = 0  # sequences evicted, ever ("demand")
         self.recomputed_tokens = 0  # tokens prefilled again by `restore`, ever
         self.slot_steps = [0, 0]  # decode calls' [tokens, slots x steps], ever: utilization
         self.slot_trace: list | None = None  # a list: each call's (tokens, slot-steps) appended
@@ -160,46 +144,22 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
     @property
     def allocator(self):
         """The page pool: on one shard its `PageAllocator`, else the shards' `PoolTotals`."""
-        return self.pools[0] if len(self.pools) == 1 else PoolTotals(self.pools)
+        return self.pages.allocator
 
-    def shard_of(self, slot: int) -> int:
-        """The batch shard of a slot: shard i holds slots [i*B/S, (i+1)*B/S)."""
-        return slot // self.slots_per_shard
-
-    def free_on(self, shard: int) -> list[int]:
-        """The free slots of one shard, in `free_slots` order."""
-        return [s for s in self.free_slots if self.shard_of(s) == shard]
+    @property
+    def preemptions(self) -> int:
+        """Sequences evicted, ever ("demand"; `PageBook.evict`)."""
+        return self.pages.preemptions
 
     def _reset_host(self) -> None:
         """Host bookkeeping of an empty state: every page free, every slot idle."""
-        for pool in self.pools:
-            pool.reset()
-        self.table.array[:] = NULL_PAGE
+        self.pages.reset()
         self.plan = Plan(self.num_shards, self.ecfg.num_slots)
-        # This process's slots: the others' shards are decided and fed by their own process.
-        self.free_slots = [s for s in range(self.ecfg.num_slots)
-                           if self.shard_of(s) in self.local_shards]  # fmt: skip
-        # Cascade attention (`paged_attention_blockwise`): a group of `group` samples placed on
-        # an aligned block of slots reads its shared prompt pages once per decode step.
-        # `generate_all` sets it to its num_samples; 1 = off.
-        self.group = 1
-        # Per busy slot (the keys are the busy slots): cap on cached tokens and an upper bound
-        # of its cached length once the calls in flight are done (exact when none is).
-        self._cap: dict[int, int] = {}
-        self._len: dict[int, int] = {}
-        self._epoch = object()  # Prefixes made before the last reset are stale
-        self._parked: list[Parked] = []  # sequences between turns: pages kept, no slot
-        # Pages a caller promised to samples not inserted yet (`EpisodeLoop`: a group partly
-        # in its slots), by caller, and the shard they are promised on.
-        self.promised: dict[object, int] = {}
-        self.promised_on: dict[object, int] = {}
-        # Per slot: (request id, sample id) of its sequence, and a serial number bumped whenever
-        # the slot's sequence changes or finishes (`collect` ignores calls that predate it).
-        self._ids: dict[int, tuple[int, int]] = {}
-        self._serial = [0] * self.ecfg.num_slots
         self._uploaded = None  # the page table as last uploaded; None: upload at next call
 
-    def _zeros(self) -> DecodeState:
+    def zeros(self) -> DecodeState:
+        """An empty DecodeState, unplaced (`init_state` places it; `jax.eval_shape` of it is
+        the state's shapes)."""
         e = self.ecfg
         return DecodeState.zeros(
             self.cfg, e.num_slots, e.num_pages, e.page_size, e.pages_per_seq,
@@ -207,8 +167,8 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
         )  # fmt: skip
 
     def init_state(self) -> DecodeState:
-        """A fresh DecodeState: every slot idle, every page empty. The host bookkeeping is reset
-        to match (pages, slots, Prefixes not yet inserted are forgotten), so this is also how to
+        """A fresh DecodeState: every slot idle, every page empty. The page book is reset to
+        match (pages, slots, Prefixes not yet inserted are forgotten), so this is also how to
         start over after an exception, which leaves the donated state unusable."""
         self._reset_host()
         return self._fresh()  # on a mesh created sharded in place: no device holds the whole pool
@@ -217,55 +177,40 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
         """The NamedSharding of every DecodeState field, or None without a mesh."""
         return self._shardings
 
+    # --- the weights decoding reads (`sampling.decode_weights`) ------------------------------
+
+    def decode_params(self, params):
+        """`DecodeWeights.params`: the weights decoding reads, made once per rollout."""
+        return self.weights.params(params)
+
+    def decode_shardings(self, params):
+        """`DecodeWeights.shardings`."""
+        return self.weights.shardings(params)
+
+    def abstract_decode_params(self, abstract_params):
+        """`DecodeWeights.abstract`: what `decode_params` returns for abstract params."""
+        return self.weights.abstract(abstract_params)
+
+    # --- prompts and slots -------------------------------------------------------------------
+
     def prefill(self, params, state, prompt: list[int]) -> tuple[DecodeState, Prefix]:
         state, (prefix,) = self.prefill_many(params, state, [prompt])
         return state, prefix
 
     def prefill_many(self, params, state, prompts, shards=None) -> tuple[DecodeState, list[Prefix]]:
         """`prefill` for several prompts, prompt j onto batch shard shards[j] (default: each on
-        the shard with the most pages free and unreserved, ties by index), up to
-        MAX_PREFILL_BATCH per shard per jitted call (the row count is padded to a power of two,
-        the length to a bucket, to keep compiles few). All or nothing on the host: on an error
-        no page stays allocated."""
-        for prompt in prompts:
-            check_prompt(self.ecfg, prompt)
-        # The last prompt token is not cached: the first decode step feeds it.
-        sizes = [self._pages_for(len(prompt) - 1) for prompt in prompts]
-        shards = self._place(sizes) if shards is None else [int(x) for x in shards]
-        for i in range(self.num_shards):
-            need = sum(n for n, x in zip(sizes, shards) if x == i)
-            if need > self.pools[i].num_free:
-                on = f" on shard {i}" if self.num_shards > 1 else ""
-                raise OutOfPagesError(
-                    f"prefill of {len(prompts)} prompts needs {need} KV pages{on} but only "
-                    f"{self.pools[i].num_free} of {self.pages_per_shard - 1} are free{on}"
-                )
-        prefixes = []
+        the shard with the most pages free and unreserved, ties by index: `PageBook.place`), up
+        to MAX_PREFILL_BATCH per shard per jitted call (the row count is padded to a power of
+        two, the length to a bucket, to keep compiles few). All or nothing on the host: on an
+        error no page stays allocated."""
+        prefixes = self.pages.open_prefixes(prompts, shards)
         try:
-            for prompt, n, i in zip(prompts, sizes, shards):
-                pages = self.pools[i].alloc(n)
-                prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1]), epoch=self._epoch,
-                                       shard=i))  # fmt: skip
             state = self._prefill_pages(params, state, prompts, prefixes)
         except BaseException:
             for x in prefixes:
-                self.pools[x.shard].free(x.pages)
+                self.pages.close_prefix(x)
             raise
         return state, prefixes
-
-    def _place(self, sizes) -> list[int]:
-        """A shard per request of sizes[j] pages: of this process's shards the one with the most
-        pages free and not reserved once the earlier ones are placed, ties by index."""
-        room = {i: self.pools[i].num_free - self._reserved(i) for i in self.local_shards}
-        out = []
-        for n in sizes:
-            i = max(room, key=lambda i: (room[i], -i))
-            room[i] -= n
-            out.append(i)
-        return out
-
-    def _check_slots(self, slots, unique: bool = True) -> list[int]:
-        return check_slots(self.ecfg.num_slots, slots, unique)
 
     def bulk_insert(
         self, state, prefix: Prefix, slots, request_id: int, max_new, reserve=0, *,
@@ -279,43 +224,30 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
         consumed or stale prefix, slots out of range, repeated or busy, or a bad max_new raise
         ValueError before anything changes."""
         e = self.ecfg
-        slots = self._check_slots(slots)
-        g = len(slots)
-        max_new, cap, samples = check_insert(e, prefix, self._epoch, slots, self._cap, max_new,
-                                             reserve, samples)  # fmt: skip
-        elsewhere = [s for s in slots if self.shard_of(s) != prefix.shard]
-        if elsewhere:
-            raise ValueError(
-                f"slot(s) {elsewhere} are not on the prefix's shard {prefix.shard} (slots "
-                f"{prefix.shard * self.slots_per_shard}..{(prefix.shard + 1) * self.slots_per_shard - 1}): "
-                "a request stays on the shard that holds its pages"
-            )
-        rows, copies = self.pools[prefix.shard].fork_for_group(
-            prefix.pages, prefix.cached_len, e.page_size, g + keep
+        slots = check_slots(e.num_slots, slots)
+        max_new, samples, copies, shared = self.pages.insert(
+            prefix, slots, request_id, max_new, reserve, samples, keep
         )
-        rows = rows[1:] if keep else rows  # rows[0]: the prefix's own references, kept
-        prefix.consumed = not keep
-        self.free_slots = [s for s in self.free_slots if s not in slots]
-        # An aligned block of slots holding one prefix (its full pages) reads them once.
-        aligned = (
-            g == self.group > 1 and slots[0] % g == 0 and slots == [*range(slots[0], slots[0] + g)]
-        )
-        shared = prefix.cached_len // e.page_size * e.page_size if aligned else 0
         self.plan.copy(prefix.shard, copies)
-        for k, s, r, c, m in zip(samples, slots, rows, cap, max_new):
-            self.table.set_row(s, r)
-            self._ids[s] = (request_id, int(k))
-            self._serial[s] += 1
-            self._len[s] = prefix.cached_len
-            # Decode step j caches the token it is fed at position cached_len + j, j < max_new
-            # (the last sampled token is never cached, but the last prompt token is).
-            self._cap[s] = prefix.cached_len + c
+        for k, s, m in zip(samples, slots, max_new):
             self.plan.insert(s, (prefix.cached_len, prefix.last_token, int(m), e.min_new_tokens,
                                  request_id, int(k), shared))  # fmt: skip
         return self._now(state)
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
         return self.bulk_insert(state, prefix, [slot], request_id, max_new)
+
+    def free_resource(self, state, slot: int) -> DecodeState:
+        """Returns the slot's pages to the pool and marks the slot idle (no-op on an idle slot)."""
+        return self.free_slots_of(state, [slot])
+
+    def free_slots_of(self, state, slots) -> DecodeState:
+        """`free_resource` for several slots with one device call."""
+        for slot in self.pages.release(slots):
+            self.plan.release(slot)
+        return self._now(state)
+
+    # --- decode calls ------------------------------------------------------------------------
 
     def generate(self, params, state, root_key, num_steps: int | None = None):
         """Allocates pages ahead for `num_steps` tokens per busy slot, then decodes on device;
@@ -329,22 +261,20 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
         `collect(ticket)` reads its results. Another call may be dispatched first, so the host's
         bookkeeping of call n overlaps the decoding of call n+1 (`sampling.episodes`).
 
-        The host keeps an upper bound of each busy slot's cached length (`_len`): a slot grows
-        by at most num_steps per call in flight, and `collect` puts back what it did not use.
-        The page table stays on the device and is uploaded again only after a row changed."""
+        The page book keeps an upper bound of each busy slot's cached length (`PageBook.grow`):
+        a slot grows by at most num_steps per call in flight, and `collect` puts back what it
+        did not use. The page table stays on the device and is uploaded again only after a row
+        changed."""
         e = self.ecfg
         num_steps = num_steps or e.steps_per_call
-        if not self.plan.empty:  # the round's work goes first (`EpisodeLoop` flushes it)
-            if self.deferred:
+        if not self.plan.empty:  # the round's work goes first (the episode loop flushes it)
+            if self._deferred:
                 raise RuntimeError("dispatch with device work queued: flush the round first")
             state = self.flush(params, state)[0]
-        for s, (bound, need) in self.growth(num_steps).items():
-            self._len[s] = bound
-            if need > 0:
-                self.table.append(s, self.pools[self.shard_of(s)].alloc(need))
-        uploaded = self._uploaded
-        if uploaded is None or not np.array_equal(uploaded, self.table.array):
-            uploaded = self.table.array.copy()
+        slots = self.pages.grow(num_steps)
+        uploaded, array = self._uploaded, self.pages.table.array
+        if uploaded is None or not np.array_equal(uploaded, array):
+            uploaded = array.copy()
             # Placed like the array it replaces: a call whose table was kept and one whose
             # table was uploaded then see the same input (one compile).
             # With several processes each fills its own slots' rows (`peers.global_array`).
@@ -354,77 +284,213 @@ class Engine(Turns, Rounds, DecodeWeights, PageBudget):
             state = state.replace(page_indices=table)
         state, out = steps.generate(
             self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            self.backend, root_key, self.layout, self._cascade_group(),
+            self.backend, root_key, self.layout, self.cascade_group(),
             e.interpret,
         )  # fmt: skip
         self._uploaded = uploaded  # only once the call took the table
         for x in out:  # this process's part, ready for `collect` as soon as the call ends
             for part in [x] if jax.process_count() == 1 else x.addressable_shards:
                 getattr(part, "data", part).copy_to_host_async()
-        slots = {s: (self._serial[s], self._len[s]) for s in self._len}
-        return state, Ticket(out, slots, self._epoch)
+        return state, Ticket(out, slots, self.pages.epoch)
 
     def collect(self, ticket: Ticket) -> Results:
         """The results of a dispatched call (blocks until it is done). `Results.slots` are the
         slots it decoded that still hold the same sequence; a slot found finished is settled
         (its exact length kept) so that calls dispatched after it leave it alone."""
-        if ticket.epoch is not self._epoch:
+        if ticket.epoch is not self.pages.epoch:
             raise ValueError("ticket was dispatched before this engine's last init_state")
         *values, steps_run = local_values(ticket.out)  # this process's slots only
         r = Results(*values, slots=[], steps=int(steps_run))
-        for s, (serial, bound) in ticket.slots.items():
-            if self._serial[s] != serial or s not in self._len:
-                continue  # freed, parked or given a new sequence since
-            r.slots.append(s)
-            self._len[s] -= bound - int(r.lengths[s])  # exact, plus the later calls' bounds
-            if not r.active[s]:
-                self._len[s] = int(r.lengths[s])
-                self._serial[s] += 1
+        r.slots = self.pages.settle(ticket.slots, r.lengths, r.active)
         return r
 
-    def _cascade_group(self) -> int:
+    def count_decoded(self, tokens: int, slot_steps: int) -> None:
+        """Adds a decode call's tokens (those its caller took) and slot-steps to `slot_steps`
+        (and `slot_trace`, when it is a list): utilization."""
+        self.slot_steps[0] += tokens
+        self.slot_steps[1] += slot_steps
+        if self.slot_trace is not None:
+            self.slot_trace.append((tokens, slot_steps))
+
+    def cascade_group(self) -> int:
         """The decode loop's block size: blockwise only (others get 1, not one per group size)."""
-        return self.group if self.backend == "blockwise" else 1
+        return self.pages.group if self.backend == "blockwise" else 1
 
-    def free_resource(self, state, slot: int) -> DecodeState:
-        """Returns the slot's pages to the pool and marks the slot idle (no-op on an idle slot)."""
-        return self.free_slots_of(state, [slot])
+    # --- sequences between turns -------------------------------------------------------------
 
-    def free_slots_of(self, state, slots) -> DecodeState:
-        """`free_resource` for several slots with one device call."""
-        slots = self._check_slots(slots, unique=False)
+    def park(self, state, slots, last_tokens) -> tuple[DecodeState, list[Parked]]:
+        """Frees the slots of sequences whose turn ended but keep their pages, KV and page
+        reservation (a multi-turn episode waiting for its tool; `PageBook.park`).
+        `last_tokens[j]`: the last token slot j sampled (not cached; `resume` feeds it). Returns
+        a `Parked` per slot."""
+        slots = check_slots(self.ecfg.num_slots, slots)
+        parked = self.pages.park(slots, last_tokens)
         for slot in slots:
-            self._free_host(slot)
             self.plan.release(slot)
+        return self._now(state), parked
+
+    def restore(self, params, state, items) -> DecodeState:
+        """Recomputes evicted sequences (`PageBook.evict`): items are (parked, history) as for
+        `refresh`. Each gets fresh pages for its cached_len tokens on its shard (all or nothing),
+        which one chunked prefill over the whole history fills under `params`; then it is parked
+        as before eviction (`resume` continues it)."""
+        for p, history in items:
+            if not self.pages.is_parked(p) or not p.evicted or len(history) - 1 != p.cached_len:
+                raise ValueError("restore needs an evicted sequence and its whole history")
+        self.pages.restore([p for p, _ in items])
+        for p, _ in items:
+            self.recomputed_tokens += p.cached_len
+        # its own pages: none shared
+        return self.refresh(params, state, items, fresh=set(), phase="restore")
+
+    def refresh(self, params, state, items, fresh: set | None = None,
+                phase: str = "refresh") -> DecodeState:  # fmt: skip
+        """Recomputes the KV of parked sequences under `params`: items are (parked, history),
+        history the tokens its pages cache plus its last (uncached) token. Their pages are
+        overwritten in place (a chunked prefill); nothing else changes.
+
+        `fresh`: (shard, page id) of full pages already recomputed under these `params`
+        (updated in place).
+        A sequence's leading pages found there are not recomputed: its prefill starts after
+        them, so siblings sharing their prompt's full pages compute the prompt once (a saving of
+        compute; the values written are the same). Within one call, an item whose pages another
+        item is writing waits for the next batch (usually two: one sibling, then the others).
+        The caller empties the set when the parameters change, and keeps it only while every
+        sequence resumed under these parameters was refreshed (`sampling.episodes`: per run)."""
+        for p, history in items:
+            if not self.pages.is_parked(p) or len(history) - 1 != p.cached_len:
+                raise ValueError("refresh needs a parked sequence and its whole history")
+        fresh = set() if fresh is None else fresh
+        size, todo = self.ecfg.page_size, list(items)
+        while todo:
+            batch, claimed, later = [], set(), []
+            for p, history in todo:
+                full = p.cached_len // size  # pages wholly cached: the ones siblings share
+                n = 0  # leading pages fresh
+                while n < full and (p.shard, p.pages[n]) in fresh:
+                    n += 1
+                writes = {(p.shard, x) for x in p.pages[n : full + 1]}  # and the partial page
+                if writes & claimed:
+                    later.append((p, history))
+                    continue
+                claimed |= writes
+                batch.append((p, n * size, list(history[n * size :])))
+            starts = [Parked(p.pages, t, 0, p.cap, 0, 0, shard=p.shard) for p, t, _ in batch]
+            rest = [h for *_, h in batch]
+            state = self._prefill_pages(params, state, rest, starts, extend=rest, phase=phase)
+            for p, *_ in batch:
+                fresh.update((p.shard, x) for x in p.pages[: p.cached_len // size])
+            todo = later
+        return state
+
+    def refresh_prefix(self, params, state, prefix, prompt, fresh: set) -> DecodeState:
+        """Recomputes a live prefix's KV under `params` in place (a group partly inserted when
+        the parameters changed: `sampling.episodes`); its full pages join `fresh`."""
+        if not self.pages.live(prefix) or len(prompt) - 1 != prefix.cached_len:
+            raise ValueError("refresh_prefix needs a live prefix of this engine and its prompt")
+        state = self._prefill_pages(params, state, [prompt], [prefix], phase="prefix")
+        fresh.update(
+            (prefix.shard, x) for x in prefix.pages[: prefix.cached_len // self.ecfg.page_size]
+        )
+        return state
+
+    def resume(self, params, state, items, min_new=None) -> DecodeState:
+        """Continues parked sequences: items are (parked, new_tokens, slot, max_new); min_new
+        per item (default the config's min_new_tokens): stop ids banned for its first min_new
+        tokens (a turn resumed mid-way bans only what is left of its count). The
+        parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after
+        its cached history (one batched call), and new_tokens[-1] is fed by the next decode
+        step; only these tokens are computed, never the history. The slots must be idle."""
+        seqs = self.pages.grow_parked(items)
+        state = self._prefill_pages(
+            params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs,
+            phase="resume",
+        )  # fmt: skip
+        if min_new is None:
+            min_new = [self.ecfg.min_new_tokens] * len(items)
+        for (p, _, s, max_new), seq, banned in zip(items, seqs, min_new, strict=True):
+            length = p.cached_len + len(seq) - 1
+            self.pages.unpark(p, s, length)
+            self.plan.insert(s, (length, seq[-1], max_new, banned, p.request_id,
+                                 p.sample_id, 0))  # fmt: skip
         return self._now(state)
 
-    def _free_host(self, slot: int) -> None:
-        self.pools[self.shard_of(slot)].free(self.table.clear_row(slot))
-        self._serial[slot] += 1
-        self._len.pop(slot, None)
-        self._cap.pop(slot, None)
-        if slot not in self.free_slots:
-            self.free_slots.append(slot)
+    # --- rounds (`sampling.plan`) ------------------------------------------------------------
 
-    def _take_slots(self, g: int, shard: int = 0) -> list[int]:
-        """g free slots of a shard for a group (`requests.take_slots`); `bulk_insert` marks them
-        busy."""
-        return take_slots(self.free_on(shard), g, self.group, self.ecfg.num_slots)
+    def _prefill_pages(self, params, state, prompts, prefixes, extend=None, phase="admit"):
+        """Queues caching prompt[:-1] of each prompt into its prefix's pages; with `extend`
+        (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
+        one prefill batch of `phase` (`sampling.plan`)."""
+        rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
+        self.plan.prefill(phase, [
+            Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages))
+            for t, x in zip(rows_in, prefixes)
+        ])  # fmt: skip
+        return self._now(state, params)
 
-    def generate_all(
-        self, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
-        request_ids=None, on_finish=None, shards=None,
-    ):  # fmt: skip
-        """(state, results): results[i][g] the `Completion` of sample g (of num_samples) of
-        prompt i, with PRNG stream request_ids[i] (default i) and max_new_tokens (one int or one
-        per request; default the config's). `on_finish(i, g, completion)` is called as each
-        sequence finishes. `shards`: None, or per prompt the batch shard it goes on (one of
-        `local_shards`: a multi-process run's). `state` is donated; after an exception the host
-        side is cleaned up (start again from `init_state()`).
-        `sampling.episodes.generate_episodes`, one turn."""
-        from sampling.episodes import generate_episodes
+    def _now(self, state, params=None) -> DecodeState:
+        """The queued work issued at once, unless the episode loop issues it per round."""
+        return state if self._deferred else self.flush(params, state)[0]
 
-        return generate_episodes(
-            self, params, state, prompts, num_samples, max_new_tokens, seed=seed,
-            request_ids=request_ids, on_finish=on_finish, shards=shards,
+    @contextlib.contextmanager
+    def deferred_rounds(self):
+        """Within it, the device work the methods queue waits for the caller's `flush` (the
+        episode loop's, once per round) instead of going out at once."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
+    def flush(self, params, state, flags=()) -> tuple[DecodeState, np.ndarray]:
+        """Issues the queued work (`sampling.plan`): the prefill batches, then one slot update.
+        With several processes they first agree on the calls' shapes, and on `flags` (a few
+        ints of the caller's: counts, stop flags) in the same collective. Returns (state,
+        int32 [processes, len(flags)]: every process's flags)."""
+        plan, e, s = self.plan, self.ecfg, self.num_shards
+        flags = np.asarray(flags, np.int32).reshape(-1)
+        everyone = agree(np.concatenate([flags, plan.shapes(self._chunks)]))
+        shapes = everyone[:, len(flags) :].max(axis=0)
+        rows = lambda x: global_array(x, self._rows)
+        for phase, _, calls, batch in plan.calls(shapes, self._chunks):
+            parts = batch.chunks(s) if batch is not None else []
+            for j, n, t in calls:
+                tokens = np.zeros((s * n, t), np.int32)
+                lengths, starts = np.zeros((s * n,), np.int32), np.zeros((s * n,), np.int32)
+                page_rows = np.zeros((s * n, e.pages_per_seq), np.int32)
+                for i, chunk in enumerate(parts[j] if j < len(parts) else []):
+                    for r, row in enumerate(chunk, start=i * n):
+                        tokens[r, : len(row.tokens)] = row.tokens
+                        lengths[r], starts[r] = len(row.tokens), row.start
+                        page_rows[r, : len(row.pages)] = row.pages
+                self.prefill_tokens += int(lengths.sum())
+                state = steps.prefill(
+                    self.graphdef, params, state, rows(tokens), rows(lengths), rows(page_rows),
+                    self.layout, rows(starts) if phase in EXTENDS else None, e.prefill_chunk,
+                )  # fmt: skip
+        if shapes[-2]:  # a slot changes somewhere
+            state = self._update(state, plan, steps.bucket_slots(int(shapes[-1])))
+        self.plan = Plan(s, e.num_slots)
+        return state, everyone[:, : len(flags)]
+
+    def _update(self, state, plan: Plan, c: int) -> DecodeState:
+        """One `steps.update` of the plan's slots, c page copies per shard (padded)."""
+        b, s = self.ecfg.num_slots, self.num_shards
+        put, off = np.zeros(b, bool), np.zeros(b, bool)
+        values = np.zeros((7, b), np.int32)
+        for slot, v in plan.slots.items():
+            if v is None:
+                off[slot] = True
+            else:
+                put[slot], values[:, slot] = True, v
+        copies = np.zeros((2, s, max(c, 1)), np.int32)  # (0, 0): the null page onto itself
+        for i, pairs in enumerate(plan.copies):
+            if pairs:
+                copies[:, i, : len(pairs)] = np.asarray(pairs, np.int32).T
+        slots = lambda x: global_array(
+            x, None if self._shardings is None else self._shardings.lengths
+        )
+        return steps.update(
+            state, slots(put), slots(off), *map(slots, values), slots(copies[0].ravel()),
+            slots(copies[1].ravel()), self.layout,
         )  # fmt: skip

@@ -1,5 +1,15 @@
-"""The sampler's batch loop: continuous batching of single-turn requests and of multi-turn
-episodes, over the engine's fixed slots (`Engine.generate_all` is this loop with one turn).
+"""The sampler's loop, above the engine: continuous batching of single-turn requests and of
+multi-turn episodes over the engine's fixed slots (`EpisodeLoop`; `generate_all` is this loop
+with one turn, JetStream's batch loop).
+
+The sampler is three objects that compose: the page book (`sampling.pages.PageBook`: slots,
+pages, lengths, reservations, parked sequences; host only), the engine (`sampling.engine.Engine`:
+device work only, holding the page book as `Engine.pages`), and this loop, which decides what
+runs when (admission, episodes, preemption, the rounds). The loop names both as types and calls
+only their public methods; it asks the page book what fits (`admission_pages`, `headroom`,
+`shortfall`), promises and evicts through it, and has the engine do every change that touches
+the device (prefill, insert, park, resume, restore, release, a decode call). Neither imports this
+module.
 
 An episode is a prompt followed by model turns and observations (tool output, test results):
 
@@ -53,15 +63,16 @@ one process and of several, and each process runs the tools of its own episodes 
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
 Admission: a group goes in once a slot of a shard is free and that shard's pool holds what
-`Engine.admission_pages` sets aside: under `EngineConfig.reserve="budget"` its worst-case pages
+`PageBook.admission_pages` sets aside: under `EngineConfig.reserve="budget"` its worst-case pages
 (a running episode never runs out), under "demand" those of its prompt and first call, with the
 `kv_watermark` to spare. Its prompt is prefilled once; samples that find no slot yet go in as
 slots of its shard free up, before anything new there (other shards go on admitting whole
-groups), their pages promised at the engine meanwhile (`Engine.promised`). A stop keeps the prefix of such a group; with `refresh` its prompt is
-recomputed under the new parameters before use.
+groups), their pages promised in the page book meanwhile (`PageBook.promise`). A stop keeps the
+prefix of such a group; with `refresh` its prompt is recomputed under the new parameters before
+use.
 
 Preemption ("demand"): before a decode call, a shard that cannot give every slot the pages of
-its next `steps_per_call` tokens (`Engine.shortfall`) frees the pages of its newest sequences
+its next `steps_per_call` tokens (`PageBook.shortfall`) frees the pages of its newest sequences
 (request admitted last, then highest sample), after reading the call in flight so that lengths
 and tokens are exact: one decoding (parked mid-turn first, then first in line to resume) or one
 parked (between turns, waiting on its tool, or carried across a stop). A sequence inserted since
@@ -85,25 +96,27 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
 
-from sampling.admission import Admission
-from sampling.preemption import Preemption
+from sampling.engine import Engine
+from sampling.page_allocator import OutOfPagesError
+from sampling.pages import PageBook
 from sampling.requests import Completion, Episode, Parked, check_requests
 
 IDLE = "idle"  # what `until` returns when nothing is left to decode on any process
 NEVER = 2**31 - 1  # no tool answer due (the clock's agreed minimum)
 
 
-class EpisodeLoop(Admission, Preemption):
+class EpisodeLoop:
     """Continuous batching of G-sample requests over the engine's slots, resumable across `run`
     calls (partial rollouts). Requests are `add`ed under a key; `on_finish(key, k, completion)`
     is called as each episode ends; `respond` as in the module docstring (None: one turn)."""
 
-    def __init__(self, engine, num_samples=1, *, on_finish=None, respond=None,
+    def __init__(self, engine: Engine, num_samples=1, *, on_finish=None, respond=None,
                  max_turn_tokens=None, answer_calls=None):  # fmt: skip
         e = engine.ecfg
         if answer_calls is not None and answer_calls < 1:
             raise ValueError(f"answer_calls={answer_calls}: need None (as soon as done) or >= 1")
         self.engine, self.g = engine, num_samples
+        self.book: PageBook = engine.pages  # the engine's slots and pages, read and reserved
         self.turn_cap = e.max_new_tokens if max_turn_tokens is None else int(max_turn_tokens)
         if not 1 <= self.turn_cap <= e.max_new_tokens:
             raise ValueError(f"max_turn_tokens={max_turn_tokens}: need 1..{e.max_new_tokens}")
@@ -143,13 +156,13 @@ class EpisodeLoop(Admission, Preemption):
         max_turn_tokens: None (the loop's), or per prompt an int or G ints: a cap on each model
         turn below the loop's (a single-turn sample then stops there, its budget reserved as
         `max_new_tokens`'s: `launch.bench loop --lengths skewed`)."""
-        engine = self.engine
-        budget, ids, _ = check_requests(engine.ecfg, prompts, self.g, max_new_tokens, request_ids)
-        need = [engine.admission_pages(len(p), b, self.g) for p, b in zip(prompts, budget)]
-        if engine.ecfg.demand:  # preempted down to one sample, a request must still go on
-            pool = engine.pages_per_shard - 1
+        book = self.book
+        budget, ids, _ = check_requests(book.ecfg, prompts, self.g, max_new_tokens, request_ids)
+        need = [book.admission_pages(len(p), b, self.g) for p, b in zip(prompts, budget)]
+        if book.ecfg.demand:  # preempted down to one sample, a request must still go on
+            pool = book.pages_per_shard - 1
             for n, (p, b) in enumerate(zip(prompts, budget)):
-                one = max(engine.worst_case_pages(len(p), m, 1) for m in b)
+                one = max(book.worst_case_pages(len(p), m, 1) for m in b)
                 if one > pool:
                     raise ValueError(
                         f"request {n}: one sample may hold {one} KV pages, more than a shard's "
@@ -172,10 +185,10 @@ class EpisodeLoop(Admission, Preemption):
         shards = [None] * len(prompts) if shards is None else [int(i) for i in shards]
         if len(shards) != len(prompts):
             raise ValueError(f"shards has {len(shards)} entries for {len(prompts)} prompts")
-        bad = [i for i in shards if i is not None and i not in engine.local_shards]
+        bad = [i for i in shards if i is not None and i not in book.local_shards]
         if bad:
             raise ValueError(f"shard {bad[0]}: not one of this process's batch shards "
-                             f"{engine.local_shards}")  # fmt: skip
+                             f"{book.local_shards}")  # fmt: skip
         if keys is None:
             keys = list(range(self._next, self._next + len(prompts)))
         keys = list(keys)
@@ -196,17 +209,21 @@ class EpisodeLoop(Admission, Preemption):
         """Nothing queued, decoding, parked or waiting."""
         return not (self.pending or self.owner or self.waiting or self.ready or self._opens)
 
-    @property
-    def _open(self):
-        """The partly inserted group of the lowest shard that has one, or None."""
-        return self._opens[min(self._opens)] if self._opens else None
+    def open_groups(self) -> dict[int, tuple]:
+        """Per shard, its group partly inserted (admission), if any: (key, next sample, live
+        prefix, the version its KV is of). A copy."""
+        return dict(self._opens)
 
     def starved(self, shard: int) -> bool:
         """A slot of the shard is free and nothing of this loop is there to take it (nothing
         queued for it, parked ready there or partly inserted there)."""
         queued = any(self._shard.get(k, shard) == shard for k in self.pending)
         ready = any(ep.parked.shard == shard for ep, _ in self.ready)
-        return bool(self.engine.free_on(shard)) and not (queued or ready or shard in self._opens)
+        return bool(self.book.free_on(shard)) and not (queued or ready or shard in self._opens)
+
+    def prompt(self, key) -> list[int]:
+        """The prompt of a request added and not forgotten."""
+        return self._req[key][0]
 
     def in_flight(self) -> set:
         """Keys admitted whose G episodes have not all ended."""
@@ -221,7 +238,7 @@ class EpisodeLoop(Admission, Preemption):
 
     def _finish(self, ep: Episode, reason: str | None = None) -> None:
         if ep.parked is not None:
-            self.engine.drop(ep.parked)
+            self.book.drop(ep.parked)
             ep.parked = None
         ep.finish = reason or ep.finish
         self.results[ep.i][ep.k] = done = Completion(
@@ -248,9 +265,9 @@ class EpisodeLoop(Admission, Preemption):
         """Decodes until every request has ended, or until `until()` holds (then the episodes
         still decoding are parked mid-turn, to be resumed by the next `run`). Returns the state
         (donated). After an exception the host side is cleaned up (start from `init_state()`)."""
-        engine, g = self.engine, self.g
-        if not engine._len:  # no busy slot: the block size can change
-            engine.group = g if g > 1 and engine.slots_per_shard % g == 0 else 1
+        engine, book, g = self.engine, self.book, self.g
+        if not book.busy_slots():  # no busy slot: the block size can change
+            book.set_group(g if g > 1 and book.slots_per_shard % g == 0 else 1)
         self.version, self._refresh = version, refresh
         self._refreshed_pages = set()  # under this run's parameters (Engine.refresh's `fresh`)
         if self.ready:  # carried from an earlier run: the oldest request first
@@ -260,53 +277,59 @@ class EpisodeLoop(Admission, Preemption):
             )
         root = jax.random.key(seed)
         params = engine.decode_params(params)  # a decode copy, if the config asks for one
+        # Each round's device work goes out at once (`Engine.flush`).
+        with engine.deferred_rounds():
+            try:
+                state = self._rounds(params, state, root, until, refresh)
+            except BaseException:
+                self._abort()
+                raise
+        self.parked_here = [p for p in self.parked_here if book.is_parked(p)]
+        return state
+
+    def _rounds(self, params, state, root, until, refresh: bool):
+        """`run`'s rounds: answers taken, resumes, admissions, preemption, the round's flush,
+        then a decode call dispatched before the previous one is read."""
+        engine, book = self.engine, self.book
         inflight = None  # (ticket, owner at dispatch) of the decode call not read yet
-        engine.deferred = True  # each round's device work goes out at once (`Engine.flush`)
-        try:
-            while True:
-                for fut in self._answers():
-                    self._answered(self.waiting.pop(fut), fut.result())
-                if until is not None:
-                    verdict = until()
-                    if verdict == IDLE:  # nothing left anywhere (`until` agreed on it)
-                        break
-                    if verdict:
-                        state = self._stop(state, inflight)
-                        break
-                state = self._resume_ready(params, state, refresh)
-                state = self._admit(params, state)
-                if self.owner and engine.ecfg.demand and engine.shortfall():
-                    # A shard lacks the pages of the next call: its newest sequences give theirs
-                    # up, decided on exact lengths (the call in flight read first).
-                    if inflight is not None:
-                        state, inflight = self._collect(state, *inflight), None
-                    state = self._preempt(state)
-                # The round's work goes out; every process learns whether any slot decodes
-                # anywhere, whether all is done, and when the next tool answer is due.
-                due = min(self.due.values(), default=NEVER)
-                state, flags = engine.flush(params, state, [bool(self.owner), self.idle, due])
-                if not flags[:, 0].any():  # no slot decodes, on any process
-                    inflight = None  # every sequence it decoded has finished: nothing to read
-                    if flags[:, 1].all():
-                        break
-                    if self.answer_calls is None:
-                        if self.waiting:  # every episode here waits for its tool
-                            wait(list(self.waiting), return_when=FIRST_COMPLETED)
-                    elif flags[:, 2].min() < NEVER:  # no call to count: the clock moves on to
-                        self.clock = max(self.clock, int(flags[:, 2].min()))  # the next answer due
-                    continue
-                # Call n+1 goes to the device before call n's results are read: the bookkeeping
-                # below overlaps decoding. A slot that finished in call n idles through n+1.
-                state, ticket = engine.dispatch(params, state, root)
-                previous, inflight = inflight, (ticket, dict(self.owner))
-                if previous is not None:
-                    state = self._collect(state, *previous)
-        except BaseException:
-            self._abort()
-            raise
-        finally:
-            engine.deferred = False
-        self.parked_here = [p for p in self.parked_here if p in engine._parked]
+        while True:
+            for fut in self._answers():
+                self._answered(self.waiting.pop(fut), fut.result())
+            if until is not None:
+                verdict = until()
+                if verdict == IDLE:  # nothing left anywhere (`until` agreed on it)
+                    break
+                if verdict:
+                    state = self._stop(state, inflight)
+                    break
+            state = self._resume_ready(params, state, refresh)
+            state = self._admit(params, state)
+            if self.owner and engine.ecfg.demand and book.shortfall():
+                # A shard lacks the pages of the next call: its newest sequences give theirs
+                # up, decided on exact lengths (the call in flight read first).
+                if inflight is not None:
+                    state, inflight = self._collect(state, *inflight), None
+                state = self._preempt(state)
+            # The round's work goes out; every process learns whether any slot decodes
+            # anywhere, whether all is done, and when the next tool answer is due.
+            due = min(self.due.values(), default=NEVER)
+            state, flags = engine.flush(params, state, [bool(self.owner), self.idle, due])
+            if not flags[:, 0].any():  # no slot decodes, on any process
+                inflight = None  # every sequence it decoded has finished: nothing to read
+                if flags[:, 1].all():
+                    break
+                if self.answer_calls is None:
+                    if self.waiting:  # every episode here waits for its tool
+                        wait(list(self.waiting), return_when=FIRST_COMPLETED)
+                elif flags[:, 2].min() < NEVER:  # no call to count: the clock moves on to
+                    self.clock = max(self.clock, int(flags[:, 2].min()))  # the next answer due
+                continue
+            # Call n+1 goes to the device before call n's results are read: the bookkeeping
+            # below overlaps decoding. A slot that finished in call n idles through n+1.
+            state, ticket = engine.dispatch(params, state, root)
+            previous, inflight = inflight, (ticket, dict(self.owner))
+            if previous is not None:
+                state = self._collect(state, *previous)
         return state
 
     def _answers(self) -> list[Future]:
@@ -326,20 +349,21 @@ class EpisodeLoop(Admission, Preemption):
         preempted, are recomputed first: `Engine.restore`). "demand": one goes on once its
         shard has the pages of its new tokens and first call; where nothing decodes on the shard
         to free pages, the newest other parked sequences there are preempted for them."""
-        engine, items, stale, lost, wait = self.engine, [], [], [], collections.deque()
+        engine, book = self.engine, self.book
+        items, stale, lost, wait = [], [], [], collections.deque()
         taken: set[int] = set()
         planned = collections.Counter()  # pages of the resumes below, by shard
         while self.ready:
             ep, obs = self.ready.popleft()
             p = ep.parked
-            free = [s for s in engine.free_on(p.shard) if s not in taken]
+            free = [s for s in book.free_on(p.shard) if s not in taken]
             if not free:  # its shard is full: it waits, in order, for a slot there
                 wait.append((ep, obs))
                 continue
             if engine.ecfg.demand:
                 need = self._resume_pages(ep, obs)
-                idle = not any(engine.shard_of(s) == p.shard for s in self.owner)
-                while idle and engine.headroom(p.shard) - planned[p.shard] < need:
+                idle = not any(book.shard_of(s) == p.shard for s in self.owner)
+                while idle and book.headroom(p.shard) - planned[p.shard] < need:
                     # nothing decodes there to end and free pages: newer parked ones give way
                     others = [e for e, _ in (*wait, *self.ready)] + list(self.waiting.values())
                     other = self._victim(p.shard, [(e, None) for e in others
@@ -347,16 +371,16 @@ class EpisodeLoop(Admission, Preemption):
                     if other is None:
                         break
                     state = self._evict(state, *other)
-                if engine.headroom(p.shard) - planned[p.shard] < need:  # as the shard's ones end
+                if book.headroom(p.shard) - planned[p.shard] < need:  # as the shard's ones end
                     wait.append((ep, obs))
                     continue
                 planned[p.shard] += need
             taken.add(free[0])
             if p.evicted:  # recomputed under this run's parameters: no refresh after it
-                lost.append((p, self._history(ep)))
+                lost.append((p, self.history(ep)))
                 ep.kv_version = self.version
             elif refresh and ep.kv_version != self.version:
-                stale.append((ep.parked, self._history(ep)))
+                stale.append((ep.parked, self.history(ep)))
                 ep.kv_version = self.version
             ep.tokens += obs
             ep.logprobs += [0.0] * len(obs)
@@ -381,7 +405,7 @@ class EpisodeLoop(Admission, Preemption):
             self.mine.update(it[2] for it in items)
         return state
 
-    def _history(self, ep: Episode) -> list[int]:
+    def history(self, ep: Episode) -> list[int]:
         """The tokens a parked episode's pages cache, plus its last (uncached) token."""
         return self._req[ep.i][0] + ep.tokens
 
@@ -392,10 +416,8 @@ class EpisodeLoop(Admission, Preemption):
         self.clock += 1
         mine = [s for s in r.slots if s in owners and self.owner.get(s) is owners[s]]
         steps = [int(r.num_generated[s]) - owners[s].seen for s in mine]
-        engine.slot_steps[0] += sum(steps)  # tokens decoded here ...
-        engine.slot_steps[1] += r.steps * engine.ecfg.num_slots  # ... slot-steps run, everywhere
-        if engine.slot_trace is not None:
-            engine.slot_trace.append((sum(steps), r.steps * engine.ecfg.num_slots))
+        # Tokens decoded here, slot-steps run everywhere: utilization.
+        engine.count_decoded(sum(steps), r.steps * engine.ecfg.num_slots)
         for s in mine:
             owners[s].seen = int(r.num_generated[s])
         to_free, to_park = [], []
@@ -461,29 +483,195 @@ class EpisodeLoop(Admission, Preemption):
 
     def _abort(self) -> None:
         """Releases what this loop holds on the host side after an exception."""
-        engine = self.engine
-        for s in self.mine & engine._cap.keys():
-            engine._free_host(s)
+        book = self.book
+        book.release(sorted(self.mine & set(book.busy_slots())))
         for p in self.parked_here:  # a no-op for those already resumed or dropped
-            engine.drop(p)
+            book.drop(p)
         for x in [*self.prefixes, *(o[2] for o in self._opens.values())]:
-            if not x.consumed and x.epoch is engine._epoch:
-                engine.pools[x.shard].free(x.pages)
-                x.consumed = True
+            book.close_prefix(x)  # a no-op for those inserted or stale
         self.pending, self.owner, self.waiting, self.due = [], {}, {}, {}
         for shard in list(self._opens):
             self._set_open(shard, None)
         self.ready = collections.deque()
 
+    # --- admission (module docstring, "Admission") ------------------------------
 
-def generate_episodes(
-    engine, params, state, prompts, num_samples=1, max_new_tokens=None, *, seed=0,
-    request_ids=None, on_finish=None, respond=None, max_turn_tokens=None, shards=None,
+    def _admit(self, params, state):
+        """Admits what fits (a free slot, and the pages `PageBook.admission_pages` sets aside, on
+        the request's batch shard: its own when `add` gave one, else of this process's shards the
+        one with the most pages free and unreserved, ties by index), prefills it in batches, then
+        puts each prompt's samples into free slots of its shard: all G together when G are free,
+        else as many as are, the rest (`_opens`) as slots free up there, before anything new on
+        that shard. Requests go in in `add`'s order per shard: one that does not fit holds back
+        the later ones of its shard (a request without a shard, every later one)."""
+        engine, book, g = self.engine, self.book, self.g
+        # Parked episodes first: they hold pages already. A shard where one waits admits nothing.
+        waiting = {ep.parked.shard for ep, _ in self.ready}
+        local = book.local_shards
+        free = {i: 0 if i in waiting else len(book.free_on(i)) for i in local}
+        # "demand": a new group leaves the pages of the busy slots' next call, and the
+        # watermark, free on a shard where sequences are.
+        room = {i: book.headroom(i) - (book.watermark if book.pools[i].num_used else 0)
+                for i in local}  # fmt: skip
+        # A group partly in waits for slots of its own shard, which admits nothing before it.
+        held = set(self._opens)
+        admit, shards = [], []
+        for key in list(self.pending):
+            need, want = self._req[key][3], self._shard.get(key)
+            fits = [i for i in (local if want is None else [want])
+                    if i not in held and free[i] > 0 and room[i] >= need]  # fmt: skip
+            if not fits:
+                if want is None:
+                    break
+                held.add(want)  # its shard's later requests wait behind it
+                continue
+            best = max(fits, key=lambda i: (room[i], -i))
+            self.pending.remove(key)
+            admit.append(key)
+            shards.append(best)
+            room[best] -= need
+            free[best] -= g
+            if free[best] < 0:  # only the last group admitted on a shard may go in partly
+                held.add(best)
+        open_free = [i for i in sorted(self._opens) if book.free_on(i)]
+        if self.ready and not (admit or open_free):
+            return state
+        if (self.pending or self._opens) and not (admit or open_free or self.owner
+                                                  or self.waiting or self.ready):  # fmt: skip
+            key = self._opens[min(self._opens)][0] if self._opens else self.pending[0]
+            n = book.num_shards
+            one, most = (" on one shard", "at most ") if n > 1 else ("", "")
+            raise ValueError(
+                f"request {key} needs a free slot and {self._req[key][3]} KV pages{one}; "
+                f"{len(book.free_slots)} slots and {most}{max(room.values())} pages"
+                f"{' per shard' if n > 1 else ''} are free, the rest is held by slots or "
+                "prefixes from outside this loop"
+            )
+        if not (admit or open_free):
+            return state
+        if admit:
+            state, self.prefixes = engine.prefill_many(
+                params, state, [self._req[k][0] for k in admit], shards
+            )
+        todo = []
+        for i in open_free:  # first
+            key, k, prefix, kv = self._opens[i]
+            if self._refresh and kv != self.version:  # its prompt under this run's parameters
+                state = engine.refresh_prefix(params, state, prefix, self._req[key][0],
+                                              self._refreshed_pages)  # fmt: skip
+                kv = self.version
+            todo.append((key, k, prefix, kv))
+            self._set_open(i, None)  # set again by its insert if slots are still short
+        todo += [(key, 0, x, self.version) for key, x in zip(admit, self.prefixes if admit else [])]
+        for key, k, prefix, kv in todo:
+            if k == 0:
+                self.admitted[key] = self.version
+            state = self._insert(state, key, k, prefix, kv)
+        return state
+
+    def _insert(self, state, key, k0: int, prefix, kv: int):
+        """Samples k0.. of request `key` into free slots; those that do not fit stay open
+        (`_opens`)."""
+        book, g = self.book, self.g
+        _, budget, rid, _ = self._req[key]
+        n = min(g - k0, len(book.free_on(prefix.shard)))
+        slots = book.take_slots(n, prefix.shard)  # an aligned block for a group, if free
+        ks = list(range(k0, k0 + n))
+        turns = [min(self._turn_caps[key][k], budget[k]) for k in ks]
+        state = self.engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
+                                   samples=ks, keep=k0 + n < g)  # fmt: skip
+        self.mine.update(slots)
+        self.owner.update((s, Episode(key, k, budget[k], kv_version=kv))
+                          for s, k in zip(slots, ks))  # fmt: skip
+        if k0 + n < g:
+            self._set_open(prefix.shard, (key, k0 + n, prefix, kv))
+        return state
+
+    def _set_open(self, shard: int, value) -> None:
+        """The group partly in on `shard` (key, next sample, live prefix, the version its KV is
+        of) or None, and the pages its samples not inserted yet may still take from the shard's
+        pool, promised in the page book (`PageBook.promise`): no admission elsewhere takes them,
+        across runs too."""
+        if value is None:
+            self._opens.pop(shard, None)
+        else:
+            self._opens[shard] = value
+        self.book.promise((self, shard), shard, None)
+        if value is not None:
+            key, k0, prefix, _ = value
+            prompt, budget = self._req[key][:2]
+            left, cached = budget[k0:], len(prompt) - 1
+            # The prefix's pages are allocated (its full ones, and the partial last one that the
+            # last sample takes): the samples left need the rest of their group's pages.
+            need = self.book.admission_pages(len(prompt), left, len(left))
+            self.book.promise((self, shard), shard, need - self.book.pages_for(cached))
+
+    # --- preemption (module docstring, "Preemption") ----------------------------
+
+    def _resume_pages(self, ep: Episode, obs) -> int:
+        """Pages a parked episode takes to resume with `obs` and run one call ("demand")."""
+        p, e = ep.parked, self.book.ecfg
+        first = min(p.cached_len + len(obs) + e.steps_per_call, p.cap)
+        return self.book.pages_for(first) - len(p.pages)
+
+    def _newer(self, a: Episode, b: Episode) -> bool:
+        """Episode a was admitted after b (its request later, or a higher sample of b's)."""
+        order = {key: n for n, key in enumerate(self.admitted)}
+        return (order.get(a.i, -1), a.k) > (order.get(b.i, -1), b.k)
+
+    def _victim(self, shard: int, candidates):
+        """The newest (request admitted last, then highest sample) of candidates (episode, slot
+        or None) on `shard` that holds pages; None if none does."""
+        order = {key: n for n, key in enumerate(self.admitted)}
+        eng = self.book
+        held = [(ep, s) for ep, s in candidates
+                if (eng.shard_of(s) if s is not None else ep.parked.shard) == shard
+                and (s is not None or not ep.parked.evicted)]  # fmt: skip
+        return max(held, key=lambda x: (order.get(x[0].i, -1), x[0].k), default=None)
+
+    def _preempt(self, state):
+        """Frees pages where the next call lacks them (`PageBook.shortfall`), newest first among a
+        shard's sequences: those decoding that the last call read (their tokens exact on the
+        host) and those parked. No call may be in flight."""
+        while short := self.book.shortfall():
+            i = min(short)
+            busy = [(ep, s) for s, ep in self.owner.items() if ep.seen > 0]
+            parked = [(ep, None) for ep in (*self.waiting.values(), *(e for e, _ in self.ready))]
+            victim = self._victim(i, busy + parked)
+            if victim is None:
+                raise OutOfPagesError(
+                    f"shard {i} lacks {short[i]} KV pages for the next decode call and holds no "
+                    "sequence to preempt (pages held from outside this loop?)"
+                )
+            state = self._evict(state, *victim)
+        return state
+
+    def _evict(self, state, ep: Episode, slot):
+        """Preempts an episode: decoding in `slot` (parked mid-turn first, its tokens kept, then
+        first in line to resume) or parked (slot None). Its pages go back to its shard's pool;
+        it is recomputed when it resumes (`_resume_ready`)."""
+        if slot is not None:
+            del self.owner[slot]
+            self._take(ep, self._last, slot)
+            state, (p,) = self.engine.park(state, [slot], [ep.tokens[-1]])
+            self.parked_here.append(p)
+            ep.parked = p
+            self.ready.appendleft((ep, []))
+        self.book.evict(ep.parked)
+        return state
+
+
+def generate_all(
+    engine: Engine, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
+    request_ids=None, on_finish=None, shards=None, *, respond=None, max_turn_tokens=None,
 ):  # fmt: skip
-    """(state, results): results[i][k] the `Completion` of sample k of prompt i, every token
-    after the prompt. With `respond` None each episode is one turn (`Engine.generate_all`).
-    `on_finish(i, k, completion)` is called as each episode ends. `state` is donated; after an
-    exception the host side is cleaned up (start again from `init_state()`)."""
+    """(state, results): results[i][k] the `Completion` of sample k (of num_samples) of prompt
+    i, every token after the prompt, with PRNG stream request_ids[i] (default i) and
+    max_new_tokens (one int or one per request; default the config's). `on_finish(i, k,
+    completion)` is called as each episode ends. `shards`: None, or per prompt the batch shard it
+    goes on (one of `Engine.local_shards`: a multi-process run's). With `respond` None each
+    episode is one turn (JetStream's batch loop), else multi-turn as `EpisodeLoop`'s. `state` is
+    donated; after an exception the host side is cleaned up (start again from `init_state()`)."""
     loop = EpisodeLoop(engine, num_samples, on_finish=on_finish, respond=respond,
                        max_turn_tokens=max_turn_tokens)  # fmt: skip
     loop.add(prompts, max_new_tokens, request_ids, shards=shards)

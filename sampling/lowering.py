@@ -17,7 +17,7 @@ from sampling.plan import bucket
 
 
 def _abstract_state(engine: Engine):
-    state = jax.eval_shape(engine._zeros)
+    state = jax.eval_shape(engine.zeros)
     shardings = engine.state_shardings()
     return state if shardings is None else with_shardings(state, shardings)
 
@@ -32,7 +32,7 @@ def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] |
         return steps.generate.trace(
             engine.graphdef, decode, _abstract_state(engine), engine.sampling,
             e.steps_per_call, tuple(e.stop_ids), engine.backend,
-            jax.random.key(0), engine.layout, engine._cascade_group(), e.interpret,
+            jax.random.key(0), engine.layout, engine.cascade_group(), e.interpret,
         ).lower(lowering_platforms=platforms)  # fmt: skip
 
 

@@ -212,7 +212,7 @@ class PageTable:
 class PoolTotals:
     """Read-only totals over the page pools of several batch shards (`Engine.allocator` on a
     mesh): each shard's `PageAllocator` hands out its own local ids, so there is no one pool to
-    allocate from; `Engine.pools[i]` is shard i's."""
+    allocate from; `PageBook.pools[i]` is shard i's."""
 
     def __init__(self, pools):
         self.pools = list(pools)

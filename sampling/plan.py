@@ -10,7 +10,7 @@ processes agree on the elementwise maximum (one `peers.agree`, which carries the
 too), and each issues the agreed calls with its own rows in them and zeros in the rows of the
 shards it does not hold. One process is the same code with nothing to agree.
 
-A prefill batch is what one call of `Engine._prefill_pages` queues; its rows are split per shard
+A prefill batch is what one engine call queues (`Engine.prefill_many`, `resume`, `refresh`, ...); its rows are split per shard
 into chunks of up to CHUNK rows (shard i's chunk in rows [i*n, (i+1)*n) of a call, n the largest
 chunk of any shard rounded up to a power of two, T the longest row of that chunk, bucketed), as
 the prefill was issued before the work was queued: a one-process run makes exactly the calls it

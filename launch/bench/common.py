@@ -27,6 +27,7 @@ from launch.cli import UsageError
 from models.config import RopeScaling
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 from sampling.page_allocator import group_pages
 
 SMALL = dict(vocab_size=4096, d_model=256, d_ff=1024, num_layers=4, num_heads=8)
@@ -96,7 +97,7 @@ def random_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0)
 
 
 def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None, **ecfg_kw):
-    """(run, engine): run() samples every prompt g times with `Engine.generate_all`."""
+    """(run, engine): run() samples every prompt g times with `sampling.episodes.generate_all`."""
     plen = len(prompts[0])
     worst = group_pages(plen, new_tokens, ecfg_kw["page_size"], g)
     num_slots = num_slots or len(prompts) * g
@@ -108,7 +109,7 @@ def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None,
     box = {"state": engine.init_state()}
 
     def run():
-        box["state"], results = engine.generate_all(params, box["state"], prompts, g, new_tokens)
+        box["state"], results = generate_all(engine, params, box["state"], prompts, g, new_tokens)
         assert all(c.length == new_tokens for r in results for c in r)
 
     return run, engine

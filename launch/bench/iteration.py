@@ -1,6 +1,6 @@
 """The GRPO iteration the loop benchmarks time (`launch.bench loop`, loop.py, and its partial
 rollouts, partial.py): bench-small's engine, learner and reference on one device, and one timed
-iteration = rollout (`Engine.generate_all` on the policy's own arrays) + reference log-probs
+iteration = rollout (`generate_all` on the policy's own arrays) + reference log-probs
 (`Learner.logprobs`, full softmax) + one AdamW step (`Learner.step`). Its workloads (fixed and
 skewed lengths) are described in loop.py.
 
@@ -25,6 +25,7 @@ from rl.packing import build_batch
 from rl.rollout import Group
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 from sampling.page_allocator import group_pages
 
 
@@ -72,8 +73,8 @@ class Loop:
         """The G samples of each prompt, one request (the prompt prefilled once); skewed: each
         sample with its own budget (`lengths`, prompt-major)."""
         budgets = self.lengths.reshape(len(self.prompts), self.g).tolist()
-        self.decode_state, completions = self.engine.generate_all(
-            self.state.params, self.decode_state, self.prompts, self.g,
+        self.decode_state, completions = generate_all(
+            self.engine, self.state.params, self.decode_state, self.prompts, self.g,
             budgets if self.skewed else self.max_new,
         )  # fmt: skip
         for c, n in zip((c for cs in completions for c in cs), self.lengths):
@@ -86,9 +87,10 @@ class Loop:
         per = self.engine.ecfg.num_slots // self.g  # groups per batch
         lengths = self.lengths.reshape(len(self.prompts), self.g)
         for s in range(0, len(self.prompts), per):
-            self.decode_state, _ = self.engine.generate_all(
-                self.state.params, self.decode_state, self.prompts[s : s + per], self.g,
-                int(lengths[s : s + per].max()), request_ids=range(s, min(s + per, len(lengths))),
+            self.decode_state, _ = generate_all(
+                self.engine, self.state.params, self.decode_state, self.prompts[s : s + per],
+                self.g, int(lengths[s : s + per].max()),
+                request_ids=range(s, min(s + per, len(lengths))),
             )  # fmt: skip
 
     def batch(self, groups, pack: bool):

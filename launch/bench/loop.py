@@ -1,6 +1,6 @@
 """GRPO-iteration benchmark: `python -m launch.bench loop [--lengths skewed] [--output F]`.
 
-One iteration = rollout (`Engine.generate_all` on the policy's own arrays) + reference log-probs
+One iteration = rollout (`generate_all` on the policy's own arrays) + reference log-probs
 (`Learner.logprobs` of the reference model, full softmax) + one AdamW step (`Learner.step`, μ 1,
 π_old from the same forward) on bench-small, one device (`launch.bench.iteration.Loop`): 8 prompts
 x 8 samples, prompts of 64 tokens, temperature 1, no top-k / top-p, KL β 0.04.

@@ -9,7 +9,7 @@ while call n+1 runs, so such a slot idles for the rest of call n and all of n+1)
 learner step (reference log-probs + one AdamW step on the packed batch of the B groups' 64
 sequences), alternating iteration by iteration:
 
-- `sync`: the rollout decodes all B groups, then the learner steps (`Engine.generate_all`);
+- `sync`: the rollout decodes all B groups, then the learner steps (`generate_all`);
 - `partial`: one `sampling.episodes.EpisodeLoop` on its own engine keeps up to B + extra groups
   in flight; each rollout decodes until B groups are complete (`rl.partial.enough`, staleness
   bound eta), trains the B oldest complete (`rl.partial.select`) and carries the rest, parked
@@ -117,7 +117,7 @@ class Partial:
         groups = []
         for key in keys:
             completions = self.done.pop(key)
-            prompt = self.episodes._req[key][0]
+            prompt = self.episodes.prompt(key)
             groups.append(Group({}, prompt, completions, [], np.zeros(len(completions)), {}))
             self.episodes.forget(key)
         self.version += 1

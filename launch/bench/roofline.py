@@ -11,7 +11,7 @@ server would hold them; the training loop instead keeps f32 master weights and c
 the jitted step.
 
 Reported, all measured in this one process:
-- engine tokens/s = B x new_tokens / wall seconds of `Engine.generate_all` (median of `--reps`
+- engine tokens/s = B x new_tokens / wall seconds of `generate_all` (median of `--reps`
   after a compile run). The wall time includes the prefill, so steps/s = new_tokens / seconds
   and everything derived from it is a lower bound for the decode steps alone;
 - bytes one decode step must move (`decode_step_bytes`), each read or written once:

@@ -225,6 +225,7 @@ from sampling import peers, steps
 from sampling.distribution import SamplingParams
 from models.config import ModelConfig
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 
 CFG = ModelConfig(family="qwen2", vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, qkv_bias=True)  # tests.conftest's (not imported:
@@ -259,7 +260,7 @@ for slots in (8, 32):
     shards = [i for i in engine.local_shards for _ in range(per)]
     prompts = [rng.integers(1, 128, 3 + j % 5).tolist() for j in range(len(shards))]
     before, multi = peers.CALLS[0], calls["multihost"]
-    _, res = engine.generate_all(params, engine.init_state(), prompts, g, shards=shards,
+    _, res = generate_all(engine, params, engine.init_state(), prompts, g, shards=shards,
                                  request_ids=[1000 * jax.process_index() + j for j in range(len(shards))])
     state = engine.init_state()
     spanning = {}
@@ -269,7 +270,7 @@ for slots in (8, 32):
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
         compiled = steps.generate.lower(e.graphdef, e.abstract_decode_params(abstract), state,
                                         e.sampling, 4, (), e.backend, jax.random.key(0),
-                                        e.layout, e._cascade_group(), False).compile()
+                                        e.layout, e.cascade_group(), False).compile()
         spanning[layout] = [[c.kind, c.shapes] for c in hlo.collectives(compiled.as_text())
                             if c.spans(owner)]
     out[slots] = {"decode_calls": decoded[0], "agree": peers.CALLS[0] - before,

@@ -69,12 +69,12 @@ def test_a_process_without_held_out_records_of_its_own_still_evaluates(monkeypat
 
     from rl import evaluation
 
-    def generate_all(params, state, prompts, n, seed, request_ids, shards):
+    def generate_all(engine, params, state, prompts, n, seed, request_ids, shards):
         assert prompts == [] and list(request_ids) == [] and list(shards) == []
         return None, []
 
-    engine = NS(init_state=lambda: None, num_shards=4, local_shards=[0, 1],
-                generate_all=generate_all)  # fmt: skip
+    monkeypatch.setattr(evaluation, "generate_all", generate_all)
+    engine = NS(init_state=lambda: None, num_shards=4, local_shards=[0, 1])
     theirs = iter([[{"index": 0, "correct": True, "text": "2"}], [{"index": 0, "c": 3}]])
     monkeypatch.setattr(evaluation, "agree_json", lambda rows: [rows, next(theirs)])
     cfg = NS(data=NS(eval=NS(prompt_field="prompt")), sampling=NS(max_prompt_len=8),

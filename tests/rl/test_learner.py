@@ -271,6 +271,7 @@ def test_bypass_ratio_with_the_paged_sampler(model):
     """π_old taken from the paged sampler's own log-probs (bypass): the first-pass ratio is 1
     within 1e-4, i.e. the sampler-learner gap of the sampler is all that is left."""
     from sampling.engine import Engine, EngineConfig
+    from sampling.episodes import generate_all
 
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, shardings, params, _ = _setup(model, mesh, _batch(rows=8))
@@ -279,7 +280,7 @@ def test_bypass_ratio_with_the_paged_sampler(model):
                         max_new_tokens=12, steps_per_call=12, backend="reference")  # fmt: skip
     engine = Engine(CFG, graphdef, ecfg, sampling)
     prompts = [[5, 9, 13, 2, 7], [11, 3, 8]]
-    _, results = engine.generate_all(params, engine.init_state(), prompts, num_samples=4, seed=3)
+    _, results = generate_all(engine, params, engine.init_state(), prompts, num_samples=4, seed=3)
     rows = [(p, c) for p, group in zip(prompts, results) for c in group]
     t = max(len(p) + c.length for p, c in rows)
     tokens, valid = np.zeros((len(rows), t), np.int32), np.zeros((len(rows), t), bool)

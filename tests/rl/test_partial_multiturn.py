@@ -44,7 +44,8 @@ class SlowGrading(Varied):
             if clock() >= start + 12:
                 SlowGrading.outcomes.append("decoded")
                 break
-            if not engine._len:  # no busy slot: nothing the loop could decode meanwhile
+            # No busy slot: nothing the loop could decode meanwhile.
+            if not engine.pages.busy_slots():
                 SlowGrading.outcomes.append("idle")
                 break
             time.sleep(0.002)

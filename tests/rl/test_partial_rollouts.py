@@ -87,7 +87,7 @@ def _spy(engine, version):
         r = collect(ticket)
         for s in r.slots:
             m = int(r.num_generated[s])
-            key = (*engine._ids[s], s, ticket.slots[s][0])
+            key = (*engine.pages.ids(s), s, ticket.slots[s][0])
             stints[key] = (version[0], r.tokens[s, :m].tolist(), r.logprobs[s, :m].tolist())
         return r
 

@@ -17,6 +17,7 @@ from rl.packing import build_batch
 from rl.rollout import Group
 from sampling.distribution import SamplingParams, tempered_log_probs
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 
 CFG = ModelConfig(
     family="llama", vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4,
@@ -50,7 +51,7 @@ def _rollout(model, vocab, sampling, n_prompts, g, min_new=0, seed=0):
     engine = Engine(dataclasses.replace(CFG, vocab_size=vocab), graphdef, ecfg, sampling)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(9, vocab, rng.integers(2, 12)).tolist() for _ in range(n_prompts)]
-    _, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=seed)
+    _, results = generate_all(engine, params, engine.init_state(), prompts, g, seed=seed)
     groups = [Group({}, p, cs, [], np.zeros(g, np.float32), {}) for p, cs in zip(prompts, results)]
     batch, layout = build_batch(groups, SEQ, 0, min_new_tokens=min_new)  # packed rows
     return batch.replace(advantages=layout.spread(rng.normal(size=n_prompts * g)))

@@ -12,7 +12,7 @@ import pytest
 
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
-from sampling.episodes import EpisodeLoop
+from sampling.episodes import EpisodeLoop, generate_all
 from sampling.page_allocator import group_pages
 from tests.conftest import CFG, random_prompts
 from tests.conftest import ECFG as BASE
@@ -28,7 +28,7 @@ def _alone(graphdef, params, prompt, budgets, rid):
     """Each request decoded alone in an engine with a slot for every sample (whole-group insert),
     at the largest budget: the reference's tokens, of which sample k's first budgets[k] count."""
     engine = Engine(CFG, graphdef, ECFG, SAMPLED)
-    _, out = engine.generate_all(params, engine.init_state(), [prompt], len(budgets),
+    _, out = generate_all(engine, params, engine.init_state(), [prompt], len(budgets),
                                  max(budgets), seed=5, request_ids=[rid])  # fmt: skip
     return out[0]
 
@@ -48,7 +48,7 @@ def test_a_group_goes_in_sample_by_sample_with_the_tokens_of_each_request_alone(
     graphdef, params = tiny
     engine = Engine(CFG, graphdef, dataclasses.replace(ECFG, num_slots=6), SAMPLED)
     calls = _record_inserts(engine)
-    state, out = engine.generate_all(params, engine.init_state(), PROMPTS, 4, BUDGETS, seed=5,
+    state, out = generate_all(engine, params, engine.init_state(), PROMPTS, 4, BUDGETS, seed=5,
                                      request_ids=[10, 11, 12, 13])  # fmt: skip
     # Request 1 starts in the 2 slots request 0 left: split, the prompt prefilled once.
     assert calls[:2] == [((0, 1, 2, 3), False), ((0, 1), True)]
@@ -61,7 +61,7 @@ def test_a_group_goes_in_sample_by_sample_with_the_tokens_of_each_request_alone(
             assert out[i][k].length == b  # no stop ids: each sample's own budget
             assert out[i][k].tokens == ref[k].tokens[:b], (i, k)
             assert out[i][k].logprobs == ref[k].logprobs[:b], (i, k)
-    assert engine.allocator.num_used == 0 and engine.promised == {}
+    assert engine.allocator.num_used == 0 and engine.pages.promises() == {}
 
 
 def _stopped_with_a_group_open(graphdef, params):
@@ -73,7 +73,7 @@ def _stopped_with_a_group_open(graphdef, params):
     engine = Engine(CFG, graphdef, ecfg, SAMPLED)
     loop = EpisodeLoop(engine, 4)
     loop.add(PROMPTS[:2], BUDGETS[:2], request_ids=[10, 11])
-    state = loop.run(params, engine.init_state(), seed=5, until=lambda: loop._open is not None)
+    state = loop.run(params, engine.init_state(), seed=5, until=lambda: bool(loop.open_groups()))
     return engine, loop, state
 
 
@@ -83,14 +83,15 @@ def test_a_stop_keeps_the_prefix_and_promises_the_pages_of_the_samples_left(tiny
     and the next run ends with the tokens of one uninterrupted run."""
     graphdef, params = tiny
     engine, loop, state = _stopped_with_a_group_open(graphdef, params)
-    key, k0, prefix, kv = loop._open
+    ((key, k0, prefix, kv),) = loop.open_groups().values()
     assert (key, k0, kv) == (1, 2, 0) and not prefix.consumed
     page, cached = ECFG.page_size, len(PROMPTS[1]) - 1
     own = group_pages(len(PROMPTS[1]), BUDGETS[1][2:], page, 2) - cached // page
-    assert engine.promised == {(loop, 0): own - (cached % page > 0)} == {(loop, 0): 3}
+    assert engine.pages.promises() == {(loop, 0): (0, own - (cached % page > 0))}
+    assert engine.pages.promised() == engine.pages.promised(0) == 3
     # Free: the pages of samples 0 of request 0 and 1 of request 1 (budgets 3 and 2: ended).
     assert [i for i, r in loop.results.items() for c in r if c is not None] == [0, 1]
-    assert engine.allocator.num_free - engine._reserved() == 2
+    assert engine.allocator.num_free - engine.pages.reserved() == 2
     other = EpisodeLoop(engine, 1)  # 4 pages: free were the promise not counted
     other.add([PROMPTS[2]], [ECFG.max_new_tokens])
     assert group_pages(len(PROMPTS[2]), ECFG.max_new_tokens, page, 1) == 4 <= 2 + 3
@@ -101,12 +102,12 @@ def test_a_stop_keeps_the_prefix_and_promises_the_pages_of_the_samples_left(tiny
     assert engine.prefill_tokens == before  # nothing prefilled again
     assert loop.admitted == {0: 0, 1: 0}  # admitted at sample 0
     engine2 = Engine(CFG, graphdef, engine.ecfg, SAMPLED)
-    _, want = engine2.generate_all(params, engine2.init_state(), PROMPTS[:2], 4, BUDGETS[:2],
+    _, want = generate_all(engine2, params, engine2.init_state(), PROMPTS[:2], 4, BUDGETS[:2],
                                    seed=5, request_ids=[10, 11])  # fmt: skip
     for i in range(2):
         assert [c.tokens for c in loop.results[i]] == [c.tokens for c in want[i]]
         assert [c.logprobs for c in loop.results[i]] == [c.logprobs for c in want[i]]
-    assert engine.allocator.num_used == 0 and engine.promised == {}
+    assert engine.allocator.num_used == 0 and engine.pages.promises() == {}
 
 
 @pytest.mark.parametrize("refresh", [True, False])
@@ -123,7 +124,7 @@ def test_refresh_recomputes_the_open_groups_prompt_under_the_new_parameters(tiny
         got, b = loop.results[1][k], BUDGETS[1][k]
         same = got.tokens == ref[k].tokens[:b] and got.logprobs == ref[k].logprobs[:b]
         assert same == refresh, k
-    assert engine.allocator.num_used == 0 and engine.promised == {}
+    assert engine.allocator.num_used == 0 and engine.pages.promises() == {}
 
 
 def test_an_error_with_a_group_open_leaves_nothing_held(tiny):
@@ -132,7 +133,7 @@ def test_an_error_with_a_group_open_leaves_nothing_held(tiny):
     loop, dispatch, calls = EpisodeLoop(engine, 4), engine.dispatch, []
 
     def failing(*args, **kwargs):
-        calls.append(loop._open)
+        calls.append(loop.open_groups())
         if len(calls) == 2:
             raise RuntimeError("boom")
         return dispatch(*args, **kwargs)
@@ -141,9 +142,9 @@ def test_an_error_with_a_group_open_leaves_nothing_held(tiny):
     loop.add(PROMPTS[:2], BUDGETS[:2])
     with pytest.raises(RuntimeError, match="boom"):
         loop.run(params, engine.init_state(), seed=5)
-    assert calls[1] is not None  # request 1 was open
-    assert engine.promised == {} and engine.allocator.num_used == 0
-    assert sorted(engine.free_slots) == list(range(6)) and engine._cap == {}
+    assert calls[1]  # request 1 was open
+    assert engine.pages.promises() == {} and engine.allocator.num_used == 0
+    assert sorted(engine.pages.free_slots) == list(range(6)) and engine.pages.busy_slots() == []
 
 
 def test_per_sample_budgets_are_checked():

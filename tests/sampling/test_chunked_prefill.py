@@ -16,7 +16,7 @@ import pytest
 from models.sharding import init_params, make_mesh
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
-from sampling.episodes import generate_episodes
+from sampling.episodes import generate_all
 from sampling.lowering import lower_prefill
 from sampling.paged_attention import paged_prefill_attention, write_kv
 from tests.conftest import CFG, ECFG, random_prompts
@@ -90,7 +90,7 @@ def test_chunked_prefill_then_decoding_equals_unchunked(tiny, temperature):
     out = {}
     for chunk in (0, 8):
         engine = _engine(graphdef, chunk, temperature)
-        _, results = engine.generate_all(params, engine.init_state(), PROMPTS, 2, seed=5)
+        _, results = generate_all(engine, params, engine.init_state(), PROMPTS, 2, seed=5)
         out[chunk] = [c for r in results for c in r]
     for want, got in zip(out[0], out[8]):
         assert got.tokens == want.tokens
@@ -104,7 +104,7 @@ def test_chunked_observation_prefill_equals_unchunked(tiny):
     out = {}
     for chunk in (0, 2):
         engine = _engine(graphdef, chunk, 1.0)
-        _, episodes = generate_episodes(
+        _, episodes = generate_all(
             engine, params, engine.init_state(), PROMPTS, 2, seed=7, respond=_scripted({}),
             max_turn_tokens=3,
         )  # fmt: skip

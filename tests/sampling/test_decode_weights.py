@@ -13,6 +13,7 @@ import pytest
 from models.sharding import init_params, make_mesh
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
+from sampling.episodes import generate_all
 from tests.conftest import CFG, ECFG, random_prompts
 
 BF16 = dataclasses.replace(CFG, dtype="bfloat16")  # f32 master weights, bf16 compute
@@ -20,7 +21,7 @@ BF16 = dataclasses.replace(CFG, dtype="bfloat16")  # f32 master weights, bf16 co
 
 def _run(engine, params):
     prompts = random_prompts([5, 17, 9], BF16.vocab_size, seed=2)
-    _, results = engine.generate_all(params, engine.init_state(), prompts, num_samples=2, seed=1)
+    _, results = generate_all(engine, params, engine.init_state(), prompts, num_samples=2, seed=1)
     return [c.tokens for r in results for c in r], [c.logprobs for r in results for c in r]
 
 

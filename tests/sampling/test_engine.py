@@ -19,6 +19,7 @@ from rl.logprobs import token_logprobs
 from sampling import cpu_attention
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 from tests.conftest import CFG, ECFG, FIXTURES, random_prompts
 
 
@@ -33,7 +34,7 @@ def _check_greedy(name, mesh, backend="reference"):
         steps_per_call=16, backend=backend,
     )  # fmt: skip
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=0.0))
-    _, results = engine.generate_all(params, engine.init_state(), prompts)
+    _, results = generate_all(engine, params, engine.init_state(), prompts)
     got = np.array([r[0].tokens for r in results])
     np.testing.assert_array_equal(got, ref["greedy"])
     assert all(r[0].finish_reason == "length" and r[0].length == steps for r in results)
@@ -78,7 +79,7 @@ def test_sampler_logprobs_match_learner(sampling, tiny):
     # so the copy-on-write of the last page (G = 4) is exercised.
     prompts = random_prompts([6, 9, 12])
     engine = Engine(CFG, graphdef, ECFG, sampling)
-    _, results = engine.generate_all(params, engine.init_state(), prompts, num_samples=4)
+    _, results = generate_all(engine, params, engine.init_state(), prompts, num_samples=4)
     rows = [(p, c) for p, group in zip(prompts, results) for c in group]
     t = 32
     tokens = np.zeros((len(rows), t), np.int32)
@@ -108,7 +109,7 @@ def test_continuous_batching_matches_alone(tiny):
     prompts = random_prompts([1, 5, 17, 8, 3, 24, 12, 9, 2, 16], seed=1)
     max_new = 10
     engine = Engine(CFG, graphdef, ecfg, sampling)
-    state, batched = engine.generate_all(params, engine.init_state(), prompts, seed=7)
+    state, batched = generate_all(engine, params, engine.init_state(), prompts, seed=7)
     reasons = {c[0].finish_reason for c in batched}
     assert reasons == {"stop", "length"}, reasons
     for group in batched:
@@ -120,13 +121,13 @@ def test_continuous_batching_matches_alone(tiny):
             assert c.tokens[-1] in stop_ids
         else:
             assert c.length == max_new
-    assert engine.allocator.num_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
+    assert engine.allocator.num_used == 0 and sorted(engine.pages.free_slots) == [0, 1, 2, 3]
     # 9 usable pages hold fewer than 4 requests of up to 5 pages, so admission waits for pages as
     # well as slots (checked by hand: 2-3 busy slots while requests are pending) without ever
     # running out mid-generation (alloc would raise).
     for i, p in enumerate(prompts):
         alone = Engine(CFG, graphdef, ecfg, sampling)
-        state, res = alone.generate_all(params, state, [p], seed=7, request_ids=[i])
+        state, res = generate_all(alone, params, state, [p], seed=7, request_ids=[i])
         assert res[0][0].tokens == batched[i][0].tokens, i
         np.testing.assert_allclose(res[0][0].logprobs, batched[i][0].logprobs, atol=1e-6)
 
@@ -143,18 +144,18 @@ def test_group_shares_full_prompt_pages(tiny):
     assert [engine.allocator.refcount(p) for p in full] == [8, 8]
     # 2 shared full pages + the partial page + 7 private copies, not 8 * 3.
     assert engine.allocator.num_used == 2 + 8
-    rows = [engine.table.row(s) for s in slots]
+    rows = [engine.pages.table.row(s) for s in slots]
     assert all(r[:2] == full for r in rows) and len({r[2] for r in rows}) == 8
     # The copied pages hold the prompt's KV: slot outputs agree with a fresh run via generate_all.
     engine.allocator.reset_peak()
     state = engine.generate(params, state, jax.random.key(0), num_steps=12)
-    assert engine.allocator.peak_used == engine.worst_case_pages(21, 12, 8) == 2 + 8 * 2
+    assert engine.allocator.peak_used == engine.pages.worst_case_pages(21, 12, 8) == 2 + 8 * 2
     lp = np.asarray(state.logprobs)
     for s in slots:
         state = engine.free_resource(state, s)
     assert engine.allocator.num_used == 0
     fresh = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
-    state, res = fresh.generate_all(params, state, [prompt], num_samples=8)
+    state, res = generate_all(fresh, params, state, [prompt], num_samples=8)
     np.testing.assert_allclose([c.logprobs for c in res[0]], lp[:8], atol=1e-6)
     assert all(jnp.isfinite(x).all() for x in state.k_pages)
 
@@ -176,14 +177,14 @@ def test_cascade_attention_matches_reference(tiny):
     kernels = ("blockwise", "cpu_kernel") if cpu_attention.available() else ("blockwise",)
     for backend in ("reference", *kernels):
         engine = Engine(CFG, graphdef, EngineConfig(backend=backend, **kw), SamplingParams(1.0))
-        take = engine._take_slots
-        engine._take_slots = lambda g, shard, take=take: (
+        take = engine.pages.take_slots
+        engine.pages.take_slots = lambda g, shard, take=take: (
             placements.append(take(g, shard)) or placements[-1]
         )
-        _, out[backend] = engine.generate_all(
-            params, engine.init_state(), prompts, num_samples=4, seed=3
+        _, out[backend] = generate_all(
+            engine, params, engine.init_state(), prompts, num_samples=4, seed=3
         )
-        assert engine.group == 4 and engine.allocator.num_used == 0
+        assert engine.pages.group == 4 and engine.allocator.num_used == 0
     aligned = [s for s in placements if s in ([0, 1, 2, 3], [4, 5, 6, 7])]
     assert 0 < len(aligned) < len(placements)  # both kinds of placement happened
     assert any(len(s) < 4 for s in placements)  # and groups that went in sample by sample
@@ -199,7 +200,7 @@ def test_one_new_token_at_page_boundary(tiny):
     graphdef, params = tiny
     engine = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
     prompts = random_prompts([9, 1, 17])
-    _, res = engine.generate_all(params, engine.init_state(), prompts, max_new_tokens=1)
+    _, res = generate_all(engine, params, engine.init_state(), prompts, max_new_tokens=1)
     assert [(c[0].length, c[0].finish_reason) for c in res] == [(1, "length")] * 3
     assert engine.allocator.num_used == 0 and engine.allocator.peak_used <= 2 + 1 + 3
 
@@ -209,10 +210,10 @@ def test_per_request_max_new_tokens(tiny):
     engine = Engine(CFG, graphdef, ECFG, SamplingParams(1.0))
     prompts = random_prompts([9, 1, 17])
     with pytest.raises(ValueError, match="2 entries for 3 prompts"):
-        engine.generate_all(params, None, prompts, max_new_tokens=[3, 4])
+        generate_all(engine, params, None, prompts, max_new_tokens=[3, 4])
     with pytest.raises(ValueError, match="max_new_tokens=13: need 1..12"):
-        engine.generate_all(params, None, prompts, max_new_tokens=[3, 13, 1])
-    _, res = engine.generate_all(
-        params, engine.init_state(), prompts, max_new_tokens=np.array([3, 12, 1])
+        generate_all(engine, params, None, prompts, max_new_tokens=[3, 13, 1])
+    _, res = generate_all(
+        engine, params, engine.init_state(), prompts, max_new_tokens=np.array([3, 12, 1])
     )
     assert [c[0].length for c in res] == [3, 12, 1]

@@ -14,6 +14,7 @@ import pytest
 from sampling import steps as steps_module
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
+from sampling.episodes import generate_all
 from sampling.page_allocator import OutOfPagesError, PageAllocator, group_pages
 from tests.conftest import CFG, ECFG, random_prompts
 
@@ -23,15 +24,15 @@ def _engine(graphdef):
 
 
 def _host(engine):
-    """A copy of the engine's host bookkeeping."""
-    a = engine.allocator
+    """A copy of the engine's host bookkeeping (its page book's)."""
+    book, a = engine.pages, engine.allocator
     return (
         a.num_used,
         [a.refcount(p) for p in range(a.num_pages)],
-        engine.table.array.copy(),
-        sorted(engine.free_slots),
-        dict(engine._len),
-        dict(engine._cap),
+        book.table.array.copy(),
+        sorted(book.free_slots),
+        {s: (book.length(s), book.cap(s)) for s in book.busy_slots()},
+        book.promised(),
     )
 
 
@@ -41,10 +42,11 @@ def _assert_same(before, after):
 
 
 def _assert_empty(engine):
+    book = engine.pages
     assert engine.allocator.num_used == 0
-    assert sorted(engine.free_slots) == list(range(ECFG.num_slots))
-    assert engine._len == engine._cap == engine.promised == {}
-    assert not engine.table.array.any()
+    assert sorted(book.free_slots) == list(range(ECFG.num_slots))
+    assert book.busy_slots() == [] and book.parked == [] and book.promised() == 0
+    assert not book.table.array.any()
 
 
 def test_group_pages_is_the_peak_of_a_group():
@@ -108,7 +110,7 @@ def test_bulk_insert_checks_slots(tiny):
     with pytest.raises(ValueError, match=r"slot\(s\) \[8\] out of range"):
         engine.free_slots_of(state, [2, 8])
     _assert_same(before, _host(engine))
-    assert sorted(engine.free_slots) == list(range(2, 8))  # inserted slots are no longer free
+    assert sorted(engine.pages.free_slots) == list(range(2, 8))  # inserted slots are no longer free
     state = engine.bulk_insert(state, b, [2, 3], request_id=1, max_new=4)
     for s in [0, 1, 2, 3, 3]:  # freeing an idle slot again is a no-op
         state = engine.free_resource(state, s)
@@ -147,7 +149,7 @@ MAX_NEW = [4, 4, 12, 12, 8]  # groups 0, 1 finish after the first generate call,
 
 
 def _run(engine, params, state, **kw):
-    return engine.generate_all(params, state, PROMPTS, 2, MAX_NEW, seed=5, **kw)
+    return generate_all(engine, params, state, PROMPTS, 2, MAX_NEW, seed=5, **kw)
 
 
 def test_generate_all_cleans_up_after_on_finish_raises(tiny):
@@ -195,9 +197,9 @@ def test_generate_all_checks_arguments_first(tiny):
     with pytest.raises(ValueError, match="request_ids has 2 entries for 5 prompts"):
         _run(engine, params, None, request_ids=[0, 1])
     with pytest.raises(ValueError, match="prompt of 25 tokens"):
-        engine.generate_all(params, None, [[1] * 5, [1] * 25])
+        generate_all(engine, params, None, [[1] * 5, [1] * 25])
     with pytest.raises(ValueError, match="num_samples=0"):
-        engine.generate_all(params, None, [[1] * 5], num_samples=0)
+        generate_all(engine, params, None, [[1] * 5], num_samples=0)
     _assert_empty(engine)
 
 
@@ -208,7 +210,7 @@ def test_init_state_resets_host_bookkeeping(tiny):
     engine.bulk_insert(state, prefix, [4, 5], request_id=0, max_new=4)
     engine.init_state()
     _assert_empty(engine)
-    assert engine.worst_case_pages(21, 12, 8) == group_pages(21, 12, ECFG.page_size, 8)
+    assert engine.pages.worst_case_pages(21, 12, 8) == group_pages(21, 12, ECFG.page_size, 8)
 
 
 def test_a_stale_ticket_is_refused_and_a_late_one_leaves_the_next_sequence_alone(tiny):

@@ -17,6 +17,7 @@ from models.sharding import init_params, make_mesh
 from sampling import steps as steps_lib
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 from tests.conftest import CFG, random_prompts
 
 SMALL = ModelConfig(
@@ -64,7 +65,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     # Reference: the same values on one device, engine without a mesh.
     single = jax.device_put(params, jax.devices()[0])
     alone = Engine(CFG, graphdef, ecfg, sampling)
-    _, want = alone.generate_all(single, alone.init_state(), prompts, num_samples=2, seed=5)
+    _, want = generate_all(alone, single, alone.init_state(), prompts, num_samples=2, seed=5)
     del single
 
     engine = Engine(CFG, graphdef, ecfg, sampling, mesh=mesh)
@@ -72,7 +73,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     pointers = _pointers(params)
     gc.collect()
     before = {id(x) for x in jax.live_arrays()}
-    state, got = engine.generate_all(params, state, prompts, num_samples=2, seed=5)
+    state, got = generate_all(engine, params, state, prompts, num_samples=2, seed=5)
     # (c) of the no-copy checks below: no device buffer created by the call outlives it but the
     # returned state's (single-device views of its shards, made by device_get, share its buffers).
     gc.collect()
@@ -93,7 +94,7 @@ def test_mesh_generation_matches_single_device_without_param_copy(temperature):
     #     moves no parameter bytes (a mismatch would make jit reshard, i.e. copy, per call);
     lowered_args = [
         (steps_lib.generate, (graphdef, params, state, sampling, 4, (), "reference",
-                                jax.random.key(0), engine.layout, engine.group)),
+                                jax.random.key(0), engine.layout, engine.pages.group)),
         # One prefill row per shard: rows come laid out by shard (`Engine._prefill_pages`).
         (steps_lib.prefill, (graphdef, params, state, np.zeros((4, 16), np.int32),
                                np.array([3, 0, 0, 0], np.int32),
@@ -130,8 +131,8 @@ def test_skewed_lengths_use_few_pages():
     # what continuous batching with paging actually needs.
     ecfg = dataclasses.replace(ecfg, num_pages=dense + 1)
     engine = Engine(SMALL, graphdef, ecfg, SamplingParams(0.0))
-    _, results = engine.generate_all(
-        params, engine.init_state(), random_prompts(lengths, SMALL.vocab_size)
+    _, results = generate_all(
+        engine, params, engine.init_state(), random_prompts(lengths, SMALL.vocab_size)
     )
     assert all(r[0].length == max_new for r in results)
     ratio = engine.allocator.peak_used / dense
@@ -159,7 +160,7 @@ def test_100_requests_in_16_slots_match_solo_runs():
     dispatch = engine.dispatch
 
     def counting_dispatch(*args, **kw):  # busy slots during each decode call
-        busy.append(ecfg.num_slots - len(engine.free_slots))
+        busy.append(ecfg.num_slots - len(engine.pages.free_slots))
         return dispatch(*args, **kw)
 
     engine.dispatch = counting_dispatch
@@ -167,8 +168,8 @@ def test_100_requests_in_16_slots_match_solo_runs():
     def on_finish(i, g, completion):
         finished.append(1)
 
-    state, batched = engine.generate_all(
-        params, engine.init_state(), prompts, max_new_tokens=max_new, on_finish=on_finish
+    state, batched = generate_all(
+        engine, params, engine.init_state(), prompts, max_new_tokens=max_new, on_finish=on_finish
     )
     assert all(r[0] is not None for r in batched) and sum(finished) == n
     assert engine.allocator.num_used == 0
@@ -186,8 +187,8 @@ def test_100_requests_in_16_slots_match_solo_runs():
     # reruns to a few seconds.
     sizes = [f._cache_size() for f in (steps_lib.prefill, steps_lib.generate)]
     for i, p in enumerate(prompts):
-        state, solo = engine.generate_all(
-            params, state, [p], max_new_tokens=[max_new[i]], request_ids=[i]
+        state, solo = generate_all(
+            engine, params, state, [p], max_new_tokens=[max_new[i]], request_ids=[i]
         )
         assert solo[0][0].tokens == batched[i][0].tokens, i
         np.testing.assert_allclose(solo[0][0].logprobs, batched[i][0].logprobs, atol=1e-6)

@@ -12,7 +12,7 @@ import pytest
 
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
-from sampling.episodes import generate_episodes
+from sampling.episodes import generate_all
 from tests.conftest import CFG, ECFG, random_prompts
 
 MCFG = dataclasses.replace(ECFG, max_new_tokens=24, num_pages=160)
@@ -42,10 +42,10 @@ def test_multi_turn_equals_reprefill_and_prefills_only_new_tokens(tiny, temperat
     prompts = random_prompts([5, 9, 17, 3, 12], seed=4)
     g = 2 if temperature == 0 else 1  # sampled: one per request, so the reference has its key
     history = {}
-    state, results = engine.generate_all(params, engine.init_state(), prompts, g, seed=7)
+    state, results = generate_all(engine, params, engine.init_state(), prompts, g, seed=7)
     assert results  # the single-turn loop still works next to the multi-turn one
     before = engine.prefill_tokens
-    state, episodes = generate_episodes(
+    state, episodes = generate_all(
         engine, params, state, prompts, g, seed=7, respond=_scripted(history),
         max_turn_tokens=TURN,
     )  # fmt: skip
@@ -61,8 +61,8 @@ def test_multi_turn_equals_reprefill_and_prefills_only_new_tokens(tiny, temperat
             # Reference: every turn re-prefills prompt + everything so far, one turn at a time.
             seq, want_tokens, want_obs, want_lp = list(prompt), [], [], []
             for t in range(3):
-                ref_state, ref = ref_engine.generate_all(
-                    params, ref_state, [seq], 1, TURN, seed=7, request_ids=[i]
+                ref_state, ref = generate_all(
+                    ref_engine, params, ref_state, [seq], 1, TURN, seed=7, request_ids=[i]
                 )
                 assert k == 0 or temperature == 0
                 turn = ref[0][0]
@@ -83,7 +83,7 @@ def test_multi_turn_equals_reprefill_and_prefills_only_new_tokens(tiny, temperat
     # The prompt once per group (its last token is fed by the first decode step), then exactly
     # each observation (the turn's last sampled token and all but the last observation token).
     assert engine.prefill_tokens - before == sum(len(p) - 1 for p in prompts) + observations
-    assert engine.allocator.num_used == 0 and not engine._parked
+    assert engine.allocator.num_used == 0 and not engine.pages.parked
 
 
 def _timed_rollout(graphdef, params, tool_seconds, slow=None):
@@ -126,7 +126,7 @@ def _timed_rollout(graphdef, params, tool_seconds, slow=None):
         finished.clear()
         rest_done.clear()
         start[0] = time.perf_counter()
-        state, results = generate_episodes(
+        state, results = generate_all(
             engine, params, state, prompts, 8, seed=1, respond=respond, max_turn_tokens=TURN,
             on_finish=on_finish,
         )  # fmt: skip
@@ -168,9 +168,9 @@ def test_resume_refuses_what_exceeds_the_reservation(tiny):
     state, (parked,) = engine.park(state, [0], [9])
     with pytest.raises(ValueError, match="exceed the sequence's reserved"):
         engine.resume(params, state, [(parked, [1, 2, 3, 4, 5, 6], 1, 3)])
-    assert engine.free_slots.count(1) == 1 and parked in engine._parked  # nothing changed
+    assert engine.pages.free_slots.count(1) == 1 and engine.pages.is_parked(parked)  # unchanged
     state = engine.resume(params, state, [(parked, [1, 2], 1, 3)])
-    assert engine._len[1] == 5 + 2 + 2 and not engine._parked
+    assert engine.pages.length(1) == 5 + 2 + 2 and not engine.pages.parked
     engine.free_resource(state, 1)
     assert engine.allocator.num_used == 0
 
@@ -196,9 +196,10 @@ def test_an_exception_leaves_no_page_or_parked_sequence(tiny, failure):
     error = {"tool_raises": RuntimeError, "on_finish_raises": KeyError,
              "out_of_vocab": ValueError}[failure]  # fmt: skip
     with pytest.raises(error):
-        generate_episodes(
+        generate_all(
             engine, params, engine.init_state(), random_prompts([5, 7, 9, 4, 6]), 2,
             respond=respond, on_finish=on_finish, max_turn_tokens=TURN,
         )  # fmt: skip
     pool.shutdown()
-    assert engine.allocator.num_used == 0 and not engine._parked and not engine._cap
+    assert engine.allocator.num_used == 0 and not engine.pages.parked
+    assert not engine.pages.busy_slots()

@@ -19,6 +19,7 @@ from models.sharding import init_params, make_mesh
 from sampling import cpu_attention
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
+from sampling.episodes import generate_all
 from sampling.lowering import lower_generate
 from tests.conftest import random_prompts
 from tests.sampling.test_tpu_export import pool_copies
@@ -37,7 +38,7 @@ def _generate(mesh, params, graphdef, backend, cache_dtype):
     ecfg = dataclasses.replace(ECFG, backend=backend, cache_dtype=cache_dtype)
     engine = Engine(CFG, graphdef, ecfg, SamplingParams(0.0), mesh=mesh)
     prompts = random_prompts([5, 18, 3, 11], CFG.vocab_size)
-    state, results = engine.generate_all(params, engine.init_state(), prompts, num_samples=2)
+    state, results = generate_all(engine, params, engine.init_state(), prompts, num_samples=2)
     tokens = [[c.tokens for c in r] for r in results]
     logprobs = np.array([c.logprobs for r in results for c in r])
     return engine, state, tokens, logprobs

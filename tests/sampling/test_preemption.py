@@ -99,7 +99,7 @@ def _run(engine, params, stop_after=None, versions=(0,), evict_carried=False, re
         assert carried
         if evict_carried:  # as a full shard would: their pages go, their tokens stay
             for ep in carried:
-                loop._evict(state, ep, None)
+                engine.pages.evict(ep.parked)
             assert all(ep.parked.evicted and not ep.parked.pages for ep in carried)
         state = loop.run(params[1], state, seed=7, version=1, refresh=refresh)
     assert loop.idle and engine.allocator.num_used == 0
@@ -145,14 +145,13 @@ def test_on_demand_holds_more_episodes_at_once(one_device):
         engine.slot_trace = []
         loop = EpisodeLoop(engine, G, max_turn_tokens=ECFG.max_new_tokens)
         loop.add(PROMPTS, BUDGETS)
-        busy, admit = [], loop._admit
+        busy, flush = [], engine.flush
 
-        def admitted(params, state, loop=loop, admit=admit, busy=busy):
-            state = admit(params, state)
-            busy.append(len(loop.owner))
-            return state
+        def counted(params, state, flags=(), loop=loop, flush=flush, busy=busy):
+            busy.append(len(loop.owner))  # once per round: what its decode call runs
+            return flush(params, state, flags)
 
-        loop._admit = admitted
+        engine.flush = counted
         loop.run(params, engine.init_state(), seed=3)
         peak[reserve] = max(busy)
     assert peak["demand"] > peak["budget"], peak

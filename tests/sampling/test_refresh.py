@@ -127,7 +127,7 @@ def test_one_call_or_one_at_a_time_writes_what_each_alone_writes(versions):
     those after refreshing each sequence alone from position 0 with its own empty set."""
     graphdef, params = versions
     engine, loop, _, state = _parked(graphdef, params[0])
-    items = [(ep.parked, loop._history(ep)) for ep, _ in loop.ready]
+    items = [(ep.parked, loop.history(ep)) for ep, _ in loop.ready]
     host = jax.device_get(state)
     pages = sorted({q for p, _ in items for q in p.pages[: -(-p.cached_len // PAGE)]})
 

@@ -16,7 +16,7 @@ import pytest
 from models.sharding import DEFAULT_RULES, abstract_model, init_params, make_mesh, state_shardings
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
-from sampling.episodes import EpisodeLoop, generate_episodes
+from sampling.episodes import EpisodeLoop, generate_all
 from sampling.page_allocator import group_pages
 from tests.conftest import CFG, random_prompts
 
@@ -69,7 +69,7 @@ def reference(one_device, request):
     """Tokens and log-probs of the workload on one device, in one uninterrupted run."""
     graphdef, params = one_device
     engine = Engine(CFG, graphdef, ECFG, SamplingParams(request.param))
-    _, results = generate_episodes(
+    _, results = generate_all(
         engine, params, engine.init_state(), PROMPTS, G, BUDGETS, seed=7, respond=_respond(),
         max_turn_tokens=TURN,
     )  # fmt: skip
@@ -87,12 +87,12 @@ def _sharded_run(mesh_shape, params_one, temperature, refresh):
     insert, resume = engine.bulk_insert, engine.resume
 
     def bulk_insert(state, prefix, slots, request_id, *a, **kw):
-        shards[request_id] |= {prefix.shard, *map(engine.shard_of, slots)}
+        shards[request_id] |= {prefix.shard, *map(engine.pages.shard_of, slots)}
         return insert(state, prefix, slots, request_id, *a, **kw)
 
     def resume_(params, state, items, *a):
         for p, _, slot, _ in items:
-            shards[p.request_id] |= {p.shard, engine.shard_of(slot)}
+            shards[p.request_id] |= {p.shard, engine.pages.shard_of(slot)}
         return resume(params, state, items, *a)
 
     engine.bulk_insert, engine.resume = bulk_insert, resume_
@@ -148,16 +148,15 @@ def test_placement_balances_the_shards_pages(one_device):
     assert min(need) < max(need)
     loop = EpisodeLoop(engine, G)
     loop.add(prompts, budgets)
-    spreads, admit = [], loop._admit
+    spreads, flush, book = [], engine.flush, engine.pages
 
-    def admit_and_measure(params, state):
-        state = admit(params, state)
+    def measure_and_flush(params, state, flags=()):  # once per round, after its admissions
         if loop.pending:  # the pool (not the queue) ended this round
-            load = [p.num_used + engine._reserved(i) for i, p in enumerate(engine.pools)]
+            load = [p.num_used + book.reserved(i) for i, p in enumerate(book.pools)]
             spreads.append(max(load) - min(load))
-        return state
+        return flush(params, state, flags)
 
-    loop._admit = admit_and_measure
+    engine.flush = measure_and_flush
     loop.run(params, engine.init_state(), seed=1)
     assert loop.idle and all(c is not None for r in loop.results.values() for c in r)
     assert spreads and max(spreads) <= max(need), spreads
@@ -176,18 +175,17 @@ def test_a_group_partly_in_does_not_stall_the_other_shards(one_device):
     budgets = [20, 2, 20, 20, 20, 4, 4]  # group 1 (shard 1) ends first
     loop = EpisodeLoop(engine, 3)
     loop.add(prompts, budgets)
-    events, opens, prefill, admit = [], [], engine.prefill_many, loop._admit
+    events, opens, prefill, flush = [], [], engine.prefill_many, engine.flush
 
     def prefill_many(params, state, prompts, shards=None):
         events.append(list(shards))
         return prefill(params, state, prompts, shards)
 
-    def admit_and_look(params, state):
-        state = admit(params, state)
-        opens.append({i: o[0] for i, o in loop._opens.items()})
-        return state
+    def look_and_flush(params, state, flags=()):  # once per round, after its admissions
+        opens.append({i: o[0] for i, o in loop.open_groups().items()})
+        return flush(params, state, flags)
 
-    engine.prefill_many, loop._admit = prefill_many, admit_and_look
+    engine.prefill_many, engine.flush = prefill_many, look_and_flush
     loop.run(params, engine.init_state(), seed=1)
     assert loop.idle and all(c is not None for r in loop.results.values() for c in r)
     assert events == [[0, 1, 2, 3, 0, 1, 2]]  # one round admits all: three go in partly
@@ -216,13 +214,13 @@ def test_groups_partly_in_on_several_shards_refresh_their_prompts_in_one_round(o
     engine.dispatch = counted
     state = loop.run(jax.device_put(host, shardings), engine.init_state(), seed=1,
                      until=lambda: calls[0] >= 1)  # fmt: skip
-    assert {i: o[:2] for i, o in loop._opens.items()} == {0: (4, 1), 1: (5, 1), 2: (6, 1)}
+    assert {i: o[:2] for i, o in loop.open_groups().items()} == {0: (4, 1), 1: (5, 1), 2: (6, 1)}
     new = jax.tree.map(lambda x: x * 1.25, host)
     loop.run(jax.device_put(new, shardings), state, seed=1, version=1, refresh=True)
     assert loop.idle and engine.allocator.num_used == 0
     alone = Engine(CFG, graphdef, ECFG, SamplingParams(0.0))
     for key in (4, 5, 6):
-        _, (want,) = alone.generate_all(new, alone.init_state(), [prompts[key]], 3, budget,
+        _, (want,) = generate_all(alone, new, alone.init_state(), [prompts[key]], 3, budget,
                                         seed=1, request_ids=[key])  # fmt: skip
         for k in (1, 2):  # inserted after the stop, from the refreshed prompt
             assert loop.results[key][k].tokens == want[k].tokens, (key, k)

@@ -167,7 +167,7 @@ def _engine(name, mesh_name, platform):
     engine = Engine(cfg, graphdef, ecfg, sampling_params(c), mesh=mesh, rules=rules)
     assert engine.backend == backend
     # GRPO rollouts decode G samples per prompt: `generate_all` sets the cascade group to G.
-    engine.group = c.rl.num_generations
+    engine.pages.set_group(c.rl.num_generations)
     return engine, params, mesh
 
 
