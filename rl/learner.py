@@ -157,7 +157,8 @@ class Learner:
         axes = (axes,) if isinstance(axes, str) else axes
         self._row_shards = math.prod(mesh.shape[a] for a in axes) if self._rows else 1
         leaves, treedef = jax.tree.flatten(param_shardings)
-        self._jit = _shared((cfg, graphdef, base_graphdef, rules, treedef, tuple(leaves)), self)
+        key = (cfg, graphdef, base_graphdef, rules, treedef, tuple(leaves))
+        self._jit = _shared(key, self, (self._logprobs_impl, self._grads_impl, self._step_impl))
         self.tx = self._jit.tx
 
     def split(self, params) -> tuple[nnx.State, nnx.State]:
@@ -171,7 +172,7 @@ class Learner:
 
     # --- state ------------------------------------------------------------------------------
 
-    def _build_step(self, params) -> None:
+    def build_step(self, params) -> None:
         """Shardings of the train state and the jitted step, from (abstract or real) params."""
         jit = self._jit
         if jit.step is None:
@@ -188,7 +189,7 @@ class Learner:
             )
             jit.state_shardings = TrainState(self.param_shardings, opt_sh, replicated)
             jit.step = jax.jit(
-                jit.owner._step_impl, donate_argnums=0, out_shardings=(jit.state_shardings, None)
+                jit.step_impl, donate_argnums=0, out_shardings=(jit.state_shardings, None)
             )
             jit.init = jax.jit(self.tx.init, out_shardings=jit.state_shardings.opt_state)
         self.state_shardings = jit.state_shardings
@@ -208,7 +209,7 @@ class Learner:
     def init_state(self, params) -> TrainState:
         """Optimizer state created directly in the parameters' shardings (moments mirror the
         trainable params)."""
-        self._build_step(params)
+        self.build_step(params)
         opt_state = self._jit.init(self.split(params)[0])
         # Commit every leaf to exactly the shardings the step returns, so that the first call and
         # all later ones share one compiled executable (parameters already there are not copied).
@@ -219,7 +220,7 @@ class Learner:
     def lower_step(self, abstract_params, abstract_batch: Batch, platforms=None):
         """The step lowered for abstract (ShapeDtypeStruct) params and batch, nothing allocated:
         for --dry_run, and with `platforms` (e.g. ("tpu",)) to check another platform lowers."""
-        self._build_step(abstract_params)
+        self.build_step(abstract_params)
         shapes = jax.eval_shape(
             lambda p: TrainState(p, self.tx.init(self.split(p)[0]), jnp.zeros((), jnp.int32)),
             abstract_params,
@@ -400,7 +401,8 @@ class _Jitted:
     tx: optax.GradientTransformation
     logprobs: object
     grads: object
-    step: object = None  # built with the state's shardings (`Learner._build_step`)
+    step_impl: object  # the owner's step, jitted as `step` once the state's shardings are known
+    step: object = None  # built with the state's shardings (`Learner.build_step`)
     init: object = None
     state_shardings: TrainState | None = None
 
@@ -414,14 +416,18 @@ _JITTED: collections.OrderedDict = collections.OrderedDict()
 _JITTED_KEYS = 8
 
 
-def _shared(key, learner: Learner) -> _Jitted:
+def _shared(key, learner: Learner, impls) -> _Jitted:
+    """The jitted functions of `key`; new ones of learner's `impls` (its un-jitted log-probs,
+    gradients and step methods) if none are kept."""
     jit = _JITTED.pop(key, None)
     if jit is None:
+        logprobs, grads, step = impls
         jit = _Jitted(
             owner=learner,
             tx=make_optimizer(learner.cfg),
-            logprobs=jax.jit(learner._logprobs_impl, static_argnums=(2, 3)),
-            grads=jax.jit(learner._grads_impl),
+            logprobs=jax.jit(logprobs, static_argnums=(2, 3)),
+            grads=jax.jit(grads),
+            step_impl=step,
         )
     _JITTED[key] = jit  # most recent last
     while len(_JITTED) > _JITTED_KEYS:

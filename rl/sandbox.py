@@ -215,6 +215,16 @@ class Sandbox:
         finally:
             self.limits = limits
 
+    @property
+    def interpreter(self) -> str:
+        """The python runs start (a real path; `bin/python` links to it)."""
+        return self._python
+
+    @property
+    def bwrap(self) -> str | None:
+        """bubblewrap's path in mode "bwrap", else None."""
+        return self._bwrap
+
     def workspace(self) -> Workspace:
         ws = Workspace(self._root, self.as_root)
         self._workspaces.add(ws)
@@ -246,7 +256,7 @@ class Sandbox:
         own = ws is None
         ws = ws or Workspace(self._root, self.as_root)
         try:
-            with ws._lock:
+            with ws.lock:
                 if ws.closed:
                     raise ValueError(f"workspace {ws.path} is closed")
                 return self._spawn(code, ws, stdin)

@@ -75,14 +75,14 @@ class Workspace:
 
     def __init__(self, root: str, as_root: bool):
         self.path = tempfile.mkdtemp(prefix="ws-", dir=root)
-        self.uid, self._lease, self._lock, self.closed = -1, None, threading.Lock(), False
+        self.uid, self._lease, self.lock, self.closed = -1, None, threading.Lock(), False
         if as_root:
             self.uid, self._lease = _lease_uid()
             _sweep(self.uid, "")  # what a killed run left running under this uid
             os.chown(self.path, self.uid, self.uid)
 
     def close(self) -> None:
-        with self._lock:  # waits for a run in progress
+        with self.lock:  # waits for a run in progress
             if self.closed:
                 return
             self.closed = True

@@ -235,7 +235,7 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
     # The rollout phase as launch.dry_run bounds it: beside the optimizer state, and the
     # reference copy when the KL term is on (with LoRA the reference is the base: no copy).
     learner = Learner(learner_config(config, eos), graphdef, shardings, None, rules)
-    learner._build_step(params)  # its state_shardings (what lower_step does for --dry_run)
+    learner.build_step(params)  # its state_shardings (what lower_step does for --dry_run)
     train = jax.eval_shape(lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params)
     opt = _per_device_bytes(with_shardings(train, learner.state_shardings)) - _per_device_bytes(
         params

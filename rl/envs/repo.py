@@ -187,7 +187,8 @@ class RepoEnv(Environment):
         test_limits = Limits(wall_s=self.test_timeout, cpu_s=int(self.test_timeout), **lim)
         self.tools = rs.RepoSandbox(workers, tool_limits, site, iso)
         self.grader = rs.RepoSandbox(workers, test_limits, site, iso)
-        self.python_bin = os.path.dirname(self.tools._python)  # its bin/ (pip...) on the PATH too
+        # Its bin/ (pip...) on the PATH too.
+        self.python_bin = os.path.dirname(self.tools.interpreter)
         self._mounted: set[str] = set()  # tmpfs workspaces not yet unmounted
         self.images_dir = e.get("images_dir") or ""  # where a record's image name is unpacked
         self.image_view = ""  # the view mode of image tasks, once one ran (repo_images.MODES)
@@ -248,7 +249,7 @@ class RepoEnv(Environment):
                 self._mounted.add(ws.path)
             if ep.record.get("image"):  # the image's view, its python's site (repo_images)
                 image = repo_images.check(ep.record, self.tools.mode, self.images_dir)
-                mode = repo_images.view_mode(self.tools._bwrap, self.tools.as_root, ws.path)
+                mode = repo_images.view_mode(self.tools.bwrap, self.tools.as_root, ws.path)
                 ep.view = ws.view = repo_images.View(image, ws, mode)
                 self.image_view = mode
                 ep.view.probe(self.tools)

@@ -332,7 +332,7 @@ class View:
         lim, py, ws = sb.limits, self.image.python, self.ws
         boot = [py, "-I", "-S", "-c", _BOOT, str(ws.uid), str(lim.cpu_s), str(lim.memory_bytes)]
         boot += [str(lim.file_bytes), str(lim.processes), py, f"{CTL}/main.py"]
-        cmd = [sb._bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
+        cmd = [sb.bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
         cmd += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         cmd += [] if sb.as_root else ["--unshare-user"]
         cmd += self.root_args() + ["--proc", "/proc", "--dev", "/dev", "--dir", CTL]
@@ -414,7 +414,7 @@ def check_grading(image: Image, sb) -> None:
     (rl.envs.repo.check_record): a run whose images cannot grade would mask every episode."""
     ws = sb.workspace()
     try:
-        mode = view_mode(sb._bwrap, sb.as_root, ws.path)
+        mode = view_mode(sb.bwrap, sb.as_root, ws.path)
         with _lock:
             known = _sites.get((image.rootfs, image.python, mode))
         if known is not None:
