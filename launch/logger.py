@@ -21,11 +21,15 @@ drops points below the last step it holds; TensorBoard would keep both.)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import sys
+import threading
 import time
+import traceback
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2
@@ -47,6 +51,7 @@ class RunLogger:
         self.logged = _logged_records(os.path.join(workdir, "metrics.jsonl"))
         self.sampled = _logged_steps(os.path.join(workdir, "samples.jsonl"))
         self.events = EventFileWriter(os.path.join(workdir, "tensorboard"))
+        _quiet_writer_thread()  # its disk errors reach the run through _events_errors
         self.metrics = _append(os.path.join(workdir, "metrics.jsonl"))
         self.samples = _append(os.path.join(workdir, "samples.jsonl"))
         if config is not None and config.get("log", {}).get("wandb"):
@@ -66,6 +71,15 @@ class RunLogger:
             if (step, frozenset(row)) not in held:
                 self.wandb.log(row, step=step)
 
+    @contextlib.contextmanager
+    def _events_errors(self):
+        """The event files' writer thread failed (a full disk): its OSError, raised here again,
+        names the event files (launch.train stops on it in one line)."""
+        try:
+            yield
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, os.path.join(self.workdir, "tensorboard")) from None
+
     def _event(self, step: int, summary) -> None:
         self.events.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
@@ -77,9 +91,10 @@ class RunLogger:
         clean = {k: float(v) for k, v in values.items() if np.ndim(v) == 0}
         if (step, frozenset(clean)) in self.logged:
             return
-        for tag, value in clean.items():
-            self._event(step, scalar_pb(tag, value))
-        self.events.flush()
+        with self._events_errors():
+            for tag, value in clean.items():
+                self._event(step, scalar_pb(tag, value))
+            self.events.flush()
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
         self.metrics.write((json.dumps({"step": step, **clean}) + "\n").encode())
@@ -95,8 +110,9 @@ class RunLogger:
         table = "\n\n".join(
             f"`{r['prompt']}` → `{r['completion']}` (reward {r['reward']:.2f})" for r in rows
         )
-        self._event(step, text_pb("samples", table))
-        self.events.flush()
+        with self._events_errors():
+            self._event(step, text_pb("samples", table))
+            self.events.flush()
         self.samples.write("".join(json.dumps(row) + "\n" for row in rows).encode())
 
     def completions(self, step: int, rollout, prompt_field: str, n: int) -> None:
@@ -121,8 +137,10 @@ class RunLogger:
             summary[k] = after[k]
         if not self.enabled:
             return
-        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+        path = os.path.join(self.workdir, "summary.json")
+        with open(f"{path}.tmp", "w") as f:  # whole or not at all (a full disk)
             json.dump(summary, f, indent=2)
+        os.replace(f"{path}.tmp", path)
         if self.wandb is not None:
             self.wandb.summary.update(summary)
         before = summary.get("accuracy_before", float("nan"))
@@ -141,6 +159,26 @@ class RunLogger:
 
 def _measured(value) -> bool:
     return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _quiet_writer_thread() -> None:
+    """TensorBoard's writer thread re-raises a disk error after keeping it for the next write,
+    so threading prints its traceback too: not for disk errors (the run says them in one line)."""
+    previous = threading.excepthook
+    if getattr(previous, "event_writer", False):
+        return
+
+    def hook(args):
+        disk = isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_ERRNOS
+        frames = traceback.extract_tb(args.exc_traceback)
+        if not (disk and any("event_file_writer" in f.filename for f in frames)):
+            previous(args)
+
+    hook.event_writer = True
+    threading.excepthook = hook
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
 
 def _append(path: str):
@@ -179,45 +217,57 @@ def _rows(path: str):
                 yield row
 
 
-def _wandb_held(workdir: str, run) -> set | _Below:
-    """The records a resumed W&B run holds already: online, every step below the one W&B
-    resumes at (its server drops lower steps anyway); offline, the history of the workdir's
-    earlier offline runs of this id, read with W&B's own reader (`wandb leet inspect`)."""
+def _wandb_held(workdir: str, run) -> _Held:
+    """What a resumed W&B run holds already: online, every step below the one W&B resumes at
+    (its server drops lower steps anyway); offline, the history of the workdir's earlier
+    offline runs of this id, read with W&B's own reader (`wandb leet inspect`). W&B merges the
+    records of one step (a training step's and its evaluation's) into one row: a record is held
+    when its step's row has all its keys."""
     if not run.offline:
-        return _Below(run.step)
+        return _Held(below=run.step)
     import shutil
     import subprocess
 
     exe = shutil.which("wandb", path=os.path.dirname(sys.executable)) or shutil.which("wandb")
-    held, top = set(), os.path.join(workdir, "wandb")
+    held, top = _Held(), os.path.join(workdir, "wandb")
     for name in sorted(os.listdir(top)):
         path = os.path.join(top, name)
         if not name.startswith("offline-run-") or not name.endswith(run.id):
             continue
         if os.path.samefile(path, os.path.dirname(run.dir)):
             continue
-        out = subprocess.run([exe, "leet", "inspect", "--json", path], capture_output=True,
-                             text=True, timeout=300).stdout  # fmt: skip
-        for line in out.splitlines():
+        try:
+            out = subprocess.run([exe or "wandb", "leet", "inspect", "--json", path],
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        except OSError as e:  # no wandb command
+            out = subprocess.CompletedProcess([], 1, "", str(e))
+        if out.returncode:
+            why = " ".join((out.stderr or out.stdout).split())[:200]
+            print(f"W&B: the history of {path} cannot be read (wandb leet inspect: {why}); the "
+                  "records a killed run's W&B lost are not sent again", file=sys.stderr)  # fmt: skip
+            return _Held(below=float("inf"))
+        for line in out.stdout.splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
             if record.get("type") == "history":
                 item = record["history"]["item"]
-                keys = frozenset(k for k in item if not k.startswith("_"))
-                held.add((item.get("_step"), keys))
+                keys = {k for k in item if not k.startswith("_")}
+                held.keys.setdefault(item.get("_step"), set()).update(keys)
     return held
 
 
-class _Below:
-    """The (step, keys) records at steps below `step`."""
+class _Held:
+    """The records W&B holds: every one at a step below `below`, and each whose keys its
+    step's row (`keys`) has."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, below: float = 0):
+        self.below, self.keys = below, {}
 
-    def __contains__(self, record) -> bool:
-        return record[0] < self.step
+    def __contains__(self, record: tuple[int, frozenset]) -> bool:
+        step, keys = record
+        return step < self.below or keys <= self.keys.get(step, set())
 
 
 def _wandb_run(workdir: str, config):

@@ -100,8 +100,14 @@ def train(
             return fail(str(e))
         print(f"resumed from step {start} in {workdir}", file=sys.stderr)
     if main_process:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_json(config), f, indent=2)
+        try:  # whole or not at all: a full disk here must not leave a config.json cut short
+            _write_atomically(os.path.join(workdir, "config.json"), config_json(config))
+        except OSError as e:
+            if e.errno not in DISK_ERRORS:
+                raise
+            ckpt.close()
+            fail(_disk_message(e, workdir, ckpt))
+            return 4
         print(config if print_config else config_lines(config_path, overrides, workdir))
     summary.update(pinned_commits(config))  # the Hub snapshots of its weights and prompts
     try:
@@ -205,16 +211,22 @@ def train(
             raise
         _close(bar, rollouts)
         _close_quietly(log)  # (its files may be what cannot be written)
-        fail(str(e) if isinstance(e, SaveError) else f"cannot write {e.filename or workdir}: "
-             f"{e.strerror} ({ckpt.resume_hint()})")  # fmt: skip
+        fail(str(e) if isinstance(e, SaveError) else _disk_message(e, workdir, ckpt))
         if jax.process_count() > 1:  # not the others' shutdown barrier: they stop on its
             sys.stderr.flush()  # missing heartbeat (launch/distributed.py)
             os._exit(4)
         return 4
-    after = _evaluate(run, state, eval_records, log, config.num_steps)
-    wall = time.perf_counter() - wall0
-    log.finish(config, summary, totals, after, wall, fingerprint(state.params))
-    log.close()
+    try:  # (the last checkpoint is saved: the same command evaluates and summarises again)
+        after = _evaluate(run, state, eval_records, log, config.num_steps)
+        wall = time.perf_counter() - wall0
+        log.finish(config, summary, totals, after, wall, fingerprint(state.params))
+        log.close()
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        _close_quietly(log)
+        fail(_disk_message(e, workdir, ckpt))
+        return 4
     return 0
 
 
@@ -276,6 +288,22 @@ class Progress:
         line = (f"step {step}/{self.total}: reward {metrics['reward_mean']:.3f} loss "
                 f"{metrics['loss']:.4f} ({per_step:.1f} s/step)")  # fmt: skip
         print(line, file=sys.stderr, flush=True)
+
+
+def _write_atomically(path: str, value) -> None:
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _disk_message(e: OSError, workdir: str, ckpt: Checkpointer) -> str:
+    return f"cannot write {e.filename or workdir}: {e.strerror} ({ckpt.resume_hint()})"
 
 
 def _close_quietly(part) -> None:

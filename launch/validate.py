@@ -201,9 +201,8 @@ def validate(
     _need(b >= 1, "data.prompts_per_step", b, "must be >= 1")
     mesh = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
     size = math.prod(mesh.values())
-    _need(
-        size == device_count, "mesh", mesh, f"uses {size} devices but {device_count} are available"
-    )
+    _need(size == device_count, "mesh", mesh, f"uses {size} devices but {device_count} are available"
+          f" (on a CPU host, JAX_NUM_CPU_DEVICES={size} makes {size})")  # fmt: skip
     batch_shards = mesh["data"] * mesh["fsdp"]
     _need(
         (b * g) % batch_shards == 0, "data.prompts_per_step", b,
@@ -286,6 +285,9 @@ def validate(
     _need(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
           f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
     engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
+    grads = c.optim.grad_reduce_dtype
+    _need(grads in ("float32", c.model.dtype), "optim.grad_reduce_dtype", grads,
+          f"must be 'float32' or model.dtype = {c.model.dtype!r}")  # fmt: skip
     _need(s.weights_dtype in ("", c.model.dtype), "sampling.weights_dtype", s.weights_dtype,
           f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)")  # fmt: skip
     # Slots and pages are totals for the mesh, split evenly over its batch shards, each with
@@ -493,6 +495,13 @@ def prepare_workdir(config, workdir: str) -> bool:
                 f"in {workdir}: nothing to resume; use a new --workdir or a larger num_steps"
             )
     if os.path.exists(saved):
-        with open(saved) as f:
-            check_resumable(json.load(f), config_json(config))
+        try:
+            with open(saved) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:  # (runs write it whole since; an older one cut short)
+            raise UsageError(
+                f"--workdir {workdir}: its config.json cannot be read ({type(e).__name__}: {e}); "
+                "delete it to resume from the checkpoints, or use a new --workdir"
+            ) from None
+        check_resumable(old, config_json(config))
     return has_ckpt

@@ -32,12 +32,18 @@ class WorkdirLock:
         self.workdir, self.path = workdir, os.path.join(workdir, LOCK_FILE)
         self.fd: int | None = None
         self.made_dir = self.made_file = False
+        self.made: list[str] = []
         self.dir_times = (0, 0)
 
     def acquire(self) -> None:
         """Takes the lock, creating the workdir if need be; a UsageError of one line naming
         the holder when another process holds it (nothing is written then)."""
         self.made_dir = not os.path.isdir(self.workdir)
+        self.made = []  # the directories made here, the workdir first
+        up = os.path.abspath(self.workdir)
+        while not os.path.lexists(up):
+            self.made.append(up)
+            up = os.path.dirname(up)
         try:
             os.makedirs(self.workdir, exist_ok=True)
         except OSError as e:
@@ -84,11 +90,11 @@ class WorkdirLock:
                 os.utime(self.workdir, ns=self.dir_times)
         os.close(self.fd)
         self.fd = None
-        if undo and self.made_dir:
+        for path in self.made if undo else ():  # the workdir, then the parents made for it
             try:
-                os.rmdir(self.workdir)
+                os.rmdir(path)
             except OSError:  # something else was written there meanwhile: left as it is
-                pass
+                break
 
 
 def _holder(fd: int) -> str:

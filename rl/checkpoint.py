@@ -36,7 +36,8 @@ A save that fails (a full disk, a workdir turned read-only) is a `SaveError` nam
 the reason and the last complete checkpoint, raised by `save` or `check`: the training loop calls
 `check` after every step, which waits for the previous step's save, so a run stops within one
 step of a save that could not be written instead of training on with nothing saved. The failed
-save's temporary directory is removed (it holds the space a resume needs and is never read).
+save's temporary directory is removed where orbax has let it go (it holds space a resume needs);
+one left behind is never read, and the next save of that step replaces it.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def _write_reason(e: BaseException) -> str:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
     for x in chain:
         if isinstance(x, OSError) and x.errno:
-            return f"{os.strerror(x.errno)} ({x.filename or type(x).__name__})"
+            return os.strerror(x.errno) + (f" ({x.filename})" if x.filename else "")
         code = re.search(r"os_error_code='?(\d+)", str(x))
         if code:
             return os.strerror(int(code.group(1)))
