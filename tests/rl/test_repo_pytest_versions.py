@@ -215,11 +215,21 @@ def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, ima
         print("\n" + ep.infra_error)
 
 
-def test_start_up_probes_every_image_once_and_refuses_the_first_that_cannot(images):
+def test_start_up_probes_every_image_once_and_refuses_the_first_that_cannot(images, monkeypatch):
     """launch.train's check (rl.envs.repo.check_records): the images of many records probed in
     parallel, once each; the first record whose image cannot grade is refused, in one line."""
+    from collections import Counter
+
     from rl.envs import repo
 
+    monkeypatch.setattr(repo, "_graded", {})  # (earlier tests of this process probed some)
+    probes, grades = Counter(), repo._grades
+
+    def counted(image, sb):
+        probes[image.rootfs] += 1
+        return grades(image, sb)
+
+    monkeypatch.setattr(repo, "_grades", counted)
     names = [images["build"](r) for r in ("trainer", "none", "5.4.3")]
     records = [{**task(name), "instance_id": f"t{i}"} for i, name in enumerate(names * 2)]
     env = {"isolation": "auto", "images_dir": images["dir"], "tool_workers": 3}
@@ -233,3 +243,4 @@ def test_start_up_probes_every_image_once_and_refuses_the_first_that_cannot(imag
                          "masked)"), line  # fmt: skip
     probed = [k for k in repo._graded if k[0].startswith(os.path.realpath(images["dir"]))]
     assert len(probed) == 3 and sum(bool(repo._graded[k]) for k in probed) == 2
+    assert sorted(probes.values()) == [1, 1, 1], probes  # six records, three images, once each
