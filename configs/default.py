@@ -152,6 +152,7 @@ def get_config():
     c.optim.b1 = 0.9  # AdamW first-moment decay
     c.optim.b2 = 0.999  # AdamW second-moment decay
     c.optim.max_grad_norm = 1.0  # global-norm clipping (0 = off)
+    c.optim.grad_reduce_dtype = "float32"  # weight gradients' sum over devices (or model.dtype)
 
     c.sampling = ml_collections.ConfigDict()
     c.sampling.temperature = 1.0  # rollout temperature (> 0); the learner scores with the same

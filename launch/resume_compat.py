@@ -77,10 +77,15 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
     it is lost, and a synchronous one does not depend on it. One saved with env.sandbox_bwrap (renamed env.isolation) resumes
     with the isolation it meant (None: "auto", True: "bwrap", False: "rlimits"), and one saved
     before either existed with "auto"; env.isolation itself may change (RESUMABLE_CHANGES).
+    One saved before optim.grad_reduce_dtype existed summed its gradients in model.dtype: it
+    resumes with that value (a bf16 run asked to resume in float32 is refused, the flag named).
     With `hint`, a refusal names the flags that restore the saved values where they let it resume
     (a GSM8K run from before its config read openai/gsm8k: its checkpoint directory and jsonl
     files). Such a run is not resumed on the Hub ids by itself: a local jsonl file need not hold
     the Hub's rows in the Hub's order, nor a local directory the Hub's weights."""
+    if "optim" in old and "grad_reduce_dtype" not in old["optim"]:  # summed in the compute dtype
+        dtype = old.get("model", {}).get("dtype", "float32")
+        old = {**old, "optim": {**old["optim"], "grad_reduce_dtype": dtype}}
     saved, asked = old, new
     if "env" in old and "isolation" not in old["env"]:
         env = {k: v for k, v in old["env"].items() if k != "sandbox_bwrap"}

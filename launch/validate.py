@@ -285,6 +285,9 @@ def validate(
     _need(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
           f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
     engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
+    grads = c.optim.grad_reduce_dtype
+    _need(grads in ("float32", c.model.dtype), "optim.grad_reduce_dtype", grads,
+          f"must be 'float32' or model.dtype = {c.model.dtype!r}")  # fmt: skip
     _need(s.weights_dtype in ("", c.model.dtype), "sampling.weights_dtype", s.weights_dtype,
           f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)")  # fmt: skip
     # Slots and pages are totals for the mesh, split evenly over its batch shards, each with

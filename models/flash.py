@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.order import after
+
 BLOCK = 128  # default block_q and block_k (see blockwise_attention)
 F32 = jnp.float32
 
@@ -133,7 +135,8 @@ def _forward(q, k, v, seg, bq: int, bk: int):
         out = lax.dynamic_update_slice_in_dim(out, o.astype(q.dtype), i0, 3)
         return out, lax.dynamic_update_slice_in_dim(lse_all, lse, i0, 3)
 
-    bufs = (jnp.zeros(qp.shape, q.dtype), jnp.zeros(qp.shape[:4], F32))
+    # made once q is (`after`): from constants alone, XLA:CPU made every layer's at the start
+    bufs = after((jnp.zeros(qp.shape, q.dtype), jnp.zeros(qp.shape[:4], F32)), qp)
     out, lse = lax.fori_loop(0, nq, q_block, bufs)
     return out[:, :, :, :t], lse[..., :t]
 
@@ -189,7 +192,7 @@ def _flash_bwd(bq: int, bk: int, res, dout):
         return dq, dk, dv
 
     bufs = (jnp.zeros(qp.shape, F32), jnp.zeros(kp.shape, F32), jnp.zeros(kp.shape, F32))
-    dq, dk, dv = lax.fori_loop(0, nk, k_block, bufs)
+    dq, dk, dv = lax.fori_loop(0, nk, k_block, after(bufs, dop))  # once dout is, as above
     cut = lambda x, like, axis: lax.slice_in_dim(x, 0, t, axis=axis).astype(like.dtype)
     return cut(dq, q, 3), cut(dk, k, 2), cut(dv, v, 2), None  # no cotangent for segment ids
 

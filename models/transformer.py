@@ -7,6 +7,14 @@ compute `dtype` where they are used, inside the caller's jit: no second resident
 
 Projection weights are stored in einsum-friendly shapes ([D,N,H] rather than HF's [N*H, D]) so the
 head axes can be sharded by name; `models.hf` converts on import and export.
+
+The gradients of the weights are computed in the compute dtype, or, inside `weight_grads_in(dtype)`
+(the learner's `grad_reduce_dtype`), in `dtype`: with bf16 compute and float32 there, each weight's
+gradient matmul returns f32 (`preferred_element_type`) and the per-token sums of biases and norm
+scales run in f32, so the sum of the gradient over the devices that hold the batch's rows (the
+all-reduce or reduce-scatter GSPMD puts after them) is an f32 sum, not a bf16 one. The forward pass
+and the activations' gradients stay in the compute dtype. Outside the context, or when it names the
+compute dtype, the ops are plain `einsum`s, as autodiff differentiates them.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from flax import nnx
 from models import lora
 from models.attention import apply_rope, causal_hook, rope_inv_freq
 from models.config import ModelConfig
+from models.order import after
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -30,6 +39,8 @@ _INIT = nnx.initializers.normal(0.02)
 # dtypes are wanted (models.sharding.abstract_model traces the constructor under nnx.eval_shape;
 # tracing each initializer's random draw made that ~2 s for a 0.6B model, ~0.1 s without).
 _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
+# Set by `weight_grads_in()`: the dtype of the weights' gradients (None: the compute dtype).
+_GRAD_DTYPE = contextvars.ContextVar("weight_grad_dtype", default=None)
 
 
 @contextlib.contextmanager
@@ -43,6 +54,17 @@ def shapes_only():
         _SHAPES_ONLY.reset(token)
 
 
+@contextlib.contextmanager
+def weight_grads_in(dtype):
+    """Models traced within the block compute their weights' gradients, and so sum them across
+    devices, in `dtype` (see the module docstring); None: in the compute dtype."""
+    token = _GRAD_DTYPE.set(None if dtype is None else jnp.dtype(dtype))
+    try:
+        yield
+    finally:
+        _GRAD_DTYPE.reset(token)
+
+
 def _param(rngs, shape, axes, init=_INIT, dtype=jnp.float32):
     if _SHAPES_ONLY.get():
         return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
@@ -51,6 +73,95 @@ def _param(rngs, shape, axes, init=_INIT, dtype=jnp.float32):
 
 def _cast(p, dtype):
     return p[...].astype(dtype)
+
+
+def weight_grad_dtype(dtype):
+    """The weights' gradient dtype where `weight_grads_in` makes it differ from the compute dtype
+    `dtype`, else None."""
+    g = _GRAD_DTYPE.get()
+    return None if g is None or g == jnp.dtype(dtype) else g
+
+
+def _matmul(spec: str, x, p):
+    """einsum(spec, x, p) with the parameter p cast to x's dtype (see the module docstring)."""
+    g = weight_grad_dtype(x.dtype)
+    if g is None:
+        return jnp.einsum(spec, x, _cast(p, x.dtype))
+    return _matmul_in(spec, g, x, p[...])
+
+
+def _add(y, p):
+    """y + p cast to y's dtype, p broadcast over y's leading axes."""
+    g = weight_grad_dtype(y.dtype)
+    return y + _cast(p, y.dtype) if g is None else _add_in(g, y, p[...])
+
+
+def _scale(p, x):
+    """p cast to x's dtype times x, p broadcast over x's leading axes."""
+    g = weight_grad_dtype(x.dtype)
+    return _cast(p, x.dtype) * x if g is None else _scale_in(g, x, p[...])
+
+
+# The same three with the parameter's gradient in `g` (custom VJPs).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul_in(spec, g, x, w):
+    return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+def _matmul_in_fwd(spec, g, x, w):
+    wc = w.astype(x.dtype)  # kept for dx: the same (gathered) weights, not gathered again
+    return jnp.einsum(spec, x, wc), (x, wc, w)
+
+
+def _matmul_in_bwd(spec, g, res, ct):
+    x, wc, master = res
+    (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", ct, wc)
+    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, ct, preferred_element_type=g)
+    return dx, dw.astype(master.dtype)
+
+
+_matmul_in.defvjp(_matmul_in_fwd, _matmul_in_bwd)
+
+
+def _leading(x, p) -> tuple[int, ...]:
+    return tuple(range(x.ndim - p.ndim))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _add_in(g, y, b):
+    return y + b.astype(y.dtype)
+
+
+def _add_in_fwd(g, y, b):
+    return _add_in(g, y, b), b
+
+
+def _add_in_bwd(g, b, ct):
+    return ct, ct.astype(g).sum(_leading(ct, b)).astype(b.dtype)
+
+
+_add_in.defvjp(_add_in_fwd, _add_in_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scale_in(g, x, s):
+    return s.astype(x.dtype) * x
+
+
+def _scale_in_fwd(g, x, s):
+    return _scale_in(g, x, s), (x, s)
+
+
+def _scale_in_bwd(g, res, ct):
+    x, s = res
+    ds = (ct.astype(g) * x.astype(g)).sum(_leading(x, s))
+    return ct * s.astype(x.dtype), ds.astype(s.dtype)
+
+
+_scale_in.defvjp(_scale_in_fwd, _scale_in_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -62,7 +173,7 @@ class RMSNorm(nnx.Module):
         # Normalise in f32 and cast back before the scale, as HF does, so fp32 parity is exact-ish.
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return _cast(self.scale, x.dtype) * xf.astype(x.dtype)
+        return _scale(self.scale, xf.astype(x.dtype))
 
 
 class Attention(nnx.Module):
@@ -85,22 +196,17 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, inv_freq, layer, attend):
-        dt = x.dtype
         c = self.cfg
-        q = lora.add(self, c, "q", x, jnp.einsum("BTD,DNH->BTNH", x, _cast(self.q, dt)))
-        k = lora.add(self, c, "k", x, jnp.einsum("BTD,DKH->BTKH", x, _cast(self.k, dt)))
-        v = lora.add(self, c, "v", x, jnp.einsum("BTD,DKH->BTKH", x, _cast(self.v, dt)))
+        q = lora.add(self, c, "q", x, _matmul("BTD,DNH->BTNH", x, self.q))
+        k = lora.add(self, c, "k", x, _matmul("BTD,DKH->BTKH", x, self.k))
+        v = lora.add(self, c, "v", x, _matmul("BTD,DKH->BTKH", x, self.v))
         if self.cfg.qkv_bias:
-            q, k, v = (
-                q + _cast(self.q_bias, dt),
-                k + _cast(self.k_bias, dt),
-                v + _cast(self.v_bias, dt),
-            )
+            q, k, v = _add(q, self.q_bias), _add(k, self.k_bias), _add(v, self.v_bias)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, attend = attend.attend(layer, q, k, v)  # [B,T,N,H]
-        o = jnp.einsum("BTNH,NHD->BTD", out, _cast(self.o, dt))
+        o = _matmul("BTNH,NHD->BTD", out, self.o)
         return lora.add(self, c, "o", out, o, in_axes=2), attend
 
 
@@ -114,11 +220,11 @@ class MLP(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x):
-        dt, c = x.dtype, self.cfg
-        g = lora.add(self, c, "gate", x, jnp.einsum("BTD,DF->BTF", x, _cast(self.gate, dt)))
-        u = lora.add(self, c, "up", x, jnp.einsum("BTD,DF->BTF", x, _cast(self.up, dt)))
+        c = self.cfg
+        g = lora.add(self, c, "gate", x, _matmul("BTD,DF->BTF", x, self.gate))
+        u = lora.add(self, c, "up", x, _matmul("BTD,DF->BTF", x, self.up))
         a = jax.nn.silu(g) * u
-        return lora.add(self, c, "down", a, jnp.einsum("BTF,FD->BTD", a, _cast(self.down, dt)))
+        return lora.add(self, c, "down", a, _matmul("BTF,FD->BTD", a, self.down))
 
 
 class Block(nnx.Module):
@@ -163,7 +269,7 @@ def remat(fn, state, x, rest, ready):
     the order is data: the weights of layer i wait for the input of layer i-1 (`ready`: one
     layer of prefetch, so an all-gather can still overlap the previous layer), and the backward
     of layer i, its recomputation and gathers included, waits for its cotangent, i.e. for layer
-    i+1's backward (`_after`). One layer's activations and at most two layers' gathered weights
+    i+1's backward (`after`). One layer's activations and at most two layers' gathered weights
     exist at a time. Qwen2.5-0.5B shape, fsdp=8, bf16, one row per device, XLA:CPU temporaries
     of the train step (`launch.bench memory`): 11.18 -> 3.04 GiB at 4096 tokens, 70.92 -> 10.43
     GiB at 32,768. (Loop buffers that the attention initialises from constants are outside this
@@ -171,39 +277,21 @@ def remat(fn, state, x, rest, ready):
     """
     if x.shape[1] == 1:  # a decode step: one token per row, no activations worth ordering
         return fn(state, x, rest)
-    return fn(_after(state, ready), x, rest)
+    return fn(after(state, ready), x, rest)
 
 
 def _remat_fwd(fn, state, x, rest, ready):
-    return fn(_after(state, ready), x, rest), (state, x, rest)
+    return fn(after(state, ready), x, rest), (state, x, rest)
 
 
 def _remat_bwd(fn, saved, ct):
     state, x, rest = saved
-    state, x = _after((state, x), ct[0])
+    state, x = after((state, x), ct[0])
     _, vjp = jax.vjp(fn, state, x, rest)
     return (*vjp(ct), None)  # no cotangent for `ready`: it only orders
 
 
 remat.defvjp(_remat_fwd, _remat_bwd)
-
-
-def _after(tree, ref):
-    """tree, computed only once ref [B,T,D] is. An `optimization_barrier` orders TPU and GPU
-    schedules; XLA:CPU drops barriers before it schedules, so there each float leaf is also read
-    through ref: the leaf as is, or NaN if ref[:, 0, 0] holds a NaN (the same bits otherwise; on
-    a mesh, an all-reduce of one scalar). So on CPU a NaN in one row's activations makes every
-    row NaN, not just its own (the loss is NaN either way, and the step is skipped). Lowered for
-    another platform, only the barrier. `remat` is a custom_vjp: reverse mode only (jax.jvp of
-    a remat model raises; nothing here uses forward mode)."""
-    tree, ref = jax.lax.optimization_barrier((tree, jax.lax.stop_gradient(ref)))
-
-    def read_through(tree, ref):
-        nan = jnp.isnan(jnp.sum(ref[:, 0, 0]))
-        tie = lambda a: jnp.where(nan, jnp.nan, a) if jnp.issubdtype(a.dtype, jnp.floating) else a
-        return jax.tree.map(tie, tree)
-
-    return jax.lax.platform_dependent(tree, ref, cpu=read_through, default=lambda tree, _: tree)
 
 
 class Transformer(nnx.Module):

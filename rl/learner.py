@@ -9,7 +9,10 @@
   the split, so every micro-batch and every data-parallel shard adds an exact contribution
   (`rl.losses.aggregate`); GSPMD turns the sums over the sharded batch axis into all-reduces;
 - log-probs come from `rl.logprobs.token_logprobs`, chunked over the sequence, with the hidden
-  states pinned to the batch's row sharding (`batch_sharding` of the `rules`) on a mesh.
+  states pinned to the batch's row sharding (`batch_sharding` of the `rules`) on a mesh;
+- the weights' gradients are computed, and summed across the devices that hold the batch's rows,
+  in `grad_reduce_dtype` (`models.transformer.weight_grads_in`): float32 by default, so a bf16
+  model's gradients are not rounded to bf16 before they are summed.
 
 Micro-batch m takes rows m, m+M, m+2M, ... (a strided split): with the batch sharded over
 (data, fsdp) every device then holds its share of every micro-batch, and no rows move between
@@ -38,11 +41,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import lora
 from models.attention import lowering_for
-from models.sharding import DEFAULT_RULES, with_shardings
+from models.sharding import DEFAULT_RULES, flatten, with_shardings
+from models.transformer import weight_grads_in
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import LossConfig, combine_metrics, grpo_loss
 from rl.segments import count_sequences, sequence_totals
 from sampling.distribution import SamplingParams
+
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # LearnerConfig.grad_reduce_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +68,7 @@ class LearnerConfig:
     old_logp: str = "recompute"  # π_old: "recompute" (learner) or "sampler" (bypass)
     sampling: SamplingParams = SamplingParams()  # the distribution the sampler drew from
     stop_ids: tuple[int, ...] = ()  # banned where Batch.stop_masked (the sampler's min_new_tokens)
+    grad_reduce_dtype: str = "float32"  # weight gradients summed across devices in this dtype
     loss: LossConfig = LossConfig()
 
     def validate(self):
@@ -80,6 +87,9 @@ class LearnerConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
         if not 0 <= self.end_lr_fraction <= 1:
             raise ValueError(f"end_lr_fraction={self.end_lr_fraction}: must be in [0, 1]")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r}: expected one of "
+                             f"{', '.join(GRAD_REDUCE_DTYPES)}")  # fmt: skip
         if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
             raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
         self.loss.validate()
@@ -156,6 +166,8 @@ class Learner:
         axes = dict(rules).get("batch") or ()
         axes = (axes,) if isinstance(axes, str) else axes
         self._row_shards = math.prod(mesh.shape[a] for a in axes) if self._rows else 1
+        named = flatten(param_shardings)  # the unembedding: lm_head, or the tied embedding
+        self._unembed = named.get("lm_head", named.get("embed")) if self._rows else None
         leaves, treedef = jax.tree.flatten(param_shardings)
         key = (cfg, graphdef, base_graphdef, rules, treedef, tuple(leaves))
         self._jit = _shared(key, self, (self._logprobs_impl, self._grads_impl, self._step_impl))
@@ -243,7 +255,7 @@ class Learner:
         rows = None if batch.tokens.shape[0] % self._row_shards else self._rows
         return token_logprobs(
             model, batch.tokens, batch.positions, batch.segment_ids, c.sampling,
-            c.logprob_chunk, c.stop_ids, batch.stop_masked, rows,
+            c.logprob_chunk, c.stop_ids, batch.stop_masked, rows, None if rows is None else self._unembed,
         )  # fmt: skip
 
     def _logprobs_impl(self, params, batch: Batch, which: str, adapters: bool):
@@ -271,7 +283,11 @@ class Learner:
 
     def _grads_impl(self, params, batch: Batch):
         """Gradient (of the trainable params) and metrics of the whole batch, accumulated over
-        micro-batches."""
+        micro-batches, the weights' gradients in `grad_reduce_dtype`."""
+        with weight_grads_in(self.cfg.grad_reduce_dtype):
+            return self._grads_in(params, batch)
+
+    def _grads_in(self, params, batch: Batch):
         m = self.cfg.micro_batches
         if batch.tokens.shape[0] % m:
             raise ValueError(

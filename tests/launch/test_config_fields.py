@@ -21,6 +21,7 @@ CHOICES = {
     "aggregation": "seq_mean_token_sum", "is_correction": "tis", "is_level": "sequence",
     "old_logp": "sampler", "backend": "blockwise", "cache_dtype": "bfloat16", "stop_ids": (61, 62),
     "weights_dtype": "float32", "weights_layout": "training", "reserve": "budget",
+    "grad_reduce_dtype": "bfloat16",
 }  # fmt: skip
 
 
@@ -102,6 +103,8 @@ def test_every_field_is_documented_in_the_default_config():
         ("optim.b1=-1.0", "config.optim.b1=-1.0"),
         ("sampling.min_new_tokens=9", "config.sampling.min_new_tokens=9: must be in [0, sampling.max_new_tokens = 5]"),
         ("sampling.weights_dtype=bfloat16", "config.sampling.weights_dtype='bfloat16': a decode copy must be in model.dtype = 'float32'"),
+        ("optim.grad_reduce_dtype=bfloat16", "config.optim.grad_reduce_dtype='bfloat16': must be 'float32' or model.dtype = 'float32'"),
+        ("optim.grad_reduce_dtype=f32", "config.optim.grad_reduce_dtype='f32': must be 'float32' or model.dtype = 'float32'"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_config_field(override, message):
@@ -136,6 +139,26 @@ def test_a_run_saved_before_partial_rollouts_resumes():
     on = config_json(parse_args(["--config.rl.partial_rollouts=True"], {})[0])
     with pytest.raises(UsageError, match="rl.partial_rollouts"):
         check_resumable(old, on)
+
+
+def test_a_run_saved_before_grad_reduce_dtype_resumes_summing_in_its_compute_dtype():
+    """Before optim.grad_reduce_dtype, gradients were summed in model.dtype: a float32 run
+    resumes with the default, a bfloat16 one with bfloat16, and is refused with the default,
+    the flag that resumes it named."""
+    from launch.resume_compat import check_resumable
+
+    for dtype, ok, refused in (("float32", "float32", None), ("bfloat16", "bfloat16", "float32")):
+        flags = [f"--config.model.dtype={dtype}"]
+        new = config_json(parse_args(flags, {})[0])
+        old = {**new, "optim": {k: v for k, v in new["optim"].items() if k != "grad_reduce_dtype"}}
+        asked = [*flags, f"--config.optim.grad_reduce_dtype={ok}"]
+        check_resumable(old, config_json(parse_args(asked, {})[0]))
+        if refused:
+            asked = [*flags, f"--config.optim.grad_reduce_dtype={refused}"]
+            with pytest.raises(UsageError) as e:
+                check_resumable(old, config_json(parse_args(asked, {})[0]))
+            assert "optim.grad_reduce_dtype: 'bfloat16' -> 'float32'" in str(e.value)
+            assert "--config.optim.grad_reduce_dtype=bfloat16" in str(e.value)
 
 
 def test_repo_env_fields_are_documented_read_validated_and_resumable():
