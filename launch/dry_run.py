@@ -4,11 +4,22 @@ Builds the mesh, reads only the checkpoint's config.json (no weights), and lower
 jitted functions with abstract shapes: the learner's train step (one minibatch of
 B*G/minibatches sequences), its reference / π_old log-prob pass over the whole rollout, and the
 sampler's `generate` (all slots, `steps_per_call` decode steps). Prints XLA's per-device memory
-analysis of each, what stays resident (train state, reference parameters), and an upper bound
-on the peak of each phase. Nothing is allocated or run.
+analysis of each, what stays resident (train state, reference parameters), an upper bound on the
+peak of each phase, and the chips whose memory holds it. Nothing is allocated or run.
 
-The numbers are XLA's static estimates for one device: arguments (parameters, optimizer state,
-KV pages, batch), outputs, and temporaries; donated inputs are aliased to outputs and counted once.
+What the figures are: XLA:CPU's static estimates for one device of the SPMD-partitioned programs
+every backend receives (arguments: parameters, optimizer state, KV pages, batch; outputs;
+temporaries; donated inputs are aliased to outputs and counted once), compiled as
+`launch.estimate` compiles them: without the XLA:CPU passes that no accelerator runs and that
+change the buffers or how long they live (`launch.estimate.CPU_ONLY_PASSES`, printed: the
+all-reduce combiner, and the float normalization that made XLA:CPU hold bf16 weights and a bf16
+KV pool in f32), read from XLA's buffer assignment, with each all-reduce that is only sliced
+counted as the reduce-scatter an accelerator makes of it. The temporaries are printed as that
+estimate and as XLA:CPU's own allocation. The temporaries of 1 GiB or more live at each
+program's peak are named. What the figures still do not model (the accelerator's scheduler,
+fusion and layouts, fragmentation, the runtime's reserve, JAX's GPU preallocation):
+`launch.estimate`'s docstring. A chip "fits" a phase when the phase's per-device figure is at
+most 90% of its HBM.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from launch import estimate
 from launch.pin import model_dir
 from launch.validate import engine_config, learner_config, model_overrides, sampling_params
 from models import lora
@@ -37,21 +49,27 @@ from sampling.engine import Engine
 from sampling.lowering import lower_generate
 
 MIB = 2**20
+SHOWN = 4  # buffers of 1 GiB or more named per program
 
 
-def _report(name: str, compiled) -> float:
-    m = compiled.memory_analysis()
-    if m is None:
-        print(f"{name:10s} memory analysis unavailable on this backend")
-        return 0.0
-    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-    total -= m.alias_size_in_bytes
-    print(
-        f"{name:10s} args {m.argument_size_in_bytes / MIB:10.1f} MiB  out {m.output_size_in_bytes / MIB:10.1f} MiB"
-        f"  temp {m.temp_size_in_bytes / MIB:10.1f} MiB  aliased {m.alias_size_in_bytes / MIB:10.1f} MiB"
-        f"  => peak ~{total / MIB:10.1f} MiB per device"
-    )
-    return total
+def _report(name: str, est: estimate.Estimate) -> float:
+    """Prints one program's figures (and the temporaries of 1 GiB or more at its peak); returns
+    its peak per device (arguments + outputs + temporaries - aliased)."""
+    print(f"{name:10s} args {est.args / MIB:10.1f} MiB  out {est.out / MIB:10.1f} MiB  temp "
+          f"{est.accelerator_temp / MIB:10.1f} MiB (XLA:CPU {est.temp / MIB:.1f})  aliased "
+          f"{est.alias / MIB:10.1f} MiB  => peak ~{est.total / MIB:10.1f} MiB per device")  # fmt: skip
+    large = est.large()
+    for b in large[:SHOWN]:
+        print(f"{'':10s} at its peak: {b.describe()}")
+    if len(large) > SHOWN:
+        rest = sum(b.bytes for b in large[SHOWN:]) / 2**30
+        print(f"{'':10s} at its peak: {len(large) - SHOWN} more of 1 GiB or more, {rest:.2f} GiB")
+    return est.total
+
+
+def _fits(peak: float) -> str:
+    ok, no = estimate.fits(peak)
+    return f"fits {', '.join(ok) or 'none'}" + (f"; not {', '.join(no)}" if no else "")
 
 
 def _per_device_bytes(tree) -> int:
@@ -108,7 +126,7 @@ def dry_run(config) -> int:
     logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
-    generate = lower_generate(engine, params).compile()
+    generate = lower_generate(engine, params)
     state_shapes = jax.eval_shape(
         lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params
     )
@@ -119,9 +137,12 @@ def dry_run(config) -> int:
     print(f"resident   params + optimizer {state / MIB:.1f} MiB, reference {ref / MIB:.1f} MiB")
     if cfg.lora_rank:
         _compare_full(learner, params, cfg, config.rl.kl_coef > 0)
-    learn = _report("learn", step.compile())
-    logprobs = _report("logprobs", logp.compile())  # reference and π_old, args = one params copy
-    sample = _report("rollout", generate)
+    print(f"compiled as for an accelerator: XLA:CPU's passes {', '.join(estimate.CPU_ONLY_PASSES)} "
+          "off (bf16 stays bf16), all-reduces that are only sliced counted as reduce-scatters; "
+          "launch/estimate.py says what the figures do not model")  # fmt: skip
+    learn = _report("learn", estimate.compile(step))
+    logprobs = _report("logprobs", estimate.compile(logp))  # reference and π_old: one params copy
+    sample = _report("rollout", estimate.compile(generate))
     # Upper bounds: the learn phase holds the reference; the log-prob pass runs beside the train
     # state; the rollout beside the optimizer state (and the KV cache stays when not released).
     learn_phase = ref + max(learn, state + logprobs)
@@ -132,8 +153,11 @@ def dry_run(config) -> int:
     rollout_phase = ref + (state if copied else opt) + sample
     kv_kept = not s.release_kv_between_phases or config.rl.get("partial_rollouts", False)
     peak = (learn_phase + sample) if kv_kept else max(learn_phase, rollout_phase)
+    print(f"learn phase   {learn_phase / MIB:10.1f} MiB per device: {_fits(learn_phase)}")
+    print(f"rollout phase {rollout_phase / MIB:10.1f} MiB per device: {_fits(rollout_phase)}")
     print(f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "
-          f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})")  # fmt: skip
+          f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})"
+          f": {_fits(peak)}; this mesh's {mesh.size} devices: {estimate.slices(mesh.size)}")  # fmt: skip
     return 0
 
 

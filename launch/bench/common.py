@@ -52,6 +52,12 @@ SHAPES = {
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, qkv_bias=True,
         tie_embeddings=False, norm_eps=1e-6, max_position_embeddings=32768,
     ),
+    # Qwen2.5-32B(-Instruct)'s config.json: a 30B-class dense shape, GQA 40 query heads on 8.
+    "qwen2_5_32b": dict(
+        family="qwen2", vocab_size=152064, d_model=5120, d_ff=27648, num_layers=64,
+        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6, qkv_bias=True,
+        tie_embeddings=False, norm_eps=1e-6, max_position_embeddings=32768,
+    ),
     "qwen3_0_6b": dict(
         family="qwen3", vocab_size=151936, d_model=1024, d_ff=3072, num_layers=28,
         num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,

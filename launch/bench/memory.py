@@ -1,14 +1,18 @@
-"""Memory against sequence length, compiled and never run: `python -m launch.bench memory
---shape qwen2_5_0_5b --tokens 4096,8192,16384,32768 [--attention auto|dense|blockwise]
+"""Memory against sequence length (and depth), compiled and never run: `python -m launch.bench
+memory --shape qwen2_5_0_5b --tokens 4096,8192,16384,32768 [--attention auto|dense|blockwise]
+[--phases learn,logprobs,prefill] [--layers 8,16] [--grad_reduce_dtype float32|bfloat16]
 [--output F.json]`.
 
 For each T, a registered model shape (`launch.bench.common.SHAPES`) with bf16 compute, f32
 master weights and remat on, sharded FSDP over 8 CPU devices (mesh fsdp=8, as the 0.5B config's
 `--dry_run` runs it), is lowered with abstract shapes (ShapeDtypeStructs: nothing is allocated)
-and compiled, and XLA's per-device temporaries (`memory_analysis().temp_size_in_bytes`) are read
-for three jitted functions:
+and compiled as `--dry_run` compiles (`launch.estimate`: XLA:CPU's passes that change live
+ranges and no accelerator runs switched off for these compiles, named in the output), and XLA's
+per-device temporaries (`memory_analysis().temp_size_in_bytes`) are read for three jitted
+functions:
 - learn: `Learner.step` on one packed row of T tokens per device (8 rows), KL on (the batch
-  carries reference log-probs), π_old recomputed, one micro-batch;
+  carries reference log-probs), π_old recomputed, one micro-batch, the weights' gradients summed
+  across devices in --grad_reduce_dtype;
 - logprobs: the reference / π_old log-prob pass over the same batch;
 - prefill: the sampler's `prefill` of one T-token prompt per batch shard into its shard's pages
   (`lower_prefill`; on fsdp=8 one prompt per device), in
@@ -18,6 +22,13 @@ The learner's two lowerings are `launch.dry_run`'s (`abstract_batch`, `Learner.l
 `Learner.lower_logprobs`): this bench only sweeps T. Arguments and outputs (parameters,
 optimizer state, KV pages) are not counted: they are resident whatever T is, and `--dry_run`
 reports them.
+
+Each compile also names the buffers of at least 1 GiB live at its peak (XLA's live ranges:
+instruction, per-device shape, the JAX operation), and for the learner the weight gradients'
+reductions in the partitioned program (`launch.estimate.gradient_reductions`: count and bytes
+per device by dtype, before any XLA:CPU pass). `--layers L1,L2,...` repeats the sweep with the
+shape cut to that many layers and prints each phase's growth per layer between the two depths
+(the same T): what one more layer costs at the peak.
 
 The growth exponent between the two longest lengths, log(temp[T2] / temp[T1]) / log(T2 / T1),
 is 1 for memory linear in T and 2 for quadratic.
@@ -30,6 +41,7 @@ import time
 
 import jax
 
+from launch import estimate
 from launch.bench.common import SHAPES, finish, integers, one_of, parse, parser, some_of
 from launch.dry_run import abstract_batch
 from models.config import ModelConfig
@@ -40,7 +52,7 @@ from models.sharding import (
     state_shardings,
     with_shardings,
 )
-from rl.learner import Learner, LearnerConfig, batch_sharding
+from rl.learner import GRAD_REDUCE_DTYPES, Learner, LearnerConfig, batch_sharding
 from rl.losses import LossConfig
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
@@ -66,34 +78,40 @@ def cpu_devices(n: int = DEVICES) -> list:
     return devices[:n]
 
 
-def _temp(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes) if m is not None else 0
-
-
-def _compile(lowered) -> tuple[int, float]:
+def _compile(lowered, row: dict, phase: str) -> estimate.Estimate:
+    """Compiles for the estimate (`launch.estimate`) and records the phase's temporaries, compile
+    seconds and the buffers of at least 1 GiB at its peak in `row`."""
     start = time.perf_counter()
-    compiled = lowered.compile()
-    return _temp(compiled), time.perf_counter() - start
+    est = estimate.compile(lowered)
+    row[f"{phase}_compile_s"] = time.perf_counter() - start
+    row[f"{phase}_temp_bytes"] = est.accelerator_temp
+    row[f"{phase}_cpu_temp_bytes"] = est.temp
+    row[f"{phase}_peak_buffers"] = [
+        {"bytes": b.bytes, "type": b.type, "name": b.name, "op": estimate.short_op(b.op_name)}
+        for b in est.large()
+    ]
+    return est
 
 
-def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES) -> dict:
-    """Per-device temp bytes (and compile seconds) of each phase at T = t."""
+def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES, grad_reduce_dtype="float32") -> dict:
+    """Per-device temp bytes (and compile seconds, the large buffers at the peak) of each phase
+    at T = t."""
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, DEFAULT_RULES)
     params = with_shardings(shapes, shardings)
-    row = {"tokens": t}
+    row = {"tokens": t, "layers": cfg.num_layers}
     if {"learn", "logprobs"} & set(phases):
-        learner = Learner(LearnerConfig(loss=LossConfig(kl_coef=0.04)), graphdef, shardings)
+        lcfg = LearnerConfig(loss=LossConfig(kl_coef=0.04), grad_reduce_dtype=grad_reduce_dtype)
+        learner = Learner(lcfg, graphdef, shardings)
         batch = abstract_batch(mesh.size, t, batch_sharding(mesh, DEFAULT_RULES), ref_logp=True)
         if "learn" in phases:
-            row["learn_temp_bytes"], row["learn_compile_s"] = _compile(
-                learner.lower_step(params, batch)
-            )
+            est = _compile(learner.lower_step(params, batch), row, "learn")
+            dims = {tuple(x.shape) for x in jax.tree.leaves(params)}
+            dims |= {tuple(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(params)}
+            grads = estimate.gradient_reductions(est.partitioned, dims)
+            row["grad_reduce"] = estimate.by_dtype(grads)
         if "logprobs" in phases:
-            row["logprobs_temp_bytes"], row["logprobs_compile_s"] = _compile(
-                learner.lower_logprobs(params, batch)
-            )
+            _compile(learner.lower_logprobs(params, batch), row, "logprobs")
     if "prefill" in phases:
         ecfg = EngineConfig(
             num_slots=mesh.size, page_size=PAGE_SIZE, max_prompt_len=t + 1, max_new_tokens=1,
@@ -102,53 +120,88 @@ def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES) -> dict:
             prefill_chunk=0 if cfg.attention == "dense" else PREFILL_CHUNK,
         )  # fmt: skip
         engine = Engine(cfg, graphdef, ecfg, SamplingParams(), mesh=mesh, rules=DEFAULT_RULES)
-        row["prefill_temp_bytes"], row["prefill_compile_s"] = _compile(
-            lower_prefill(engine, params, rows=1, length=t)
-        )
+        _compile(lower_prefill(engine, params, rows=1, length=t), row, "prefill")
     return row
 
 
 def exponent(rows: list[dict], key: str) -> float | None:
-    """log(temp[T2] / temp[T1]) / log(T2 / T1) between the two longest lengths measured."""
-    have = [r for r in rows if r.get(key)]
+    """log(temp[T2] / temp[T1]) / log(T2 / T1) between the two longest lengths measured (at the
+    greatest depth measured)."""
+    deepest = max((r.get("layers", 0) for r in rows), default=0)
+    have = [r for r in rows if r.get(key) and r.get("layers", 0) == deepest]
     if len(have) < 2:
         return None
     a, b = sorted(have, key=lambda r: r["tokens"])[-2:]
     return math.log(b[key] / a[key]) / math.log(b["tokens"] / a["tokens"])
 
 
+def per_layer(rows: list[dict], key: str) -> dict[int, float]:
+    """{T: (temp[L2] - temp[L1]) / (L2 - L1)} between the shallowest and the deepest depth
+    measured at each T."""
+    out = {}
+    for t in sorted({r["tokens"] for r in rows}):
+        have = sorted((r for r in rows if r["tokens"] == t and key in r), key=lambda r: r["layers"])
+        if len(have) >= 2 and have[-1]["layers"] > have[0]["layers"]:
+            a, b = have[0], have[-1]
+            out[t] = (b[key] - a[key]) / (b["layers"] - a["layers"])
+    return out
+
+
 def bench_memory(args) -> dict:
     mesh = make_mesh({"fsdp": DEVICES}, devices=cpu_devices())
     shape = dict(SHAPES[args.shape])
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), *args.tokens)
-    cfg = ModelConfig(**shape, dtype="bfloat16", remat=True, attention=args.attention)
-    r = {"shape": args.shape, "attention": args.attention, "devices": DEVICES}
-    r["rows"] = []
-    for t in args.tokens:
-        r["rows"].append(measure(cfg, t, mesh, args.phases))
-        print(table_row(r["rows"][-1]), flush=True)
-    r["learn_exponent"] = exponent(r["rows"], "learn_temp_bytes")
-    r["logprobs_exponent"] = exponent(r["rows"], "logprobs_temp_bytes")
-    r["prefill_exponent"] = exponent(r["rows"], "prefill_temp_bytes")
+    r = {"shape": args.shape, "attention": args.attention, "devices": DEVICES,
+         "grad_reduce_dtype": args.grad_reduce_dtype,
+         "disabled_passes": list(estimate.CPU_ONLY_PASSES), "rows": []}  # fmt: skip
+    print(header(r), flush=True)
+    for layers in args.layers or [shape["num_layers"]]:
+        cfg = ModelConfig(**{**shape, "num_layers": layers}, dtype="bfloat16", remat=True,
+                          attention=args.attention)  # fmt: skip
+        for t in args.tokens:
+            r["rows"].append(measure(cfg, t, mesh, args.phases, args.grad_reduce_dtype))
+            print(table_row(r["rows"][-1]), flush=True)
+    for phase in PHASES:
+        r[f"{phase}_exponent"] = exponent(r["rows"], f"{phase}_temp_bytes")
+        r[f"{phase}_per_layer_bytes"] = per_layer(r["rows"], f"{phase}_temp_bytes")
     return r
+
+
+def header(r: dict) -> str:
+    return (f"{r['shape']}, attention {r['attention']}, mesh fsdp={r['devices']}, bf16 compute, "
+            f"gradients summed in {r['grad_reduce_dtype']}; XLA:CPU passes off for these "
+            f"compiles: {', '.join(r['disabled_passes'])}\n{HEADER}")  # fmt: skip
 
 
 def table_row(row: dict) -> str:
     cell = lambda k: f"{row[k] / GIB:10.3f}" if k in row else f"{'-':>10s}"
     secs = sum(v for k, v in row.items() if k.endswith("_compile_s"))
-    return (f"{row['tokens']:>7d} {cell('learn_temp_bytes')} {cell('logprobs_temp_bytes')} "
-            f"{cell('prefill_temp_bytes')}   ({secs:.0f} s to compile)")  # fmt: skip
+    lines = [f"{row['tokens']:>7d} {row['layers']:>6d} {cell('learn_temp_bytes')} "
+             f"{cell('logprobs_temp_bytes')} {cell('prefill_temp_bytes')}   "
+             f"({secs:.0f} s to compile)"]  # fmt: skip
+    for phase in PHASES:
+        for b in row.get(f"{phase}_peak_buffers", ()):
+            lines.append(f"{'':>15s}{phase} peak: {b['bytes'] / GIB:6.2f} GiB {b['type']} "
+                         f"{b['name']} ({b['op']})")  # fmt: skip
+    for dtype, v in sorted(row.get("grad_reduce", {}).items()):
+        lines.append(f"{'':>15s}gradient reductions: {v['count']} in {dtype}, "
+                     f"{v['bytes'] / GIB:.3f} GiB per device")  # fmt: skip
+    return "\n".join(lines)
 
 
-HEADER = f"{'T':>7s} {'learn GiB':>10s} {'logp GiB':>10s} {'prefill GiB':>10s}  temp per device"
+HEADER = (f"{'T':>7s} {'layers':>6s} {'learn GiB':>10s} {'logp GiB':>10s} {'prefill GiB':>10s}"
+          "  temp per device")  # fmt: skip
 
 
 def table(r: dict) -> str:
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"
-    lines = [f"{r['shape']}, attention {r['attention']}, mesh fsdp={r['devices']}", HEADER]
+    lines = [header(r)]
     lines += [table_row(row) for row in r["rows"]]
     lines.append(f"growth exponent (two longest T): learn {fmt(r['learn_exponent'])}, "
                  f"logprobs {fmt(r['logprobs_exponent'])}, prefill {fmt(r['prefill_exponent'])}")  # fmt: skip
+    for phase in PHASES:
+        for t, v in r[f"{phase}_per_layer_bytes"].items():
+            lines.append(f"{phase} at T={t}: {v / GIB:.3f} GiB per layer")
     return "\n".join(lines)
 
 
@@ -162,6 +215,11 @@ def main(argv) -> int:
                    help="learner attention: auto, dense or blockwise")  # fmt: skip
     p.add_argument("--phases", type=some_of(PHASES), default=",".join(PHASES),
                    help=f"comma-separated phases to compile: {', '.join(PHASES)}")  # fmt: skip
+    p.add_argument("--layers", type=integers(), default=None,
+                   help="comma-separated layer counts: the sweep at each depth (default: the "
+                        "shape's own)")  # fmt: skip
+    p.add_argument("--grad_reduce_dtype", type=one_of(GRAD_REDUCE_DTYPES[:2]), default="float32",
+                   help="the learner's optim.grad_reduce_dtype")  # fmt: skip
     args = parse(p, argv)
     r = bench_memory(args)
     return finish(args, r, table(r))

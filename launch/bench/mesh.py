@@ -17,7 +17,9 @@ Per mesh, per device:
 - generate_peak_bytes: the compiled call's arguments + outputs + temporaries - aliased
   (`launch.dry_run._report`), and rollout_peak_bytes: the rollout phase's peak as `--dry_run`
   bounds it (that + optimizer state + the reference copy when the KL term is on, + the
-  resident params when the call decodes from a copy of them);
+  resident params when the call decodes from a copy of them). Compiled with XLA:CPU's own
+  passes, unlike `--dry_run` (`launch.estimate`): the collectives below are XLA:CPU's, and so is
+  the figure, its f32 copies of a bf16 KV pool included;
 - per_rollout: the reshard the rollout makes once, before its first call (`Engine.decode_params`;
   weights_layout "tensor": a copy in the compute dtype split over tensor only). copy_bytes is
   the copy's size per device (0: the call decodes from the params themselves), collectives
@@ -63,6 +65,7 @@ import time
 
 import jax
 
+from launch import estimate
 from launch.bench import hlo
 from launch.bench.common import SHAPES, finish, integer, one_of, parse, parser
 from launch.bench.memory import DEVICES, cpu_devices
@@ -231,7 +234,7 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
     decode = engine.abstract_decode_params(params)  # what lower_generate lowered on
     row["per_rollout"] = per_rollout(params, decode)
     with contextlib.redirect_stdout(io.StringIO()):  # its printed line: the JSON has the figures
-        sample = int(_report("rollout", compiled))
+        sample = int(_report("rollout", estimate.from_compiled(compiled)))
     # The rollout phase as launch.dry_run bounds it: beside the optimizer state, and the
     # reference copy when the KL term is on (with LoRA the reference is the base: no copy).
     learner = Learner(learner_config(config, eos), graphdef, shardings, None, rules)
