@@ -6,10 +6,16 @@ time inside a `lax.scan`: only one f32 [B, chunk, V] logits block exists at a ti
 [B, T, V]. The backward pass is written out (`_chunked_projection`, a custom VJP): it recomputes
 each chunk's logits from the saved hidden states, so it does not keep every chunk's logits alive
 either, and
-- the [D,V] matrix is cast to the compute dtype and gathered once per pass, outside the loop
-  over chunks, and its gradient is summed over the chunks in f32, in one accumulator per device
-  holding that device's rows' partial sum ([S,D,V] with S split over the row shards), reduced
-  over the devices once at the end. Differentiating through the scan instead, as before, summed
+- the [D,V] matrix is cast to the compute dtype in its own sharding and gathered (in that
+  dtype) once per pass, outside the loop over chunks, and its gradient is summed over the chunks
+  in f32, in one accumulator per device holding that device's rows' partial sum ([S,D,V] with S
+  split over the row shards), a vocabulary slice at a time (`_accumulate`: a chunk's f32 [D,V]
+  gradient never exists whole beside the accumulator), reduced over the devices once at the end
+  (in `grad_reduce_dtype`, `models.transformer.weight_grads_in`);
+- the gathered matrix and the accumulator are made once the trunk's output (forward) or the
+  scores' cotangent (backward) is (`models.order.after`), as the blocks' remat is ordered:
+  made from parameters and constants alone, XLA:CPU made them before layer 0 and kept them
+  across the trunk (Qwen2.5-7B shape: 6.1 GiB of f32 [D,V] buffers at 512 tokens a device). Differentiating through the scan instead, as before, summed
   the gradient across chunks in the compute dtype (bf16: 64 chunks moved it by 1.6e-2 of its
   largest entry, `tests/rl/test_logprobs.py`), and on a mesh put an all-gather of the matrix and
   an all-reduce of its gradient in every chunk (256 of each for a 32k-token row). It was one
@@ -27,9 +33,11 @@ the log-prob pass 2.87 -> 4.55 GiB: one row's [T,T] scores plus every layer's ga
 weights, which XLA CPU all-gathered up front, outweigh the all-rows activations it held before.)
 With the blocks' ordered remat (`models.transformer.remat`) and this projection: train step
 3.04 GiB, log-prob pass 1.28 GiB at 4096 tokens; 10.43 and 3.85 GiB at 32,768
-(docs/performance.md). The peak at 4096 tokens is this backward pass: XLA:CPU holds the gathered
+(docs/performance.md). The peak at 4096 tokens was this backward pass: XLA:CPU held the gathered
 matrix in f32 (its dots upcast bf16) and in both layouts, one chunk's f32 [V,D] gradient and the
-accumulator, 519 MiB each, whatever T. At 32,768 tokens a layer's MLP backward is the peak.
+accumulator, 519 MiB each, whatever T; compiled as an accelerator gets it (`launch.estimate`)
+the bf16 matrix, the accumulator and one vocabulary slice remain. At 32,768 tokens a layer's MLP
+backward is the peak.
 
 Position t of the outputs scores token t+1 given tokens[:, :t+1]. Two distributions are scored:
 - `logp`: the sampling distribution (`sampling.distribution.log_probs`: temperature, top-k,

@@ -6,10 +6,12 @@ memory --shape qwen2_5_0_5b --tokens 4096,8192,16384,32768 [--attention auto|den
 For each T, a registered model shape (`launch.bench.common.SHAPES`) with bf16 compute, f32
 master weights and remat on, sharded FSDP over 8 CPU devices (mesh fsdp=8, as the 0.5B config's
 `--dry_run` runs it), is lowered with abstract shapes (ShapeDtypeStructs: nothing is allocated)
-and compiled as `--dry_run` compiles (`launch.estimate`: XLA:CPU's passes that change live
-ranges and no accelerator runs switched off for these compiles, named in the output), and XLA's
-per-device temporaries (`memory_analysis().temp_size_in_bytes`) are read for three jitted
-functions:
+and compiled as `--dry_run` compiles (`launch.estimate`: XLA:CPU's passes that no accelerator
+runs switched off for these compiles, named in the output; bf16 stays bf16), and the per-device
+temporaries are read for three jitted functions: `Estimate.accelerator_temp` (the most bytes of
+temporaries live at once, with each only-sliced all-reduce counted as the reduce-scatter an
+accelerator makes of it; `*_temp_bytes` in the JSON, the table's figures) and XLA:CPU's own
+allocation (`*_cpu_temp_bytes`):
 - learn: `Learner.step` on one packed row of T tokens per device (8 rows), KL on (the batch
   carries reference log-probs), π_old recomputed, one micro-batch, the weights' gradients summed
   across devices in --grad_reduce_dtype;
@@ -23,7 +25,7 @@ The learner's two lowerings are `launch.dry_run`'s (`abstract_batch`, `Learner.l
 optimizer state, KV pages) are not counted: they are resident whatever T is, and `--dry_run`
 reports them.
 
-Each compile also names the buffers of at least 1 GiB live at its peak (XLA's live ranges:
+Each compile also names the temporaries of at least 1 GiB live at its peak (XLA's live ranges:
 instruction, per-device shape, the JAX operation), and for the learner the weight gradients'
 reductions in the partitioned program (`launch.estimate.gradient_reductions`: count and bytes
 per device by dtype, before any XLA:CPU pass). `--layers L1,L2,...` repeats the sweep with the

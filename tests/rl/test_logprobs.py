@@ -39,3 +39,19 @@ def test_bf16_unembedding_gradient_does_not_depend_on_the_chunk():
     one, many = lm_head_grad(t), lm_head_grad(8)  # one chunk, 64 chunks
     assert one.dtype == np.float32
     assert np.abs(many - one).max() < 1e-4 * np.abs(one).max(), np.abs(many - one).max()
+
+
+def test_the_gradient_is_accumulated_a_vocabulary_slice_at_a_time():
+    """`_accumulate` adds a chunk's [D,V] gradient in VOCAB_TILES slices, in place: the same dot
+    products as one einsum over the whole vocabulary, in either layout of the matrix."""
+    from rl.logprobs import VOCAB_TILES, _accumulate
+
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(1, 3, 16, 24)), jnp.bfloat16)  # [S,B/S,c,D]
+    dz = jnp.asarray(rng.normal(size=(1, 3, 16, 8 * VOCAB_TILES)), jnp.bfloat16)  # [S,B/S,c,V]
+    for letters in ("DV", "VD"):
+        shape = (1, *(24 if a == "D" else dz.shape[-1] for a in letters))
+        acc = jnp.asarray(rng.normal(size=shape), jnp.float32)
+        got = jax.jit(lambda a, letters=letters: _accumulate(a, h, dz, letters, None, ()))(acc)
+        whole = jnp.einsum(f"SBCD,SBCV->S{letters}", h, dz, preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(got, acc + whole, rtol=1e-6, atol=1e-6)
