@@ -303,6 +303,12 @@ def _wandb_run(workdir: str, config):
                           f"this one; waiting up to {WANDB_IN_USE_S:.0f} s", file=sys.stderr)  # fmt: skip
                 time.sleep(2.0)
                 continue
+            if run_id and "in use" in str(e):
+                raise UsageError(
+                    f"config.log.wandb=True: W&B run {run_id} is still in use, most likely by the "
+                    "W&B process (wandb-core) of a killed run of this workdir: end it (pkill -f "
+                    "wandb-core) and run the same command"
+                ) from None
             raise UsageError(wandb_error(e)) from None
     if run_id is None:
         with open(id_file, "w") as f:

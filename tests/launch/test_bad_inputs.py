@@ -388,7 +388,7 @@ CATALOGUE = [
     Case("bench-unknown", "`python -m launch.bench nope`", "'nope': no such benchmark; expected python -m launch.bench <what> [--help], <what> one of sampler, learn, loop, memory, mesh, plots", ["nope"], entry="bench"),
     Case("bench-length-not-an-int", "`python -m launch.bench memory --tokens=abc`", "--tokens=abc: 'abc' is not an integer >= 1 (expected comma-separated integers >= 1, each once)", ["memory", "--tokens=abc"], entry="bench"),
     Case("bench-length-twice", "`python -m launch.bench memory --tokens=128,128`", "--tokens=128,128: 128 is given twice (comma-separated integers >= 1, each once)", ["memory", "--tokens=128,128"], entry="bench"),
-    Case("bench-unknown-shape", "`python -m launch.bench memory --shape=nope`", "--shape=nope: expected one of tiny, small, qwen2_5_0_5b, qwen2_5_7b, qwen3_0_6b, llama3_2_1b", ["memory", "--shape=nope"], entry="bench"),
+    Case("bench-unknown-shape", "`python -m launch.bench memory --shape=nope`", "--shape=nope: expected one of tiny, small, qwen2_5_0_5b, qwen2_5_7b, qwen2_5_32b, qwen3_0_6b, llama3_2_1b", ["memory", "--shape=nope"], entry="bench"),
     Case("bench-unknown-phase", "`python -m launch.bench memory --phases=learn,nope`", "--phases=learn,nope: 'nope' is not one of them (comma-separated, each once, of learn, logprobs, prefill)", ["memory", "--phases=learn,nope"], entry="bench"),
     Case("bench-flag-of-another-bench", "`python -m launch.bench memory --quick` (a flag of learn and loop)", "unrecognized arguments: --quick (python -m launch.bench memory --help lists the flags)", ["memory", "--quick"], entry="bench"),
     Case("bench-zero-reps", "`python -m launch.bench learn --reps=0`", "--reps=0: expected an integer >= 1", ["learn", "--reps=0"], entry="bench"),

@@ -238,12 +238,15 @@ def test_kill9_then_resume_logs_every_step_once(tmp_path, straight):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     # evaluations at steps 3, 6, 9 (and 0, 12): W&B merges a step's two records into one row
     argv = _cmd(workdir, "--config.log.wandb=True", "--config.eval_every=3")
+    # Its own session: the kill takes the run and its W&B service process (wandb-core) at once,
+    # as a lost machine does. (A kill of the trainer alone leaves wandb-core holding the run id
+    # for a while: the resume waits for it, launch/logger.py.)
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         _wait_for(lambda: _logged_steps(workdir) >= 5, proc, "step 5")
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     logged = _logged_steps(workdir)
     assert logged < STEPS
