@@ -155,8 +155,9 @@ def check_prompts(config, run: Run) -> list:
 
             check_records(records, config.env)  # image records: isolation, images probed at once
         field = config.data[split].prompt_field  # checked, not kept (an "hf" source may be large)
-        tokenize_prompts(records, run.tokenizer, config, field, keep=False, env=run.env,
-                         split=split)  # fmt: skip
+        tokenize_prompts(
+            records, run.tokenizer, config, field, keep=False, env=run.env, split=split
+        )
     return eval_records
 
 

@@ -55,9 +55,11 @@ SHOWN = 4  # buffers of 1 GiB or more named per program
 def _report(name: str, est: estimate.Estimate) -> float:
     """Prints one program's figures (and the temporaries of 1 GiB or more at its peak); returns
     its peak per device (arguments + outputs + temporaries - aliased)."""
-    print(f"{name:10s} args {est.args / MIB:10.1f} MiB  out {est.out / MIB:10.1f} MiB  temp "
-          f"{est.accelerator_temp / MIB:10.1f} MiB (XLA:CPU {est.temp / MIB:.1f})  aliased "
-          f"{est.alias / MIB:10.1f} MiB  => peak ~{est.total / MIB:10.1f} MiB per device")  # fmt: skip
+    print(
+        f"{name:10s} args {est.args / MIB:10.1f} MiB  out {est.out / MIB:10.1f} MiB  temp "
+        f"{est.accelerator_temp / MIB:10.1f} MiB (XLA:CPU {est.temp / MIB:.1f})  aliased "
+        f"{est.alias / MIB:10.1f} MiB  => peak ~{est.total / MIB:10.1f} MiB per device"
+    )
     large = est.large()
     for b in large[:SHOWN]:
         print(f"{'':10s} at its peak: {b.describe()}")
@@ -137,9 +139,11 @@ def dry_run(config) -> int:
     print(f"resident   params + optimizer {state / MIB:.1f} MiB, reference {ref / MIB:.1f} MiB")
     if cfg.lora_rank:
         _compare_full(learner, params, cfg, config.rl.kl_coef > 0)
-    print(f"compiled as for an accelerator: XLA:CPU's passes {', '.join(estimate.CPU_ONLY_PASSES)} "
-          "off (bf16 stays bf16), all-reduces that are only sliced counted as reduce-scatters; "
-          "launch/estimate.py says what the figures do not model")  # fmt: skip
+    print(
+        f"compiled as for an accelerator: XLA:CPU's passes {', '.join(estimate.CPU_ONLY_PASSES)} "
+        "off (bf16 stays bf16), all-reduces that are only sliced counted as reduce-scatters; "
+        "launch/estimate.py says what the figures do not model"
+    )
     learn = _report("learn", estimate.compile(step))
     logprobs = _report("logprobs", estimate.compile(logp))  # reference and π_old: one params copy
     sample = _report("rollout", estimate.compile(generate))
@@ -155,9 +159,11 @@ def dry_run(config) -> int:
     peak = (learn_phase + sample) if kv_kept else max(learn_phase, rollout_phase)
     print(f"learn phase   {learn_phase / MIB:10.1f} MiB per device: {_fits(learn_phase)}")
     print(f"rollout phase {rollout_phase / MIB:10.1f} MiB per device: {_fits(rollout_phase)}")
-    print(f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "
-          f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})"
-          f": {_fits(peak)}; this mesh's {mesh.size} devices: {estimate.slices(mesh.size)}")  # fmt: skip
+    print(
+        f"estimated peak per device: {peak / MIB:.1f} MiB (learn phase {learn_phase / MIB:.1f}, "
+        f"rollout phase {rollout_phase / MIB:.1f}{', KV cache kept across both' if kv_kept else ''})"
+        f": {_fits(peak)}; this mesh's {mesh.size} devices: {estimate.slices(mesh.size)}"
+    )
     return 0
 
 

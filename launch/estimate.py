@@ -116,8 +116,12 @@ def compile(lowered) -> Estimate:
         # its keys: a hit would dump nothing. An option of the key that changes nothing (the
         # emitters whose debug info is dumped: none) makes this compile its own, and it is not
         # written to the cache (the dumps are what it is for).
-        options = dict(OPTIONS, xla_dump_to=d, xla_dump_hlo_pass_re="spmd-partitioning",
-                       xla_dump_emitter_re=f"^{os.path.basename(d)}$")  # fmt: skip
+        options = dict(
+            OPTIONS,
+            xla_dump_to=d,
+            xla_dump_hlo_pass_re="spmd-partitioning",
+            xla_dump_emitter_re=f"^{os.path.basename(d)}$",
+        )
         compiled, failure = None, None
         with jax_config.persistent_cache_min_compile_time_secs(math.inf), _stderr_to(d):
             try:
@@ -133,8 +137,9 @@ def compile(lowered) -> Estimate:
     live_temp, accelerator_temp, peak = sweep(
         live, module, temp_values(assignment), reduce_scattered(module)
     )
-    return Estimate(args, out, alias, temp, live_temp, accelerator_temp, peak, partitioned,
-                    compiled)  # fmt: skip
+    return Estimate(
+        args, out, alias, temp, live_temp, accelerator_temp, peak, partitioned, compiled
+    )
 
 
 @contextlib.contextmanager
@@ -162,8 +167,17 @@ def from_compiled(compiled) -> Estimate:
     reduce-scatters), from its `memory_analysis()`, without peak buffers."""
     m = compiled.memory_analysis()
     temp = int(m.temp_size_in_bytes)
-    return Estimate(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                    int(m.alias_size_in_bytes), temp, temp, temp, [], None, compiled)  # fmt: skip
+    return Estimate(
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+        temp,
+        temp,
+        temp,
+        [],
+        None,
+        compiled,
+    )
 
 
 def _read(directory: str, pattern: str, failure, required: bool = True) -> str | None:
@@ -264,8 +278,11 @@ def _slice_of(user: hlo.Instruction, dims: tuple[int, ...], module: hlo.Module) 
     if user.opcode != "fusion":
         return None
     called = dict(user.calls).get("calls")
-    slices = [math.prod(i.shapes[0][1]) for i in module.computations.get(called, [])
-              if i.opcode == "dynamic-slice" and _sliced_dims(i, module, called) == dims]  # fmt: skip
+    slices = [
+        math.prod(i.shapes[0][1])
+        for i in module.computations.get(called, [])
+        if i.opcode == "dynamic-slice" and _sliced_dims(i, module, called) == dims
+    ]
     return max(slices) if slices else None
 
 
@@ -360,5 +377,7 @@ def fits(peak: int) -> tuple[list[str], list[str]]:
 
 def slices(devices: int) -> str:
     """The accelerator slices / hosts of `devices` chips, by their product names."""
-    return (f"TPU v5e-{devices}, TPU v6e-{devices}, TPU v5p-{2 * devices} ({devices} chips; a "
-            f"v5p slice is named by its TensorCores), {devices} x H100")  # fmt: skip
+    return (
+        f"TPU v5e-{devices}, TPU v6e-{devices}, TPU v5p-{2 * devices} ({devices} chips; a "
+        f"v5p slice is named by its TensorCores), {devices} x H100"
+    )

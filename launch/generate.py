@@ -91,11 +91,15 @@ def main(argv=None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--hf_checkpoint", required=True,
-                   help="HF checkpoint directory, Hub id or training run's workdir")  # fmt: skip
+    p.add_argument(
+        "--hf_checkpoint",
+        required=True,
+        help="HF checkpoint directory, Hub id or training run's workdir",
+    )
     p.add_argument("--revision", default="", help="Hub id: commit, branch or tag")
-    p.add_argument("--step", type=int, default=None,
-                   help="a training run's checkpoint step (default: latest)")  # fmt: skip
+    p.add_argument(
+        "--step", type=int, default=None, help="a training run's checkpoint step (default: latest)"
+    )
     p.add_argument("--prompts", required=True, help="jsonl with 'prompt' or 'prompt_ids' per line")
     p.add_argument("--output", required=True, help="jsonl to write")
     p.add_argument("--num_samples", type=int, default=1, help="completions per prompt (G)")
@@ -125,8 +129,9 @@ def main(argv=None) -> int:
             return fail("--step: only with a training run's workdir as --hf_checkpoint")
         try:  # a directory as it is, a Hub id from the Hub cache (HF_HOME; HF_HUB_OFFLINE=1)
             ref, rev = args.hf_checkpoint, args.revision
-            args.hf_checkpoint = resolve(ref, rev, field="--hf_checkpoint",
-                                         revision_field="--revision")[0]  # fmt: skip
+            args.hf_checkpoint = resolve(
+                ref, rev, field="--hf_checkpoint", revision_field="--revision"
+            )[0]
         except HubError as e:
             return fail(str(e))
         try:

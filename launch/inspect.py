@@ -52,8 +52,10 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
         ) from None
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"--prompt_ids: {bad[0]} is not a token id of the checkpoint "
-                         f"(its vocabulary is [0, {vocab_size}))")  # fmt: skip
+        raise ValueError(
+            f"--prompt_ids: {bad[0]} is not a token id of the checkpoint "
+            f"(its vocabulary is [0, {vocab_size}))"
+        )
     return ids
 
 
@@ -79,9 +81,11 @@ def main(argv=None) -> int:
         devices, need = run_devices(), math.prod(mesh_shape.values())
         if need != len(devices):  # the fix for a CPU named (the README's example is one)
             cpu = devices[0].platform == "cpu"
-            raise ValueError(f"--mesh {args.mesh}: uses {need} devices but {len(devices)} are "
-                             "available" + (f"; on a CPU, --fake_devices {need} splits it into "
-                             f"{need}" if cpu else ""))  # fmt: skip
+            raise ValueError(
+                f"--mesh {args.mesh}: uses {need} devices but {len(devices)} are "
+                "available"
+                + (f"; on a CPU, --fake_devices {need} splits it into {need}" if cpu else "")
+            )
         tokens = parse_ids(args.prompt_ids, config_from_hf(args.hf_checkpoint).vocab_size)
         mesh = make_mesh(mesh_shape)
         cfg, graphdef, params, ids = load_hf(args.hf_checkpoint, mesh)

@@ -237,14 +237,21 @@ def _wandb_held(workdir: str, run) -> _Held:
         if os.path.samefile(path, os.path.dirname(run.dir)):
             continue
         try:
-            out = subprocess.run([exe or "wandb", "leet", "inspect", "--json", path],
-                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+            out = subprocess.run(
+                [exe or "wandb", "leet", "inspect", "--json", path],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         except OSError as e:  # no wandb command
             out = subprocess.CompletedProcess([], 1, "", str(e))
         if out.returncode:
             why = " ".join((out.stderr or out.stdout).split())[:200]
-            print(f"W&B: the history of {path} cannot be read (wandb leet inspect: {why}); the "
-                  "records a killed run's W&B lost are not sent again", file=sys.stderr)  # fmt: skip
+            print(
+                f"W&B: the history of {path} cannot be read (wandb leet inspect: {why}); the "
+                "records a killed run's W&B lost are not sent again",
+                file=sys.stderr,
+            )
             return _Held(below=float("inf"))
         for line in out.stdout.splitlines():
             try:
@@ -283,11 +290,15 @@ def _wandb_run(workdir: str, config):
     while True:
         try:
             run = wandb.init(
-                project=w.wandb_project or None, entity=w.wandb_entity or None,
+                project=w.wandb_project or None,
+                entity=w.wandb_entity or None,
                 name=w.wandb_name or os.path.basename(os.path.normpath(workdir)),
-                tags=list(w.wandb_tags) or None, id=run_id, resume="allow" if run_id else None,
-                dir=workdir, config=config_json(config),
-            )  # fmt: skip
+                tags=list(w.wandb_tags) or None,
+                id=run_id,
+                resume="allow" if run_id else None,
+                dir=workdir,
+                config=config_json(config),
+            )
             break
         except Exception as e:  # noqa: BLE001 (no key, the server unreachable: one line)
             from launch.cli import UsageError
@@ -299,8 +310,11 @@ def _wandb_run(workdir: str, config):
             if run_id and "in use" in str(e) and now - (waited_since or now) < WANDB_IN_USE_S:
                 if waited_since is None:
                     waited_since = now
-                    print(f"W&B run {run_id} is still held by the W&B process of the run before "
-                          f"this one; waiting up to {WANDB_IN_USE_S:.0f} s", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"W&B run {run_id} is still held by the W&B process of the run before "
+                        f"this one; waiting up to {WANDB_IN_USE_S:.0f} s",
+                        file=sys.stderr,
+                    )
                 time.sleep(2.0)
                 continue
             if run_id and "in use" in str(e):

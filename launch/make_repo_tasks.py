@@ -398,8 +398,11 @@ def _records(path: str, flag: str) -> tuple[str, list[dict]]:
         raise ValueError(f"{flag}: {e}") from None
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     if not records or bad is not None:
-        raise ValueError(f"{flag}={path!r}: {file} has no records" if not records else
-                         f"{flag}: {file}: record {bad} is not a JSON object")  # fmt: skip
+        raise ValueError(
+            f"{flag}={path!r}: {file} has no records"
+            if not records
+            else f"{flag}: {file}: record {bad} is not a JSON object"
+        )
     return file, records
 
 
@@ -432,14 +435,20 @@ def validate_main(a) -> int:
     try:
         with ThreadPoolExecutor(max(1, a.workers)) as pool:
             for i, why in enumerate(pool.map(check, range(len(records)))):
-                print(f"refused {_name(records[i], i)}: {why}" if why else
-                      f"valid {_name(records[i], i)}", flush=True)  # fmt: skip
+                print(
+                    f"refused {_name(records[i], i)}: {why}"
+                    if why
+                    else f"valid {_name(records[i], i)}",
+                    flush=True,
+                )
                 kept += [records[i]] if not why else []
     finally:
         env.shutdown()
     if not kept:
-        return fail(f"--validate={a.validate!r}: none of the {len(records)} records in {file} "
-                    "validates (the reasons above)")  # fmt: skip
+        return fail(
+            f"--validate={a.validate!r}: none of the {len(records)} records in {file} "
+            "validates (the reasons above)"
+        )
     out = os.path.join(os.path.dirname(file), "valid.jsonl")
     with open(out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -462,8 +471,10 @@ def reference_main(a) -> int:
             raise ValueError(f"--index={a.index}: {file} has records 0 to {len(records) - 1}")
         record = check_record(records[a.index])
         if not fix_calls(record):
-            raise ValueError(f"--index={a.index}: {_name(record, a.index)} has no reference fix "
-                             "(neither a `patch` nor a `fix` field)")  # fmt: skip
+            raise ValueError(
+                f"--index={a.index}: {_name(record, a.index)} has no reference fix "
+                "(neither a `patch` nor a `fix` field)"
+            )
         env = make_env(a.isolation, a.images_dir or "", 2)
     except (ValueError, RuntimeError) as e:
         return fail(str(e))
@@ -475,14 +486,18 @@ def reference_main(a) -> int:
     finally:
         env.shutdown()
     passed = lambda key: f"{sum(ep.results.get(n, 0) for n in record[key])}/{len(record[key])}"
-    print(f"{_name(record, a.index)}: reward {reward} (FAIL_TO_PASS {passed('fail_to_pass')} "
-          f"passing, PASS_TO_PASS {passed('pass_to_pass')}; {ep.tool_calls} tool calls, "
-          f"{ep.tool_errors} tool errors; sandbox {env.tools.mode}"
-          f"{', image view ' + env.image_view if env.image_view else ''}; "
-          f"{time.perf_counter() - t0:.1f} s)")  # fmt: skip
-    for why in (failed and f"the fix did not apply: {failed}", ep.infra_error and
-                f"infrastructure error (masked in training): {ep.infra_error}",
-                ep.tamper and f"tamper: {ep.tamper}"):  # fmt: skip
+    print(
+        f"{_name(record, a.index)}: reward {reward} (FAIL_TO_PASS {passed('fail_to_pass')} "
+        f"passing, PASS_TO_PASS {passed('pass_to_pass')}; {ep.tool_calls} tool calls, "
+        f"{ep.tool_errors} tool errors; sandbox {env.tools.mode}"
+        f"{', image view ' + env.image_view if env.image_view else ''}; "
+        f"{time.perf_counter() - t0:.1f} s)"
+    )
+    for why in (
+        failed and f"the fix did not apply: {failed}",
+        ep.infra_error and f"infrastructure error (masked in training): {ep.infra_error}",
+        ep.tamper and f"tamper: {ep.tamper}",
+    ):
         if why:
             print(why)
     return 0 if reward == 1.0 else 1
@@ -505,26 +520,39 @@ def main(argv=None) -> int:
         "--revision", default="", help="with a --from_rows Hub id: a commit, branch or tag"
     )
     p.add_argument("--repos", help="with --from_rows: directory of checkouts <instance_id>/")
-    p.add_argument("--images_dir", help="with --from_rows, --validate, --reference_episode: "
-                   "unpacked images (launch.images unpack)")  # fmt: skip
+    p.add_argument(
+        "--images_dir",
+        help="with --from_rows, --validate, --reference_episode: "
+        "unpacked images (launch.images unpack)",
+    )
     p.add_argument(
         "--image_template",
         help="with --from_rows: a row's image name, e.g. "
         "swebench/sweb.eval.x86_64.{docker_id}:latest (rl/envs/repo_tasks.py)",
     )
-    p.add_argument("--validate", metavar="DIR",
-                   help="check each record of DIR/tasks.jsonl (or of a jsonl file): its tests "
-                   "before and after its reference fix; writes the valid ones to valid.jsonl "
-                   "beside it")  # fmt: skip
-    p.add_argument("--reference_episode", metavar="DIR",
-                   help="run one episode of env repo on record --index of DIR/tasks.jsonl: its "
-                   "reference fix through the tools, then submit; prints the reward")  # fmt: skip
+    p.add_argument(
+        "--validate",
+        metavar="DIR",
+        help="check each record of DIR/tasks.jsonl (or of a jsonl file): its tests "
+        "before and after its reference fix; writes the valid ones to valid.jsonl "
+        "beside it",
+    )
+    p.add_argument(
+        "--reference_episode",
+        metavar="DIR",
+        help="run one episode of env repo on record --index of DIR/tasks.jsonl: its "
+        "reference fix through the tools, then submit; prints the reward",
+    )
     p.add_argument("--index", type=int, default=0, help="with --reference_episode: the record")
-    p.add_argument("--isolation", default="auto", choices=("auto", "bwrap", "rlimits"),
-                   help="with --validate, --reference_episode: the sandbox "
-                   "(config.env.isolation)")  # fmt: skip
-    p.add_argument("--workers", type=int, default=4,
-                   help="with --validate: records checked at once")  # fmt: skip
+    p.add_argument(
+        "--isolation",
+        default="auto",
+        choices=("auto", "bwrap", "rlimits"),
+        help="with --validate, --reference_episode: the sandbox (config.env.isolation)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=4, help="with --validate: records checked at once"
+    )
     a = p.parse_args(argv)
     if a.validate:
         return validate_main(a)
@@ -533,8 +561,10 @@ def main(argv=None) -> int:
     if not a.out:
         from launch.cli import fail
 
-        return fail("--out: required (the output directory), unless --validate or "
-                    "--reference_episode is given")  # fmt: skip
+        return fail(
+            "--out: required (the output directory), unless --validate or "
+            "--reference_episode is given"
+        )
     if a.from_rows:
         from launch.cli import fail
         from rl.envs.repo_tasks import RowsError, convert_rows, read_rows
@@ -546,8 +576,10 @@ def main(argv=None) -> int:
             return fail(str(e))
         records, skipped = convert_rows(rows, a.repos, a.images_dir, a.image_template)
         if not records:  # nothing to train on: say why, write nothing
-            return fail(f"--from_rows={a.from_rows!r}: none of its {len(rows)} rows converts "
-                        f"(the first: {skipped[0]})")  # fmt: skip
+            return fail(
+                f"--from_rows={a.from_rows!r}: none of its {len(rows)} rows converts "
+                f"(the first: {skipped[0]})"
+            )
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "tasks.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

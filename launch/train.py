@@ -81,9 +81,16 @@ TOTALS = ("rollout_seconds", "learn_seconds", "rollout_tokens", "learn_tokens", 
 
 
 def train(
-    config, run: Run, data, eval_records, workdir: str, resume: bool, config_path: str = "",
-    overrides=(), print_config: bool = False,
-) -> int:  # fmt: skip
+    config,
+    run: Run,
+    data,
+    eval_records,
+    workdir: str,
+    resume: bool,
+    config_path: str = "",
+    overrides=(),
+    print_config: bool = False,
+) -> int:
     main_process = jax.process_index() == 0
     # Every process has checked the workdir (main) before the first one writes to it.
     multihost_utils.sync_global_devices("workdir checked")
@@ -127,10 +134,17 @@ def train(
     # A bar on a terminal; in a file or a pipe (nohup, a notebook) a line every
     # log.progress_every steps instead of the bar's carriage-return frames.
     on_terminal = main_process and _terminal()
-    bar = tqdm.tqdm(range(start, config.num_steps), initial=start, total=config.num_steps,
-                    desc="grpo", file=sys.stderr, disable=not on_terminal)  # fmt: skip
-    progress = Progress(start, config.num_steps, config.log.progress_every,
-                        enabled=main_process and not on_terminal)  # fmt: skip
+    bar = tqdm.tqdm(
+        range(start, config.num_steps),
+        initial=start,
+        total=config.num_steps,
+        desc="grpo",
+        file=sys.stderr,
+        disable=not on_terminal,
+    )
+    progress = Progress(
+        start, config.num_steps, config.log.progress_every, enabled=main_process and not on_terminal
+    )
     nonfinite = 0  # GRPO steps in a row with a skipped optimizer step
     masked = 0  # steps in a row whose episodes were (mostly) masked
     preemption = Preemption()  # SIGTERM / SIGINT: stop after the current step, saved
@@ -143,8 +157,9 @@ def train(
             saving = last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
             # Partial rollouts: a step that saves ends with no episode in flight (rl/partial.py), and
             # so does one during which a stop is requested.
-            rollout = rollouts(step, state.params, data, drain=bool(saving),
-                               stop=preemption.requested)  # on the learner's own arrays  # fmt: skip
+            rollout = rollouts(
+                step, state.params, data, drain=bool(saving), stop=preemption.requested
+            )  # on the learner's own arrays
             t1 = time.perf_counter()
             state, history = learner.learn(state, run.ref_params, rollout.batch)
             t2 = time.perf_counter()
@@ -155,8 +170,12 @@ def train(
             ):
                 totals[k] += float(v)
             metrics = {k: float(np.mean([h[k] for h in history])) for k in history[-1]}
-            metrics.update(rollout.stats, rollout_seconds=t1 - t0, learn_seconds=t2 - t1,
-                           rollout_tokens_per_s=new_tokens / (t1 - t0))  # fmt: skip
+            metrics.update(
+                rollout.stats,
+                rollout_seconds=t1 - t0,
+                learn_seconds=t2 - t1,
+                rollout_tokens_per_s=new_tokens / (t1 - t0),
+            )
             if config.log_every and (step + 1) % config.log_every == 0:
                 log.scalars(step + 1, metrics)
                 log.completions(
@@ -168,13 +187,17 @@ def train(
             totals["nonfinite_steps"] += skipped
             nonfinite = nonfinite + 1 if skipped else 0
             if skipped:
-                bar.write(f"step {step + 1}: {skipped} optimizer step(s) with a non-finite loss or "
-                          f"gradient skipped ({nonfinite} GRPO step(s) in a row)")  # fmt: skip
+                bar.write(
+                    f"step {step + 1}: {skipped} optimizer step(s) with a non-finite loss or "
+                    f"gradient skipped ({nonfinite} GRPO step(s) in a row)"
+                )
             if nonfinite >= config.max_nonfinite_steps:
                 _close(bar, rollouts, ckpt)
-                fail(f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
-                     f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
-                     f"step {ckpt.manager.latest_step() or 'none'} in {workdir})")  # fmt: skip
+                fail(
+                    f"step {step + 1}: loss or gradient not finite in {nonfinite} steps in a row "
+                    f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped (last checkpoint: "
+                    f"step {ckpt.manager.latest_step() or 'none'} in {workdir})"
+                )
                 log.close()  # the event files and W&B run end here too (an in-process run goes on)
                 return 3
             # Episodes masked by infrastructure errors train nothing: after env.max_masked_steps
@@ -182,9 +205,11 @@ def train(
             masked = masked + 1 if _mostly_masked(rollout.stats, config.env) else 0
             if masked >= config.env.max_masked_steps:
                 _close(bar, rollouts, ckpt)
-                fail(_masked_message(step + 1, masked, rollout.stats, config.env)
-                     + f"; stopped (last checkpoint: step {ckpt.latest_step() or 'none'} in "
-                     f"{workdir})")  # fmt: skip
+                fail(
+                    _masked_message(step + 1, masked, rollout.stats, config.env)
+                    + f"; stopped (last checkpoint: step {ckpt.latest_step() or 'none'} in "
+                    f"{workdir})"
+                )
                 log.close()
                 return 3
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
@@ -197,13 +222,21 @@ def train(
             preempted = not last and preemption.requested() and not rollouts.carried
             if saving or preempted:
                 summary.update(totals, wall_seconds=time.perf_counter() - wall0)
-                meta = {"step": step + 1, "data": data.get_state(), "summary": summary,
-                        "key": seed_key(config.seed), "base": base}  # fmt: skip
+                meta = {
+                    "step": step + 1,
+                    "data": data.get_state(),
+                    "summary": summary,
+                    "key": seed_key(config.seed),
+                    "base": base,
+                }
                 ckpt.save(step + 1, learner.checkpointed(state), meta)
             if preempted:  # SIGTERM / SIGINT: this step is saved; the same command resumes it
                 _close(bar, rollouts, ckpt, log)  # the checkpointer waits for the save
-                print(f"{preemption.signal_name or 'signal'} received: stopped after step {step + 1} "
-                      f"and saved it in {workdir}; run the same command to resume", file=sys.stderr)  # fmt: skip
+                print(
+                    f"{preemption.signal_name or 'signal'} received: stopped after step {step + 1} "
+                    f"and saved it in {workdir}; run the same command to resume",
+                    file=sys.stderr,
+                )
                 return 0
         _close(bar, rollouts, ckpt)
     except (SaveError, OSError) as e:
@@ -240,10 +273,12 @@ def _mostly_masked(stats: dict, env) -> bool:
 def _masked_message(step: int, steps: int, stats: dict, env) -> str:
     text, n = stats["episode/top_infra_error"]
     masked, count = int(stats["episode/masked"]), int(stats["episode/count"])
-    return (f"step {step}: {masked} of {count} episodes masked by infrastructure errors, "
-            f"{steps} step(s) in a row (env.max_masked_fraction={env.max_masked_fraction}, "
-            f"env.max_masked_steps={env.max_masked_steps}): the run trains on nothing; the most "
-            f"frequent error ({n} episodes): {text}")  # fmt: skip
+    return (
+        f"step {step}: {masked} of {count} episodes masked by infrastructure errors, "
+        f"{steps} step(s) in a row (env.max_masked_fraction={env.max_masked_fraction}, "
+        f"env.max_masked_steps={env.max_masked_steps}): the run trains on nothing; the most "
+        f"frequent error ({n} episodes): {text}"
+    )
 
 
 def config_lines(config_path: str, overrides, workdir: str, max_lines: int = 16) -> str:
@@ -285,8 +320,10 @@ class Progress:
         now = time.perf_counter()
         per_step = (now - self.t) / max(step - self.last, 1)
         self.last, self.t = step, now
-        line = (f"step {step}/{self.total}: reward {metrics['reward_mean']:.3f} loss "
-                f"{metrics['loss']:.4f} ({per_step:.1f} s/step)")  # fmt: skip
+        line = (
+            f"step {step}/{self.total}: reward {metrics['reward_mean']:.3f} loss "
+            f"{metrics['loss']:.4f} ({per_step:.1f} s/step)"
+        )
         print(line, file=sys.stderr, flush=True)
 
 

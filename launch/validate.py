@@ -201,8 +201,13 @@ def validate(
     _need(b >= 1, "data.prompts_per_step", b, "must be >= 1")
     mesh = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
     size = math.prod(mesh.values())
-    _need(size == device_count, "mesh", mesh, f"uses {size} devices but {device_count} are available"
-          f" (on a CPU host, JAX_NUM_CPU_DEVICES={size} makes {size})")  # fmt: skip
+    _need(
+        size == device_count,
+        "mesh",
+        mesh,
+        f"uses {size} devices but {device_count} are available"
+        f" (on a CPU host, JAX_NUM_CPU_DEVICES={size} makes {size})",
+    )
     batch_shards = mesh["data"] * mesh["fsdp"]
     _need(
         (b * g) % batch_shards == 0, "data.prompts_per_step", b,
@@ -286,8 +291,12 @@ def validate(
           f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
     engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
     grads = c.optim.grad_reduce_dtype
-    _need(grads in ("float32", c.model.dtype), "optim.grad_reduce_dtype", grads,
-          f"must be 'float32' or model.dtype = {c.model.dtype!r}")  # fmt: skip
+    _need(
+        grads in ("float32", c.model.dtype),
+        "optim.grad_reduce_dtype",
+        grads,
+        f"must be 'float32' or model.dtype = {c.model.dtype!r}",
+    )
     _need(s.weights_dtype in ("", c.model.dtype), "sampling.weights_dtype", s.weights_dtype,
           f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)")  # fmt: skip
     # Slots and pages are totals for the mesh, split evenly over its batch shards, each with
@@ -336,8 +345,12 @@ def validate(
               + (f" / {shards} shards" if shards > 1 else ""))  # fmt: skip
     _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
     m = c.env
-    _need(0 < m.max_masked_fraction <= 1, "env.max_masked_fraction", m.max_masked_fraction,
-          "must be in (0, 1]")  # fmt: skip
+    _need(
+        0 < m.max_masked_fraction <= 1,
+        "env.max_masked_fraction",
+        m.max_masked_fraction,
+        "must be in (0, 1]",
+    )
     _need(m.max_masked_steps >= 1, "env.max_masked_steps", m.max_masked_steps, "must be >= 1")
     for field in ("num_steps", "checkpoint_every", "eval_every", "log_every"):
         _need(c[field] >= 0, field, c[field], "must be >= 0")
@@ -351,16 +364,26 @@ def validate(
         try:
             import wandb  # noqa: F401
         except ImportError:
-            _need(False, "log.wandb", True, "needs the wandb library: pip install -e "
-                  "'.[wandb]' (or pip install wandb)")  # fmt: skip
+            _need(
+                False,
+                "log.wandb",
+                True,
+                "needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)",
+            )
     try:
         vocab = config_from_hf(path).vocab_size
     except CheckpointError as e:
-        raise UsageError(f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}"
-                         + shadowing(c.model.hf_checkpoint)) from None  # fmt: skip
+        raise UsageError(
+            f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}"
+            + shadowing(c.model.hf_checkpoint)
+        ) from None
     stops = c.sampling.stop_ids
-    _need(all(isinstance(i, int) and 0 <= i < vocab for i in stops), "sampling.stop_ids", stops,
-          f"must be token ids in [0, {vocab}) (the checkpoint's vocabulary)")  # fmt: skip
+    _need(
+        all(isinstance(i, int) and 0 <= i < vocab for i in stops),
+        "sampling.stop_ids",
+        stops,
+        f"must be token ids in [0, {vocab}) (the checkpoint's vocabulary)",
+    )
     learner_config(c, ())
     engine_config(c, ())
     check_rewards(c)
@@ -373,8 +396,12 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
         src = c.data[split]
         if src.type in ("jsonl", "parquet"):
             found = glob.glob(src.path) if src.path else []
-            _need(bool(found), f"data.{split}.path", src.path,
-                  f"no {src.type} file there" + _tasks_hint(c, split))  # fmt: skip
+            _need(
+                bool(found),
+                f"data.{split}.path",
+                src.path,
+                f"no {src.type} file there" + _tasks_hint(c, split),
+            )
         elif src.type == "hf":
             _need(bool(src.path), f"data.{split}.path", src.path, "a Hub dataset id, a "
                   "directory of data files or a save_to_disk directory")  # fmt: skip

@@ -67,8 +67,11 @@ class WorkdirLock:
                 f"{self.workdir} is in use by another run ({holder}); wait for it to end, stop "
                 "it, or use another --workdir"
             ) from None
-        record = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": datetime.datetime.now().isoformat(timespec="seconds")}  # fmt: skip
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        }
         self.fd = fd
         try:
             os.ftruncate(fd, 0)

@@ -132,8 +132,10 @@ class Checkpointer:
         """What a run stopped by its disk says: the last complete checkpoint and what to do."""
         complete = sorted(s for s in _step_dirs(self.directory) if s != failed)
         last = f"step {complete[-1]}" if complete else "none"
-        return (f"the last complete checkpoint is {last}; free the space, or make the workdir "
-                "writable, and run the same command to resume")  # fmt: skip
+        return (
+            f"the last complete checkpoint is {last}; free the space, or make the workdir "
+            "writable, and run the same command to resume"
+        )
 
     def restore(self, state_like, step: int | None = None):
         """(state, meta) at `step` (default: the latest usable one), in the shardings of

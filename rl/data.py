@@ -168,8 +168,14 @@ def tokenize_prompts(
             if env is not None:
                 ids = env.prompt(r, prompt_field)
             else:
-                ids = format_prompt(r, tokenizer, d.use_chat_template, d.system_prompt or None,
-                                    prompt_field, d.chat_template_kwargs.to_dict())  # fmt: skip
+                ids = format_prompt(
+                    r,
+                    tokenizer,
+                    d.use_chat_template,
+                    d.system_prompt or None,
+                    prompt_field,
+                    d.chat_template_kwargs.to_dict(),
+                )
         except ValueError as err:  # a character the tokenizer lacks (CharTokenizer), a field
             why = _unencodable(r, i, split, prompt_field, tokenizer, config, err, bool(env))
             raise ValueError(why) from None
@@ -206,12 +212,16 @@ def _unencodable(record, index, split, field, tokenizer, config, err, env: bool)
         tokenizer.encode(value)
         what = f"the prompt around its {field!r} (data.system_prompt, the chat template)"
         if env:
-            what = (f"the {config.env.name!r} environment's prompt around its {field!r} "
-                    "(instructions, tool schemas, the chat template)")  # fmt: skip
+            what = (
+                f"the {config.env.name!r} environment's prompt around its {field!r} "
+                "(instructions, tool schemas, the chat template)"
+            )
     except ValueError:
         what = f"its {field!r}"
-    return (f"{where}: {what} cannot be encoded by the tokenizer of "
-            f"config.model.hf_checkpoint={config.model.hf_checkpoint!r}: {err}")  # fmt: skip
+    return (
+        f"{where}: {what} cannot be encoded by the tokenizer of "
+        f"config.model.hf_checkpoint={config.model.hf_checkpoint!r}: {err}"
+    )
 
 
 def reward_inputs(

@@ -88,8 +88,10 @@ class LearnerConfig:
         if not 0 <= self.end_lr_fraction <= 1:
             raise ValueError(f"end_lr_fraction={self.end_lr_fraction}: must be in [0, 1]")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r}: expected one of "
-                             f"{', '.join(GRAD_REDUCE_DTYPES)}")  # fmt: skip
+            raise ValueError(
+                f"grad_reduce_dtype={self.grad_reduce_dtype!r}: expected one of "
+                f"{', '.join(GRAD_REDUCE_DTYPES)}"
+            )
         if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
             raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
         self.loss.validate()

@@ -434,8 +434,10 @@ class _Layers:
         stored = last.size if last.isreg() and not last.issparse() else 0
         end = last.offset_data + stored
         if size < end:
-            self.refuse(f"member {last.name!r}: its data is cut short ({size - last.offset_data} "
-                        f"of {stored} bytes)")  # fmt: skip
+            self.refuse(
+                f"member {last.name!r}: its data is cut short ({size - last.offset_data} "
+                f"of {stored} bytes)"
+            )
         if size > end + (-end % tarfile.BLOCKSIZE):
             self.refuse(f"a partial block after member {last.name!r} (the archive is cut short)")
 

@@ -343,9 +343,17 @@ class Rollouts:
                 if not left[i]:
                     futures[i] = self.score(records[i], prompts[i], done[i])
 
-            state, _ = generate_all(self.engine, params, state, prompts, g, seed=seed,
-                                    request_ids=ids, on_finish=on_finish,
-                                    shards=shards)  # fmt: skip
+            state, _ = generate_all(
+                self.engine,
+                params,
+                state,
+                prompts,
+                g,
+                seed=seed,
+                request_ids=ids,
+                on_finish=on_finish,
+                shards=shards,
+            )
             groups = [futures[i].result() for i in range(len(prompts))]
         for grp, i in zip(groups, shards):
             grp.shard = i

@@ -154,9 +154,12 @@ def masked_stats(episodes: list[dict]) -> dict:
     reasons = Counter(ep["error"] for ep in episodes if ep["masked"])
     ((text, n),) = reasons.most_common(1) or [("", 0)]
     masked = sum(reasons.values())
-    return {"episode/masked": float(masked), "episode/count": float(len(episodes)),
-            "episode/masked_frac": masked / max(1, len(episodes)),
-            "episode/top_infra_error": [text, n]}  # fmt: skip
+    return {
+        "episode/masked": float(masked),
+        "episode/count": float(len(episodes)),
+        "episode/masked_frac": masked / max(1, len(episodes)),
+        "episode/top_infra_error": [text, n],
+    }
 
 
 def metric_means(episodes: list[dict]) -> dict[str, float]:

@@ -343,8 +343,9 @@ class Engine:
         # its own pages: none shared
         return self.refresh(params, state, items, fresh=set(), phase="restore")
 
-    def refresh(self, params, state, items, fresh: set | None = None,
-                phase: str = "refresh") -> DecodeState:  # fmt: skip
+    def refresh(
+        self, params, state, items, fresh: set | None = None, phase: str = "refresh"
+    ) -> DecodeState:
         """Recomputes the KV of parked sequences under `params`: items are (parked, history),
         history the tokens its pages cache plus its last (uncached) token. Their pages are
         overwritten in place (a chunked prefill); nothing else changes.
@@ -403,16 +404,19 @@ class Engine:
         step; only these tokens are computed, never the history. The slots must be idle."""
         seqs = self.pages.grow_parked(items)
         state = self._prefill_pages(
-            params, state, [q[1:] for q in seqs], [p for p, *_ in items], extend=seqs,
+            params,
+            state,
+            [q[1:] for q in seqs],
+            [p for p, *_ in items],
+            extend=seqs,
             phase="resume",
-        )  # fmt: skip
+        )
         if min_new is None:
             min_new = [self.ecfg.min_new_tokens] * len(items)
         for (p, _, s, max_new), seq, banned in zip(items, seqs, min_new, strict=True):
             length = p.cached_len + len(seq) - 1
             self.pages.unpark(p, s, length)
-            self.plan.insert(s, (length, seq[-1], max_new, banned, p.request_id,
-                                 p.sample_id, 0))  # fmt: skip
+            self.plan.insert(s, (length, seq[-1], max_new, banned, p.request_id, p.sample_id, 0))
         return self._now(state)
 
     # --- rounds (`sampling.plan`) ------------------------------------------------------------
@@ -422,10 +426,13 @@ class Engine:
         (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
         one prefill batch of `phase` (`sampling.plan`)."""
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
-        self.plan.prefill(phase, [
-            Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages))
-            for t, x in zip(rows_in, prefixes)
-        ])  # fmt: skip
+        self.plan.prefill(
+            phase,
+            [
+                Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages))
+                for t, x in zip(rows_in, prefixes)
+            ],
+        )
         return self._now(state, params)
 
     def _now(self, state, params=None) -> DecodeState:
@@ -465,9 +472,16 @@ class Engine:
                         page_rows[r, : len(row.pages)] = row.pages
                 self.prefill_tokens += int(lengths.sum())
                 state = steps.prefill(
-                    self.graphdef, params, state, rows(tokens), rows(lengths), rows(page_rows),
-                    self.layout, rows(starts) if phase in EXTENDS else None, e.prefill_chunk,
-                )  # fmt: skip
+                    self.graphdef,
+                    params,
+                    state,
+                    rows(tokens),
+                    rows(lengths),
+                    rows(page_rows),
+                    self.layout,
+                    rows(starts) if phase in EXTENDS else None,
+                    e.prefill_chunk,
+                )
         if shapes[-2]:  # a slot changes somewhere
             state = self._update(state, plan, steps.bucket_slots(int(shapes[-1])))
         self.plan = Plan(s, e.num_slots)

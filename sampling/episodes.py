@@ -187,8 +187,9 @@ class EpisodeLoop:
             raise ValueError(f"shards has {len(shards)} entries for {len(prompts)} prompts")
         bad = [i for i in shards if i is not None and i not in book.local_shards]
         if bad:
-            raise ValueError(f"shard {bad[0]}: not one of this process's batch shards "
-                             f"{book.local_shards}")  # fmt: skip
+            raise ValueError(
+                f"shard {bad[0]}: not one of this process's batch shards {book.local_shards}"
+            )
         if keys is None:
             keys = list(range(self._next, self._next + len(prompts)))
         keys = list(keys)
@@ -511,15 +512,19 @@ class EpisodeLoop:
         free = {i: 0 if i in waiting else len(book.free_on(i)) for i in local}
         # "demand": a new group leaves the pages of the busy slots' next call, and the
         # watermark, free on a shard where sequences are.
-        room = {i: book.headroom(i) - (book.watermark if book.pools[i].num_used else 0)
-                for i in local}  # fmt: skip
+        room = {
+            i: book.headroom(i) - (book.watermark if book.pools[i].num_used else 0) for i in local
+        }
         # A group partly in waits for slots of its own shard, which admits nothing before it.
         held = set(self._opens)
         admit, shards = [], []
         for key in list(self.pending):
             need, want = self._req[key][3], self._shard.get(key)
-            fits = [i for i in (local if want is None else [want])
-                    if i not in held and free[i] > 0 and room[i] >= need]  # fmt: skip
+            fits = [
+                i
+                for i in (local if want is None else [want])
+                if i not in held and free[i] > 0 and room[i] >= need
+            ]
             if not fits:
                 if want is None:
                     break
@@ -536,8 +541,9 @@ class EpisodeLoop:
         open_free = [i for i in sorted(self._opens) if book.free_on(i)]
         if self.ready and not (admit or open_free):
             return state
-        if (self.pending or self._opens) and not (admit or open_free or self.owner
-                                                  or self.waiting or self.ready):  # fmt: skip
+        if (self.pending or self._opens) and not (
+            admit or open_free or self.owner or self.waiting or self.ready
+        ):
             key = self._opens[min(self._opens)][0] if self._opens else self.pending[0]
             n = book.num_shards
             one, most = (" on one shard", "at most ") if n > 1 else ("", "")
@@ -557,8 +563,9 @@ class EpisodeLoop:
         for i in open_free:  # first
             key, k, prefix, kv = self._opens[i]
             if self._refresh and kv != self.version:  # its prompt under this run's parameters
-                state = engine.refresh_prefix(params, state, prefix, self._req[key][0],
-                                              self._refreshed_pages)  # fmt: skip
+                state = engine.refresh_prefix(
+                    params, state, prefix, self._req[key][0], self._refreshed_pages
+                )
                 kv = self.version
             todo.append((key, k, prefix, kv))
             self._set_open(i, None)  # set again by its insert if slots are still short
@@ -578,11 +585,11 @@ class EpisodeLoop:
         slots = book.take_slots(n, prefix.shard)  # an aligned block for a group, if free
         ks = list(range(k0, k0 + n))
         turns = [min(self._turn_caps[key][k], budget[k]) for k in ks]
-        state = self.engine.bulk_insert(state, prefix, slots, rid, turns, [budget[k] for k in ks],
-                                   samples=ks, keep=k0 + n < g)  # fmt: skip
+        state = self.engine.bulk_insert(
+            state, prefix, slots, rid, turns, [budget[k] for k in ks], samples=ks, keep=k0 + n < g
+        )
         self.mine.update(slots)
-        self.owner.update((s, Episode(key, k, budget[k], kv_version=kv))
-                          for s, k in zip(slots, ks))  # fmt: skip
+        self.owner.update((s, Episode(key, k, budget[k], kv_version=kv)) for s, k in zip(slots, ks))
         if k0 + n < g:
             self._set_open(prefix.shard, (key, k0 + n, prefix, kv))
         return state
@@ -624,9 +631,12 @@ class EpisodeLoop:
         or None) on `shard` that holds pages; None if none does."""
         order = {key: n for n, key in enumerate(self.admitted)}
         eng = self.book
-        held = [(ep, s) for ep, s in candidates
-                if (eng.shard_of(s) if s is not None else ep.parked.shard) == shard
-                and (s is not None or not ep.parked.evicted)]  # fmt: skip
+        held = [
+            (ep, s)
+            for ep, s in candidates
+            if (eng.shard_of(s) if s is not None else ep.parked.shard) == shard
+            and (s is not None or not ep.parked.evicted)
+        ]
         return max(held, key=lambda x: (order.get(x[0].i, -1), x[0].k), default=None)
 
     def _preempt(self, state):

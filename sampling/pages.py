@@ -57,8 +57,10 @@ class PageBook:
 
     def __init__(self, ecfg: EngineConfig, num_shards: int = 1, local_shards=None):
         if ecfg.num_slots % num_shards or ecfg.num_pages % num_shards:
-            raise ValueError(f"num_slots={ecfg.num_slots}, num_pages={ecfg.num_pages}: must "
-                             f"divide by the {num_shards} batch shards")  # fmt: skip
+            raise ValueError(
+                f"num_slots={ecfg.num_slots}, num_pages={ecfg.num_pages}: must "
+                f"divide by the {num_shards} batch shards"
+            )
         self.ecfg, self.num_shards = ecfg, num_shards
         self.slots_per_shard = ecfg.num_slots // num_shards
         self.pages_per_shard = ecfg.num_pages // num_shards
@@ -75,8 +77,9 @@ class PageBook:
             pool.reset()
         self.table.array[:] = NULL_PAGE
         # This process's slots: the others' shards are decided and fed by their own process.
-        self._free = [s for s in range(self.ecfg.num_slots)
-                      if self.shard_of(s) in self.local_shards]  # fmt: skip
+        self._free = [
+            s for s in range(self.ecfg.num_slots) if self.shard_of(s) in self.local_shards
+        ]
         # Cascade attention (`paged_attention_blockwise`): a group of `group` samples placed on
         # an aligned block of slots reads its shared prompt pages once per decode step.
         # `set_group` (the episode loop: its num_samples); 1 = off.
@@ -172,8 +175,9 @@ class PageBook:
         need = [0] * self.num_shards
         for s, (_, n) in self.growth(num_steps).items():
             need[self.shard_of(s)] += max(n, 0)
-        return {i: n - p.num_free for i, (n, p) in enumerate(zip(need, self.pools))
-                if n > p.num_free}  # fmt: skip
+        return {
+            i: n - p.num_free for i, (n, p) in enumerate(zip(need, self.pools)) if n > p.num_free
+        }
 
     def room(self, shard: int) -> int:
         """Pages of a shard's pool free and not reserved (`reserved`)."""
@@ -211,8 +215,11 @@ class PageBook:
         promised = self.promised(shard)
         if self.ecfg.demand:
             return promised
-        busy = sum(self.pages_for(self._cap[s]) - len(self.table.row(s)) for s in self._cap
-                   if on(self.shard_of(s)))  # fmt: skip
+        busy = sum(
+            self.pages_for(self._cap[s]) - len(self.table.row(s))
+            for s in self._cap
+            if on(self.shard_of(s))
+        )
         parked = sum(self.pages_for(p.cap) - len(p.pages) for p in self._parked if on(p.shard))
         return busy + parked + promised
 
@@ -276,8 +283,9 @@ class PageBook:
         prefixes = []
         for prompt, n, i in zip(prompts, sizes, shards):
             pages = self.pools[i].alloc(n)
-            prefixes.append(Prefix(pages, len(prompt) - 1, int(prompt[-1]), epoch=self._epoch,
-                                   shard=i))  # fmt: skip
+            prefixes.append(
+                Prefix(pages, len(prompt) - 1, int(prompt[-1]), epoch=self._epoch, shard=i)
+            )
         return prefixes
 
     def close_prefix(self, prefix: Prefix) -> None:
@@ -286,8 +294,16 @@ class PageBook:
             self.pools[prefix.shard].free(prefix.pages)
             prefix.consumed = True
 
-    def insert(self, prefix: Prefix, slots, request_id: int, max_new, reserve=0, samples=None,
-               keep: bool = False):  # fmt: skip
+    def insert(
+        self,
+        prefix: Prefix,
+        slots,
+        request_id: int,
+        max_new,
+        reserve=0,
+        samples=None,
+        keep: bool = False,
+    ):
         """Gives idle slots one prefix's pages (`Engine.bulk_insert`): full pages shared, the
         partial last page a copy per slot but the last (`PageAllocator.fork_for_group`).
         Returns (max_new per slot, sample ids, the copies (src, dst) to make on the prefix's
@@ -295,8 +311,9 @@ class PageBook:
         e = self.ecfg
         slots = check_slots(e.num_slots, slots)
         g = len(slots)
-        max_new, cap, samples = check_insert(e, prefix, self._epoch, slots, self._cap, max_new,
-                                             reserve, samples)  # fmt: skip
+        max_new, cap, samples = check_insert(
+            e, prefix, self._epoch, slots, self._cap, max_new, reserve, samples
+        )
         elsewhere = [s for s in slots if self.shard_of(s) != prefix.shard]
         if elsewhere:
             raise ValueError(
@@ -376,8 +393,15 @@ class PageBook:
             raise ValueError(f"slot(s) {idle} idle: nothing to park")
         parked = []
         for s, last in zip(slots, last_tokens):
-            p = Parked(self.table.clear_row(s), self._len.pop(s), int(last), self._cap.pop(s),
-                       *self._ids[s], self._epoch, shard=self.shard_of(s))  # fmt: skip
+            p = Parked(
+                self.table.clear_row(s),
+                self._len.pop(s),
+                int(last),
+                self._cap.pop(s),
+                *self._ids[s],
+                self._epoch,
+                shard=self.shard_of(s),
+            )
             self._serial[s] += 1
             self._free.append(s)
             self._parked.append(p)
@@ -408,8 +432,9 @@ class PageBook:
         for i in {p.shard for p in parked}:
             need = sum(self.pages_for(p.cached_len) for p in parked if p.shard == i)
             if need > self.pools[i].num_free:
-                raise OutOfPagesError(f"restore needs {need} KV pages on shard {i}, "
-                                      f"{self.pools[i].num_free} are free")  # fmt: skip
+                raise OutOfPagesError(
+                    f"restore needs {need} KV pages on shard {i}, {self.pools[i].num_free} are free"
+                )
         for p in parked:
             p.pages, p.evicted = self.pools[p.shard].alloc(self.pages_for(p.cached_len)), False
 
@@ -427,19 +452,24 @@ class PageBook:
             check_resume(p, new, max_new)
         moved = [s for (p, _, s, _) in items if self.shard_of(s) != p.shard]
         if moved:
-            raise ValueError(f"slot(s) {moved} are not on their parked sequence's shard: a "
-                             "sequence resumes on the shard that holds its pages")  # fmt: skip
+            raise ValueError(
+                f"slot(s) {moved} are not on their parked sequence's shard: a "
+                "sequence resumes on the shard that holds its pages"
+            )
         seqs = [[p.last_token, *new] for p, new, _, _ in items]
         evicted = [p for p, *_ in items if p.evicted]
         if evicted:
             raise ValueError("an evicted sequence resumes after `restore`")
-        more = [max(self.pages_for(p.cached_len + len(q) - 1) - len(p.pages), 0)
-                for (p, *_), q in zip(items, seqs)]  # fmt: skip
+        more = [
+            max(self.pages_for(p.cached_len + len(q) - 1) - len(p.pages), 0)
+            for (p, *_), q in zip(items, seqs)
+        ]
         for i in {p.shard for p, *_ in items}:  # "budget": within the reservation
             need = sum(m for (p, *_), m in zip(items, more) if p.shard == i)
             if need > self.pools[i].num_free:
-                raise OutOfPagesError(f"resume needs {need} KV pages on shard {i}, "
-                                      f"{self.pools[i].num_free} are free")  # fmt: skip
+                raise OutOfPagesError(
+                    f"resume needs {need} KV pages on shard {i}, {self.pools[i].num_free} are free"
+                )
         for (p, *_), m in zip(items, more):
             p.pages = p.pages + self.pools[p.shard].alloc(m)  # a page ahead, maybe
         return seqs

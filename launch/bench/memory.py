@@ -153,13 +153,22 @@ def bench_memory(args) -> dict:
     mesh = make_mesh({"fsdp": DEVICES}, devices=cpu_devices())
     shape = dict(SHAPES[args.shape])
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), *args.tokens)
-    r = {"shape": args.shape, "attention": args.attention, "devices": DEVICES,
-         "grad_reduce_dtype": args.grad_reduce_dtype,
-         "disabled_passes": list(estimate.CPU_ONLY_PASSES), "rows": []}  # fmt: skip
+    r = {
+        "shape": args.shape,
+        "attention": args.attention,
+        "devices": DEVICES,
+        "grad_reduce_dtype": args.grad_reduce_dtype,
+        "disabled_passes": list(estimate.CPU_ONLY_PASSES),
+        "rows": [],
+    }
     print(header(r), flush=True)
     for layers in args.layers or [shape["num_layers"]]:
-        cfg = ModelConfig(**{**shape, "num_layers": layers}, dtype="bfloat16", remat=True,
-                          attention=args.attention)  # fmt: skip
+        cfg = ModelConfig(
+            **{**shape, "num_layers": layers},
+            dtype="bfloat16",
+            remat=True,
+            attention=args.attention,
+        )
         for t in args.tokens:
             r["rows"].append(measure(cfg, t, mesh, args.phases, args.grad_reduce_dtype))
             print(table_row(r["rows"][-1]), flush=True)
@@ -170,29 +179,39 @@ def bench_memory(args) -> dict:
 
 
 def header(r: dict) -> str:
-    return (f"{r['shape']}, attention {r['attention']}, mesh fsdp={r['devices']}, bf16 compute, "
-            f"gradients summed in {r['grad_reduce_dtype']}; XLA:CPU passes off for these "
-            f"compiles: {', '.join(r['disabled_passes'])}\n{HEADER}")  # fmt: skip
+    return (
+        f"{r['shape']}, attention {r['attention']}, mesh fsdp={r['devices']}, bf16 compute, "
+        f"gradients summed in {r['grad_reduce_dtype']}; XLA:CPU passes off for these "
+        f"compiles: {', '.join(r['disabled_passes'])}\n{HEADER}"
+    )
 
 
 def table_row(row: dict) -> str:
     cell = lambda k: f"{row[k] / GIB:10.3f}" if k in row else f"{'-':>10s}"
     secs = sum(v for k, v in row.items() if k.endswith("_compile_s"))
-    lines = [f"{row['tokens']:>7d} {row['layers']:>6d} {cell('learn_temp_bytes')} "
-             f"{cell('logprobs_temp_bytes')} {cell('prefill_temp_bytes')}   "
-             f"({secs:.0f} s to compile)"]  # fmt: skip
+    lines = [
+        f"{row['tokens']:>7d} {row['layers']:>6d} {cell('learn_temp_bytes')} "
+        f"{cell('logprobs_temp_bytes')} {cell('prefill_temp_bytes')}   "
+        f"({secs:.0f} s to compile)"
+    ]
     for phase in PHASES:
         for b in row.get(f"{phase}_peak_buffers", ()):
-            lines.append(f"{'':>15s}{phase} peak: {b['bytes'] / GIB:6.2f} GiB {b['type']} "
-                         f"{b['name']} ({b['op']})")  # fmt: skip
+            lines.append(
+                f"{'':>15s}{phase} peak: {b['bytes'] / GIB:6.2f} GiB {b['type']} "
+                f"{b['name']} ({b['op']})"
+            )
     for dtype, v in sorted(row.get("grad_reduce", {}).items()):
-        lines.append(f"{'':>15s}gradient reductions: {v['count']} in {dtype}, "
-                     f"{v['bytes'] / GIB:.3f} GiB per device")  # fmt: skip
+        lines.append(
+            f"{'':>15s}gradient reductions: {v['count']} in {dtype}, "
+            f"{v['bytes'] / GIB:.3f} GiB per device"
+        )
     return "\n".join(lines)
 
 
-HEADER = (f"{'T':>7s} {'layers':>6s} {'learn GiB':>10s} {'logp GiB':>10s} {'prefill GiB':>10s}"
-          "  temp per device")  # fmt: skip
+HEADER = (
+    f"{'T':>7s} {'layers':>6s} {'learn GiB':>10s} {'logp GiB':>10s} {'prefill GiB':>10s}"
+    "  temp per device"
+)
 
 
 def table(r: dict) -> str:
@@ -217,11 +236,18 @@ def main(argv) -> int:
                    help="learner attention: auto, dense or blockwise")  # fmt: skip
     p.add_argument("--phases", type=some_of(PHASES), default=",".join(PHASES),
                    help=f"comma-separated phases to compile: {', '.join(PHASES)}")  # fmt: skip
-    p.add_argument("--layers", type=integers(), default=None,
-                   help="comma-separated layer counts: the sweep at each depth (default: the "
-                        "shape's own)")  # fmt: skip
-    p.add_argument("--grad_reduce_dtype", type=one_of(GRAD_REDUCE_DTYPES[:2]), default="float32",
-                   help="the learner's optim.grad_reduce_dtype")  # fmt: skip
+    p.add_argument(
+        "--layers",
+        type=integers(),
+        default=None,
+        help="comma-separated layer counts: the sweep at each depth (default: the shape's own)",
+    )
+    p.add_argument(
+        "--grad_reduce_dtype",
+        type=one_of(GRAD_REDUCE_DTYPES[:2]),
+        default="float32",
+        help="the learner's optim.grad_reduce_dtype",
+    )
     args = parse(p, argv)
     r = bench_memory(args)
     return finish(args, r, table(r))

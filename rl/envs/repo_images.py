@@ -360,8 +360,11 @@ class View:
         if known is None:
             r = sb.run(_PROBE, self.ws)
             line = r.stdout.rpartition("\npytest cannot be used")[2]  # its versions end it
-            out = " ".join(("pytest cannot be used" + line if line != r.stdout else
-                            r.stdout + r.stderr).split())[-400:]  # fmt: skip
+            out = " ".join(
+                (
+                    "pytest cannot be used" + line if line != r.stdout else r.stdout + r.stderr
+                ).split()
+            )[-400:]
             silent = f"the probe ended ({r.reason}, exit status {r.returncode}) without a word"
             known = r.stdout.strip() if r.stdout.startswith("ok ") else out or silent
             with _lock:

@@ -71,13 +71,23 @@ def fix_calls(record: dict) -> list[tuple[str, dict]]:
     docstring); [] without one."""
     if isinstance(record.get("patch"), str) and record["patch"].strip():
         patch = record["patch"] if record["patch"].endswith("\n") else record["patch"] + "\n"
-        return [("str_replace_editor", {"command": "create", "path": PATCH_FILE,
-                                        "file_text": patch}),
-                ("bash", {"command": APPLY})]  # fmt: skip
+        return [
+            ("str_replace_editor", {"command": "create", "path": PATCH_FILE, "file_text": patch}),
+            ("bash", {"command": APPLY}),
+        ]
     if isinstance(record.get("fix"), dict):
         f = record["fix"]
-        return [("str_replace_editor", {"command": "str_replace", "path": f["path"],
-                                        "old_str": f["old"], "new_str": f["new"]})]  # fmt: skip
+        return [
+            (
+                "str_replace_editor",
+                {
+                    "command": "str_replace",
+                    "path": f["path"],
+                    "old_str": f["old"],
+                    "new_str": f["new"],
+                },
+            )
+        ]
     return []
 
 
@@ -115,8 +125,10 @@ def _ids(nodes) -> str:
 def _not_graded(ep: RepoEpisode, when: str) -> str:
     """Why the episode's graded run tells nothing of its tests ("" when it does)."""
     if ep.missing:  # (masked in training, as an infrastructure error)
-        return (f"infrastructure error {when}: test ids the repository does not define (renamed?"
-                f" the test patch not applied?): {_ids(ep.missing)}")  # fmt: skip
+        return (
+            f"infrastructure error {when}: test ids the repository does not define (renamed?"
+            f" the test patch not applied?): {_ids(ep.missing)}"
+        )
     if ep.infra_error:
         return f"infrastructure error {when}: {' '.join(ep.infra_error.split())}"
     if ep.tamper or ep.grade_timeout:
@@ -145,6 +157,7 @@ def validate(env: RepoEnv, record: dict) -> str:
         ("PASS_TO_PASS failing before the fix", p2p, before, True),
         ("PASS_TO_PASS broken by the fix", p2p, after, True),
     )
-    reasons = [(what, [n for n in nodes if ep.results.get(n) != want])
-               for what, nodes, ep, want in checks]  # fmt: skip
+    reasons = [
+        (what, [n for n in nodes if ep.results.get(n) != want]) for what, nodes, ep, want in checks
+    ]
     return "; ".join(f"{what}: {_ids(bad)}" for what, bad in reasons if bad)

@@ -143,9 +143,15 @@ def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None
         raise ValueError(f"{iid}: no problem_statement")
     where = where or {"repo": repo}
     patch = row.get("patch")  # the gold patch: the reference fix --validate applies
-    return {"instance_id": iid, **where, "problem": problem, "fail_to_pass": f2p,
-            "pass_to_pass": p2p, "setup": row.get("setup") or "",
-            **({"patch": patch} if isinstance(patch, str) and patch.strip() else {})}  # fmt: skip
+    return {
+        "instance_id": iid,
+        **where,
+        "problem": problem,
+        "fail_to_pass": f2p,
+        "pass_to_pass": p2p,
+        "setup": row.get("setup") or "",
+        **({"patch": patch} if isinstance(patch, str) and patch.strip() else {}),
+    }
 
 
 def convert_rows(rows, repos_dir: str | None = None, images_dir: str | None = None,

@@ -281,11 +281,19 @@ JSONL = ["--config.data.train.type=jsonl", "--config.data.train.path"]
 GOOD = '{"prompt": "1+1=", "answer": "2"}\n'
 ENV = EIGHT + ["--config.env.name=calculator"]
 ROW = '{"instance_id": "a__b-1", "problem_statement": "p", "FAIL_TO_PASS": "[]"}\n'  # SWE-Gym's
-REPO = EIGHT + ["--config.model.hf_checkpoint=ckpt", "--config.env.name=repo",
-                "--config.env.isolation=rlimits", *JSONL, "tasks.jsonl",
-                "--config.data.train.prompt_field=problem", "--config.data.eval.type=jsonl",
-                "--config.data.eval.path=tasks.jsonl", "--config.data.eval.prompt_field=problem",
-                "--config.rl.num_generations=2", "--config.sampling.num_pages=4096"]  # fmt: skip
+REPO = EIGHT + [
+    "--config.model.hf_checkpoint=ckpt",
+    "--config.env.name=repo",
+    "--config.env.isolation=rlimits",
+    *JSONL,
+    "tasks.jsonl",
+    "--config.data.train.prompt_field=problem",
+    "--config.data.eval.type=jsonl",
+    "--config.data.eval.path=tasks.jsonl",
+    "--config.data.eval.prompt_field=problem",
+    "--config.rl.num_generations=2",
+    "--config.sampling.num_pages=4096",
+]
 
 CATALOGUE = [
     # The command line and the config: parse_args and launch.validate, before anything is built.
@@ -449,8 +457,15 @@ def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
         case.setup(monkeypatch)
     argv = case.argv + (["--workdir", case.workdir] if case.entry == "train" else [])
     before = snapshot(".")
-    mains = {"train": train, "eval": eval_, "export": export, "bench": bench, "images": images,
-             "make_repo_tasks": make_repo_tasks, "generate": generate}  # fmt: skip
+    mains = {
+        "train": train,
+        "eval": eval_,
+        "export": export,
+        "bench": bench,
+        "images": images,
+        "make_repo_tasks": make_repo_tasks,
+        "generate": generate,
+    }
     with on_devices(jax.devices()[: case.devices]):
         try:
             rc = mains[case.entry].main(argv)

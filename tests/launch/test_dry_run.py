@@ -38,8 +38,11 @@ def test_repo_config_dry_run_from_a_hub_cache_holding_config_json(tmp_path, monk
     assert set(phases) == {"learn", "rollout"}, out
     # the rollout holds its bf16 pool as bf16: XLA:CPU's f32 copies made it 48 GiB before
     assert 8 * 1024 < float(phases["rollout"]) < 24 * 1024, out
-    peak = re.search(r"estimated peak per device: ([\d.]+) MiB .*: fits (.*); this mesh's 8 "
-                     r"devices: TPU v5e-8, TPU v6e-8, TPU v5p-16", out)  # fmt: skip
+    peak = re.search(
+        r"estimated peak per device: ([\d.]+) MiB .*: fits (.*); this mesh's 8 "
+        r"devices: TPU v5e-8, TPU v6e-8, TPU v5p-16",
+        out,
+    )
     assert peak and float(peak[1]) == max(map(float, phases.values())), out
     assert "H100 (80 GiB)" in peak[2] and "not TPU v5e (16 GiB)" in peak[2], peak[2]
     # nothing fetched beside config.json

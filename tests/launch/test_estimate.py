@@ -49,15 +49,20 @@ def test_the_combiner_is_off_for_the_estimate_only():
     # the default pipeline merges them (fewer all-reduce instructions, tuple-shaped);
     # the estimate's keeps one per gradient and one per scalar
     assert _count(est.compiled.as_text(), "all-reduce") >= 8 > _count(default, "all-reduce")
-    assert estimate.OPTIONS == {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,"
-                                "float-normalization-bf16,all-reduce-promotion"}  # fmt: skip
+    assert estimate.OPTIONS == {
+        "xla_disable_hlo_passes": "cpu-all-reduce-combiner,"
+        "float-normalization-bf16,all-reduce-promotion"
+    }
     again = lowered.compile().as_text()  # nothing process-wide changed
     assert _count(again, "all-reduce") == _count(default, "all-reduce")
     # the figures read from the buffer assignment are memory_analysis()'s
     m = est.compiled.memory_analysis()
     assert (est.args, est.out, est.alias, est.temp) == (
-        m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-        m.temp_size_in_bytes)  # fmt: skip
+        m.argument_size_in_bytes,
+        m.output_size_in_bytes,
+        m.alias_size_in_bytes,
+        m.temp_size_in_bytes,
+    )
     # each gradient is summed in full, then sliced to its shard: what a GPU or TPU turns into a
     # reduce-scatter (an eighth of the sum on each device)
     assert len(estimate.reduce_scattered(hlo.parse(est.compiled.as_text()))) == 4
@@ -118,8 +123,9 @@ ENTRY %main (p: f32[64,32]) -> f32[32,16] {
     grads = estimate.gradient_reductions(text, {(32, 16), (4, 16)})
     assert [c.name for c in grads] == ["a", "b"]
     assert estimate.by_dtype(grads) == {
-        "f32": {"count": 1, "bytes": 32 * 16 * 4}, "bf16": {"count": 1, "bytes": 4 * 16 * 2},
-    }  # fmt: skip
+        "f32": {"count": 1, "bytes": 32 * 16 * 4},
+        "bf16": {"count": 1, "bytes": 4 * 16 * 2},
+    }
 
 
 def test_fits_and_slices():
@@ -128,6 +134,8 @@ def test_fits_and_slices():
     assert no == ["TPU v5e (16 GiB)"]
     assert estimate.fits(int(14.5 * GIB))[1] == ["TPU v5e (16 GiB)"]  # over 90% of 16 GiB
     assert estimate.fits(int(14.0 * GIB))[1] == []
-    assert estimate.fits(int(90 * GIB)) == ([], [
-        "TPU v5e (16 GiB)", "TPU v6e (32 GiB)", "H100 (80 GiB)", "TPU v5p (95 GiB)"])  # fmt: skip
+    assert estimate.fits(int(90 * GIB)) == (
+        [],
+        ["TPU v5e (16 GiB)", "TPU v6e (32 GiB)", "H100 (80 GiB)", "TPU v5p (95 GiB)"],
+    )
     assert "TPU v5e-8" in estimate.slices(8) and "TPU v5p-16" in estimate.slices(8)

@@ -49,9 +49,15 @@ def test_generate_from_a_training_workdir_samples_its_checkpoint(tmp_path, capsy
     restores it, sampled on the run's mesh with its tokenizer: greedy, the same completions as
     from its export (launch.export), and not the starting checkpoint's log-probs."""
     workdir = tmp_path / "run"
-    run = ["--config.num_steps=1", "--config.data.prompts_per_step=4", "--config.data.eval.num=8",
-           "--config.eval.pass_k=0", "--config.optim.warmup_steps=0",  # (warmup: lr 0 at step 0)
-           "--config.optim.learning_rate=1e-3", f"--workdir={workdir}"]  # fmt: skip
+    run = [
+        "--config.num_steps=1",
+        "--config.data.prompts_per_step=4",
+        "--config.data.eval.num=8",
+        "--config.eval.pass_k=0",
+        "--config.optim.warmup_steps=0",  # (warmup: lr 0 at step 0)
+        "--config.optim.learning_rate=1e-3",
+        f"--workdir={workdir}",
+    ]
     assert train_here(run) == 0
     assert export_main(["--workdir", str(workdir), "--out", str(tmp_path / "hf")]) == 0
     prompts = tmp_path / "p.jsonl"
@@ -59,8 +65,19 @@ def test_generate_from_a_training_workdir_samples_its_checkpoint(tmp_path, capsy
 
     def generate(checkpoint, *flags):
         out = tmp_path / f"{os.path.basename(checkpoint)}.jsonl"
-        argv = ["--hf_checkpoint", str(checkpoint), "--prompts", str(prompts), "--output",
-                str(out), "--temperature", "0", "--max_new_tokens", "6", *flags]  # fmt: skip
+        argv = [
+            "--hf_checkpoint",
+            str(checkpoint),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--temperature",
+            "0",
+            "--max_new_tokens",
+            "6",
+            *flags,
+        ]
         assert main(argv) == 0, capsys.readouterr().err
         return [json.loads(x) for x in out.read_text().splitlines()]
 

@@ -306,11 +306,16 @@ def test_a_moved_dataset_is_refused_before_its_files_are_fetched(tmp_path, monke
     from launch.cli import config_json, parse_args
 
     card = GSM8K_CARD.encode()
-    add_snapshot(tmp_path / "hub", "org/data", {"README.md": card}, B, refs=("main",),
-                 repo_type="dataset")  # fmt: skip
+    add_snapshot(
+        tmp_path / "hub", "org/data", {"README.md": card}, B, refs=("main",), repo_type="dataset"
+    )
     offline_hub(monkeypatch, tmp_path / "hub")
-    argv = ["--config.mesh.data=8", "--config.data.train.type=hf",
-            "--config.data.train.path=org/data", "--config.data.train.name=main"]  # fmt: skip
+    argv = [
+        "--config.mesh.data=8",
+        "--config.data.train.type=hf",
+        "--config.data.train.path=org/data",
+        "--config.data.train.name=main",
+    ]
     saved = config_json(parse_args(argv, {})[0])
     saved["data"]["train"]["hf_commit"] = A  # the run started from commit A
     os.makedirs(tmp_path / "run" / "checkpoints" / "1")
@@ -639,16 +644,19 @@ def test_a_hub_dataset_commit_is_pinned_and_checked_on_resume(hub):
             f"started from commit {D}; resume with --config.data.eval.revision={D} or use a "
             "new --workdir"
         )
-        pinned = parse_args(argv + [f"--config.data.train.revision={D}",
-                                    f"--config.data.eval.revision={D}"], {})[0]  # fmt: skip
+        pinned = parse_args(
+            argv + [f"--config.data.train.revision={D}", f"--config.data.eval.revision={D}"], {}
+        )[0]
         pin_data(pinned)
         check_resumable(saved, config_json(pinned))
         assert list(load_records(pinned.data.train)) == rows
         assert list(load_records(pinned.data.eval)) == eval_rows
         # another held-out set (data.eval may change on resume): its commit is not compared
         local_eval = os.path.join(str(hub), "gsm8k")
-        other_eval = parse_args(argv + [f"--config.data.train.revision={D}",
-                                        f"--config.data.eval.path={local_eval}"], {})[0]  # fmt: skip
+        other_eval = parse_args(
+            argv + [f"--config.data.train.revision={D}", f"--config.data.eval.path={local_eval}"],
+            {},
+        )[0]
         pin_data(other_eval)
         check_resumable(saved, config_json(other_eval))
         assert list(load_records(config.data.eval)) == eval_rows  # at the recorded commit

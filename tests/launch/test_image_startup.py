@@ -31,31 +31,54 @@ def images(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "python, found",
-    [("", "ModuleNotFoundError: No module named 'pytest' (found no pytest, no pluggy, python 3."),
-     ("/usr/bin/true", "the probe ended (ok, exit status 0) without a word")],
+    [
+        (
+            "",
+            "ModuleNotFoundError: No module named 'pytest' (found no pytest, no pluggy, python 3.",
+        ),
+        ("/usr/bin/true", "the probe ended (ok, exit status 0) without a word"),
+    ],
     ids=["no pytest", "not a python"],
-)  # fmt: skip
-def test_an_image_that_cannot_grade_is_refused_at_start_up(images, tmp_path, monkeypatch, capsys,
-                                                          python, found):  # fmt: skip
+)
+def test_an_image_that_cannot_grade_is_refused_at_start_up(
+    images, tmp_path, monkeypatch, capsys, python, found
+):
     monkeypatch.chdir(tmp_path)
-    record = {"instance_id": "calc__calc-1", "image": "nopytest", "problem": "add is wrong",
-              "fail_to_pass": ["tests/test_ops.py::test_add"], "pass_to_pass": []}  # fmt: skip
+    record = {
+        "instance_id": "calc__calc-1",
+        "image": "nopytest",
+        "problem": "add is wrong",
+        "fail_to_pass": ["tests/test_ops.py::test_add"],
+        "pass_to_pass": [],
+    }
     if python:
         record["python"] = python
     (tmp_path / "tasks.jsonl").write_text(json.dumps(record) + "\n")
     asset = os.path.join(ROOT, "configs", "assets", "repo_fix_sft")
-    argv = ["--config.mesh.data=8", f"--config.model.hf_checkpoint={asset}",
-            "--config.env.name=repo", "--config.env.isolation=bwrap",
-            f"--config.env.images_dir={images}", "--config.data.train.type=jsonl",
-            "--config.data.train.path=tasks.jsonl", "--config.data.train.prompt_field=problem",
-            "--config.data.eval.type=jsonl", "--config.data.eval.path=tasks.jsonl",
-            "--config.data.eval.prompt_field=problem", "--config.rl.num_generations=2",
-            "--config.num_steps=1", "--workdir", "run"]  # fmt: skip
+    argv = [
+        "--config.mesh.data=8",
+        f"--config.model.hf_checkpoint={asset}",
+        "--config.env.name=repo",
+        "--config.env.isolation=bwrap",
+        f"--config.env.images_dir={images}",
+        "--config.data.train.type=jsonl",
+        "--config.data.train.path=tasks.jsonl",
+        "--config.data.train.prompt_field=problem",
+        "--config.data.eval.type=jsonl",
+        "--config.data.eval.path=tasks.jsonl",
+        "--config.data.eval.prompt_field=problem",
+        "--config.rl.num_generations=2",
+        "--config.num_steps=1",
+        "--workdir",
+        "run",
+    ]
     rc = train_here(argv, devices=8)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    want = (f"error: repo record 'calc__calc-1': image 'nopytest' "
-            f"({python or '/opt/miniconda3/envs/testbed/bin/python'}): ")  # fmt: skip
+    want = (
+        f"error: repo record 'calc__calc-1': image 'nopytest' "
+        f"({python or '/opt/miniconda3/envs/testbed/bin/python'}): "
+    )
     assert rc == 2 and "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(want) and found in lines[0], lines[0]
     assert lines[0].endswith(": it cannot grade (every episode would be masked)"), lines[0]

@@ -52,7 +52,7 @@ _TOP_ENTRIES = [
     (".wh.same", "file", b"", 0o644),
     (".wh..wh.plnk", "dir", None, 0o700),  # aufs metadata: skipped
     (".wh..wh.plnk/1.2", "file", b"x", 0o644),
-]  # fmt: skip
+]
 TOP = layer(_TOP_ENTRIES)
 EXPECTED = {
     "etc": ("dir", 0o755, None),
@@ -307,10 +307,11 @@ def test_a_layer_without_end_blocks_or_last_padding_reads_as_go_reads_it(tmp_pat
         assert info["digest"] == digest, name
         got, links = tree(info["rootfs"])
         assert got == want and links == [["usr/bin/tool", "usr/bin/tool2"]], name
-    cut = {"last block": (_cut(top, "data", -10), "'last.txt': its data is cut short (690 of 700"),
-           "earlier blocks": (_cut(top, "data", -600), "'last.txt': its data is cut short"),
-           "a header cut short": (_cut(top, "pad", 100), "a partial block after member "
-                                  "'last.txt'")}  # fmt: skip
+    cut = {
+        "last block": (_cut(top, "data", -10), "'last.txt': its data is cut short (690 of 700"),
+        "earlier blocks": (_cut(top, "data", -600), "'last.txt': its data is cut short"),
+        "a header cut short": (_cut(top, "pad", 100), "a partial block after member 'last.txt'"),
+    }
     for i, (name, (top_layer, why)) in enumerate(cut.items()):
         src, out = tmp_path / f"cut{i}", tmp_path / f"none{i}"
         write_oci(str(src), [BOTTOM, top_layer])

@@ -73,7 +73,12 @@ def test_the_readme_installs_extras_that_exist_in_the_jax_range():
 def test_the_readme_check_prints_jax_devices():
     checks = [c for c in _commands() if c[:2] == ["python", "-c"]]
     assert checks == [shlex.split(CHECK)] * 2, checks
-    out = subprocess.run([sys.executable, "-c", checks[0][2]], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", checks[0][2]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.fullmatch(r"\[CpuDevice\(id=0\)(, CpuDevice\(id=\d+\))*\]\n", out.stdout), out.stdout

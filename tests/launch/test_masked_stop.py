@@ -24,10 +24,17 @@ class NoSandbox(CalculatorEnv):
 
 
 def _args(workdir, *extra):
-    return ["--config=configs/calc_tool.py", f"--workdir={workdir}",
-            "--config.data.prompts_per_step=4", "--config.sampling.num_slots=32",
-            "--config.sampling.num_pages=129", "--config.data.eval.num=8",
-            "--config.eval_every=0", "--config.checkpoint_every=1", *extra]  # fmt: skip
+    return [
+        "--config=configs/calc_tool.py",
+        f"--workdir={workdir}",
+        "--config.data.prompts_per_step=4",
+        "--config.sampling.num_slots=32",
+        "--config.sampling.num_pages=129",
+        "--config.data.eval.num=8",
+        "--config.eval_every=0",
+        "--config.checkpoint_every=1",
+        *extra,
+    ]
 
 
 def test_a_run_whose_episodes_are_all_masked_stops(tmp_path, capsys, monkeypatch):
@@ -35,8 +42,12 @@ def test_a_run_whose_episodes_are_all_masked_stops(tmp_path, capsys, monkeypatch
 
     monkeypatch.chdir(ROOT)
     workdir = tmp_path / "run"
-    argv = _args(workdir, "--config.num_steps=6", "--config.env.name=test_calculator_no_sandbox",
-                 "--config.env.max_masked_steps=2")  # fmt: skip
+    argv = _args(
+        workdir,
+        "--config.num_steps=6",
+        "--config.env.name=test_calculator_no_sandbox",
+        "--config.env.max_masked_steps=2",
+    )
     assert train_here(argv) == 3
     err = capsys.readouterr().err
     errors = [x for x in err.replace("\r", "\n").splitlines() if x.startswith("error:")]

@@ -25,8 +25,12 @@ def _recipe(home: str) -> list[list[str]]:
     for line in block.replace("\\\n", " ").splitlines():
         words = shlex.split(line.replace("$HOME", home).replace("~", home), comments=True)
         assert words[:2] == ["python", "-m"], line
-        out.append([w if not w.isdigit() or prev != "--num" else "4"
-                    for prev, w in zip(["", *words], words)][2:])  # fmt: skip
+        out.append(
+            [
+                w if not w.isdigit() or prev != "--num" else "4"
+                for prev, w in zip(["", *words], words)
+            ][2:]
+        )
     return out
 
 
@@ -46,8 +50,9 @@ def _config(argv: list[str]):
 def test_the_recipe_makes_both_task_sets_the_run_reads(recipe, capsys):
     makes = [c for c in recipe if c[0] == "launch.make_repo_tasks"]
     assert [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in makes] == [
-        "repo_tasks", "repo_tasks_eval"
-    ]  # fmt: skip
+        "repo_tasks",
+        "repo_tasks_eval",
+    ]
     for argv in makes:
         assert make_repo_tasks.main(argv[1:]) == 0
     assert "wrote 4 tasks" in capsys.readouterr().out
@@ -73,8 +78,10 @@ def test_a_missing_task_file_names_the_command_that_makes_it(recipe, split):
     message = str(e.value)
     path = config.data[split].path
     what = "held-out" if split == "eval" else "training"
-    assert message.startswith(f"config.data.{split}.path={path!r}: no jsonl file there (make the "
-                              f"{what} tasks with python -m launch.make_repo_tasks --out ")  # fmt: skip
+    assert message.startswith(
+        f"config.data.{split}.path={path!r}: no jsonl file there (make the "
+        f"{what} tasks with python -m launch.make_repo_tasks --out "
+    )
     command = message.split("with python -m ", 1)[1].rstrip(")")
     argv = shlex.split(command.replace("--num 512", "--num 4").replace("--num 64", "--num 4"))
     assert argv[0] == "launch.make_repo_tasks"
@@ -83,9 +90,15 @@ def test_a_missing_task_file_names_the_command_that_makes_it(recipe, split):
 
 
 def test_other_task_files_get_the_commands_of_their_names(tmp_path):
-    config = _config(["launch.train", "--config", CONFIG,
-                      f"--config.data.train.path={tmp_path}/v/valid.jsonl",
-                      f"--config.data.eval.path={tmp_path}/mine.jsonl"])  # fmt: skip
+    config = _config(
+        [
+            "launch.train",
+            "--config",
+            CONFIG,
+            f"--config.data.train.path={tmp_path}/v/valid.jsonl",
+            f"--config.data.eval.path={tmp_path}/mine.jsonl",
+        ]
+    )
     with pytest.raises(UsageError) as e:
         check_sources(config)
     assert str(e.value).endswith(
@@ -96,8 +109,10 @@ def test_other_task_files_get_the_commands_of_their_names(tmp_path):
     config.data.eval.path = str(tmp_path / "other.jsonl")
     with pytest.raises(UsageError) as e:
         check_sources(config)
-    assert str(e.value).endswith("(make the held-out tasks with python -m launch.make_repo_tasks "
-                                 "--out DIR --num 64 --seed 1, then set it to DIR/tasks.jsonl)")  # fmt: skip
+    assert str(e.value).endswith(
+        "(make the held-out tasks with python -m launch.make_repo_tasks "
+        "--out DIR --num 64 --seed 1, then set it to DIR/tasks.jsonl)"
+    )
     config.env.name = "calculator"  # no hint for another environment's data
     assert str(_raises(config)).endswith("no jsonl file there")
 

@@ -18,10 +18,15 @@ from tests.conftest import ROOT, train_here
 
 # The CPU demo at the tiny shapes of tests/launch/test_train.py, pass@k off (pass@0 is no metric).
 SMALL = [
-    "--config.data.prompts_per_step=4", "--config.rl.num_generations=4", "--config.data.eval.num=8",
-    "--config.eval.pass_k=0", "--config.eval_every=0", "--config.checkpoint_every=2",
-    "--config.sampling.num_slots=32", "--config.sampling.num_pages=128",
-]  # fmt: skip
+    "--config.data.prompts_per_step=4",
+    "--config.rl.num_generations=4",
+    "--config.data.eval.num=8",
+    "--config.eval.pass_k=0",
+    "--config.eval_every=0",
+    "--config.checkpoint_every=2",
+    "--config.sampling.num_slots=32",
+    "--config.sampling.num_pages=128",
+]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
@@ -33,8 +38,14 @@ def test_help_prints_the_usage_and_the_docstring(flag, capsys):
     assert (
         out.startswith("usage: python -m launch.train [--config FILE] [--workdir DIR] ") and not err
     )
-    for flag in ("--config FILE", "--workdir DIR", "--config.<field>=<value>", "--dry_run",
-                 "--print_config", "--help"):  # fmt: skip
+    for flag in (
+        "--config FILE",
+        "--workdir DIR",
+        "--config.<field>=<value>",
+        "--dry_run",
+        "--print_config",
+        "--help",
+    ):
         assert f"\n  {flag} " in out, flag
     assert launch.train.__doc__.strip() in out
 
@@ -49,14 +60,16 @@ def test_an_unknown_option_points_at_help():
 
 
 def test_the_config_is_printed_in_a_few_lines_however_many_fields_are_set():
-    _, overrides, _ = split_args([f"--config.data.train.path=/data/set{i}/train.jsonl"
-                                  for i in range(60)], FLAGS)  # fmt: skip
+    _, overrides, _ = split_args(
+        [f"--config.data.train.path=/data/set{i}/train.jsonl" for i in range(60)], FLAGS
+    )
     lines = config_lines("configs/default.py", overrides, "runs/x").splitlines()
     assert len(lines) == 17 and all(len(x) <= 100 for x in lines), lines
     assert lines[0].startswith("config configs/default.py; set on the command line: data.train")
     shown = " ".join(lines[:-1]).count("data.train.path=")
-    assert lines[-1] == (f"{60 - shown} more set; every field: runs/x/config.json "
-                         "(--print_config prints them here)")  # fmt: skip
+    assert lines[-1] == (
+        f"{60 - shown} more set; every field: runs/x/config.json (--print_config prints them here)"
+    )
     assert " ".join(lines).endswith(f"set{shown - 1}/train.jsonl {lines[-1]}")
     lines = config_lines("c.py", overrides[:3], "w").splitlines()
     assert lines == [
@@ -83,9 +96,10 @@ def test_progress_lines_every_n_steps_and_at_the_last(capsys):
         progress.step(step, {"reward_mean": step / 10, "loss": 0.5})
     lines = capsys.readouterr().err.splitlines()
     assert [x.split(" (")[0] for x in lines] == [
-        "step 4/10: reward 0.400 loss 0.5000", "step 8/10: reward 0.800 loss 0.5000",
+        "step 4/10: reward 0.400 loss 0.5000",
+        "step 8/10: reward 0.800 loss 0.5000",
         "step 10/10: reward 1.000 loss 0.5000",
-    ]  # fmt: skip
+    ]
     assert all(re.fullmatch(r".* \(\d+\.\d s/step\)", x) for x in lines), lines
     Progress(0, 10, 1, enabled=False).step(10, {"reward_mean": 0.0, "loss": 0.0})  # a bar instead
     assert capsys.readouterr().err == ""
@@ -103,8 +117,14 @@ def test_a_redirected_run_logs_lines_not_frames(tmp_path, capsys):
     workdir, log = tmp_path / "run", tmp_path / "log.txt"
     argv = [f"--workdir={workdir}", "--config.num_steps=4", "--config.log.progress_every=2", *SMALL]
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "launch.train", *argv], cwd=ROOT, stdout=f,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "launch.train", *argv],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=600,
+        )
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
     assert "\r" not in text and "grpo:" not in text  # no tqdm bar

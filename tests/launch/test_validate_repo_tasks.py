@@ -19,8 +19,9 @@ def diff(root: str, path: str, new: str) -> str:
     """A git-style unified diff of root/path to the text `new` (SWE-bench's `patch`)."""
     with open(os.path.join(root, path)) as f:
         old = f.read()
-    lines = difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"a/{path}",
-                                 f"b/{path}")  # fmt: skip
+    lines = difflib.unified_diff(
+        old.splitlines(True), new.splitlines(True), f"a/{path}", f"b/{path}"
+    )
     return f"diff --git a/{path} b/{path}\n" + "".join(lines)
 
 
@@ -43,13 +44,29 @@ def tasks_dir(tmp_path_factory):
     t0, t1, t2 = gen
     checkouts = d / "checkouts"
     shutil.copytree(t1["repo"], checkouts / "org__pkg-1")
-    row = {"instance_id": "org__pkg-1", "repo": "org/pkg", "base_commit": "0" * 40,
-           "problem_statement": t1["problem"], "FAIL_TO_PASS": json.dumps(t1["fail_to_pass"]),
-           "PASS_TO_PASS": json.dumps(t1["pass_to_pass"]),
-           "patch": diff(t1["repo"], t1["fix"]["path"], fixed(t1))}  # fmt: skip
+    row = {
+        "instance_id": "org__pkg-1",
+        "repo": "org/pkg",
+        "base_commit": "0" * 40,
+        "problem_statement": t1["problem"],
+        "FAIL_TO_PASS": json.dumps(t1["fail_to_pass"]),
+        "PASS_TO_PASS": json.dumps(t1["pass_to_pass"]),
+        "patch": diff(t1["repo"], t1["fix"]["path"], fixed(t1)),
+    }
     (d / "rows.jsonl").write_text(json.dumps(row) + "\n")
-    assert main(["--out", str(d / "swe"), "--from_rows", str(d / "rows.jsonl"), "--repos",
-                 str(checkouts)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--out",
+                str(d / "swe"),
+                "--from_rows",
+                str(d / "rows.jsonl"),
+                "--repos",
+                str(checkouts),
+            ]
+        )
+        == 0
+    )
     swe = json.loads((d / "swe" / "tasks.jsonl").read_text())
     assert swe["patch"] == row["patch"]  # the gold patch is carried over
 
@@ -57,25 +74,46 @@ def tasks_dir(tmp_path_factory):
     pkg = t2["fix"]["path"].split("/")[0]
     no_fix = {k: v for k, v in t2.items() if k != "fix"}
     broken = {  # instance id: (record, the beginning of its reason)
-        "already": ({**t0, "fail_to_pass": t0["fail_to_pass"] + util,
-                     "pass_to_pass": [n for n in t0["pass_to_pass"] if n not in util]},
-                    f"FAIL_TO_PASS already passing before the fix: {util}"),
-        "still": ({**no_fix, "patch": diff(t2["repo"], "README.md", "# fixed?\n")},
-                  f"FAIL_TO_PASS still failing after the fix: {t2['fail_to_pass']}"),
-        "before": ({**t0, "pass_to_pass": t0["pass_to_pass"] + t0["fail_to_pass"][:1]},
-                   f"PASS_TO_PASS failing before the fix: {t0['fail_to_pass'][:1]}"),
-        "breaks": ({**no_fix, "patch": diff(t2["repo"], t2["fix"]["path"], fixed(t2))
-                    + diff(t2["repo"], f"{pkg}/util.py", fixed(t2, f"{pkg}/util.py", "max(lo",
-                                                                "min(lo"))},
-                   "PASS_TO_PASS broken by the fix: ['tests/test_util.py::test_clamp']"),
-        "no_apply": ({**no_fix, "patch": diff(t1["repo"], t1["fix"]["path"], fixed(t1))},
-                     "the reference fix does not apply: "),
-        "setup": ({**t0, "setup": "echo no network >&2; exit 3"},
-                  "infrastructure error before the fix: setup failed: no network"),
-        "renamed": ({**t0, "fail_to_pass": [t0["fail_to_pass"][0] + "_renamed"]},
-                    "infrastructure error before the fix: "),
+        "already": (
+            {
+                **t0,
+                "fail_to_pass": t0["fail_to_pass"] + util,
+                "pass_to_pass": [n for n in t0["pass_to_pass"] if n not in util],
+            },
+            f"FAIL_TO_PASS already passing before the fix: {util}",
+        ),
+        "still": (
+            {**no_fix, "patch": diff(t2["repo"], "README.md", "# fixed?\n")},
+            f"FAIL_TO_PASS still failing after the fix: {t2['fail_to_pass']}",
+        ),
+        "before": (
+            {**t0, "pass_to_pass": t0["pass_to_pass"] + t0["fail_to_pass"][:1]},
+            f"PASS_TO_PASS failing before the fix: {t0['fail_to_pass'][:1]}",
+        ),
+        "breaks": (
+            {
+                **no_fix,
+                "patch": diff(t2["repo"], t2["fix"]["path"], fixed(t2))
+                + diff(
+                    t2["repo"], f"{pkg}/util.py", fixed(t2, f"{pkg}/util.py", "max(lo", "min(lo")
+                ),
+            },
+            "PASS_TO_PASS broken by the fix: ['tests/test_util.py::test_clamp']",
+        ),
+        "no_apply": (
+            {**no_fix, "patch": diff(t1["repo"], t1["fix"]["path"], fixed(t1))},
+            "the reference fix does not apply: ",
+        ),
+        "setup": (
+            {**t0, "setup": "echo no network >&2; exit 3"},
+            "infrastructure error before the fix: setup failed: no network",
+        ),
+        "renamed": (
+            {**t0, "fail_to_pass": [t0["fail_to_pass"][0] + "_renamed"]},
+            "infrastructure error before the fix: ",
+        ),
         "none": (no_fix, "no reference fix (neither a `patch` nor a `fix` field)"),
-    }  # fmt: skip
+    }
     records = [t0, swe] + [{**r, "instance_id": iid} for iid, (r, _) in broken.items()]
     (d / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return d, records, {iid: why for iid, (_, why) in broken.items()}
@@ -142,12 +180,20 @@ def test_image_records_validate_in_their_image(tmp_path, capsys):
     name = "sweb.eval.x86_64.calc__calc-2"
     python_image(str(tmp_path / "oci"), IMAGE_TESTBED, b'WHERE = "image"\n')
     unpack(str(tmp_path / "oci"), str(tmp_path / "images"), (name,))
-    good = {"instance_id": "calc__calc-2", "image": name, "problem": "add(2, 3) is -1",
-            "fail_to_pass": ["tests/test_ops.py::test_add"],
-            "pass_to_pass": ["tests/test_ops.py::test_neg"],
-            "fix": {"path": "calc/ops.py", "old": "a - b", "new": "a + b"}}  # fmt: skip
-    bad = {**good, "instance_id": "calc__calc-3", "pass_to_pass": [],
-           "fail_to_pass": good["fail_to_pass"] + good["pass_to_pass"]}  # fmt: skip
+    good = {
+        "instance_id": "calc__calc-2",
+        "image": name,
+        "problem": "add(2, 3) is -1",
+        "fail_to_pass": ["tests/test_ops.py::test_add"],
+        "pass_to_pass": ["tests/test_ops.py::test_neg"],
+        "fix": {"path": "calc/ops.py", "old": "a - b", "new": "a + b"},
+    }
+    bad = {
+        **good,
+        "instance_id": "calc__calc-3",
+        "pass_to_pass": [],
+        "fail_to_pass": good["fail_to_pass"] + good["pass_to_pass"],
+    }
     (tmp_path / "tasks.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     images = ["--images_dir", str(tmp_path / "images"), "--isolation", "bwrap"]
     assert main(["--validate", str(tmp_path), *images]) == 0

@@ -51,8 +51,9 @@ def _summary(workdir):
 def small_disk():
     """A 64 MiB tmpfs, unmounted after the test."""
     top = tempfile.mkdtemp(prefix="small_disk_")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", top],
-                             capture_output=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", top], capture_output=True
+    )
     if mounted.returncode:
         os.rmdir(top)
         pytest.skip(f"cannot mount a tmpfs here (root only): {mounted.stderr.decode().strip()}")
@@ -165,15 +166,20 @@ def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path):
     line naming the first's pid, and changes no file. After the first is killed with kill -9
     the second starts and resumes."""
     workdir = tmp_path / "run"
-    first = subprocess.Popen(_cmd(workdir, "--config.num_steps=1000"), cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    first = subprocess.Popen(
+        _cmd(workdir, "--config.num_steps=1000"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for(lambda: os.path.isdir(workdir / "checkpoints" / "3"), first, "checkpoint 3")
         first.send_signal(signal.SIGSTOP)
         before = _snapshot(workdir)
         start = time.monotonic()
-        second = subprocess.run(_cmd(workdir), cwd=ROOT, capture_output=True, text=True,
-                                timeout=300)  # fmt: skip
+        second = subprocess.run(
+            _cmd(workdir), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
         took = time.monotonic() - start
         assert second.returncode == 2, second.stderr[-3000:]
         host = os.uname().nodename
@@ -188,8 +194,9 @@ def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path):
     finally:
         first.kill()
         first.wait()
-    again = subprocess.run(_cmd(workdir, "--config.num_steps=4"), cwd=ROOT, capture_output=True,
-                           text=True, timeout=600)  # fmt: skip
+    again = subprocess.run(
+        _cmd(workdir, "--config.num_steps=4"), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from step" in again.stderr
 
@@ -215,8 +222,13 @@ def _wandb_counts(workdir) -> tuple[Counter, dict]:
     exe = os.path.join(os.path.dirname(sys.executable), "wandb")
     top = os.path.join(workdir, "wandb")
     for run in sorted(r for r in os.listdir(top) if r.startswith("offline-run-")):
-        out = subprocess.run([exe, "leet", "inspect", "--json", os.path.join(top, run)],
-                             capture_output=True, text=True, timeout=120, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [exe, "leet", "inspect", "--json", os.path.join(top, run)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
         for line in out.splitlines():
             record = json.loads(line)
             if record.get("type") == "history":
@@ -241,8 +253,14 @@ def test_kill9_then_resume_logs_every_step_once(tmp_path, straight):
     # Its own session: the kill takes the run and its W&B service process (wandb-core) at once,
     # as a lost machine does. (A kill of the trainer alone leaves wandb-core holding the run id
     # for a while: the resume waits for it, launch/logger.py.)
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         _wait_for(lambda: _logged_steps(workdir) >= 5, proc, "step 5")
     finally:

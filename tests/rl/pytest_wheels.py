@@ -24,14 +24,32 @@ import sys
 import zipfile
 
 SETS = {
-    "6.2.5": ("pytest==6.2.5", "pluggy==0.13.1", "py==1.11.0", "attrs==21.4.0", "toml==0.10.2",
-              "iniconfig==1.1.1", "packaging==21.3", "pyparsing==3.0.9"),
-    "7.2.1": ("pytest==7.2.1", "pluggy==1.0.0", "attrs==22.2.0", "iniconfig==1.1.1",
-              "packaging==23.0"),
+    "6.2.5": (
+        "pytest==6.2.5",
+        "pluggy==0.13.1",
+        "py==1.11.0",
+        "attrs==21.4.0",
+        "toml==0.10.2",
+        "iniconfig==1.1.1",
+        "packaging==21.3",
+        "pyparsing==3.0.9",
+    ),
+    "7.2.1": (
+        "pytest==7.2.1",
+        "pluggy==1.0.0",
+        "attrs==22.2.0",
+        "iniconfig==1.1.1",
+        "packaging==23.0",
+    ),
     "8.3.5": ("pytest==8.3.5", "pluggy==1.5.0", "iniconfig==2.0.0", "packaging==24.2"),
-    "9.0.3": ("pytest==9.0.3", "pluggy==1.6.0", "iniconfig==2.1.0", "packaging==25.0",
-              "pygments==2.19.2"),
-}  # fmt: skip
+    "9.0.3": (
+        "pytest==9.0.3",
+        "pluggy==1.6.0",
+        "iniconfig==2.1.0",
+        "packaging==25.0",
+        "pygments==2.19.2",
+    ),
+}
 
 
 class Missing(Exception):
@@ -51,23 +69,46 @@ def _wheel(cache: str, pin: str) -> str:
     stem = f"{name.replace('-', '_')}-{version}-"
 
     def find():
-        return next((f for f in sorted(os.listdir(cache)) if f.lower().startswith(stem)
-                     and f.endswith(".whl")), None)  # fmt: skip
+        return next(
+            (
+                f
+                for f in sorted(os.listdir(cache))
+                if f.lower().startswith(stem) and f.endswith(".whl")
+            ),
+            None,
+        )
 
     if (found := find()) is None and _offline:
         raise Missing(_offline[0])
     if found is None:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.11", "--retries", "1", "--timeout", "20", "--dest", cache,
-               pin]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--retries",
+            "1",
+            "--timeout",
+            "20",
+            "--dest",
+            cache,
+            pin,
+        ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
             why = (r.stderr.strip().splitlines() or ["?"])[-1]
         except (OSError, subprocess.TimeoutExpired) as err:
             why = str(err)
         if (found := find()) is None:  # no second try in this process: offline, say so at once
-            _offline.append(f"wheel {pin} is not in {cache} and pip download failed ({why}); "
-                            "fill the cache where PyPI is reachable: python -m tests.rl.pytest_wheels")  # fmt: skip
+            _offline.append(
+                f"wheel {pin} is not in {cache} and pip download failed ({why}); "
+                "fill the cache where PyPI is reachable: python -m tests.rl.pytest_wheels"
+            )
             raise Missing(_offline[0])
     return os.path.join(cache, found)
 

@@ -27,10 +27,21 @@ from rl.losses import LossConfig
 # Untied, so that lm_head and the embedding are two arrays; qkv biases and qk-norm scales, so
 # that every kind of parameter has a gradient.
 CFG = ModelConfig(
-    family="qwen3", vocab_size=256, d_model=64, d_ff=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=True, tie_embeddings=False,
-    dtype="bfloat16", remat=True, attention="blockwise",
-)  # fmt: skip
+    family="qwen3",
+    vocab_size=256,
+    d_model=64,
+    d_ff=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qkv_bias=True,
+    qk_norm=True,
+    tie_embeddings=False,
+    dtype="bfloat16",
+    remat=True,
+    attention="blockwise",
+)
 
 
 def _rand(shape, dtype, seed):
@@ -50,13 +61,22 @@ def test_weight_gradients_are_f32_sums_of_the_bf16_products():
     y = _rand((4, 128, 8), jnp.bfloat16, 5)
     dot = lambda a, c: jnp.sum(a.astype(jnp.float32) * c.astype(jnp.float32))
     losses = {  # each parameter's use, its loss and the f64 sum of the bf16 products
-        "matmul": (lambda w: dot(transformer._matmul("BTD,DF->BTF", x, w), ct), w,
-                   np.einsum("btd,btf->df", *(np.asarray(a, np.float64) for a in (x, ct)))),
-        "bias": (lambda b: dot(transformer._add(y, b), ct), b,
-                 np.asarray(ct, np.float64).sum((0, 1))),
-        "scale": (lambda s: dot(transformer._scale(s, x), x), s,
-                  (np.asarray(x, np.float64) ** 2).sum((0, 1))),
-    }  # fmt: skip
+        "matmul": (
+            lambda w: dot(transformer._matmul("BTD,DF->BTF", x, w), ct),
+            w,
+            np.einsum("btd,btf->df", *(np.asarray(a, np.float64) for a in (x, ct))),
+        ),
+        "bias": (
+            lambda b: dot(transformer._add(y, b), ct),
+            b,
+            np.asarray(ct, np.float64).sum((0, 1)),
+        ),
+        "scale": (
+            lambda s: dot(transformer._scale(s, x), x),
+            s,
+            (np.asarray(x, np.float64) ** 2).sum((0, 1)),
+        ),
+    }
     for name, (loss, p, ref) in losses.items():
         plain = jax.grad(loss)(p)  # outside the context: the compute dtype
         with transformer.weight_grads_in("float32"):
@@ -75,8 +95,9 @@ def _step(grad_reduce_dtype):
     graphdef, shapes = abstract_model(CFG)
     shardings = state_shardings(shapes, mesh, DEFAULT_RULES)
     params = with_shardings(shapes, shardings)
-    cfg = LearnerConfig(loss=LossConfig(kl_coef=0.04), grad_reduce_dtype=grad_reduce_dtype,
-                        logprob_chunk=32)  # fmt: skip
+    cfg = LearnerConfig(
+        loss=LossConfig(kl_coef=0.04), grad_reduce_dtype=grad_reduce_dtype, logprob_chunk=32
+    )
     learner = Learner(cfg, graphdef, shardings)
     batch = abstract_batch(8, 64, batch_sharding(mesh, DEFAULT_RULES), ref_logp=True)
     return estimate.compile(learner.lower_step(params, batch)), params
@@ -89,8 +110,11 @@ def test_partitioned_step_gathers_bf16_and_reduces_in_the_configured_dtype(
     est, params = _step(grad_reduce_dtype)
     named = flatten(params)
     # the sharded matrices; the embedding is looked up in its shards, never gathered
-    weights = {n: tuple(x.shape) for n, x in named.items()
-               if x.ndim >= 2 and x.sharding.shard_shape(x.shape) != x.shape and n != "embed"}  # fmt: skip
+    weights = {
+        n: tuple(x.shape)
+        for n, x in named.items()
+        if x.ndim >= 2 and x.sharding.shard_shape(x.shape) != x.shape and n != "embed"
+    }
     shapes = {tuple(x.shape) for x in named.values()}
     shapes |= {tuple(x.sharding.shard_shape(x.shape)) for x in named.values()}
     items = hlo.collectives(est.partitioned)

@@ -89,15 +89,29 @@ CASES = [
     ("wrong edit", ["sed -i 's/a - b/a * b/' calc/ops.py"], F2P, 0.0, ""),
     ("conftest.py forging reports", [CONFTEST], [UNIT], 0.0, "conftest.py"),
     ("test rewritten", [REWRITE], [UNIT], 0.0, "tests/test_ops.py"),
-    ("tests/__init__.py patch", [f"printf '{PATCH}' >> tests/__init__.py"], [UNIT], 0.0,
-     "tests/__init__.py"),
-    ("package __init__.py patch", [f"printf '{PATCH}' >> calc/__init__.py"], [UNIT], 0.0,
-     "tamper"),
-    (".pth in the image's site dir", [f"printf '{PATCH}' > {SITE}/evil.pth; ls {SITE}/evil.pth"],
-     [UNIT], 0.0, ""),
-    ("a hang at import, from the root conftest.py", [FIX, f"printf '{HANG}' >> calc/__init__.py"],
-     F2P, 0.0, "alarm"),
-]  # fmt: skip
+    (
+        "tests/__init__.py patch",
+        [f"printf '{PATCH}' >> tests/__init__.py"],
+        [UNIT],
+        0.0,
+        "tests/__init__.py",
+    ),
+    ("package __init__.py patch", [f"printf '{PATCH}' >> calc/__init__.py"], [UNIT], 0.0, "tamper"),
+    (
+        ".pth in the image's site dir",
+        [f"printf '{PATCH}' > {SITE}/evil.pth; ls {SITE}/evil.pth"],
+        [UNIT],
+        0.0,
+        "",
+    ),
+    (
+        "a hang at import, from the root conftest.py",
+        [FIX, f"printf '{HANG}' >> calc/__init__.py"],
+        F2P,
+        0.0,
+        "alarm",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +155,12 @@ def images(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def env(images):
-    cfg = make_config(images_dir=images["dir"], command_timeout_s=60.0,
-                      per_test_timeout_s=PER_TEST_S, test_timeout_s=120.0)  # fmt: skip
+    cfg = make_config(
+        images_dir=images["dir"],
+        command_timeout_s=60.0,
+        per_test_timeout_s=PER_TEST_S,
+        test_timeout_s=120.0,
+    )
     e = RepoEnv(TOK, cfg)
     if e.tools.mode != "bwrap":
         e.shutdown()
@@ -152,8 +170,13 @@ def env(images):
 
 
 def task(image: str, f2p=F2P) -> dict:
-    return {"instance_id": "calc__calc-1", "image": image, "problem": "add(2, 3) is not 5",
-            "fail_to_pass": list(f2p), "pass_to_pass": P2P}  # fmt: skip
+    return {
+        "instance_id": "calc__calc-1",
+        "image": image,
+        "problem": "add(2, 3) is not 5",
+        "fail_to_pass": list(f2p),
+        "pass_to_pass": P2P,
+    }
 
 
 def run_case(env, image: str, commands, f2p):
@@ -166,9 +189,11 @@ def run_case(env, image: str, commands, f2p):
 
 @pytest.mark.parametrize(
     "release",
-    [pytest.param(r, marks=[] if r in ("6.2.5", "9.0.3") else [pytest.mark.slow])
-     for r in pytest_wheels.SETS],
-)  # fmt: skip
+    [
+        pytest.param(r, marks=[] if r in ("6.2.5", "9.0.3") else [pytest.mark.slow])
+        for r in pytest_wheels.SETS
+    ],
+)
 def test_every_case_grades_the_same_on_each_pytest(env, images, release):
     name = images["build"](release)
     rootfs = os.path.realpath(os.path.join(images["dir"], name, "rootfs"))
@@ -193,8 +218,10 @@ def test_every_case_grades_the_same_on_each_pytest(env, images, release):
         if why.startswith(".pth"):  # the site dir is the image's, read-only: never written
             assert "evil.pth: Read-only file system" in out and "No such file" in out, out
             assert ep.metrics["pass_to_pass_frac"] == 1.0, ep.metrics
-    print(f"\npytest {release}: {len(CASES)} episodes in {time.monotonic() - t0:.1f} s\n  "
-          + "\n  ".join(rows))  # fmt: skip
+    print(
+        f"\npytest {release}: {len(CASES)} episodes in {time.monotonic() - t0:.1f} s\n  "
+        + "\n  ".join(rows)
+    )
     assert not bad, bad
     assert repo_images.tree_hash(rootfs) == before  # the image was never written
 
@@ -202,9 +229,10 @@ def test_every_case_grades_the_same_on_each_pytest(env, images, release):
 def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, images):
     """No pytest at all, or a pytest older than 6.2 (a stand-in that says 5.4.3): the probe's
     line names what it found; every episode is masked, none scored."""
-    for release, found in (("none", "(found no pytest, no pluggy, python 3."),
-                           ("5.4.3", "grading needs pytest >= 6.2 (found pytest 5.4.3, pluggy "
-                            "0.13.1, python 3.")):  # fmt: skip
+    for release, found in (
+        ("none", "(found no pytest, no pluggy, python 3."),
+        ("5.4.3", "grading needs pytest >= 6.2 (found pytest 5.4.3, pluggy 0.13.1, python 3."),
+    ):
         name = images["build"](release)
         ep, reward, _ = run_case(env, name, [FIX], F2P)
         assert env.masked(ep) and reward == 0.0, (release, ep.infra_error)
@@ -238,9 +266,11 @@ def test_start_up_probes_every_image_once_and_refuses_the_first_that_cannot(imag
         repo.check_records(records, env)
     line = str(err.value)
     assert line.startswith("repo record 't1': image 'pytest-none' (") and "\n" not in line, line
-    assert line.endswith(f"No module named 'pytest' (found no pytest, no pluggy, python "
-                         f"{sys.version.split()[0]}): it cannot grade (every episode would be "
-                         "masked)"), line  # fmt: skip
+    assert line.endswith(
+        f"No module named 'pytest' (found no pytest, no pluggy, python "
+        f"{sys.version.split()[0]}): it cannot grade (every episode would be "
+        "masked)"
+    ), line
     probed = [k for k in repo._graded if k[0].startswith(os.path.realpath(images["dir"]))]
     assert len(probed) == 3 and sum(bool(repo._graded[k]) for k in probed) == 2
     assert sorted(probes.values()) == [1, 1, 1], probes  # six records, three images, once each

@@ -12,8 +12,15 @@ from sampling.pages import PageBook
 from sampling.requests import EngineConfig
 
 # 8 slots, pages of 4 tokens, 32 pages (31 usable) per shard of one.
-ECFG = EngineConfig(num_slots=8, page_size=4, num_pages=32, max_prompt_len=16, max_new_tokens=12,
-                    steps_per_call=4, reserve="budget")  # fmt: skip
+ECFG = EngineConfig(
+    num_slots=8,
+    page_size=4,
+    num_pages=32,
+    max_prompt_len=16,
+    max_new_tokens=12,
+    steps_per_call=4,
+    reserve="budget",
+)
 DEMAND = dataclasses.replace(ECFG, reserve="demand", kv_watermark=0.1)
 
 
