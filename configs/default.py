@@ -49,9 +49,15 @@ def get_config():
     c.mesh.fsdp = 1  # FSDP axis size (shards the model dimension of weights)
     c.mesh.tensor = 1  # tensor-parallel axis size (heads, MLP, vocabulary)
     c.rules = (  # logical axis -> mesh axes (models/sharding.py)
-        ("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"),
-        ("kv_heads", "tensor"), ("head_dim", None), ("norm", None), ("batch", ("data", "fsdp")),
-    )  # fmt: skip
+        ("vocab", "tensor"),
+        ("embed", "fsdp"),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("norm", None),
+        ("batch", ("data", "fsdp")),
+    )
 
     c.model = ml_collections.ConfigDict()
     c.model.hf_checkpoint = os.path.join(ASSETS, "arithmetic_sft")  # HF dir or Hub id ("org/name")

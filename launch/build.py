@@ -63,14 +63,23 @@ class Run:
     env: Environment | None = None  # multi-turn episodes (config.env.name), else single-turn
 
     def rollouts(self) -> Rollouts:
-        return Rollouts(self.config, self.engines["rollout"], self.tokenizer, self.learner,
-                        self.ref_params, self.batch_sharding, self.ids.pad_id, self.env)  # fmt: skip
+        return Rollouts(
+            self.config,
+            self.engines["rollout"],
+            self.tokenizer,
+            self.learner,
+            self.ref_params,
+            self.batch_sharding,
+            self.ids.pad_id,
+            self.env,
+        )
 
     def evaluate(self, params, records) -> dict:
         """Held-out greedy accuracy and pass@k of params (rl.evaluation)."""
         e, c = self.engines, self.config
-        return evaluate(e["greedy"], e["eval"], params, records, self.tokenizer, c, c.seed,
-                        self.env)  # fmt: skip
+        return evaluate(
+            e["greedy"], e["eval"], params, records, self.tokenizer, c, c.seed, self.env
+        )
 
 
 def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
@@ -98,8 +107,19 @@ def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
         "eval": engine(SamplingParams(temperature=config.eval.temperature)),
     }
     check_hosts(mesh, rules, model_cfg.num_kv_heads, config.sampling.weights_layout)
-    return Run(config, mesh, model_cfg, ids, tokenizer, learner, learner.init_state(params),
-               ref_params, engines, batch_sharding(mesh, rules), env)  # fmt: skip
+    return Run(
+        config,
+        mesh,
+        model_cfg,
+        ids,
+        tokenizer,
+        learner,
+        learner.init_state(params),
+        ref_params,
+        engines,
+        batch_sharding(mesh, rules),
+        env,
+    )
 
 
 def check_hosts(mesh, rules, kv_heads: int, weights_layout: str = "training") -> None:
@@ -135,8 +155,9 @@ def prepare(config) -> tuple[Run, object, list]:
     sampling.max_prompt_len, or one the tokenizer cannot encode, fails now (one line naming the
     record), before the workdir is written, not at the first evaluation or hours into the run."""
     run = build(config)
-    data = make_prompt_stream(config.data.train, batch_size=config.data.prompts_per_step,
-                              seed=config.seed)  # fmt: skip
+    data = make_prompt_stream(
+        config.data.train, batch_size=config.data.prompts_per_step, seed=config.seed
+    )
     try:
         eval_records = check_prompts(config, run)
     except Exception:
@@ -187,8 +208,11 @@ def restore_latest(
     check_seed(run.config.seed, meta, ckpt.directory)
     state = run.learner.restored(run.state, saved)
     for bad, why in skipped:
-        print(f"checkpoint step {bad} in {ckpt.directory} is unusable ({why}); resuming from "
-              f"step {meta['step']}", file=sys.stderr)  # fmt: skip
+        print(
+            f"checkpoint step {bad} in {ckpt.directory} is unusable ({why}); resuming from "
+            f"step {meta['step']}",
+            file=sys.stderr,
+        )
     data.set_state(meta["data"])
     return state, meta["step"], meta["summary"]
 
@@ -206,10 +230,14 @@ def check_seed(seed: int, meta: dict, directory: str) -> None:
         return
     old = meta["key"][-1] if meta["key"] else None  # config.seed is in [0, 2**31)
     if isinstance(old, int) and 0 <= old < 2**31 and seed_key(old) == meta["key"]:
-        raise UsageError(f"config.seed={seed}: the checkpoint in {directory} was written with "
-                         f"seed {old}; resume with --config.seed={old} or use a new --workdir")  # fmt: skip
-    raise UsageError(f"config.seed={seed}: the checkpoint in {directory} was written with another "
-                     "seed; resume with that run's seed or use a new --workdir")  # fmt: skip
+        raise UsageError(
+            f"config.seed={seed}: the checkpoint in {directory} was written with "
+            f"seed {old}; resume with --config.seed={old} or use a new --workdir"
+        )
+    raise UsageError(
+        f"config.seed={seed}: the checkpoint in {directory} was written with another "
+        "seed; resume with that run's seed or use a new --workdir"
+    )
 
 
 def base_checksums(run: Run) -> dict | None:

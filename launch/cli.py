@@ -42,8 +42,11 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     if not os.path.exists(path):
         raise UsageError(f"--config: {path} does not exist")
     if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                       if f.endswith(".py") and not f.startswith("_"))  # fmt: skip
+        files = sorted(
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if f.endswith(".py") and not f.startswith("_")
+        )
         hint = f" (it holds {', '.join(files[:3])}{', ...' * (len(files) > 3)})" if files else ""
         raise UsageError(f"--config: {path} is a directory, not a config file{hint}")
     # An explicit loader, so that a name without .py loads too (importlib finds none for it).
@@ -65,8 +68,10 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     except Exception as e:  # noqa: BLE001
         raise _config_error(path, e) from None
     if not isinstance(config, ml_collections.ConfigDict):
-        raise UsageError(f"--config: {path}: get_config() returned a {type(config).__name__}, "
-                         "not an ml_collections.ConfigDict")  # fmt: skip
+        raise UsageError(
+            f"--config: {path}: get_config() returned a {type(config).__name__}, "
+            "not an ml_collections.ConfigDict"
+        )
     return config
 
 

@@ -58,9 +58,18 @@ def peer_failed(error: Exception) -> NoReturn:
     if not lost:
         traceback.print_exception(error)
     first = (text.splitlines() or [type(error).__name__])[0][:300]
-    advice = (" If another process died, restart all of them with the same command: the run "
-              "resumes from its last complete checkpoint.") if lost else ""  # fmt: skip
-    print(f"error: process {jax.process_index()} of {jax.process_count()} stopped: {first}.{advice}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    advice = (
+        (
+            " If another process died, restart all of them with the same command: the run "
+            "resumes from its last complete checkpoint."
+        )
+        if lost
+        else ""
+    )
+    print(
+        f"error: process {jax.process_index()} of {jax.process_count()} stopped: {first}.{advice}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(1)

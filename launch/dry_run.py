@@ -83,29 +83,40 @@ def _per_device_bytes(tree) -> int:
 
 
 def abstract_batch(
-    rows: int, t: int, sharding, old_logp: bool = False, ref_logp: bool = False,
+    rows: int,
+    t: int,
+    sharding,
+    old_logp: bool = False,
+    ref_logp: bool = False,
     stop_masked: bool = False,
-) -> Batch:  # fmt: skip
+) -> Batch:
     """A learner Batch of `rows` rows of t tokens as sharded ShapeDtypeStructs (nothing allocated);
     the optional per-token fields are present when asked for."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     per_token = lambda dtype="float32": spec((rows, t - 1), dtype)
     return Batch(
-        tokens=spec((rows, t), "int32"), positions=spec((rows, t), "int32"),
-        segment_ids=spec((rows, t), "int32"), loss_mask=per_token(), advantages=per_token(),
-        sampler_logp=per_token(), old_logp=per_token() if old_logp else None,
+        tokens=spec((rows, t), "int32"),
+        positions=spec((rows, t), "int32"),
+        segment_ids=spec((rows, t), "int32"),
+        loss_mask=per_token(),
+        advantages=per_token(),
+        sampler_logp=per_token(),
+        old_logp=per_token() if old_logp else None,
         ref_logp=per_token() if ref_logp else None,
         stop_masked=per_token("bool") if stop_masked else None,
-    )  # fmt: skip
+    )
 
 
 def _batch(config, rows, sharding) -> Batch:
     s = config.sampling
     return abstract_batch(
-        rows, s.max_prompt_len + s.max_new_tokens, sharding,
-        old_logp=config.rl.old_logp != "recompute", ref_logp=config.rl.kl_coef > 0,
+        rows,
+        s.max_prompt_len + s.max_new_tokens,
+        sharding,
+        old_logp=config.rl.old_logp != "recompute",
+        ref_logp=config.rl.kl_coef > 0,
         stop_masked=bool(s.min_new_tokens),
-    )  # fmt: skip
+    )
 
 
 def dry_run(config) -> int:
@@ -180,6 +191,8 @@ def _compare_full(learner: Learner, params, cfg, kl: bool) -> None:
     )
     weights = _per_device_bytes(base)
     full = weights + _per_device_bytes(opt)
-    print(f"LoRA       rank {cfg.lora_rank}: {param_count(trainable) / 1e6:.2f}M trainable of "
-          f"{param_count(params) / 1e6:.1f}M; a full fine-tune holds params + optimizer "
-          f"{full / MIB:.1f} MiB, reference {weights * kl / MIB:.1f} MiB")  # fmt: skip
+    print(
+        f"LoRA       rank {cfg.lora_rank}: {param_count(trainable) / 1e6:.2f}M trainable of "
+        f"{param_count(params) / 1e6:.1f}M; a full fine-tune holds params + optimizer "
+        f"{full / MIB:.1f} MiB, reference {weights * kl / MIB:.1f} MiB"
+    )

@@ -65,12 +65,16 @@ def main(argv=None) -> int:
         if args.dtype not in (None, *DTYPES):
             raise UsageError(f"--dtype {args.dtype}: expected one of {DTYPES}")
         if os.path.realpath(args.out) == os.path.realpath(args.workdir):
-            raise UsageError(f"--out {args.out}: is the run's workdir (its config.json would be "
-                             "overwritten); export to a new directory")  # fmt: skip
+            raise UsageError(
+                f"--out {args.out}: is the run's workdir (its config.json would be "
+                "overwritten); export to a new directory"
+            )
         check_writable_dir("--out", args.out)
         if args.adapter and not _lora_rank(args.workdir):  # before the run is restored
-            raise UsageError(f"--adapter: the run in {args.workdir} has no LoRA adapters "
-                             "(config.model.lora.rank = 0); export it without --adapter")  # fmt: skip
+            raise UsageError(
+                f"--adapter: the run in {args.workdir} has no LoRA adapters "
+                "(config.model.lora.rank = 0); export it without --adapter"
+            )
         run, step = load_run(args.workdir, args.step, runs_code=False)  # no sandbox probe
     except UsageError as e:
         return fail(str(e))

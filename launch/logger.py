@@ -127,12 +127,15 @@ class RunLogger:
         `summary` is updated on every process, written by process 0."""
         k = f"pass@{config.eval.pass_k}"
         summary.update(
-            accuracy_after=after["accuracy"], steps=config.num_steps, wall_seconds=wall,
-            rollout_seconds=totals["rollout_seconds"], learn_seconds=totals["learn_seconds"],
+            accuracy_after=after["accuracy"],
+            steps=config.num_steps,
+            wall_seconds=wall,
+            rollout_seconds=totals["rollout_seconds"],
+            learn_seconds=totals["learn_seconds"],
             rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_seconds"], 1e-9),
             learn_tokens_per_s=totals["learn_tokens"] / max(totals["learn_seconds"], 1e-9),
             params_fingerprint=params_fingerprint,
-        )  # fmt: skip
+        )
         if config.eval.pass_k and _measured(after.get(k)):
             summary[k] = after[k]
         if not self.enabled:
@@ -144,8 +147,10 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.summary.update(summary)
         before = summary.get("accuracy_before", float("nan"))
-        print(f"held-out greedy accuracy: before {before:.3f}, after {after['accuracy']:.3f} "
-              f"({config.num_steps} steps, {wall:.0f} s); {self.workdir}")  # fmt: skip
+        print(
+            f"held-out greedy accuracy: before {before:.3f}, after {after['accuracy']:.3f} "
+            f"({config.num_steps} steps, {wall:.0f} s); {self.workdir}"
+        )
 
     def close(self) -> None:
         if self.enabled:

@@ -52,8 +52,16 @@ import textwrap
 
 from launch.cli import ArgumentParser
 
-PACKAGES = ("shoplib", "geomkit", "timeutil", "gradebook", "invtrack", "statpak", "unitconv",
-            "textops")  # fmt: skip
+PACKAGES = (
+    "shoplib",
+    "geomkit",
+    "timeutil",
+    "gradebook",
+    "invtrack",
+    "statpak",
+    "unitconv",
+    "textops",
+)
 
 
 def _dedent(s: str) -> str:
@@ -98,11 +106,17 @@ def _pricing(rng: random.Random) -> dict:
         def test_with_tax():
             assert with_tax(100) == {100 + tax}
     """)
-    return dict(module="pricing", src=src, tests=tests, old="return price * qty",
-                new_bug="return price + qty", f2p=["test_line_total", "test_order_total"],
-                p2p=["test_with_tax"],
-                problem=f"line_total({p}, {q}) returns {p + q} instead of {p * q}, so order "
-                        "totals are wrong.")  # fmt: skip
+    return dict(
+        module="pricing",
+        src=src,
+        tests=tests,
+        old="return price * qty",
+        new_bug="return price + qty",
+        f2p=["test_line_total", "test_order_total"],
+        p2p=["test_with_tax"],
+        problem=f"line_total({p}, {q}) returns {p + q} instead of {p * q}, so order "
+        "totals are wrong.",
+    )
 
 
 def _ranges(rng: random.Random) -> dict:
@@ -142,11 +156,17 @@ def _ranges(rng: random.Random) -> dict:
         def test_evens():
             assert evens([1, 2, 3, 4]) == [2, 4]
     """)
-    return dict(module="ranges", src=src, tests=tests, old="range(1, n + 1)",
-                new_bug="range(1, n)", f2p=["test_sum_to", "test_sum_to_one"],
-                p2p=["test_sum_to_zero", "test_evens"],
-                problem=f"sum_to({n}) should be 1 + 2 + ... + {n} = {n * (n + 1) // 2} but "
-                        f"returns {n * (n - 1) // 2}.")  # fmt: skip
+    return dict(
+        module="ranges",
+        src=src,
+        tests=tests,
+        old="range(1, n + 1)",
+        new_bug="range(1, n)",
+        f2p=["test_sum_to", "test_sum_to_one"],
+        p2p=["test_sum_to_zero", "test_evens"],
+        problem=f"sum_to({n}) should be 1 + 2 + ... + {n} = {n * (n + 1) // 2} but "
+        f"returns {n * (n - 1) // 2}.",
+    )
 
 
 def _window(rng: random.Random) -> dict:
@@ -174,9 +194,16 @@ def _window(rng: random.Random) -> dict:
         def test_last_zero():
             assert last([1, 2], 0) == []
     """)
-    return dict(module="window", src=src, tests=tests, old="return xs[-k:]",
-                new_bug="return xs[-k + 1:]", f2p=["test_last_k"], p2p=["test_last_zero"],
-                problem=f"last({xs}, {k}) returns {xs[-k + 1:]}: one item too few.")  # fmt: skip
+    return dict(
+        module="window",
+        src=src,
+        tests=tests,
+        old="return xs[-k:]",
+        new_bug="return xs[-k + 1:]",
+        f2p=["test_last_k"],
+        p2p=["test_last_zero"],
+        problem=f"last({xs}, {k}) returns {xs[-k + 1 :]}: one item too few.",
+    )
 
 
 def _clock(rng: random.Random) -> dict:
@@ -204,10 +231,16 @@ def _clock(rng: random.Random) -> dict:
         def test_minutes():
             assert to_seconds(minutes=2, seconds=5) == 125
     """)
-    return dict(module="clock", src=src, tests=tests, old="SECONDS_PER_HOUR = 3600",
-                new_bug=f"SECONDS_PER_HOUR = {bad}", f2p=["test_hours"], p2p=["test_minutes"],
-                problem=f"to_seconds(hours={h}) gives {h * bad}; {h} hours are {h * 3600} "
-                        "seconds.")  # fmt: skip
+    return dict(
+        module="clock",
+        src=src,
+        tests=tests,
+        old="SECONDS_PER_HOUR = 3600",
+        new_bug=f"SECONDS_PER_HOUR = {bad}",
+        f2p=["test_hours"],
+        p2p=["test_minutes"],
+        problem=f"to_seconds(hours={h}) gives {h * bad}; {h} hours are {h * 3600} seconds.",
+    )
 
 
 def _grades(rng: random.Random) -> dict:
@@ -235,10 +268,17 @@ def _grades(rng: random.Random) -> dict:
         def test_fail_low():
             assert not passed(10)
     """)
-    return dict(module="grades", src=src, tests=tests, old=f"PASS_MARK = {mark}",
-                new_bug=f"PASS_MARK = {bad}", f2p=["test_pass_at_mark"], p2p=["test_fail_low"],
-                problem=f"A score of {score} should pass (the pass mark is {mark}), but "
-                        f"passed({score}) is False.")  # fmt: skip
+    return dict(
+        module="grades",
+        src=src,
+        tests=tests,
+        old=f"PASS_MARK = {mark}",
+        new_bug=f"PASS_MARK = {bad}",
+        f2p=["test_pass_at_mark"],
+        p2p=["test_fail_low"],
+        problem=f"A score of {score} should pass (the pass mark is {mark}), but "
+        f"passed({score}) is False.",
+    )
 
 
 def _stats(rng: random.Random) -> dict:
@@ -265,11 +305,16 @@ def _stats(rng: random.Random) -> dict:
         def test_mean_empty():
             assert mean([]) == 0.0
     """)
-    return dict(module="stats", src=src, tests=tests,
-                old="    if not xs:\n        return 0.0\n    return sum(xs) / len(xs)",
-                new_bug="    return sum(xs) / len(xs)", f2p=["test_mean_empty"],
-                p2p=["test_mean"],
-                problem="mean([]) raises ZeroDivisionError; it should return 0.0 as documented.")  # fmt: skip
+    return dict(
+        module="stats",
+        src=src,
+        tests=tests,
+        old="    if not xs:\n        return 0.0\n    return sum(xs) / len(xs)",
+        new_bug="    return sum(xs) / len(xs)",
+        f2p=["test_mean_empty"],
+        p2p=["test_mean"],
+        problem="mean([]) raises ZeroDivisionError; it should return 0.0 as documented.",
+    )
 
 
 def _words(rng: random.Random) -> dict:
@@ -297,16 +342,24 @@ def _words(rng: random.Random) -> dict:
         def test_first_word_blank():
             assert first_word("   ") == ""
     """)
-    return dict(module="words", src=src, tests=tests,
-                old='    if not words:\n        return ""\n    return words[0]',
-                new_bug="    return words[0]", f2p=["test_first_word_blank"],
-                p2p=["test_first_word"],
-                problem="first_word on a blank string raises IndexError instead of returning "
-                        "''.")  # fmt: skip
+    return dict(
+        module="words",
+        src=src,
+        tests=tests,
+        old='    if not words:\n        return ""\n    return words[0]',
+        new_bug="    return words[0]",
+        f2p=["test_first_word_blank"],
+        p2p=["test_first_word"],
+        problem="first_word on a blank string raises IndexError instead of returning ''.",
+    )
 
 
-TEMPLATES = {"operator": [_pricing], "off_by_one": [_ranges, _window],
-             "constant": [_clock, _grades], "edge_case": [_stats, _words]}  # fmt: skip
+TEMPLATES = {
+    "operator": [_pricing],
+    "off_by_one": [_ranges, _window],
+    "constant": [_clock, _grades],
+    "edge_case": [_stats, _words],
+}
 KINDS = tuple(TEMPLATES)
 
 UTIL_SRC = _dedent('''
@@ -331,8 +384,9 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def make_task(out: str, index: int, rng: random.Random, kind: str | None = None,
-              template=None) -> dict:  # fmt: skip
+def make_task(
+    out: str, index: int, rng: random.Random, kind: str | None = None, template=None
+) -> dict:
     """Writes one repository under out/repos and returns its row (the repo a directory); the bug
     kind is the index's in turn and the template drawn among the kind's, unless given."""
     kind = kind or KINDS[index % len(KINDS)]
@@ -570,8 +624,9 @@ def main(argv=None) -> int:
         from rl.envs.repo_tasks import RowsError, convert_rows, read_rows
 
         try:
-            rows, commit = read_rows(a.from_rows, name=a.name or None, split=a.split,
-                                     revision=a.revision)  # fmt: skip
+            rows, commit = read_rows(
+                a.from_rows, name=a.name or None, split=a.split, revision=a.revision
+            )
         except RowsError as e:
             return fail(str(e))
         records, skipped = convert_rows(rows, a.repos, a.images_dir, a.image_template)
@@ -586,8 +641,9 @@ def main(argv=None) -> int:
         for reason in skipped[:10]:
             print(f"skipped {reason}")
         at = f" ({a.from_rows} at commit {commit})" if commit else ""
-        print(f"wrote {len(records)} of {len(rows)} rows to {os.path.join(a.out, 'tasks.jsonl')}"
-              + at)  # fmt: skip
+        print(
+            f"wrote {len(records)} of {len(rows)} rows to {os.path.join(a.out, 'tasks.jsonl')}" + at
+        )
         return 0
     os.makedirs(a.out, exist_ok=True)
     rows = make_tasks(a.out, a.num, a.seed, a.tar)

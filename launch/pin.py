@@ -25,8 +25,12 @@ def model_dir(c: ml_collections.ConfigDict, weights: bool = True) -> str:
     m = c.model
     rev = m.get("hf_commit", "") or m.get("revision", "")
     try:
-        return resolve(m.hf_checkpoint, rev, allow_patterns=_files(weights),
-                       shown_revision=m.get("revision", ""))[0]  # fmt: skip
+        return resolve(
+            m.hf_checkpoint,
+            rev,
+            allow_patterns=_files(weights),
+            shown_revision=m.get("revision", ""),
+        )[0]
     except HubError as e:
         raise UsageError(str(e)) from None
 
@@ -74,8 +78,9 @@ def pin_data(c: ml_collections.ConfigDict) -> None:
             import datasets  # noqa: F401
         except ImportError:  # validate names the missing library
             return
-        src.hf_commit = agreed(lambda rev, s=src, n=split: _dataset_commit(s, rev, n),
-                                src.get("revision", ""))  # fmt: skip
+        src.hf_commit = agreed(
+            lambda rev, s=src, n=split: _dataset_commit(s, rev, n), src.get("revision", "")
+        )
 
 
 def pinned_commits(c: ml_collections.ConfigDict) -> dict:
@@ -120,17 +125,26 @@ def _dataset_commit(src, revision: str, split: str = "train") -> str:
     if is_local(src.path) or names_files(src.path):
         return ""  # (validate names a missing file)
     try:  # the card only: the subset's files are fetched by validate / rl.sources at this commit
-        return resolve(src.path, revision, field=f"config.data.{split}.path",
-                       revision_field=f"config.data.{split}.revision", repo_type="dataset",
-                       allow_patterns=("README.md",))[1]  # fmt: skip
+        return resolve(
+            src.path,
+            revision,
+            field=f"config.data.{split}.path",
+            revision_field=f"config.data.{split}.revision",
+            repo_type="dataset",
+            allow_patterns=("README.md",),
+        )[1]
     except HubError as e:
         raise UsageError(str(e)) from None
 
 
 def _resolve_commit(c: ml_collections.ConfigDict, revision: str, weights: bool) -> str:
     try:  # (a line about the pinned commit names the revision the user gave, if any)
-        return resolve(c.model.hf_checkpoint, revision, allow_patterns=_files(weights),
-                       shown_revision=c.model.get("revision", ""))[1]  # fmt: skip
+        return resolve(
+            c.model.hf_checkpoint,
+            revision,
+            allow_patterns=_files(weights),
+            shown_revision=c.model.get("revision", ""),
+        )[1]
     except HubError as e:
         raise UsageError(str(e)) from None
 
@@ -171,8 +185,10 @@ def check_wandb_login(c: ml_collections.ConfigDict) -> None:
 def wandb_error(e: Exception) -> str:
     """The one line of a W&B start-up failure (no key, an invalid one, a bad WANDB_MODE)."""
     said = " ".join(str(e).split())[:200]
-    return (f"config.log.wandb=True: W&B: {said} (set WANDB_API_KEY or run `wandb login` "
-            "first, or WANDB_MODE=offline to log locally and `wandb sync` later)")  # fmt: skip
+    return (
+        f"config.log.wandb=True: W&B: {said} (set WANDB_API_KEY or run `wandb login` "
+        "first, or WANDB_MODE=offline to log locally and `wandb sync` later)"
+    )
 
 
 def _interactive() -> bool:

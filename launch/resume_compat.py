@@ -19,11 +19,24 @@ from rl.sandbox import isolation_of
 # env.images_dir is where this host keeps the unpacked images (the records name them).
 # env.max_masked_* only say when a run that trains on nothing stops.
 RESUMABLE_CHANGES = (
-    "num_steps", "checkpoint_every", "keep_checkpoints", "resume", "log_every", "eval_every",
-    "num_samples_logged", "distributed", "heartbeat_timeout_s", "eval.", "data.eval.",
-    "env.isolation", "env.images_dir", "log.", "model.revision", "env.max_masked_fraction",
+    "num_steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "resume",
+    "log_every",
+    "eval_every",
+    "num_samples_logged",
+    "distributed",
+    "heartbeat_timeout_s",
+    "eval.",
+    "data.eval.",
+    "env.isolation",
+    "env.images_dir",
+    "log.",
+    "model.revision",
+    "env.max_masked_fraction",
     "env.max_masked_steps",
-)  # fmt: skip
+)
 
 # Fields added with Hub ids (models/hub.py, rl/sources.py's "hf" sources): a run saved before them
 # resumes while they hold these values (a local checkpoint directory), and data.train.name and
@@ -38,14 +51,23 @@ DATA_DEFAULTS = {"name": "", "revision": ""}
 # before they were config fields, so a run saved without them resumes when they still hold those
 # values (check_resumable). Their least values are launch.validate.REPO_ENV_MINIMA.
 REPO_ENV_DEFAULTS = {
-    "command_timeout_s": 30.0, "max_tool_calls": 40, "workspace_bytes": 256 << 20,
-    "test_timeout_s": 300.0, "per_test_timeout_s": 30, "setup_timeout_s": 300.0,
-    "sandbox_memory_bytes": 4 << 30, "sandbox_processes": 64,
-}  # fmt: skip
+    "command_timeout_s": 30.0,
+    "max_tool_calls": 40,
+    "workspace_bytes": 256 << 20,
+    "test_timeout_s": 300.0,
+    "per_test_timeout_s": 30,
+    "setup_timeout_s": 300.0,
+    "sandbox_memory_bytes": 4 << 30,
+    "sandbox_processes": 64,
+}
 
 
-PARTIAL_DEFAULTS = {"partial_rollouts": False, "extra_groups": 4, "max_staleness": 4,
-                    "refresh_kv_on_update": False}  # fmt: skip
+PARTIAL_DEFAULTS = {
+    "partial_rollouts": False,
+    "extra_groups": 4,
+    "max_staleness": 4,
+    "refresh_kv_on_update": False,
+}
 
 
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -92,9 +114,14 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
         old = {**old, "env": {**env, "isolation": isolation_of(old["env"])}}
     if "lora" not in old.get("model", {}) and not new.get("model", {}).get("lora", {}).get("rank"):
         new = _without(new, "model", "lora")
-    for section, field in (("model", "attention"), ("sampling", "prefill_chunk"),
-                           ("sampling", "weights_layout"), ("sampling", "reserve"),
-                           ("sampling", "kv_watermark"), ("env", "tool_answer_calls")):  # fmt: skip
+    for section, field in (
+        ("model", "attention"),
+        ("sampling", "prefill_chunk"),
+        ("sampling", "weights_layout"),
+        ("sampling", "reserve"),
+        ("sampling", "kv_watermark"),
+        ("env", "tool_answer_calls"),
+    ):
         if field not in old.get(section, {}):
             new = _without(new, section, field)
     for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
@@ -128,8 +155,10 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
     if diff:
         details = ", ".join(f"{f}: {_get(old, f)!r} -> {_get(new, f)!r}" for f in diff)
         flags = _restoring_flags(saved, asked, diff) if hint else ""
-        raise UsageError(f"cannot resume with a changed config ({details}); use a new --workdir"
-                         + (f", or resume with the saved values: {flags}" if flags else ""))  # fmt: skip
+        raise UsageError(
+            f"cannot resume with a changed config ({details}); use a new --workdir"
+            + (f", or resume with the saved values: {flags}" if flags else "")
+        )
 
 
 def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:

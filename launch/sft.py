@@ -84,10 +84,19 @@ TASKS = {
 
 def model_config(vocab_size: int, max_positions: int = 64) -> ModelConfig:
     return ModelConfig(
-        family="llama", vocab_size=vocab_size, d_model=128, d_ff=384, num_layers=4,
-        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, tie_embeddings=True,
-        norm_eps=1e-5, max_position_embeddings=max_positions,
-    )  # fmt: skip
+        family="llama",
+        vocab_size=vocab_size,
+        d_model=128,
+        d_ff=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        norm_eps=1e-5,
+        max_position_embeddings=max_positions,
+    )
 
 
 def encode_arithmetic(
@@ -146,8 +155,15 @@ def encode_calc(records, tok, seq_len: int, tool_prob: float, seed: int):
 
 def greedy_accuracy(graphdef, params, records, tok, max_new: int) -> float:
     cfg = nnx.merge(graphdef, params).cfg
-    ecfg = EngineConfig(num_slots=128, page_size=8, num_pages=512, max_prompt_len=16,
-                        max_new_tokens=max_new, steps_per_call=max_new, stop_ids=tok.eos_ids)  # fmt: skip
+    ecfg = EngineConfig(
+        num_slots=128,
+        page_size=8,
+        num_pages=512,
+        max_prompt_len=16,
+        max_new_tokens=max_new,
+        steps_per_call=max_new,
+        stop_ids=tok.eos_ids,
+    )
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=0.0))
     prompts = [tok.encode(r["prompt"]) for r in records]
     _, results = generate_all(engine, params, engine.init_state(), prompts)
@@ -161,8 +177,15 @@ def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed:
     cfg = nnx.merge(graphdef, params).cfg
     eos, close = tok.eos_ids[0], tok.encode(CALL_CLOSE, special=True)[0]
     turn = 2 * digits + 3  # the longest model turn: "<a*b>"
-    ecfg = EngineConfig(num_slots=128, page_size=8, num_pages=1024, max_prompt_len=8 * digits + 8,
-                        max_new_tokens=turn, steps_per_call=turn, stop_ids=(eos, close))  # fmt: skip
+    ecfg = EngineConfig(
+        num_slots=128,
+        page_size=8,
+        num_pages=1024,
+        max_prompt_len=8 * digits + 8,
+        max_new_tokens=turn,
+        steps_per_call=turn,
+        stop_ids=(eos, close),
+    )
     prompts = [tok.encode(r["prompt"]) for r in records]
     wants = [tok.encode(r["answer"]) + [eos] for r in records]
 
@@ -180,8 +203,9 @@ def calc_report(graphdef, params, records, tok, digits: int, samples: int, seed:
     for name, engine, g in (("greedy", greedy, 1), ("sampled", sampled, samples)):
         first = [(i, t) for i, group in enumerate(decode(engine, prompts, g)) for t in group]
         calls = [k for k, (_, t) in enumerate(first) if t[-1:] == [close]]
-        second = decode(engine, [prompts[first[k][0]] + first[k][1] + observation(first[k][1])
-                                 for k in calls])  # fmt: skip
+        second = decode(
+            engine, [prompts[first[k][0]] + first[k][1] + observation(first[k][1]) for k in calls]
+        )
         final = [t for _, t in first]
         for k, group in zip(calls, second):
             final[k] = group[0]
@@ -288,8 +312,7 @@ def main(argv=None) -> int:
     else:
         r = calc_report(graphdef, params, held_out, tok, digits, args.eval_samples, args.seed)
         result = "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
-    print(f"{result} after {steps} steps "
-          f"({time.perf_counter() - start:.0f} s); wrote {args.out}")  # fmt: skip
+    print(f"{result} after {steps} steps ({time.perf_counter() - start:.0f} s); wrote {args.out}")
     return 0
 
 

@@ -66,8 +66,9 @@ def report(graphdef, params, held_out, tok, samples: int, seed: int) -> dict:
         engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=temp))
         sampler = EpisodeSampler(env, engine, tok, c.env)
         try:
-            _, res = sampler.run(params, engine.init_state(), held_out, prompts, g, seed,
-                                 range(len(held_out)))  # fmt: skip
+            _, res = sampler.run(
+                params, engine.init_state(), held_out, prompts, g, seed, range(len(held_out))
+            )
             rewards = np.concatenate([fut.result() for _, _, fut in res])
         finally:
             sampler.close()
@@ -75,6 +76,7 @@ def report(graphdef, params, held_out, tok, samples: int, seed: int) -> dict:
         out[f"{name}_reward"] = float(rewards.mean())
         for m in ("first_try_fix_rate", "second_try_fix_rate"):
             out[f"{name}_{m}"] = metrics.get(f"episode/{m}", float("nan"))
-        out[f"{name}_tool_errors"] = float(np.mean([ep.tool_errors for eps, _, _ in res
-                                                    for ep in eps]))  # fmt: skip
+        out[f"{name}_tool_errors"] = float(
+            np.mean([ep.tool_errors for eps, _, _ in res for ep in eps])
+        )
     return out

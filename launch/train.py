@@ -126,8 +126,10 @@ def train(
         return fail(str(e))
     if start == 0:
         summary["accuracy_before"] = _evaluate(run, state, eval_records, log, 0)["accuracy"]
-        print(f"held-out greedy accuracy before GRPO: {summary['accuracy_before']:.3f}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"held-out greedy accuracy before GRPO: {summary['accuracy_before']:.3f}",
+            file=sys.stderr,
+        )
     totals = {k: summary.get(k, 0.0) for k in TOTALS}
     wall0 = time.perf_counter() - summary.get("wall_seconds", 0.0)
     rollouts = run.rollouts()

@@ -44,10 +44,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The repo environment's fields (configs/default.py) and the least value each may take; their
 # defaults, launch.resume_compat.REPO_ENV_DEFAULTS, let a run saved without them resume.
 REPO_ENV_MINIMA = {
-    "command_timeout_s": 0.1, "max_tool_calls": 1, "workspace_bytes": 1 << 20,
-    "test_timeout_s": 1.0, "per_test_timeout_s": 1, "setup_timeout_s": 1.0,
-    "sandbox_memory_bytes": 64 << 20, "sandbox_processes": 1,
-}  # fmt: skip
+    "command_timeout_s": 0.1,
+    "max_tool_calls": 1,
+    "workspace_bytes": 1 << 20,
+    "test_timeout_s": 1.0,
+    "per_test_timeout_s": 1,
+    "setup_timeout_s": 1.0,
+    "sandbox_memory_bytes": 64 << 20,
+    "sandbox_processes": 1,
+}
 
 
 def _need(cond: bool, field: str, value, reason: str) -> None:
@@ -111,18 +116,28 @@ def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
     # sampling.weights_layout decoded from the training layout, and one saved before
     # sampling.reserve reserved each episode's budget.
     return from_config(
-        EngineConfig, c, ("sampling",), stop_ids=stop_ids(c, eos_ids), cache_dtype=dtype,
-        interpret=False, prefill_chunk=c.sampling.get("prefill_chunk", 0),
+        EngineConfig,
+        c,
+        ("sampling",),
+        stop_ids=stop_ids(c, eos_ids),
+        cache_dtype=dtype,
+        interpret=False,
+        prefill_chunk=c.sampling.get("prefill_chunk", 0),
         weights_layout=c.sampling.get("weights_layout", "training"),
-        reserve=c.sampling.get("reserve", "budget"), kv_watermark=c.sampling.get("kv_watermark", 0.01),
-    )  # fmt: skip
+        reserve=c.sampling.get("reserve", "budget"),
+        kv_watermark=c.sampling.get("kv_watermark", 0.01),
+    )
 
 
 def learner_config(c: ml_collections.ConfigDict, eos_ids) -> LearnerConfig:
     return from_config(
-        LearnerConfig, c, ("optim", "rl"), sampling=sampling_params(c), loss=loss_config(c),
+        LearnerConfig,
+        c,
+        ("optim", "rl"),
+        sampling=sampling_params(c),
+        loss=loss_config(c),
         stop_ids=stop_ids(c, eos_ids),
-    )  # fmt: skip
+    )
 
 
 def model_overrides(c: ml_collections.ConfigDict) -> dict:
@@ -134,8 +149,12 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict:
     out = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=attention)
     lo = m.get("lora")
     if lo is not None and lo.rank:
-        out.update(lora_rank=lo.rank, lora_alpha=float(lo.alpha), lora_dropout=float(lo.dropout),
-                   lora_targets=tuple(lo.targets))  # fmt: skip
+        out.update(
+            lora_rank=lo.rank,
+            lora_alpha=float(lo.alpha),
+            lora_dropout=float(lo.dropout),
+            lora_targets=tuple(lo.targets),
+        )
     return out
 
 
@@ -144,17 +163,24 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
     if lo is None:
         return
     rank_ok = isinstance(lo.rank, int) and not isinstance(lo.rank, bool) and lo.rank >= 0
-    _need(rank_ok, "model.lora.rank", lo.rank,
-          "must be an integer >= 0 (0 = off)")  # fmt: skip
+    _need(rank_ok, "model.lora.rank", lo.rank, "must be an integer >= 0 (0 = off)")
     if not lo.rank:
         return
     _need(lo.alpha > 0, "model.lora.alpha", lo.alpha, "must be > 0")
-    _need(lo.dropout == 0, "model.lora.dropout", lo.dropout,
-          "only 0 is implemented (the adapters see no dropout)")  # fmt: skip
+    _need(
+        lo.dropout == 0,
+        "model.lora.dropout",
+        lo.dropout,
+        "only 0 is implemented (the adapters see no dropout)",
+    )
     targets = tuple(lo.targets)
     bad = [t for t in targets if t not in LORA_TARGETS]
-    _need(bool(targets) and not bad, "model.lora.targets", targets,
-          f"expected a non-empty subset of {LORA_TARGETS}")  # fmt: skip
+    _need(
+        bool(targets) and not bad,
+        "model.lora.targets",
+        targets,
+        f"expected a non-empty subset of {LORA_TARGETS}",
+    )
 
 
 def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
@@ -167,8 +193,13 @@ def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
     in `validate`, and `launch.build.load_run` calls it (launch.eval, launch.export)."""
     env = c.get("env", {})
     iso = isolation_of(env)
-    _need(iso in ISOLATIONS, "env.isolation", iso, f"expected one of {ISOLATIONS} (auto: "
-          "bubblewrap, else refuse to run model-written code; rlimits: the weak mode)")  # fmt: skip
+    _need(
+        iso in ISOLATIONS,
+        "env.isolation",
+        iso,
+        f"expected one of {ISOLATIONS} (auto: "
+        "bubblewrap, else refuse to run model-written code; rlimits: the weak mode)",
+    )
     if not probe:
         return
     if name := env.get("name", ""):
@@ -210,68 +241,132 @@ def validate(
     )
     batch_shards = mesh["data"] * mesh["fsdp"]
     _need(
-        (b * g) % batch_shards == 0, "data.prompts_per_step", b,
+        (b * g) % batch_shards == 0,
+        "data.prompts_per_step",
+        b,
         f"the global batch B*G = {b * g} is not divisible by the batch shards data*fsdp = {batch_shards}",
-    )  # fmt: skip
-    _need((b * g) % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
-          f"B*G = {b * g} is not divisible by the minibatches")  # fmt: skip
+    )
+    _need(
+        (b * g) % c.rl.minibatches == 0,
+        "rl.minibatches",
+        c.rl.minibatches,
+        f"B*G = {b * g} is not divisible by the minibatches",
+    )
     mb = c.rl.minibatches * c.rl.micro_batches
-    _need((b * g) % mb == 0, "rl.micro_batches", c.rl.micro_batches,
-          f"B*G = {b * g} is not divisible by minibatches*micro_batches = {mb}")  # fmt: skip
-    _need(not c.rl.pack or (b * g) % (batch_shards * mb) == 0, "rl.pack", c.rl.pack,
-          f"packed rows come in multiples of data*fsdp*minibatches*micro_batches = "
-          f"{batch_shards * mb}, which does not divide B*G = {b * g}: change "
-          "data.prompts_per_step or set rl.pack=False")  # fmt: skip
-    _need(c.rl.is_correction == "none" or c.rl.old_logp == "recompute", "rl.is_correction",
-          c.rl.is_correction, "corrects pi_old against the sampler, which old_logp='sampler' "
-          "makes the same distribution: use old_logp='recompute'")  # fmt: skip
-    _need(c.rl.partial_rollouts or not c.rl.refresh_kv_on_update, "rl.refresh_kv_on_update",
-          True, "re-prefills carried episodes: set rl.partial_rollouts=True too")  # fmt: skip
+    _need(
+        (b * g) % mb == 0,
+        "rl.micro_batches",
+        c.rl.micro_batches,
+        f"B*G = {b * g} is not divisible by minibatches*micro_batches = {mb}",
+    )
+    _need(
+        not c.rl.pack or (b * g) % (batch_shards * mb) == 0,
+        "rl.pack",
+        c.rl.pack,
+        f"packed rows come in multiples of data*fsdp*minibatches*micro_batches = "
+        f"{batch_shards * mb}, which does not divide B*G = {b * g}: change "
+        "data.prompts_per_step or set rl.pack=False",
+    )
+    _need(
+        c.rl.is_correction == "none" or c.rl.old_logp == "recompute",
+        "rl.is_correction",
+        c.rl.is_correction,
+        "corrects pi_old against the sampler, which old_logp='sampler' "
+        "makes the same distribution: use old_logp='recompute'",
+    )
+    _need(
+        c.rl.partial_rollouts or not c.rl.refresh_kv_on_update,
+        "rl.refresh_kv_on_update",
+        True,
+        "re-prefills carried episodes: set rl.partial_rollouts=True too",
+    )
     if c.rl.partial_rollouts:
         from rl.partial import check_partial
 
         for field, value, why in check_partial(c):
             _need(False, field, value, why)
     _need(c.rl.advantage_eps >= 0, "rl.advantage_eps", c.rl.advantage_eps, "must be >= 0")
-    _need(c.rl.dynamic_sampling_max_tries >= 1, "rl.dynamic_sampling_max_tries",
-          c.rl.dynamic_sampling_max_tries, "must be >= 1")  # fmt: skip
-    _need(0 <= c.rl.overlong_buffer <= c.sampling.max_new_tokens, "rl.overlong_buffer",
-          c.rl.overlong_buffer, f"must be in [0, sampling.max_new_tokens = "
-          f"{c.sampling.max_new_tokens}] (0 = off)")  # fmt: skip
+    _need(
+        c.rl.dynamic_sampling_max_tries >= 1,
+        "rl.dynamic_sampling_max_tries",
+        c.rl.dynamic_sampling_max_tries,
+        "must be >= 1",
+    )
+    _need(
+        0 <= c.rl.overlong_buffer <= c.sampling.max_new_tokens,
+        "rl.overlong_buffer",
+        c.rl.overlong_buffer,
+        f"must be in [0, sampling.max_new_tokens = {c.sampling.max_new_tokens}] (0 = off)",
+    )
     env = c.get("env", {}).get("name", "")
     if env:
         from rl.envs import ENVIRONMENTS
 
         v = c.env
-        _need(env in ENVIRONMENTS, "env.name", env, f"no such environment; registered: "
-              f"{sorted(ENVIRONMENTS)} (\"\" = single-turn)")  # fmt: skip
+        _need(
+            env in ENVIRONMENTS,
+            "env.name",
+            env,
+            f'no such environment; registered: {sorted(ENVIRONMENTS)} ("" = single-turn)',
+        )
         _need(v.max_turns >= 1, "env.max_turns", v.max_turns, "must be >= 1")
-        _need(0 <= v.max_turn_tokens <= c.sampling.max_new_tokens, "env.max_turn_tokens",
-              v.max_turn_tokens, f"must be in [0, sampling.max_new_tokens = "
-              f"{c.sampling.max_new_tokens}] (0 = the whole budget)")  # fmt: skip
+        _need(
+            0 <= v.max_turn_tokens <= c.sampling.max_new_tokens,
+            "env.max_turn_tokens",
+            v.max_turn_tokens,
+            f"must be in [0, sampling.max_new_tokens = "
+            f"{c.sampling.max_new_tokens}] (0 = the whole budget)",
+        )
         _need(v.max_tool_seconds > 0, "env.max_tool_seconds", v.max_tool_seconds, "must be > 0")
         _need(v.tool_workers >= 1, "env.tool_workers", v.tool_workers, "must be >= 1")
-        _need(v.tool_answer_calls >= 0, "env.tool_answer_calls", v.tool_answer_calls,
-              "must be >= 0 (0 = each answer as soon as it is done)")  # fmt: skip
-        _need(c.sampling.min_new_tokens == 0, "sampling.min_new_tokens", c.sampling.min_new_tokens,
-              "must be 0 with an environment (the sampler would ban stop ids at the start of "
-              "every turn, the learner only at the start of the episode)")  # fmt: skip
-        _need(v.max_observation_chars >= 1, "env.max_observation_chars",
-              v.max_observation_chars, "must be >= 1")  # fmt: skip
-        _need(c.rl.overlong_buffer == 0, "rl.overlong_buffer", c.rl.overlong_buffer,
-              "must be 0 with an environment (the episode's reward is the environment's)")  # fmt: skip
+        _need(
+            v.tool_answer_calls >= 0,
+            "env.tool_answer_calls",
+            v.tool_answer_calls,
+            "must be >= 0 (0 = each answer as soon as it is done)",
+        )
+        _need(
+            c.sampling.min_new_tokens == 0,
+            "sampling.min_new_tokens",
+            c.sampling.min_new_tokens,
+            "must be 0 with an environment (the sampler would ban stop ids at the start of "
+            "every turn, the learner only at the start of the episode)",
+        )
+        _need(
+            v.max_observation_chars >= 1,
+            "env.max_observation_chars",
+            v.max_observation_chars,
+            "must be >= 1",
+        )
+        _need(
+            c.rl.overlong_buffer == 0,
+            "rl.overlong_buffer",
+            c.rl.overlong_buffer,
+            "must be 0 with an environment (the episode's reward is the environment's)",
+        )
         for name, low in REPO_ENV_MINIMA.items():
             if name in v:
                 _need(v[name] >= low, f"env.{name}", v[name], f"must be >= {low}")
         images = v.get("images_dir") or ""
-        _need(not images or os.path.isdir(os.path.expanduser(images)), "env.images_dir", images,
-              "no such directory (unpack images there: python -m launch.images unpack SRC "
-              "--out DIR)")  # fmt: skip
-    _need(c.rl.get("reward_timeout_s", 0) >= 0, "rl.reward_timeout_s",
-          c.rl.get("reward_timeout_s", 0), "must be >= 0 (0 = no limit)")  # fmt: skip
+        _need(
+            not images or os.path.isdir(os.path.expanduser(images)),
+            "env.images_dir",
+            images,
+            "no such directory (unpack images there: python -m launch.images unpack SRC --out DIR)",
+        )
+    _need(
+        c.rl.get("reward_timeout_s", 0) >= 0,
+        "rl.reward_timeout_s",
+        c.rl.get("reward_timeout_s", 0),
+        "must be >= 0 (0 = no limit)",
+    )
     for name in ([] if env else list(c.rl.rewards)) + [c.eval.reward] * (not env):
-        _need(name in REWARDS, "rl.rewards" if name != c.eval.reward else "eval.reward", name,
-              f"no such reward; registered: {sorted(REWARDS)}")  # fmt: skip
+        _need(
+            name in REWARDS,
+            "rl.rewards" if name != c.eval.reward else "eval.reward",
+            name,
+            f"no such reward; registered: {sorted(REWARDS)}",
+        )
     _need(0 <= c.seed < 2**31, "seed", c.seed, "must be in [0, 2**31)")
     _need(c.keep_checkpoints >= 1, "keep_checkpoints", c.keep_checkpoints, "must be >= 1")
     for field in ("dtype", "param_dtype"):
@@ -279,16 +374,28 @@ def validate(
     attention = c.model.get("attention", "auto")  # absent in runs saved before it existed
     _need(attention in ATTENTION, "model.attention", attention, f"expected one of {ATTENTION}")
     kernel_platform = {"splash": "tpu", "pallas_gpu": "gpu"}.get(attention)
-    _need(kernel_platform in (None, jax.default_backend()), "model.attention", attention,
-          f"a {kernel_platform} kernel, but this run is on {jax.default_backend()}; "
-          f"use auto (picks it where it runs) or blockwise")  # fmt: skip
+    _need(
+        kernel_platform in (None, jax.default_backend()),
+        "model.attention",
+        attention,
+        f"a {kernel_platform} kernel, but this run is on {jax.default_backend()}; "
+        f"use auto (picks it where it runs) or blockwise",
+    )
     _check_lora(c)
     s = c.sampling
     _need(g <= s.num_slots, "sampling.num_slots", s.num_slots, f"fewer slots than G = {g}")
-    _need(s.temperature > 0, "sampling.temperature", s.temperature,
-          "a rollout needs temperature > 0 (0 is greedy: G identical completions, no signal)")  # fmt: skip
-    _need(0 <= s.min_new_tokens <= s.max_new_tokens, "sampling.min_new_tokens", s.min_new_tokens,
-          f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]")  # fmt: skip
+    _need(
+        s.temperature > 0,
+        "sampling.temperature",
+        s.temperature,
+        "a rollout needs temperature > 0 (0 is greedy: G identical completions, no signal)",
+    )
+    _need(
+        0 <= s.min_new_tokens <= s.max_new_tokens,
+        "sampling.min_new_tokens",
+        s.min_new_tokens,
+        f"must be in [0, sampling.max_new_tokens = {s.max_new_tokens}]",
+    )
     engine_config(c, ())  # the sampler's own fields first: the page counts below divide by them
     grads = c.optim.grad_reduce_dtype
     _need(
@@ -297,52 +404,91 @@ def validate(
         grads,
         f"must be 'float32' or model.dtype = {c.model.dtype!r}",
     )
-    _need(s.weights_dtype in ("", c.model.dtype), "sampling.weights_dtype", s.weights_dtype,
-          f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)")  # fmt: skip
+    _need(
+        s.weights_dtype in ("", c.model.dtype),
+        "sampling.weights_dtype",
+        s.weights_dtype,
+        f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)",
+    )
     # Slots and pages are totals for the mesh, split evenly over its batch shards, each with
     # its own null page; a group lives on one shard (`sampling.partitioned`). The KV heads are
     # assumed to divide their axes here; the engine checks the exact count.
     shards = num_shards(mesh, tuple(tuple(r) for r in c.rules), size)
     per = f"the {shards} batch shards" if shards > 1 else "one shard"
     for field in ("num_slots", "num_pages"):
-        _need(s[field] % shards == 0, f"sampling.{field}", s[field],
-              f"a total for the mesh, split evenly over {per} (data x fsdp): must divide by "
-              f"{shards}")  # fmt: skip
-    _need(b % shards == 0, "data.prompts_per_step", b,
-          f"a step's prompts are split evenly over {per} (data x fsdp), each sampling, "
-          f"refilling and packing its own groups: must divide by {shards}")  # fmt: skip
+        _need(
+            s[field] % shards == 0,
+            f"sampling.{field}",
+            s[field],
+            f"a total for the mesh, split evenly over {per} (data x fsdp): must divide by {shards}",
+        )
+    _need(
+        b % shards == 0,
+        "data.prompts_per_step",
+        b,
+        f"a step's prompts are split evenly over {per} (data x fsdp), each sampling, "
+        f"refilling and packing its own groups: must divide by {shards}",
+    )
     per_shard = b // shards * g
-    _need(c.rl.pack or per_shard % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
-          f"with rl.pack=False each of {per} fills one learner row per sequence, "
-          f"B/{shards}*G = {per_shard} rows, which the minibatches must divide (or set "
-          "rl.pack=True)")  # fmt: skip
+    _need(
+        c.rl.pack or per_shard % c.rl.minibatches == 0,
+        "rl.minibatches",
+        c.rl.minibatches,
+        f"with rl.pack=False each of {per} fills one learner row per sequence, "
+        f"B/{shards}*G = {per_shard} rows, which the minibatches must divide (or set "
+        "rl.pack=True)",
+    )
     if c.rl.partial_rollouts:
-        _need(c.rl.extra_groups % shards == 0, "rl.extra_groups", c.rl.extra_groups,
-              f"groups in flight beyond B are split evenly over {per}: must divide by "
-              f"{shards}")  # fmt: skip
-    _need(g <= s.num_slots // shards, "sampling.num_slots", s.num_slots,
-          f"a group of G = {g} decodes on one of {per}, which has "
-          f"{s.num_slots // shards} slots")  # fmt: skip
+        _need(
+            c.rl.extra_groups % shards == 0,
+            "rl.extra_groups",
+            c.rl.extra_groups,
+            f"groups in flight beyond B are split evenly over {per}: must divide by {shards}",
+        )
+    _need(
+        g <= s.num_slots // shards,
+        "sampling.num_slots",
+        s.num_slots,
+        f"a group of G = {g} decodes on one of {per}, which has {s.num_slots // shards} slots",
+    )
     need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, g)
     _need(
-        s.num_pages // shards - 1 >= need, "sampling.num_pages", s.num_pages,
+        s.num_pages // shards - 1 >= need,
+        "sampling.num_pages",
+        s.num_pages,
         f"one group of G = {g} needs up to {need} pages (+ the null page) on one of {per}"
         + (f", which holds num_pages / {shards} = {s.num_pages // shards}" if shards > 1 else ""),
-    )  # fmt: skip
+    )
     _need(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
-    _need(c.rl.advantage in ADVANTAGE_MODES, "rl.advantage", c.rl.advantage,
-          f"expected one of {ADVANTAGE_MODES}")  # fmt: skip
+    _need(
+        c.rl.advantage in ADVANTAGE_MODES,
+        "rl.advantage",
+        c.rl.advantage,
+        f"expected one of {ADVANTAGE_MODES}",
+    )
     e = c.eval
-    _need(0 <= e.pass_k <= e.pass_n, "eval.pass_k", e.pass_k,
-          f"pass@k needs 0 <= k <= eval.pass_n = {e.pass_n} (0 = off)")  # fmt: skip
+    _need(
+        0 <= e.pass_k <= e.pass_n,
+        "eval.pass_k",
+        e.pass_k,
+        f"pass@k needs 0 <= k <= eval.pass_n = {e.pass_n} (0 = off)",
+    )
     _need(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0")
     if e.pass_k:
-        _need(e.pass_n <= s.num_slots, "eval.pass_n", e.pass_n,
-              f"more samples per prompt than sampling.num_slots = {s.num_slots}")  # fmt: skip
+        _need(
+            e.pass_n <= s.num_slots,
+            "eval.pass_n",
+            e.pass_n,
+            f"more samples per prompt than sampling.num_slots = {s.num_slots}",
+        )
         need = group_pages(s.max_prompt_len, s.max_new_tokens, s.page_size, e.pass_n)
-        _need(s.num_pages // shards - 1 >= need, "eval.pass_n", e.pass_n,
-              f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages"
-              + (f" / {shards} shards" if shards > 1 else ""))  # fmt: skip
+        _need(
+            s.num_pages // shards - 1 >= need,
+            "eval.pass_n",
+            e.pass_n,
+            f"a group of {e.pass_n} needs up to {need} KV pages, more than sampling.num_pages"
+            + (f" / {shards} shards" if shards > 1 else ""),
+        )
     _need(c.max_nonfinite_steps >= 1, "max_nonfinite_steps", c.max_nonfinite_steps, "must be >= 1")
     m = c.env
     _need(
@@ -357,8 +503,12 @@ def validate(
     every = c.log.progress_every
     _need(every >= 1, "log.progress_every", every, "must be >= 1")
     path = model_dir(c, weights=False)
-    _need(os.path.exists(os.path.join(path, "config.json")), "model.hf_checkpoint",
-          c.model.hf_checkpoint, "has no config.json" + shadowing(c.model.hf_checkpoint))  # fmt: skip
+    _need(
+        os.path.exists(os.path.join(path, "config.json")),
+        "model.hf_checkpoint",
+        c.model.hf_checkpoint,
+        "has no config.json" + shadowing(c.model.hf_checkpoint),
+    )
     check_sources(c, fetch=sources)
     if c.get("log", {}).get("wandb"):
         try:
@@ -403,13 +553,21 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
                 f"no {src.type} file there" + _tasks_hint(c, split),
             )
         elif src.type == "hf":
-            _need(bool(src.path), f"data.{split}.path", src.path, "a Hub dataset id, a "
-                  "directory of data files or a save_to_disk directory")  # fmt: skip
+            _need(
+                bool(src.path),
+                f"data.{split}.path",
+                src.path,
+                "a Hub dataset id, a directory of data files or a save_to_disk directory",
+            )
             try:
                 import datasets  # noqa: F401
             except ImportError:
-                _need(False, f"data.{split}.type", "hf", "needs the datasets library: "
-                      "pip install -e '.[hub]'")  # fmt: skip
+                _need(
+                    False,
+                    f"data.{split}.type",
+                    "hf",
+                    "needs the datasets library: pip install -e '.[hub]'",
+                )
             try:  # a Hub id is fetched now; its subset, split and prompt field checked
                 if fetch:
                     load_source(c, split)  # (datasets caches what it reads)
@@ -418,8 +576,12 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
             except (ValueError, OSError):  # an empty or unreadable dataset: launch.train.prepare
                 pass  # reports it, as it does a jsonl file's
         else:
-            _need(src.type in BUILTIN_SOURCES, f"data.{split}.type", src.type,
-                  f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}")  # fmt: skip
+            _need(
+                src.type in BUILTIN_SOURCES,
+                f"data.{split}.type",
+                src.type,
+                f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}",
+            )
 
 
 def _tasks_hint(c: ml_collections.ConfigDict, split: str) -> str:
@@ -448,9 +610,13 @@ def load_source(c: ml_collections.ConfigDict, split: str):
     if src.type == "hf":
         try:  # the Hub id resolved here, so that its errors name the fields
             rev = src.get("hf_commit") or src.get("revision", "")  # pin_data's commit
-            hub_dataset_dir(src.path, rev, src.get("name") or None,
-                            field=f"config.data.{split}.path",
-                            revision_field=f"config.data.{split}.revision")  # fmt: skip
+            hub_dataset_dir(
+                src.path,
+                rev,
+                src.get("name") or None,
+                field=f"config.data.{split}.path",
+                revision_field=f"config.data.{split}.revision",
+            )
         except HubError as e:
             raise UsageError(str(e)) from None
         except SourceError as e:  # a subset the card does not hold, before any data file
@@ -470,8 +636,10 @@ def check_rewards(c: ml_collections.ConfigDict) -> None:
     if c.env.name:  # the environment scores episodes
         return
     g = c.rl.num_generations
-    for split, field, names in (("train", "rl.rewards", list(c.rl.rewards)),
-                                ("eval", "eval.reward", [c.eval.reward])):  # fmt: skip
+    for split, field, names in (
+        ("train", "rl.rewards", list(c.rl.rewards)),
+        ("eval", "eval.reward", [c.eval.reward]),
+    ):
         src = c.data[split]
         try:
             prompts, fields = reward_inputs(load_records(src)[:1], g, src.prompt_field)
@@ -487,8 +655,13 @@ def check_rewards(c: ml_collections.ConfigDict) -> None:
             except (TypeError, ValueError):
                 shape = None
             got = f"a {type(raw).__name__}" if shape is None else f"shape {shape}"
-            _need(shape == (g,), field, name, f"returned {got} for {g} completions of the "
-                  f"first data.{split} record; a reward returns one number per completion")  # fmt: skip
+            _need(
+                shape == (g,),
+                field,
+                name,
+                f"returned {got} for {g} completions of the "
+                f"first data.{split} record; a reward returns one number per completion",
+            )
 
 
 def check_writable_dir(flag: str, path: str) -> None:

@@ -88,10 +88,15 @@ def _splash_kernel(t: int, n: int, block: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     blocks = sa.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block,
-        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-        block_q_dq=block, block_kv_dq=block,
-    )  # fmt: skip
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     mask = sa.MultiHeadMask([sa.CausalMask((t, t))] * n)
     return sa.make_splash_mha(
         mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret

@@ -42,9 +42,15 @@ ADAPTERS = nnx.LoRAParam  # filter: the trainable parameters of a LoRA run
 # learning rates tuned with PEFT carry over. nnx.LoRA's default (he_uniform) is 2.45x wider.
 PEFT_A_INIT = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
 # HF module names (PEFT's target_modules) of our projections.
-HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-            "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-            "down": "mlp.down_proj"}  # fmt: skip
+HF_NAMES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, str | None, str | None]]:
@@ -73,10 +79,16 @@ def attach(module: nnx.Module, cfg: ModelConfig, names, rngs: nnx.Rngs) -> None:
             continue
         fin, fout, ax_in, ax_out = table[name]
         adapter = nnx.LoRA(
-            fin, r, fout, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-            a_initializer=PEFT_A_INIT, rngs=rngs, a_metadata={"axes": (ax_in, None)},
+            fin,
+            r,
+            fout,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            a_initializer=PEFT_A_INIT,
+            rngs=rngs,
+            a_metadata={"axes": (ax_in, None)},
             b_metadata={"axes": (None, ax_out)},
-        )  # fmt: skip
+        )
         setattr(module, f"{name}_lora", adapter)
 
 
@@ -156,10 +168,18 @@ def peft_config(cfg: ModelConfig, base_model: str, revision: str | None = None) 
     """adapter_config.json of `peft_tensors`; `revision` the base's Hub commit (peft's
     AutoPeftModel loads the base at it; None: a local directory, or the default branch)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
         "revision": revision,
-        "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+        "r": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
         "target_modules": [HF_NAMES[n].split(".")[1] for n in TARGETS if n in cfg.lora_targets],
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None,
-    }  # fmt: skip
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }

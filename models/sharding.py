@@ -191,8 +191,9 @@ def init_adapters(cfg: ModelConfig, mesh, rules, seed: int) -> nnx.State:
     whole model is traced, but only the adapters are outputs: XLA computes nothing else."""
     abstract = abstract_model(cfg)[1]
     shardings = state_shardings(lora.split(abstract)[0], mesh, rules)
-    init = jax.jit(lambda: lora.split(nnx.state(Transformer(cfg, nnx.Rngs(seed))))[0],
-                   out_shardings=shardings)  # fmt: skip
+    init = jax.jit(
+        lambda: lora.split(nnx.state(Transformer(cfg, nnx.Rngs(seed))))[0], out_shardings=shardings
+    )
     with jax.set_mesh(mesh):
         return init()
 

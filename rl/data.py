@@ -39,8 +39,14 @@ def prompt_dataset(
     return ds.repeat(num_epochs)
 
 
-def make_prompt_stream(source_cfg: Any, *, batch_size: int, seed: int, shuffle: bool = True,
-                       num_epochs: int | None = None) -> PromptStream:  # fmt: skip
+def make_prompt_stream(
+    source_cfg: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+) -> PromptStream:
     """The `PromptStream` of the records of `source_cfg`, `batch_size` prompts a step."""
     records = load_records(source_cfg)
     if batch_size < 1:

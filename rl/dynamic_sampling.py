@@ -70,8 +70,10 @@ def fill_groups(
         shortfall += len(top_up)
         kept[i] += top_up
         if len(kept[i]) < quota:
-            raise RuntimeError(f"sample_round returned {len(kept[i])} groups for shard {i} in "
-                               f"{tries} tries, need {quota}")  # fmt: skip
+            raise RuntimeError(
+                f"sample_round returned {len(kept[i])} groups for shard {i} in "
+                f"{tries} tries, need {quota}"
+            )
     return [grp for i in local for grp in kept[i]], tries, dropped, shortfall
 
 

@@ -70,13 +70,19 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
         sampler.close()
     rows = []
     for j, (eps, cs, _), r in zip(index, out, rewards):
-        rows.append({
-            "index": j, "correct": (r >= 0.5).tolist(), "masked": [bool(ep.masked) for ep in eps],
-            "calls": [ep.tool_calls > 0 for ep in eps], "tamper": sum(bool(ep.tamper) for ep in eps),
-            "metrics": [{} if ep.masked else {k: float(v) for k, v in ep.metrics.items()}
-                        for ep in eps],
-            "text": tokenizer.decode(cs[0].tokens) if j == 0 else "",
-        })  # fmt: skip
+        rows.append(
+            {
+                "index": j,
+                "correct": (r >= 0.5).tolist(),
+                "masked": [bool(ep.masked) for ep in eps],
+                "calls": [ep.tool_calls > 0 for ep in eps],
+                "tamper": sum(bool(ep.tamper) for ep in eps),
+                "metrics": [
+                    {} if ep.masked else {k: float(v) for k, v in ep.metrics.items()} for ep in eps
+                ],
+                "text": tokenizer.decode(cs[0].tokens) if j == 0 else "",
+            }
+        )
     return _everyone(rows)
 
 
@@ -110,8 +116,12 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
         kept = [{"metrics": m} for r in rows for m, x in zip(r["metrics"], r["masked"]) if not x]
         metrics = {key.removeprefix("episode/"): v for key, v in metric_means(kept).items()}
         metrics["tamper"] = float(sum(r["tamper"] for r in rows))
-        out = {**metrics, **episode_scores(arr("correct"), arr("masked")),
-               "tool_call_rate": float(np.mean(arr("calls"))), "example": rows[0]["text"]}  # fmt: skip
+        out = {
+            **metrics,
+            **episode_scores(arr("correct"), arr("masked")),
+            "tool_call_rate": float(np.mean(arr("calls"))),
+            "example": rows[0]["text"],
+        }
         if k:
             rows = _episodes(env, sample_engine, params, records, tokenizer, cfg, n, seed + 1)
             scores = episode_scores(arr("correct"), arr("masked"), k)
@@ -124,13 +134,21 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     prompts = tokenize_prompts(mine, tokenizer, cfg, cfg.data.eval.prompt_field)
     decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]
     _, greedy = generate_all(
-        greedy_engine, params, greedy_engine.init_state(), prompts, 1, seed=seed, request_ids=index,
+        greedy_engine,
+        params,
+        greedy_engine.init_state(),
+        prompts,
+        1,
+        seed=seed,
+        request_ids=index,
         shards=shards,
-    )  # fmt: skip
+    )
     texts = decode([g[0] for g in greedy])
     right = _correct(cfg.eval.reward, mine, texts, 1, cfg.data.eval.prompt_field)[:, 0]
-    rows = [{"index": j, "correct": bool(c), "text": t if j == 0 else ""}
-            for j, c, t in zip(index, right, texts)]  # fmt: skip
+    rows = [
+        {"index": j, "correct": bool(c), "text": t if j == 0 else ""}
+        for j, c, t in zip(index, right, texts)
+    ]
     rows = _everyone(rows)
     out = {
         "accuracy": float(np.array([r["correct"] for r in rows], bool).mean()),
@@ -138,9 +156,15 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
     }
     if k:
         _, sampled = generate_all(
-            sample_engine, params, sample_engine.init_state(), prompts, n, seed=seed + 1, request_ids=index,
+            sample_engine,
+            params,
+            sample_engine.init_state(),
+            prompts,
+            n,
+            seed=seed + 1,
+            request_ids=index,
             shards=shards,
-        )  # fmt: skip
+        )
         samples = decode([c for group in sampled for c in group])
         correct = _correct(cfg.eval.reward, mine, samples, n, cfg.data.eval.prompt_field)
         rows = _everyone([{"index": j, "c": int(c)} for j, c in zip(index, correct.sum(axis=1))])

@@ -151,9 +151,13 @@ class Learner:
     """Owns the optimizer and the jitted functions of the learn phase for one model graph."""
 
     def __init__(
-        self, cfg: LearnerConfig, graphdef, param_shardings, base_graphdef=None,
+        self,
+        cfg: LearnerConfig,
+        graphdef,
+        param_shardings,
+        base_graphdef=None,
         rules=DEFAULT_RULES,
-    ):  # fmt: skip
+    ):
         """`base_graphdef`: for a LoRA model (`models.lora`), the graph of the model without
         adapters. Then only the adapters are trained and have optimizer state, and the
         reference policy is the same arrays with the adapters off (`reference_logprobs`).
@@ -251,14 +255,25 @@ class Learner:
 
     def _token_logprobs(self, params, batch: Batch, adapters: bool = True) -> TokenLogprobs:
         c = self.cfg
-        model = (nnx.merge(self.graphdef, params) if adapters
-                 else nnx.merge(self.base_graphdef, lora.base(params)))  # fmt: skip
+        model = (
+            nnx.merge(self.graphdef, params)
+            if adapters
+            else nnx.merge(self.base_graphdef, lora.base(params))
+        )
         # A micro-batch whose rows do not split evenly is left to GSPMD.
         rows = None if batch.tokens.shape[0] % self._row_shards else self._rows
         return token_logprobs(
-            model, batch.tokens, batch.positions, batch.segment_ids, c.sampling,
-            c.logprob_chunk, c.stop_ids, batch.stop_masked, rows, None if rows is None else self._unembed,
-        )  # fmt: skip
+            model,
+            batch.tokens,
+            batch.positions,
+            batch.segment_ids,
+            c.sampling,
+            c.logprob_chunk,
+            c.stop_ids,
+            batch.stop_masked,
+            rows,
+            None if rows is None else self._unembed,
+        )
 
     def _logprobs_impl(self, params, batch: Batch, which: str, adapters: bool):
         """One forward over the rollout, a train step's micro-batch of rows at a time (a strided
@@ -278,10 +293,19 @@ class Learner:
         old = jax.lax.stop_gradient(tl.logp) if mb.old_logp is None else mb.old_logp
         ent = tl.entropy if self.cfg.loss.entropy_coef > 0 else jax.lax.stop_gradient(tl.entropy)
         return grpo_loss(
-            tl.logp, old, mb.sampler_logp, mb.ref_logp, mb.advantages, mb.loss_mask,
-            self.cfg.loss, global_tokens=global_tokens, global_seqs=global_seqs, entropy=ent,
-            full_logp=tl.full, segments=mb.segment_ids[:, 1:],
-        )  # fmt: skip
+            tl.logp,
+            old,
+            mb.sampler_logp,
+            mb.ref_logp,
+            mb.advantages,
+            mb.loss_mask,
+            self.cfg.loss,
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
+            entropy=ent,
+            full_logp=tl.full,
+            segments=mb.segment_ids[:, 1:],
+        )
 
     def _grads_impl(self, params, batch: Batch):
         """Gradient (of the trainable params) and metrics of the whole batch, accumulated over

@@ -81,9 +81,17 @@ class TokenLogprobs(NamedTuple):
 
 
 def token_logprobs(
-    model, tokens, positions, valid, sampling: SamplingParams, chunk: int = 128,
-    stop_ids: tuple[int, ...] = (), stop_masked=None, rows=None, unembed_sharding=None,
-) -> TokenLogprobs:  # fmt: skip
+    model,
+    tokens,
+    positions,
+    valid,
+    sampling: SamplingParams,
+    chunk: int = 128,
+    stop_ids: tuple[int, ...] = (),
+    stop_masked=None,
+    rows=None,
+    unembed_sharding=None,
+) -> TokenLogprobs:
     """Log-probs of tokens[:, 1:] given their prefixes (see the module docstring).
 
     tokens, positions: int32 [B,T]; valid: bool [B,T] real tokens, or int32 [B,T] segment ids of

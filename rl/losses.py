@@ -107,11 +107,17 @@ class LossConfig:
         if self.kl_coef < 0.0:
             bad("kl_coef", "must be >= 0 (0 disables the KL penalty)")
         if self.kl_coef > 0 and self.kl_in == "loss" and self.kl_estimator == "k1":
-            bad("kl_estimator", "k1 in the loss has zero expected gradient (no penalty); use k2 "
-                "or k3, or kl_in='reward', where k1 is the right estimator")  # fmt: skip
+            bad(
+                "kl_estimator",
+                "k1 in the loss has zero expected gradient (no penalty); use k2 "
+                "or k3, or kl_in='reward', where k1 is the right estimator",
+            )
         if self.kl_coef > 0 and self.kl_in == "reward" and self.kl_estimator != "k1":
-            bad("kl_estimator", "kl_in='reward' folds k1 = log pi - log ref into the rewards; "
-                "set kl_estimator='k1'")  # fmt: skip
+            bad(
+                "kl_estimator",
+                "kl_in='reward' folds k1 = log pi - log ref into the rewards; "
+                "set kl_estimator='k1'",
+            )
         if self.kl_clamp <= 0.0:
             bad("kl_clamp", "must be > 0")
         if self.entropy_coef < 0.0:

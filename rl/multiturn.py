@@ -73,8 +73,13 @@ class EpisodeSampler:
     def _warn_once(self, what: str, err: BaseException) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            log.warning("environment %s raised %s: %s (the episode ends, out of the loss; "
-                        "counted in episode/env_errors)", what, type(err).__name__, err)  # fmt: skip
+            log.warning(
+                "environment %s raised %s: %s (the episode ends, out of the loss; "
+                "counted in episode/env_errors)",
+                what,
+                type(err).__name__,
+                err,
+            )
 
     def _step(self, ep: Episode, turn: Turn):
         start = time.perf_counter()
@@ -154,9 +159,14 @@ class EpisodeSampler:
     def loop(self, g: int, on_finish, answer_calls=None) -> EpisodeLoop:
         """An episode loop on the engine whose turns go to this sampler's environment; its tool
         answers taken as soon as done, or with `answer_calls` on the loop's logical clock."""
-        return EpisodeLoop(self.engine, g, on_finish=on_finish, respond=self.respond,
-                           max_turn_tokens=self.max_turn_tokens,
-                           answer_calls=answer_calls)  # fmt: skip
+        return EpisodeLoop(
+            self.engine,
+            g,
+            on_finish=on_finish,
+            respond=self.respond,
+            max_turn_tokens=self.max_turn_tokens,
+            answer_calls=answer_calls,
+        )
 
     def run(self, params, state, records, prompts, g, seed, request_ids, shards=None):
         """(state, [(episodes, completions, rewards future)] per record): G episodes each, record
@@ -195,5 +205,10 @@ def env_metrics(episodes) -> dict[str, float]:
     env's pass fractions) over the unmasked episodes that report it (`rl.summary.metric_means`)."""
     from rl.summary import metric_means
 
-    return metric_means([{"metrics": {k: float(v) for k, v in getattr(ep, "metrics", {}).items()}}
-                         for ep in episodes if not getattr(ep, "masked", False)])  # fmt: skip
+    return metric_means(
+        [
+            {"metrics": {k: float(v) for k, v in getattr(ep, "metrics", {}).items()}}
+            for ep in episodes
+            if not getattr(ep, "masked", False)
+        ]
+    )

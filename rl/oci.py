@@ -69,8 +69,10 @@ import zlib
 INFO = "image.json"
 ROOTFS = "rootfs"
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
-_INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
-                "application/vnd.docker.distribution.manifest.list.v2+json")  # fmt: skip
+_INDEX_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
 
 
 class ImageError(ValueError):
@@ -207,11 +209,13 @@ def _pick(src: str, ms: list, ref: str, what: str) -> dict:
     images = {tuple(_refs(m)) for m in ms if _refs(m)}
     if len(images) > 1:
         names = ", ".join(sorted(r[0] for r in images)[:5]) + (", ..." if len(images) > 5 else "")
-        raise ImageError(f"{src}: {what} holds {len(images)} images ({names}): name one with "
-                         "--ref")  # fmt: skip
+        raise ImageError(f"{src}: {what} holds {len(images)} images ({names}): name one with --ref")
     arch, plat = host_arch(), lambda m: m.get("platform") or {}  # noqa: E731
-    ok = [m for m in ms if plat(m).get("os", "linux") == "linux"
-          and plat(m).get("architecture", arch) == arch]  # fmt: skip
+    ok = [
+        m
+        for m in ms
+        if plat(m).get("os", "linux") == "linux" and plat(m).get("architecture", arch) == arch
+    ]
     if not ok:
         have = sorted({f"{plat(m).get('os')}/{plat(m).get('architecture')}" for m in ms})
         raise ImageError(f"{src}: {what} has no linux/{arch} image (it has {', '.join(have)})")
@@ -225,8 +229,9 @@ def _oci_plan(s: _Source, ref: str = "") -> _Plan:
     while True:
         ms = index.get("manifests") if isinstance(index, dict) else None
         if not ms or not all(isinstance(m, dict) and "digest" in m for m in ms):
-            raise ImageError(f"{s.src}: {'index.json' if not seen else 'an index'} lists no "
-                             "manifest")  # fmt: skip
+            raise ImageError(
+                f"{s.src}: {'index.json' if not seen else 'an index'} lists no manifest"
+            )
         desc = _pick(s.src, ms, ref if not seen else "", "index.json" if not seen else "its index")
         # names to link: a full reference; not a bare tag (skopeo's oci:DIR:latest names its
         # image "latest": every image copied so would claim DIR/latest)
@@ -256,8 +261,10 @@ def _docker_plan(s: _Source, ref: str = "") -> _Plan:
                 raise ImageError(f"{s.src}: no image named {ref!r} in manifest.json")
         elif len(entries) > 1:
             names = ", ".join((t or ["<untagged>"])[0] for t in tags[:5])
-            raise ImageError(f"{s.src}: manifest.json holds {len(entries)} images ({names}"
-                             f"{', ...' if len(tags) > 5 else ''}): name one with --ref")  # fmt: skip
+            raise ImageError(
+                f"{s.src}: manifest.json holds {len(entries)} images ({names}"
+                f"{', ...' if len(tags) > 5 else ''}): name one with --ref"
+            )
         entry = entries[0]
         cpath, lpaths = entry["Config"], entry["Layers"]
     except (KeyError, IndexError, TypeError, AttributeError) as err:
@@ -282,8 +289,9 @@ def _plan(s: _Source, ref: str = "") -> _Plan:
         return _oci_plan(s, ref)
     if s.exists("manifest.json"):
         return _docker_plan(s, ref)
-    raise ImageError(f"{s.src}: no index.json + oci-layout (OCI layout) or manifest.json "
-                     "(docker save)")  # fmt: skip
+    raise ImageError(
+        f"{s.src}: no index.json + oci-layout (OCI layout) or manifest.json (docker save)"
+    )
 
 
 # ----- applying layers -----
@@ -392,8 +400,11 @@ class _Layers:
                 self.real_dirs = {
                     d for d in self.real_dirs if d != rel and not d.startswith(rel + "/")
                 }
-                self.dir_modes = {d: m for d, m in self.dir_modes.items()
-                                  if d != rel and not d.startswith(rel + "/")}  # fmt: skip
+                self.dir_modes = {
+                    d: m
+                    for d, m in self.dir_modes.items()
+                    if d != rel and not d.startswith(rel + "/")
+                }
             else:
                 os.unlink(full)
 
@@ -615,12 +626,18 @@ def _unpack(s: _Source, src: str, out: str, names: tuple, ref: str) -> dict:
                         layers.apply(f, digest, f"layer {i} ({path})")
                 layers.finish_dirs()
                 cfg = plan.config.get("config") or {}
-                info = {"digest": plan.digest, "source": os.path.abspath(src),
-                        "setuid_dropped": layers.setuid,
-                        "env": list(cfg.get("Env") or []), "workdir": cfg.get("WorkingDir") or "",
-                        "user": cfg.get("User") or "", "cmd": cfg.get("Cmd") or [],
-                        "architecture": plan.config.get("architecture", ""),
-                        "layers": [d for _, d in plan.layers], "names": []}  # fmt: skip
+                info = {
+                    "digest": plan.digest,
+                    "source": os.path.abspath(src),
+                    "setuid_dropped": layers.setuid,
+                    "env": list(cfg.get("Env") or []),
+                    "workdir": cfg.get("WorkingDir") or "",
+                    "user": cfg.get("User") or "",
+                    "cmd": cfg.get("Cmd") or [],
+                    "architecture": plan.config.get("architecture", ""),
+                    "layers": [d for _, d in plan.layers],
+                    "names": [],
+                }
                 with open(os.path.join(tmp, INFO), "w") as f:
                     json.dump(info, f, indent=1)
                 try:

@@ -92,8 +92,9 @@ def _first_fit(lengths, width: int):
     return row, segment, start, len(free)
 
 
-def place(lengths, width: int, pack: bool = True, multiple: int = 1,
-          minibatches: int = 1) -> Layout:  # fmt: skip
+def place(
+    lengths, width: int, pack: bool = True, multiple: int = 1, minibatches: int = 1
+) -> Layout:
     """The rows of sequences of the given lengths (all <= width).
 
     With minibatches M > 1 the learner steps on rows m, m+M, m+2M, ... (`rl.learner`), and the
@@ -117,9 +118,16 @@ def place(lengths, width: int, pack: bool = True, multiple: int = 1,
     return Layout(per * minibatches, width, row, segment, start, lengths)
 
 
-def build_batch(groups, width: int, pad_id: int, min_new_tokens: int = 0, pack: bool = True,
-                multiple: int = 1, minibatches: int = 1,
-                rows: int | None = None) -> tuple[Batch, Layout]:  # fmt: skip
+def build_batch(
+    groups,
+    width: int,
+    pad_id: int,
+    min_new_tokens: int = 0,
+    pack: bool = True,
+    multiple: int = 1,
+    minibatches: int = 1,
+    rows: int | None = None,
+) -> tuple[Batch, Layout]:
     """The learner Batch (numpy) of the groups' sequences (prompt + completion), and its Layout;
     with `rows` (>= what they need: a batch shard's rows, the same on every shard) padded to it.
 
@@ -137,8 +145,10 @@ def build_batch(groups, width: int, pad_id: int, min_new_tokens: int = 0, pack: 
     layout = place(lengths, width, pack, multiple, minibatches)
     if rows is not None:
         if rows < layout.rows or rows % minibatches:
-            raise ValueError(f"rows={rows}: the sequences need {layout.rows}, in a multiple of "
-                             f"{minibatches} minibatches")  # fmt: skip
+            raise ValueError(
+                f"rows={rows}: the sequences need {layout.rows}, in a multiple of "
+                f"{minibatches} minibatches"
+            )
         layout = dataclasses.replace(layout, rows=rows)
     rows = layout.rows
     tokens = np.full((rows, width), pad_id, np.int32)

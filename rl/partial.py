@@ -279,10 +279,12 @@ class PartialRollouts:
         try:
             while True:  # again only for replacements queued after the loop ran dry
                 stopped[0] = queued[0] = False
-                state = self.loop.run(params, state, seed, version=step, until=until,
-                                      refresh=self.refresh)  # fmt: skip
-                more = self._draw(step, data, self._judge(force=True, replace=not stopping[0]),
-                                  first)  # fmt: skip
+                state = self.loop.run(
+                    params, state, seed, version=step, until=until, refresh=self.refresh
+                )
+                more = self._draw(
+                    step, data, self._judge(force=True, replace=not stopping[0]), first
+                )
                 # Agreed: a process whose shards queued nothing runs the loop with the others.
                 if stopped[0] or not (queued[0] or more):
                     break
@@ -290,8 +292,14 @@ class PartialRollouts:
                 stopping[0] = draining[0] = bool(stop())  # all ended: draining trains them all
             groups, found, short = [], 0, 0
             for i in self.local:
-                keys = select(self.loop, [k for k in self._of(i, self.done) if k not in self.zero],
-                              self.b, step, self.eta, draining[0])  # fmt: skip
+                keys = select(
+                    self.loop,
+                    [k for k in self._of(i, self.done) if k not in self.zero],
+                    self.b,
+                    step,
+                    self.eta,
+                    draining[0],
+                )
                 spare = sorted(self._of(i, self.zero), key=lambda k: (self.loop.admitted[k], k))
                 top_up = spare[: max(self.b - len(keys), 0)]  # zero-variance groups fill it
                 groups += [self._group(key) for key in keys + top_up]
@@ -304,15 +312,20 @@ class PartialRollouts:
             raise
         in_flight = self.loop.in_flight()
         episodes = sum(sum(c is None for c in self.loop.results[k]) for k in in_flight)
-        counters = {"sum/rollout/carried_groups": self.carried,
-                    "sum/rollout/carried_episodes": episodes,
-                    "generated_sum": sum(self.generated), "generated_n": len(self.generated)}  # fmt: skip
+        counters = {
+            "sum/rollout/carried_groups": self.carried,
+            "sum/rollout/carried_episodes": episodes,
+            "generated_sum": sum(self.generated),
+            "generated_n": len(self.generated),
+        }
         if self.ds:
-            counters.update({
-                "sum/dynamic_sampling_replacements": sum(map(len, self.replacements.values())),
-                "sum/dynamic_sampling_dropped_groups": found,  # found (as synchronous) ...
-                "sum/dynamic_sampling_shortfall": short,  # ... and trained anyway
-            })  # fmt: skip
+            counters.update(
+                {
+                    "sum/dynamic_sampling_replacements": sum(map(len, self.replacements.values())),
+                    "sum/dynamic_sampling_dropped_groups": found,  # found (as synchronous) ...
+                    "sum/dynamic_sampling_shortfall": short,  # ... and trained anyway
+                }
+            )
         # passes of the rollout loop (decode calls, waits on tools) past a complete batch, made
         # only for a group at the staleness bound (the same on every process)
         return state, groups, {"rollout/staleness_waits": float(self.waits), "counters": counters}
@@ -321,8 +334,10 @@ class PartialRollouts:
         """The statistics of the step's trained groups (every process's summaries) that need
         the whole batch: token ages, and the mean length of the episodes that ended."""
         n = S.total(counts, "generated_n")
-        return {**S.age_stats(groups),
-                "rollout/generated_length_mean": S.total(counts, "generated_sum") / n if n else 0.0}  # fmt: skip
+        return {
+            **S.age_stats(groups),
+            "rollout/generated_length_mean": S.total(counts, "generated_sum") / n if n else 0.0,
+        }
 
     def _group(self, key: int):
         """A complete group's `rl.rollout.Group`, forgotten here (trained or dropped)."""
@@ -362,17 +377,40 @@ def check_partial(c) -> list[tuple[str, object, str]]:
     """(field, value, why) for each setting partial rollouts cannot run with."""
     bad = []
     if c.rl.is_correction == "none":
-        bad.append(("rl.is_correction", "none", "partial rollouts train on tokens of older "
-                    "policies: set tis or mis (decoupled PPO's behaviour weight)"))  # fmt: skip
+        bad.append(
+            (
+                "rl.is_correction",
+                "none",
+                "partial rollouts train on tokens of older "
+                "policies: set tis or mis (decoupled PPO's behaviour weight)",
+            )
+        )
     if c.rl.old_logp != "recompute":
-        bad.append(("rl.old_logp", c.rl.old_logp, "partial rollouts need the proximal policy "
-                    "pi_old recomputed by the learner ('recompute')"))  # fmt: skip
+        bad.append(
+            (
+                "rl.old_logp",
+                c.rl.old_logp,
+                "partial rollouts need the proximal policy "
+                "pi_old recomputed by the learner ('recompute')",
+            )
+        )
     if c.sampling.min_new_tokens:
-        bad.append(("sampling.min_new_tokens", c.sampling.min_new_tokens,
-                    "must be 0 with partial rollouts (a resumed turn would ban stop ids again)"))  # fmt: skip
+        bad.append(
+            (
+                "sampling.min_new_tokens",
+                c.sampling.min_new_tokens,
+                "must be 0 with partial rollouts (a resumed turn would ban stop ids again)",
+            )
+        )
     if not 1 <= c.rl.extra_groups <= c.data.prompts_per_step:
-        bad.append(("rl.extra_groups", c.rl.extra_groups, f"must be in [1, data.prompts_per_step="
-                    f"{c.data.prompts_per_step}] (0 would carry nothing)"))  # fmt: skip
+        bad.append(
+            (
+                "rl.extra_groups",
+                c.rl.extra_groups,
+                f"must be in [1, data.prompts_per_step="
+                f"{c.data.prompts_per_step}] (0 would carry nothing)",
+            )
+        )
     if c.rl.max_staleness < 1:
         bad.append(("rl.max_staleness", c.rl.max_staleness, "must be >= 1"))
     return bad

@@ -162,9 +162,12 @@ def combined_rewards(
                 raise ValueError(f"reward {name!r} returned shape {values.shape}, expected ({n},)")
             if not np.isfinite(values).all():  # passed on: the learner skips the step
                 i = int(np.flatnonzero(~np.isfinite(values))[0])
-                warnings.warn(f"reward {name!r} returned {values[i]} for completion {i}: the "
-                              "step's loss is not finite and its update is skipped",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"reward {name!r} returned {values[i]} for completion {i}: the "
+                    "step's loss is not finite and its update is skipped",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             failed = np.zeros(n, np.float32)
         per_reward[name] = values
         per_reward[f"{name}_failed"] = failed

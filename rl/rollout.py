@@ -97,9 +97,12 @@ def score_group(record, prompt, completions, tokenizer, rl_cfg, max_new_tokens, 
     texts = [tokenizer.decode(c.tokens) for c in completions]
     prompts, fields = reward_inputs([record], g, prompt_field)
     total, parts = combined_rewards(
-        dict(rl_cfg.rewards), prompts, texts, fields,
+        dict(rl_cfg.rewards),
+        prompts,
+        texts,
+        fields,
         timeout_s=getattr(rl_cfg, "reward_timeout_s", 0) or None,
-    )  # fmt: skip
+    )
     if rl_cfg.overlong_buffer:
         lengths = np.array([c.length for c in completions])
         penalty = overlong_penalty(
@@ -163,16 +166,23 @@ class Rollouts:
         c = self.config
         if self.episodes is None:
             return tokenize_prompts(records, self.tokenizer, c, c.data.train.prompt_field)
-        return env_prompts(self.episodes.env, records, c.sampling.max_prompt_len,
-                           c.data.train.prompt_field)  # fmt: skip
+        return env_prompts(
+            self.episodes.env, records, c.sampling.max_prompt_len, c.data.train.prompt_field
+        )
 
     def score(self, record, prompt, completions):
         """Future of a single-turn group's `Group`, scored on the reward worker."""
         c = self.config
         return self.pool.submit(
-            score_group, record, prompt, completions, self.tokenizer, c.rl,
-            c.sampling.max_new_tokens, c.data.train.prompt_field,
-        )  # fmt: skip
+            score_group,
+            record,
+            prompt,
+            completions,
+            self.tokenizer,
+            c.rl,
+            c.sampling.max_new_tokens,
+            c.data.train.prompt_field,
+        )
 
     def episode_group(self, record, prompt, episodes, completions, rewards) -> Group:
         return episode_group(record, prompt, episodes, completions, rewards, self.tokenizer)
@@ -180,9 +190,13 @@ class Rollouts:
     def _counters(self) -> dict[str, float]:
         """This process's engine counters (the step's change goes into the statistics)."""
         e = self.engine
-        out = {"preemptions": e.preemptions, "recomputed_tokens": e.recomputed_tokens,
-               "prefill_tokens": e.prefill_tokens, "decoded": e.slot_steps[0],
-               "slot_steps": e.slot_steps[1]}  # fmt: skip
+        out = {
+            "preemptions": e.preemptions,
+            "recomputed_tokens": e.recomputed_tokens,
+            "prefill_tokens": e.prefill_tokens,
+            "decoded": e.slot_steps[0],
+            "slot_steps": e.slot_steps[1],
+        }
         if self.episodes is not None:
             out.update(self.episodes.counters)
         return {k: float(v) for k, v in out.items()}
@@ -208,28 +222,37 @@ class Rollouts:
             # agreed, so every process makes the same calls (`init_state`) next step
             self.decode_state = state
         completions = batch.loss_mask  # every sampled token: what the KL penalty covers
-        keep = {i: np.concatenate([grp.keep() for grp in groups if grp.shard == i] + [[]])
-                for i in layouts}  # fmt: skip
+        keep = {
+            i: np.concatenate([grp.keep() for grp in groups if grp.shard == i] + [[]])
+            for i in layouts
+        }
         mask = batch.loss_mask.copy()
         for i, lay in layouts.items():  # infrastructure failures: no loss on their tokens
             block = slice(i * rows, (i + 1) * rows)
             mask[block] *= lay.spread(keep[i])
             if c.rl.mask_truncated:  # DAPO: completions cut by the length limit get no loss
-                stopped = [cp.finish_reason == "stop" for grp in groups if grp.shard == i
-                           for cp in grp.completions]  # fmt: skip
+                stopped = [
+                    cp.finish_reason == "stop"
+                    for grp in groups
+                    if grp.shard == i
+                    for cp in grp.completions
+                ]
                 mask[block] *= lay.spread(stopped)
-        device = lambda x: shard_blocks({i: x[i * rows : (i + 1) * rows] for i in layouts},
-                                        self.num_shards, self.batch_sharding)  # fmt: skip
+        device = lambda x: shard_blocks(
+            {i: x[i * rows : (i + 1) * rows] for i in layouts}, self.num_shards, self.batch_sharding
+        )
         batch = jax.tree.map(device, batch.replace(loss_mask=mask))
-        summaries = [S.summary(grp, n, step if self.partial else None)
-                     for n, grp in enumerate(groups)]  # fmt: skip
+        summaries = [
+            S.summary(grp, n, step if self.partial else None) for n, grp in enumerate(groups)
+        ]
         if c.rl.kl_in == "reward" and c.rl.kl_coef > 0:
             # The KL is data here: beta * sum_t k1 of the rollout policy against the reference,
             # both on the tempered full softmax (rl.logprobs), over every completion token.
             ref = self.learner.reference_logprobs(params, self.ref_params, batch)
             pi = self.learner.logprobs(params, batch, "full")
-            penalty = kl_reward_penalty(pi, ref, device(completions), c.rl.kl_coef,
-                                        c.rl.kl_clamp, batch.segment_ids[:, 1:])  # fmt: skip
+            penalty = kl_reward_penalty(
+                pi, ref, device(completions), c.rl.kl_coef, c.rl.kl_clamp, batch.segment_ids[:, 1:]
+            )
             penalty = local_values(penalty)  # this process's rows
             at = {i: 0 for i in layouts}
             for s, grp in zip(summaries, groups):
@@ -242,31 +265,53 @@ class Rollouts:
         keep_all = S.flat(everyone, "keep", bool)
         penalty = S.flat(everyone, "penalty") if everyone[0]["penalty"] is not None else None
         adv, adv_stats = compute_advantages(
-            jnp.asarray(rewards), c.rl.num_generations, c.rl.advantage, c.rl.advantage_eps,
-            penalty, None if keep_all.all() else keep_all,  # None: the unmasked path, bit for bit
-        )  # fmt: skip
+            jnp.asarray(rewards),
+            c.rl.num_generations,
+            c.rl.advantage,
+            c.rl.advantage_eps,
+            penalty,
+            None if keep_all.all() else keep_all,  # None: the unmasked path, bit for bit
+        )
         adv, shaped = np.asarray(adv), rewards - (0.0 if penalty is None else penalty)
         # This process's samples: where its groups sit in the shard-ordered list of all.
         g = c.rl.num_generations
         where = {(s["shard"], s["idx"]): n for n, s in enumerate(everyone)}
         mine = [where[grp.shard, n] for n, grp in enumerate(groups)]
         own = lambda x: np.concatenate([x[n * g : (n + 1) * g] for n in mine] + [[]])
-        blocks = {i: lay.spread(np.concatenate([adv[n * g : (n + 1) * g] for n, grp
-                                                in zip(mine, groups) if grp.shard == i] + [[]]))
-                  for i, lay in layouts.items()}  # fmt: skip
-        batch = batch.replace(advantages=shard_blocks(blocks, self.num_shards,
-                                                      self.batch_sharding))  # fmt: skip
+        blocks = {
+            i: lay.spread(
+                np.concatenate(
+                    [adv[n * g : (n + 1) * g] for n, grp in zip(mine, groups) if grp.shard == i]
+                    + [[]]
+                )
+            )
+            for i, lay in layouts.items()
+        }
+        batch = batch.replace(advantages=shard_blocks(blocks, self.num_shards, self.batch_sharding))
         partial = self.partial.stats(everyone, counts) if self.partial is not None else {}
-        stats = S.step_stats(everyone, counts, rows=rows * self.num_shards, width=self.width,
-                             row_shapes=len(self.row_shapes), extra=extra, partial=partial,
-                             episodes=self.episodes is not None)  # fmt: skip
+        stats = S.step_stats(
+            everyone,
+            counts,
+            rows=rows * self.num_shards,
+            width=self.width,
+            row_shapes=len(self.row_shapes),
+            extra=extra,
+            partial=partial,
+            episodes=self.episodes is not None,
+        )
         stats.update({k: float(v) for k, v in adv_stats.items()})
         if penalty is not None:
             stats["reward/kl_penalty_mean"] = float(penalty.mean())
         self._carried = int(stats.get("rollout/carried_groups", 0))
         layout = _joined(layouts, rows, self.num_shards)
-        return Rollout(batch, groups, own(shaped), stats, layout,
-                       int(S.flat(everyone, "lengths", np.int64).sum()))  # fmt: skip
+        return Rollout(
+            batch,
+            groups,
+            own(shaped),
+            stats,
+            layout,
+            int(S.flat(everyone, "lengths", np.int64).sum()),
+        )
 
     def _batch(self, groups, idle: bool):
         """(numpy Batch of the S shards' rows, shard -> its Layout, rows per shard, whether every
@@ -275,13 +320,19 @@ class Rollouts:
         c, s = self.config, self.config.sampling
         width, m = self.width, c.rl.minibatches
         by = {i: [grp for grp in groups if grp.shard == i] for i in self.local}
-        lengths = {i: [len(grp.prompt) + cp.length for grp in gs for cp in grp.completions]
-                   for i, gs in by.items()}  # fmt: skip
+        lengths = {
+            i: [len(grp.prompt) + cp.length for grp in gs for cp in grp.completions]
+            for i, gs in by.items()
+        }
         need = [place(n, width, c.rl.pack, self.row_multiple, m).rows for n in lengths.values()]
         everyone = agree([max(need, default=0), idle])
         rows, idle = int(everyone[:, 0].max()), bool(everyone[:, 1].all())
-        parts = {i: build_batch(gs, width, self.pad_id, s.min_new_tokens, c.rl.pack,
-                                self.row_multiple, m, rows=rows) for i, gs in by.items()}  # fmt: skip
+        parts = {
+            i: build_batch(
+                gs, width, self.pad_id, s.min_new_tokens, c.rl.pack, self.row_multiple, m, rows=rows
+            )
+            for i, gs in by.items()
+        }
         zero = jax.tree.map(np.zeros_like, next(iter(parts.values()))[0])
         blocks = [parts[i][0] if i in parts else zero for i in range(self.num_shards)]
         batch = jax.tree.map(lambda *xs: np.concatenate(xs), *blocks)
@@ -302,8 +353,11 @@ class Rollouts:
             # of step s is (s * max_tries + r) * B + i * B/S + j.
             base = (step * c.rl.dynamic_sampling_max_tries + tries[0]) * c.data.prompts_per_step
             tries[0] += 1
-            todo = [(i, r, base + i * self.quota + j) for i in self.local
-                    for j, r in enumerate(records[i])]  # fmt: skip
+            todo = [
+                (i, r, base + i * self.quota + j)
+                for i in self.local
+                for j, r in enumerate(records[i])
+            ]
             nonlocal state
             state, groups = self.sample_groups(params, state, todo, seed)
             reprefill[0] += S.reprefill_tokens([S.summary(grp, 0) for grp in groups])
@@ -314,12 +368,18 @@ class Rollouts:
             groups = sample_round([self.quota] * self.num_shards)
         else:
             groups, tried, dropped, short = fill_groups(
-                sample_round, self.quota, self.num_shards, self.local, c.rl.num_generations,
+                sample_round,
+                self.quota,
+                self.num_shards,
+                self.local,
+                c.rl.num_generations,
                 c.rl.dynamic_sampling_max_tries,
-            )  # fmt: skip
+            )
             stats["dynamic_sampling_tries"] = float(tried)
-            counters = {"sum/dynamic_sampling_dropped_groups": dropped,
-                        "sum/dynamic_sampling_shortfall": short}  # fmt: skip
+            counters = {
+                "sum/dynamic_sampling_dropped_groups": dropped,
+                "sum/dynamic_sampling_shortfall": short,
+            }
         stats["counters"] = {"reprefill_tokens": reprefill[0], **counters}
         return state, groups, stats
 
@@ -332,8 +392,10 @@ class Rollouts:
         shards, ids = [i for i, _, _ in todo], [n for *_, n in todo]
         if self.episodes is not None:
             state, out = self.episodes.run(params, state, records, prompts, g, seed, ids, shards)
-            groups = [episode_group(record, prompt, eps, completions, fut.result(), self.tokenizer)
-                      for record, prompt, (eps, completions, fut) in zip(records, prompts, out)]  # fmt: skip
+            groups = [
+                episode_group(record, prompt, eps, completions, fut.result(), self.tokenizer)
+                for record, prompt, (eps, completions, fut) in zip(records, prompts, out)
+            ]
         else:
             done, left, futures = [[None] * g for _ in prompts], [g] * len(prompts), {}
 
@@ -368,8 +430,9 @@ class Rollouts:
 def _joined(layouts: dict, rows: int, num_shards: int) -> Layout:
     """One Layout of this process's sequences (shard by shard) in the rows of the whole batch."""
     parts = [(i * rows, lay) for i, lay in sorted(layouts.items())]
-    cat = lambda f: np.concatenate([getattr(lay, f) + (off if f == "row" else 0)
-                                    for off, lay in parts])  # fmt: skip
+    cat = lambda f: np.concatenate(
+        [getattr(lay, f) + (off if f == "row" else 0) for off, lay in parts]
+    )
     return Layout(
         rows * num_shards,
         parts[0][1].width,

@@ -302,8 +302,12 @@ class Sandbox:
         with os.fdopen(fd, "w") as f:
             f.write(code)
         os.chmod(main, 0o644)
-        env = dict(PATH=f"{self.bin}:/usr/local/bin:/usr/bin:/bin", HOME=ws.path, TMPDIR=ws.path,
-                   LANG="C.UTF-8")  # fmt: skip
+        env = dict(
+            PATH=f"{self.bin}:/usr/local/bin:/usr/bin:/bin",
+            HOME=ws.path,
+            TMPDIR=ws.path,
+            LANG="C.UTF-8",
+        )
         env.update(PYTHONPATH=ws.path, PYTHONHASHSEED="0", PYTHONSAFEPATH="1")
         env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
         try:

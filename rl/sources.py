@@ -165,9 +165,11 @@ def _check_jsonable(schema, where: str, hf: bool = True) -> None:
     source's error names its path (SourceError), a parquet file's the file."""
     bad = [f.name for f in schema if _holds_bytes(f.type)]
     if bad:
-        why = (f"columns {bad} hold bytes (binary, or an Image / Audio feature), which a record "
-               "cannot carry (records are JSON: logged with their completions, read by rewards as a jsonl line is); "
-               "remove them (datasets' remove_columns, then save_to_disk) and read that")  # fmt: skip
+        why = (
+            f"columns {bad} hold bytes (binary, or an Image / Audio feature), which a record "
+            "cannot carry (records are JSON: logged with their completions, read by rewards as a jsonl line is); "
+            "remove them (datasets' remove_columns, then save_to_disk) and read that"
+        )
         raise SourceError("path", where, why) if hf else ValueError(f"{where}: {why}")
 
 
@@ -194,9 +196,13 @@ class HFRecords(Sequence):
 
 
 def hub_dataset_dir(
-    path: str, revision: str = "", name: str | None = None, *,
-    field: str = "data source path", revision_field: str = "revision",
-) -> str:  # fmt: skip
+    path: str,
+    revision: str = "",
+    name: str | None = None,
+    *,
+    field: str = "data source path",
+    revision_field: str = "revision",
+) -> str:
     """The local directory of an "hf" source's `path`: the directory itself, or a Hub dataset's
     snapshot in the Hub cache at `revision`, fetched with the files of subset `name` only where
     the dataset card's `configs` name them (`subset_files`), else all its files."""
@@ -231,11 +237,16 @@ def subset_files(directory: str, name: str | None, path: str = "") -> tuple[str,
             next(iter(configs)) if len(configs) == 1 else None
         )
         if name is None:
-            raise SourceError("name", "", f"{path or directory} has several subsets and no "
-                              f"default: name one of {sorted(configs)}")  # fmt: skip
+            raise SourceError(
+                "name",
+                "",
+                f"{path or directory} has several subsets and no "
+                f"default: name one of {sorted(configs)}",
+            )
     if configs and name not in configs:
-        raise SourceError("name", name, f"{path or directory}: no such subset (it has "
-                          f"{sorted(configs)})")  # fmt: skip
+        raise SourceError(
+            "name", name, f"{path or directory}: no such subset (it has {sorted(configs)})"
+        )
     files = (configs.get(name) or {}).get("data_files")
     if isinstance(files, (str, dict)):
         files = [files]
@@ -259,8 +270,13 @@ class SourceError(ValueError):
 
 
 # "hf" sources whose path is a data file (or a glob of them): the datasets builder per extension
-DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
-                      ".arrow": "arrow"}  # fmt: skip
+DATA_FILE_BUILDERS = {
+    ".parquet": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 
 
 def names_files(path: str) -> bool:
@@ -283,27 +299,33 @@ def _split_names(split: str) -> list[str]:
     return [part.split("[")[0].strip() for part in split.split("+")]
 
 
-def _check_prompt_field(datasets, args, split: str, prompt_field: str, where: str,
-                        path: str) -> None:  # fmt: skip
+def _check_prompt_field(
+    datasets, args, split: str, prompt_field: str, where: str, path: str
+) -> None:
     """The first row's columns hold prompt_field, read by streaming it, and no column holds bytes
     (where the files' schema says): before load_dataset generates the Arrow cache (minutes for
     a large dataset, and progress bars on stderr)."""
-    stream = datasets.load_dataset(*args[0], split=_split_names(split)[0], streaming=True,
-                                   **args[1])  # fmt: skip
+    stream = datasets.load_dataset(
+        *args[0], split=_split_names(split)[0], streaming=True, **args[1]
+    )
     if stream.features is not None:  # (known from the files' schema: parquet, arrow)
         _check_jsonable(stream.features.arrow_schema, path)
     first = next(iter(stream), None)
     if first is not None and prompt_field not in first:
-        raise SourceError("prompt_field", prompt_field, f"no such column in {where} split "
-                          f"{split!r} (columns: {sorted(first)})")  # fmt: skip
+        raise SourceError(
+            "prompt_field",
+            prompt_field,
+            f"no such column in {where} split {split!r} (columns: {sorted(first)})",
+        )
 
 
 def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
     try:
         import datasets
     except ImportError:
-        raise ImportError("a data source of type 'hf' needs the datasets library: "
-                          "pip install -e '.[hub]'") from None  # fmt: skip
+        raise ImportError(
+            "a data source of type 'hf' needs the datasets library: pip install -e '.[hub]'"
+        ) from None
     path = os.fspath(_cfg_get(source_cfg, "path", ""))
     name = _cfg_get(source_cfg, "name", "") or None
     split = str(_cfg_get(source_cfg, "split", "train"))
@@ -316,14 +338,14 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         ds = datasets.load_from_disk(local)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise SourceError("split", split, f"no such split of {path} (it has "
-                                  f"{sorted(ds)})")  # fmt: skip
+                raise SourceError("split", split, f"no such split of {path} (it has {sorted(ds)})")
             ds = ds[split]
     elif files:  # data files: datasets' builder for their format, all of them the split
         ext = os.path.splitext(files[0])[1].lower()
         if ext not in DATA_FILE_BUILDERS or any(not f.lower().endswith(ext) for f in files):
-            raise SourceError("path", path, "data files must all be one of "
-                              f"{sorted(DATA_FILE_BUILDERS)}")  # fmt: skip
+            raise SourceError(
+                "path", path, f"data files must all be one of {sorted(DATA_FILE_BUILDERS)}"
+            )
         args = (DATA_FILE_BUILDERS[ext],), dict(data_files={split: files})
         _check_prompt_field(datasets, args, split, prompt_field, where, path)
         ds = datasets.load_dataset(*args[0], split=split, **args[1])
@@ -333,8 +355,9 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         try:  # the subset and split are checked before any split is generated
             builder = datasets.load_dataset_builder(directory, name)
         except ValueError as e:  # an unknown or missing subset
-            raise SourceError("name", name or "", f"{path}: "
-                              f"{' '.join(str(e).split())[:300]}") from None  # fmt: skip
+            raise SourceError(
+                "name", name or "", f"{path}: {' '.join(str(e).split())[:300]}"
+            ) from None
         known = [str(s) for s in builder.config.data_files or builder.info.splits or []]
         missing = [s for s in _split_names(split) if s not in known]
         if known and missing:
@@ -343,11 +366,15 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         try:
             ds = datasets.load_dataset(directory, name, split=split)
         except ValueError as e:  # a split spec datasets refuses
-            raise SourceError("split", split, f"{where}: "
-                              f"{' '.join(str(e).split())[:300]}") from None  # fmt: skip
+            raise SourceError(
+                "split", split, f"{where}: {' '.join(str(e).split())[:300]}"
+            ) from None
     if prompt_field not in ds.column_names:
-        raise SourceError("prompt_field", prompt_field, f"no such column in {where} split "
-                          f"{split!r} (columns: {sorted(ds.column_names)})")  # fmt: skip
+        raise SourceError(
+            "prompt_field",
+            prompt_field,
+            f"no such column in {where} split {split!r} (columns: {sorted(ds.column_names)})",
+        )
     _check_jsonable(ds.data.schema, path)
     return HFRecords(ds, f"{where} split {split!r}")
 

@@ -25,23 +25,33 @@ def summary(grp, idx: int, step: int | None = None) -> dict:
     the ages step - version of its model tokens (sum, count, max, count > 0)."""
     cs = grp.completions
     out = {
-        "shard": int(grp.shard), "idx": idx, "prompt_len": len(grp.prompt),
-        "rewards": [float(r) for r in grp.rewards], "keep": grp.keep().tolist(),
+        "shard": int(grp.shard),
+        "idx": idx,
+        "prompt_len": len(grp.prompt),
+        "rewards": [float(r) for r in grp.rewards],
+        "keep": grp.keep().tolist(),
         "parts": {k: [float(x) for x in v] for k, v in grp.parts.items()},
         "lengths": [int(c.length) for c in cs],
         "stop": [c.finish_reason == "stop" for c in cs],
         "observation": [int(sum(c.observation or [])) for c in cs],
         "turn_starts": [_turn_starts(c) for c in cs],
         "penalty": None,
-    }  # fmt: skip
+    }
     if grp.episodes is not None:
-        out["episodes"] = [{
-            "turns": ep.num_turns, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors,
-            "tool_seconds": ep.tool_seconds, "env_errors": ep.env_errors,
-            "masked": bool(getattr(ep, "masked", False)), "tamper": bool(ep.tamper),
-            "error": _masked_why(ep),
-            "metrics": {k: float(v) for k, v in getattr(ep, "metrics", {}).items()},
-        } for ep in grp.episodes]  # fmt: skip
+        out["episodes"] = [
+            {
+                "turns": ep.num_turns,
+                "tool_calls": ep.tool_calls,
+                "tool_errors": ep.tool_errors,
+                "tool_seconds": ep.tool_seconds,
+                "env_errors": ep.env_errors,
+                "masked": bool(getattr(ep, "masked", False)),
+                "tamper": bool(ep.tamper),
+                "error": _masked_why(ep),
+                "metrics": {k: float(v) for k, v in getattr(ep, "metrics", {}).items()},
+            }
+            for ep in grp.episodes
+        ]
     if step is not None:
         ages = []
         for c in cs:
@@ -134,7 +144,7 @@ def episode_stats(groups: list[dict], prefill_tokens: int, reprefill: int) -> di
         # counts, not means: masked by the environment (env errors are counted above), tampering
         "episode/infra_errors": float(
             sum(ep["masked"] and not ep["env_errors"] for ep in episodes)
-        ),  # fmt: skip
+        ),
         "episode/tamper": float(sum(ep["tamper"] for ep in episodes)),
         "episode/observation_frac": n_obs / max(1, int(flat(groups, "lengths", np.int64).sum())),
         "episode/prefill_tokens": float(prefill_tokens),
@@ -187,8 +197,10 @@ def per_process(counters: list[dict], name: str) -> dict[str, float]:
     """rollout/<name>_per_process_max / _min: a counter's spread over the processes (each runs
     its own episodes' tools and sandboxes)."""
     values = [float(c.get(name, 0.0)) for c in counters]
-    return {f"rollout/{name}_per_process_max": max(values),
-            f"rollout/{name}_per_process_min": min(values)}  # fmt: skip
+    return {
+        f"rollout/{name}_per_process_max": max(values),
+        f"rollout/{name}_per_process_min": min(values),
+    }
 
 
 def total(counters: list[dict], name: str) -> float:
@@ -214,22 +226,26 @@ def step_stats(
     stats = {
         "learn/rows": float(rows),
         "learn/row_shapes": float(row_shapes),
-        "learn/padding_frac": 1.0 - float(sum(g["prompt_len"] * len(g["lengths"]) for g in groups)
-                                          + flat(groups, "lengths").sum()) / (rows * width),
+        "learn/padding_frac": 1.0
+        - float(
+            sum(g["prompt_len"] * len(g["lengths"]) for g in groups) + flat(groups, "lengths").sum()
+        )
+        / (rows * width),
         "rollout/slot_utilization": sums("decoded") / max(counts[0]["slot_steps"], 1.0),
         "rollout/preemptions": sums("preemptions"),
         "rollout/recomputed_tokens": sums("recomputed_tokens"),
         **length_stats(groups),
         **reward_parts(groups),
         **extra,
-    }  # fmt: skip
+    }
     for name in counts[0]:  # what the processes counted of the step, summed
         if name.startswith("sum/"):
             stats[name[4:]] = sums(name)
     stats.update(partial)
     if episodes:
-        stats.update(episode_stats(groups, int(sums("prefill_tokens")),
-                                   int(sums("reprefill_tokens"))))  # fmt: skip
+        stats.update(
+            episode_stats(groups, int(sums("prefill_tokens")), int(sums("reprefill_tokens")))
+        )
         for name in ("tool_calls", "tool_seconds", "sandbox_runs"):
             stats.update(per_process(counts, name))
     return stats

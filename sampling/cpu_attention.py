@@ -136,7 +136,11 @@ def paged_attention_cpu(q, k_pages, v_pages, lengths, page_indices, layer=None):
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(
-        q.astype(jnp.float32), k_pages, v_pages, lengths.astype(jnp.int32),
-        page_indices.astype(jnp.int32), layer=np.int64(layer),
-    )  # fmt: skip
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        lengths.astype(jnp.int32),
+        page_indices.astype(jnp.int32),
+        layer=np.int64(layer),
+    )
     return out.astype(q.dtype)

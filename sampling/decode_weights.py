@@ -57,8 +57,9 @@ class DecodeWeights:
         recast = any(_recast(x, dt) for x in jax.tree.leaves(params))
         if target is None:  # no mesh: only the dtype may change
             return _cast_floats(params, dt) if recast else params
-        moved = jax.tree.map(lambda x, sh: not x.sharding.is_equivalent_to(sh, x.ndim), params,
-                             target)  # fmt: skip
+        moved = jax.tree.map(
+            lambda x, sh: not x.sharding.is_equivalent_to(sh, x.ndim), params, target
+        )
         if not (recast or any(jax.tree.leaves(moved))):
             return params
         # Cast where the params lie (bytes halved before they move), then one reshard: each
@@ -86,11 +87,14 @@ class DecodeWeights:
             if dt in ("", self.cfg.param_dtype):
                 return abstract_params
             cast = lambda x: jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding),
-                                abstract_params)  # fmt: skip
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding),
+                abstract_params,
+            )
         dt = lambda x: self.cfg.dtype if _recast(x, self.cfg.dtype) else x.dtype
         target = self.shardings(abstract_params)
         if target is None:
             target = jax.tree.map(lambda x: x.sharding, abstract_params)
-        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt(x), sharding=sh),
-                            abstract_params, target)  # fmt: skip
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt(x), sharding=sh), abstract_params, target
+        )

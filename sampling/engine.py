@@ -84,9 +84,14 @@ class Engine:
     over the devices; None keeps it on the default device."""
 
     def __init__(
-        self, cfg: ModelConfig, graphdef, ecfg: EngineConfig, sampling: SamplingParams,
-        mesh: jax.sharding.Mesh | None = None, rules=DEFAULT_RULES,
-    ):  # fmt: skip
+        self,
+        cfg: ModelConfig,
+        graphdef,
+        ecfg: EngineConfig,
+        sampling: SamplingParams,
+        mesh: jax.sharding.Mesh | None = None,
+        rules=DEFAULT_RULES,
+    ):
         ecfg.validate()
         if ecfg.weights_dtype not in ("", cfg.dtype):
             raise ValueError(
@@ -101,9 +106,13 @@ class Engine:
         # Resolved once for this platform, shape and mesh.
         sharded = mesh is not None and mesh.size > 1
         self.backend = resolve_backend(
-            ecfg.backend, sharded, ecfg.cache_dtype, cfg.head_dim, ecfg.page_size,
+            ecfg.backend,
+            sharded,
+            ecfg.cache_dtype,
+            cfg.head_dim,
+            ecfg.page_size,
             platform=None if mesh is None else mesh.devices.flat[0].platform,
-        )  # fmt: skip
+        )
         # S batch shards, each with its slots and its own page pool (`sampling.partitioned`).
         shape = {} if mesh is None else dict(mesh.shape)
         self.num_shards = s = partitioned.num_shards(shape, rules, cfg.num_kv_heads)
@@ -115,8 +124,10 @@ class Engine:
                     f"): each shard holds num_slots / {s} slots and num_pages / {s} pages"
                 )
         if ecfg.num_pages // s < 2:
-            raise ValueError(f"num_pages={ecfg.num_pages}: need >= 2 per shard ({s} shards; "
-                             "each shard's page 0 is its null page)")  # fmt: skip
+            raise ValueError(
+                f"num_pages={ecfg.num_pages}: need >= 2 per shard ({s} shards; "
+                "each shard's page 0 is its null page)"
+            )
         self.slots_per_shard, self.pages_per_shard = ecfg.num_slots // s, ecfg.num_pages // s
         # The process that decides each shard's slots (`sampling.peers`); this one's shards.
         axes = partitioned.shard_axes(shape, rules, cfg.num_kv_heads)
@@ -162,9 +173,14 @@ class Engine:
         the state's shapes)."""
         e = self.ecfg
         return DecodeState.zeros(
-            self.cfg, e.num_slots, e.num_pages, e.page_size, e.pages_per_seq,
-            e.max_new_tokens, jnp.dtype(e.cache_dtype),
-        )  # fmt: skip
+            self.cfg,
+            e.num_slots,
+            e.num_pages,
+            e.page_size,
+            e.pages_per_seq,
+            e.max_new_tokens,
+            jnp.dtype(e.cache_dtype),
+        )
 
     def init_state(self) -> DecodeState:
         """A fresh DecodeState: every slot idle, every page empty. The page book is reset to
@@ -213,9 +229,17 @@ class Engine:
         return state, prefixes
 
     def bulk_insert(
-        self, state, prefix: Prefix, slots, request_id: int, max_new, reserve=0, *,
-        samples=None, keep: bool = False,
-    ):  # fmt: skip
+        self,
+        state,
+        prefix: Prefix,
+        slots,
+        request_id: int,
+        max_new,
+        reserve=0,
+        *,
+        samples=None,
+        keep: bool = False,
+    ):
         """Puts one prefix into len(slots) idle slots sharing its full pages, as samples `samples`
         of the request (default 0..len-1: each sample's PRNG stream). Each slot may cache up to
         max(max_new, reserve) tokens after the prompt (one int or one per slot; a multi-turn
@@ -230,8 +254,18 @@ class Engine:
         )
         self.plan.copy(prefix.shard, copies)
         for k, s, m in zip(samples, slots, max_new):
-            self.plan.insert(s, (prefix.cached_len, prefix.last_token, int(m), e.min_new_tokens,
-                                 request_id, int(k), shared))  # fmt: skip
+            self.plan.insert(
+                s,
+                (
+                    prefix.cached_len,
+                    prefix.last_token,
+                    int(m),
+                    e.min_new_tokens,
+                    request_id,
+                    int(k),
+                    shared,
+                ),
+            )
         return self._now(state)
 
     def insert(self, state, prefix: Prefix, slot: int, request_id: int, max_new: int):
@@ -279,14 +313,25 @@ class Engine:
             # table was uploaded then see the same input (one compile).
             # With several processes each fills its own slots' rows (`peers.global_array`).
             sharding = state.page_indices.sharding
-            table = (jax.device_put(uploaded, sharding) if jax.process_count() == 1
-                     else global_array(uploaded, sharding))  # fmt: skip
+            table = (
+                jax.device_put(uploaded, sharding)
+                if jax.process_count() == 1
+                else global_array(uploaded, sharding)
+            )
             state = state.replace(page_indices=table)
         state, out = steps.generate(
-            self.graphdef, params, state, self.sampling, num_steps, tuple(e.stop_ids),
-            self.backend, root_key, self.layout, self.cascade_group(),
+            self.graphdef,
+            params,
+            state,
+            self.sampling,
+            num_steps,
+            tuple(e.stop_ids),
+            self.backend,
+            root_key,
+            self.layout,
+            self.cascade_group(),
             e.interpret,
-        )  # fmt: skip
+        )
         self._uploaded = uploaded  # only once the call took the table
         for x in out:  # this process's part, ready for `collect` as soon as the call ends
             for part in [x] if jax.process_count() == 1 else x.addressable_shards:
@@ -505,6 +550,11 @@ class Engine:
             x, None if self._shardings is None else self._shardings.lengths
         )
         return steps.update(
-            state, slots(put), slots(off), *map(slots, values), slots(copies[0].ravel()),
-            slots(copies[1].ravel()), self.layout,
-        )  # fmt: skip
+            state,
+            slots(put),
+            slots(off),
+            *map(slots, values),
+            slots(copies[0].ravel()),
+            slots(copies[1].ravel()),
+            self.layout,
+        )

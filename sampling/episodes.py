@@ -110,8 +110,16 @@ class EpisodeLoop:
     calls (partial rollouts). Requests are `add`ed under a key; `on_finish(key, k, completion)`
     is called as each episode ends; `respond` as in the module docstring (None: one turn)."""
 
-    def __init__(self, engine: Engine, num_samples=1, *, on_finish=None, respond=None,
-                 max_turn_tokens=None, answer_calls=None):  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        num_samples=1,
+        *,
+        on_finish=None,
+        respond=None,
+        max_turn_tokens=None,
+        answer_calls=None,
+    ):
         e = engine.ecfg
         if answer_calls is not None and answer_calls < 1:
             raise ValueError(f"answer_calls={answer_calls}: need None (as soon as done) or >= 1")
@@ -147,8 +155,15 @@ class EpisodeLoop:
         # shard -> (key, next sample, live prefix, its KV's version): a group partly in
         self._opens: dict[int, tuple] = {}
 
-    def add(self, prompts, max_new_tokens=None, request_ids=None, keys=None,
-            max_turn_tokens=None, shards=None) -> list:  # fmt: skip
+    def add(
+        self,
+        prompts,
+        max_new_tokens=None,
+        request_ids=None,
+        keys=None,
+        max_turn_tokens=None,
+        shards=None,
+    ) -> list:
         """Queues requests (G samples each); returns their keys (default 0..n-1 after the last).
         shards: None (each goes where there is room when admitted) or per prompt the batch shard
         it must go on, one of this process's (`Engine.local_shards`): a shard's requests are
@@ -171,17 +186,21 @@ class EpisodeLoop:
         if max_turn_tokens is None:
             caps = [[self.turn_cap] * self.g] * len(prompts)
         elif len(max_turn_tokens) != len(prompts):
-            raise ValueError(f"max_turn_tokens has {len(max_turn_tokens)} entries for "
-                             f"{len(prompts)} prompts")  # fmt: skip
+            raise ValueError(
+                f"max_turn_tokens has {len(max_turn_tokens)} entries for {len(prompts)} prompts"
+            )
         else:
-            caps = [[int(x)] * self.g if isinstance(x, int) else [int(y) for y in x]
-                    for x in max_turn_tokens]  # fmt: skip
+            caps = [
+                [int(x)] * self.g if isinstance(x, int) else [int(y) for y in x]
+                for x in max_turn_tokens
+            ]
             bad = [c for cs in caps for c in cs if not 1 <= c] + [
                 cs for cs in caps if len(cs) != self.g
             ]
             if bad:
-                raise ValueError(f"max_turn_tokens: {bad[0]}: need ints >= 1, one or G = {self.g} "
-                                 "per prompt")  # fmt: skip
+                raise ValueError(
+                    f"max_turn_tokens: {bad[0]}: need ints >= 1, one or G = {self.g} per prompt"
+                )
         shards = [None] * len(prompts) if shards is None else [int(i) for i in shards]
         if len(shards) != len(prompts):
             raise ValueError(f"shards has {len(shards)} entries for {len(prompts)} prompts")
@@ -243,9 +262,14 @@ class EpisodeLoop:
             ep.parked = None
         ep.finish = reason or ep.finish
         self.results[ep.i][ep.k] = done = Completion(
-            ep.tokens, ep.logprobs, ep.finish, len(ep.tokens), ep.turns,
-            None if self.respond is None else ep.observation, ep.versions,
-        )  # fmt: skip
+            ep.tokens,
+            ep.logprobs,
+            ep.finish,
+            len(ep.tokens),
+            ep.turns,
+            None if self.respond is None else ep.observation,
+            ep.versions,
+        )
         if self.on_finish is not None:
             self.on_finish(ep.i, ep.k, done)
 
@@ -367,8 +391,7 @@ class EpisodeLoop:
                 while idle and book.headroom(p.shard) - planned[p.shard] < need:
                     # nothing decodes there to end and free pages: newer parked ones give way
                     others = [e for e, _ in (*wait, *self.ready)] + list(self.waiting.values())
-                    other = self._victim(p.shard, [(e, None) for e in others
-                                                   if self._newer(e, ep)])  # fmt: skip
+                    other = self._victim(p.shard, [(e, None) for e in others if self._newer(e, ep)])
                     if other is None:
                         break
                     state = self._evict(state, *other)
@@ -432,8 +455,9 @@ class EpisodeLoop:
             if self.respond is None:
                 to_free.append((s, ep))
                 continue
-            answer = self.respond(ep.i, ep.k, Completion(turn, turn_lps, ep.finish, len(turn)),
-                                  ep.left)  # fmt: skip
+            answer = self.respond(
+                ep.i, ep.k, Completion(turn, turn_lps, ep.finish, len(turn)), ep.left
+            )
             to_park.append((s, ep, answer))
         if to_free:
             state = engine.free_slots_of(state, [s for s, _ in to_free])
@@ -672,9 +696,20 @@ class EpisodeLoop:
 
 
 def generate_all(
-    engine: Engine, params, state, prompts, num_samples=1, max_new_tokens=None, seed=0,
-    request_ids=None, on_finish=None, shards=None, *, respond=None, max_turn_tokens=None,
-):  # fmt: skip
+    engine: Engine,
+    params,
+    state,
+    prompts,
+    num_samples=1,
+    max_new_tokens=None,
+    seed=0,
+    request_ids=None,
+    on_finish=None,
+    shards=None,
+    *,
+    respond=None,
+    max_turn_tokens=None,
+):
     """(state, results): results[i][k] the `Completion` of sample k (of num_samples) of prompt
     i, every token after the prompt, with PRNG stream request_ids[i] (default i) and
     max_new_tokens (one int or one per request; default the config's). `on_finish(i, k,
@@ -682,8 +717,9 @@ def generate_all(
     goes on (one of `Engine.local_shards`: a multi-process run's). With `respond` None each
     episode is one turn (JetStream's batch loop), else multi-turn as `EpisodeLoop`'s. `state` is
     donated; after an exception the host side is cleaned up (start again from `init_state()`)."""
-    loop = EpisodeLoop(engine, num_samples, on_finish=on_finish, respond=respond,
-                       max_turn_tokens=max_turn_tokens)  # fmt: skip
+    loop = EpisodeLoop(
+        engine, num_samples, on_finish=on_finish, respond=respond, max_turn_tokens=max_turn_tokens
+    )
     loop.add(prompts, max_new_tokens, request_ids, shards=shards)
     state = loop.run(params, state, seed)
     return state, [loop.results[i] for i in range(len(prompts))]

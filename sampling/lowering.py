@@ -30,16 +30,28 @@ def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] |
     decode = engine.abstract_decode_params(abstract_params)
     with lowering_for(platforms):
         return steps.generate.trace(
-            engine.graphdef, decode, _abstract_state(engine), engine.sampling,
-            e.steps_per_call, tuple(e.stop_ids), engine.backend,
-            jax.random.key(0), engine.layout, engine.cascade_group(), e.interpret,
-        ).lower(lowering_platforms=platforms)  # fmt: skip
+            engine.graphdef,
+            decode,
+            _abstract_state(engine),
+            engine.sampling,
+            e.steps_per_call,
+            tuple(e.stop_ids),
+            engine.backend,
+            jax.random.key(0),
+            engine.layout,
+            engine.cascade_group(),
+            e.interpret,
+        ).lower(lowering_platforms=platforms)
 
 
 def lower_prefill(
-    engine: Engine, abstract_params, platforms: tuple[str, ...] | None = None,
-    rows: int = MAX_PREFILL_BATCH, length: int | None = None, resume: bool = False,
-):  # fmt: skip
+    engine: Engine,
+    abstract_params,
+    platforms: tuple[str, ...] | None = None,
+    rows: int = MAX_PREFILL_BATCH,
+    length: int | None = None,
+    resume: bool = False,
+):
     """One `prefill` call: `rows` prompts per batch shard (rows come laid out by shard) padded
     to `length` tokens (default the bucket of the longest prompt, whose last token is not
     cached); `resume` adds the `starts` of a multi-turn `Engine.resume` (new tokens after cached
@@ -51,6 +63,13 @@ def lower_prefill(
     params = engine.abstract_decode_params(abstract_params)
     with lowering_for(platforms):
         return steps.prefill.trace(
-            engine.graphdef, params, _abstract_state(engine), i32(n, length), i32(n),
-            i32(n, e.pages_per_seq), engine.layout, i32(n) if resume else None, e.prefill_chunk,
-        ).lower(lowering_platforms=platforms)  # fmt: skip
+            engine.graphdef,
+            params,
+            _abstract_state(engine),
+            i32(n, length),
+            i32(n),
+            i32(n, e.pages_per_seq),
+            engine.layout,
+            i32(n) if resume else None,
+            e.prefill_chunk,
+        ).lower(lowering_platforms=platforms)

@@ -319,9 +319,13 @@ KERNELS = ("cpu_kernel", "pallas_gpu", "pallas_tpu")  # opaque to GSPMD: run in 
 
 
 def resolve_backend(
-    backend: str = "auto", sharded: bool = False, dtype="float32", head_dim: int | None = None,
-    page_size: int | None = None, platform: str | None = None,
-) -> str:  # fmt: skip
+    backend: str = "auto",
+    sharded: bool = False,
+    dtype="float32",
+    head_dim: int | None = None,
+    page_size: int | None = None,
+    platform: str | None = None,
+) -> str:
     """The backend to run: `backend` as given, or for "auto" the fastest one that lowers here.
 
     `platform` is where the attention runs ("cpu", "gpu", "tpu"; default jax.default_backend(),
@@ -351,17 +355,26 @@ def resolve_backend(
         fits = fits and head_dim >= 16 and _pow2(head_dim) and page_size >= 16 and _pow2(page_size)
         return "pallas_gpu" if fits else "blockwise"
     if (
-        platform == "cpu" and not sharded and jnp.dtype(dtype) == jnp.float32
+        platform == "cpu"
+        and not sharded
+        and jnp.dtype(dtype) == jnp.float32
         and cpu_attention.available()
-    ):  # fmt: skip
+    ):
         return "cpu_kernel"
     return "blockwise"
 
 
 def paged_attention(
-    q, k_pages, v_pages, lengths, page_indices, backend: str = "auto", interpret: bool = False,
-    group: int = 1, shared_len=None,
-):  # fmt: skip
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_indices,
+    backend: str = "auto",
+    interpret: bool = False,
+    group: int = 1,
+    shared_len=None,
+):
     """Decode attention, one query per sequence: q [B,N,H] -> [B,N,H] (see module docstring).
 
     Pages are one layer's [K,P,page_size,H], read in place by every backend. `group` and

@@ -82,9 +82,19 @@ def _local(mesh, rules, kv_heads):
 
 
 def decode_layer(
-    write_attend, q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len, mesh,
+    write_attend,
+    q,
+    k,
+    v,
+    k_pages,
+    v_pages,
+    lengths,
+    positions,
+    page_indices,
+    shared_len,
+    mesh,
     rules,
-):  # fmt: skip
+):
     """`write_attend(q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len)`,
     one decode layer's KV write and attention (`sampling.state.PagedDecode`), on each device's
     slots and pages: q [B,N,H], k, v [B,1,K,H], positions int32[B,1], the rest int32[B] or
@@ -100,8 +110,9 @@ def decode_layer(
     )(q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len)
 
 
-def prefill_layer(write_attend, q, k, v, k_pages, v_pages, page_indices, valid, starts, mesh,
-                  rules):  # fmt: skip
+def prefill_layer(
+    write_attend, q, k, v, k_pages, v_pages, page_indices, valid, starts, mesh, rules
+):
     """`write_attend(q, k, v, k_pages, v_pages, page_indices, valid, starts)`, one prefill
     layer's KV write and attention (`sampling.state.PagedPrefill`), on each device's rows and
     pages: q [B,T,N,H], k, v [B,T,K,H], valid [B,T], starts int32[B] (zeros for fresh prompts).
@@ -126,5 +137,6 @@ def copy_pages(pages: tuple, src, dst, mesh, rules) -> tuple:
         return tuple(x.at[:, dst].set(x[:, src]) for x in pages)
 
     specs_in = (tuple(pool for _ in pages), P(b), P(b))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs_in,
-                         out_specs=tuple(pool for _ in pages), check_vma=False)(pages, src, dst)  # fmt: skip
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=specs_in, out_specs=tuple(pool for _ in pages), check_vma=False
+    )(pages, src, dst)

@@ -52,8 +52,9 @@ def shard_processes(mesh, shard_axes: tuple[str, ...]) -> list[int]:
     (shard i = the devices at index i of those axes, major to minor), or ValueError when a
     shard's devices belong to several processes: a shard's slots are decided by one process."""
     names = list(mesh.axis_names)
-    devices = np.moveaxis(mesh.devices, [names.index(a) for a in shard_axes],
-                          range(len(shard_axes)))  # fmt: skip
+    devices = np.moveaxis(
+        mesh.devices, [names.index(a) for a in shard_axes], range(len(shard_axes))
+    )
     per_shard = devices.reshape(int(np.prod([mesh.shape[a] for a in shard_axes])), -1)
     out = []
     for i, row in enumerate(per_shard):

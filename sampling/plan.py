@@ -107,16 +107,19 @@ class Plan:
         for phase in PHASES:
             batches = self.batches[phase]
             if len(batches) > BATCHES[phase]:
-                raise RuntimeError(f"{len(batches)} {phase} prefill batches in one round: at "
-                                   f"most {BATCHES[phase]}")  # fmt: skip
+                raise RuntimeError(
+                    f"{len(batches)} {phase} prefill batches in one round: at most {BATCHES[phase]}"
+                )
             for k in range(BATCHES[phase]):
                 if k >= len(batches):
                     out += [0] * (1 + chunks)
                     continue
                 parts = batches[k].chunks(self.num_shards)
                 if len(parts) > chunks:
-                    raise RuntimeError(f"a {phase} prefill of more than {chunks * CHUNK} rows "
-                                       "per shard in one round")  # fmt: skip
+                    raise RuntimeError(
+                        f"a {phase} prefill of more than {chunks * CHUNK} rows "
+                        "per shard in one round"
+                    )
                 # the most rows of a shard: its last chunk's, after len(parts) - 1 full ones
                 count = CHUNK * (len(parts) - 1) + max(len(q) for q in parts[-1])
                 longest = [max(len(r.tokens) for q in part for r in q) for part in parts]

@@ -77,13 +77,17 @@ class EngineConfig:
                 f"weights_dtype={self.weights_dtype!r}: must be '', float32, bfloat16 or float16"
             )
         if self.weights_layout not in WEIGHTS_LAYOUTS:
-            raise ValueError(f"weights_layout={self.weights_layout!r}: must be one of "
-                             f"{', '.join(WEIGHTS_LAYOUTS)}")  # fmt: skip
+            raise ValueError(
+                f"weights_layout={self.weights_layout!r}: must be one of "
+                f"{', '.join(WEIGHTS_LAYOUTS)}"
+            )
         if self.reserve not in RESERVES:
             raise ValueError(f"reserve={self.reserve!r}: must be one of {', '.join(RESERVES)}")
         if not 0 <= self.kv_watermark < 1:
-            raise ValueError(f"kv_watermark={self.kv_watermark}: must be in [0, 1) (a fraction "
-                             "of each shard's pages)")  # fmt: skip
+            raise ValueError(
+                f"kv_watermark={self.kv_watermark}: must be in [0, 1) (a fraction "
+                "of each shard's pages)"
+            )
         if self.cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
         return self

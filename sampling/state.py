@@ -206,12 +206,14 @@ class PagedDecode:
         return out[:, None], new
 
 
-def _decode_local(q, k, v, kp, vp, lengths, positions, page_indices, shared_len, *, backend,
-                  interpret, group):  # fmt: skip
+def _decode_local(
+    q, k, v, kp, vp, lengths, positions, page_indices, shared_len, *, backend, interpret, group
+):
     """One decode layer on one shard's slots and pages -> (out [B,N,H], kp, vp)."""
     kp, vp = write_kv(kp, vp, k, v, page_indices, positions)
-    out = paged_attention(q, kp, vp, lengths, page_indices, backend, interpret, group=group,
-                          shared_len=shared_len)  # fmt: skip
+    out = paged_attention(
+        q, kp, vp, lengths, page_indices, backend, interpret, group=group, shared_len=shared_len
+    )
     return out, kp, vp
 
 

@@ -45,8 +45,11 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
     model = nnx.merge(graphdef, params)
     if layout is not None and layout[0].size > 1:  # rows laid out by shard (`Engine`)
         rows = partitioned.specs(*layout, state.k_pages[0].shape[0])[1]
-        split = lambda x: None if x is None else jax.lax.with_sharding_constraint(
-            x, jax.sharding.NamedSharding(layout[0], rows))  # fmt: skip
+        split = lambda x: (
+            None
+            if x is None
+            else jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(layout[0], rows))
+        )
         tokens, lengths, page_rows, starts = map(split, (tokens, lengths, page_rows, starts))
     n, t = tokens.shape
     base = jnp.zeros((n,), jnp.int32) if starts is None else starts
@@ -82,9 +85,20 @@ def bucket_slots(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnums=12, donate_argnums=0)
 def update(
-    state, put, off, lengths, last_token, max_new, min_new, request_id, sample_id, shared,
-    copy_src, copy_dst, layout,
-):  # fmt: skip
+    state,
+    put,
+    off,
+    lengths,
+    last_token,
+    max_new,
+    min_new,
+    request_id,
+    sample_id,
+    shared,
+    copy_src,
+    copy_dst,
+    layout,
+):
     """One round's slot changes, every slot at once (`sampling.plan`): slots put bool[B] start a
     sequence (an insert or a resume: cached `lengths`, fed `last_token`, budget `max_new`, stop
     ids banned for the first `min_new` tokens, PRNG stream `request_id` / `sample_id`, cascade
@@ -127,9 +141,18 @@ def _write_at(row, col, value, write):
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9, 10), donate_argnums=2)
 def generate(
-    graphdef, params, state, sampling, num_steps, stop_ids, backend, root, layout, group,
+    graphdef,
+    params,
+    state,
+    sampling,
+    num_steps,
+    stop_ids,
+    backend,
+    root,
+    layout,
+    group,
     interpret=False,
-):  # fmt: skip
+):
     model = nnx.merge(graphdef, params)
     is_stop_id = banned_stop_ids(jnp.array(True), stop_ids, model.cfg.vocab_size)  # [V]
     m = state.tokens.shape[1]
@@ -139,9 +162,17 @@ def generate(
 
     def step(_, s: DecodeState):
         hook = PagedDecode(
-            s.k_pages, s.v_pages, s.page_indices, s.lengths, s.active, s.shared_len, backend,
-            group, interpret, layout,
-        )  # fmt: skip
+            s.k_pages,
+            s.v_pages,
+            s.page_indices,
+            s.lengths,
+            s.active,
+            s.shared_len,
+            backend,
+            group,
+            interpret,
+            layout,
+        )
         logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
         logits = logits[:, 0]  # f32 [B,V]
         banned = banned_stop_ids(s.num_generated < s.min_new, stop_ids, logits.shape[-1])

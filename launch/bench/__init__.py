@@ -35,8 +35,10 @@ def main(argv=None) -> int:
     what = argv[0] if argv else ""
     if what not in BENCHES:
         given = f"{what!r}: no such benchmark" if what else "no benchmark given"
-        return fail(f"{given}; expected python -m launch.bench <what> [--help], <what> one of "
-                    f"{', '.join(BENCHES)}")  # fmt: skip
+        return fail(
+            f"{given}; expected python -m launch.bench <what> [--help], <what> one of "
+            f"{', '.join(BENCHES)}"
+        )
     try:
         return importlib.import_module(f"launch.bench.{what}").main(argv[1:])
     except UsageError as e:

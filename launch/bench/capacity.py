@@ -42,8 +42,9 @@ class Capacity:
 
     def __init__(self, args):
         quick = args.quick
-        cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True,
-                          **(TINY if quick else SMALL))  # fmt: skip
+        cfg = ModelConfig(
+            family="qwen2", qkv_bias=True, tie_embeddings=True, **(TINY if quick else SMALL)
+        )
         self.g, n_prompts, plen = (2, 4, 8) if quick else (8, 8, 64)
         self.budget = 32 if quick else 512
         self.prompts = random_prompts(n_prompts, plen, cfg.vocab_size)
@@ -54,19 +55,31 @@ class Capacity:
         pages = args.num_pages or (2 if quick else 8) * full + 1
         group = group_pages(plen, self.budget, page, self.g)
         if pages - 1 < group:
-            raise UsageError(f"--num_pages={pages}: the pool must hold one group's worst case, "
-                             f"{group} pages + the null page (budget reservation admits a group "
-                             "whole)")  # fmt: skip
+            raise UsageError(
+                f"--num_pages={pages}: the pool must hold one group's worst case, "
+                f"{group} pages + the null page (budget reservation admits a group "
+                "whole)"
+            )
         if self.g > slots:
             raise UsageError(f"--num_slots={slots}: need >= G = {self.g}")
         graphdef, self.params = init_params(cfg, make_mesh({}, devices=jax.devices()[:1]), seed=0)
         self.engines = {
-            mode: Engine(cfg, graphdef, EngineConfig(
-                num_slots=slots, page_size=page, max_prompt_len=plen, max_new_tokens=self.budget,
-                num_pages=pages, steps_per_call=args.steps_per_call, reserve=mode,
-            ), SamplingParams(temperature=1.0))
+            mode: Engine(
+                cfg,
+                graphdef,
+                EngineConfig(
+                    num_slots=slots,
+                    page_size=page,
+                    max_prompt_len=plen,
+                    max_new_tokens=self.budget,
+                    num_pages=pages,
+                    steps_per_call=args.steps_per_call,
+                    reserve=mode,
+                ),
+                SamplingParams(temperature=1.0),
+            )
             for mode in MODES
-        }  # fmt: skip
+        }
         self.full_budgets = (pages - 1) / full  # sequences whose whole budget the pool holds
         self.times = {m: [] for m in MODES}
         self.stats = {m: [] for m in MODES}
@@ -85,9 +98,13 @@ class Capacity:
         assert [c.length for c in got] == self.lengths.tolist()  # each stopped at its length
         tokens, slot_steps = (a - b for a, b in zip(engine.slot_steps, before[0]))
         steps = slot_steps / engine.ecfg.num_slots  # decode steps run
-        self.stats[mode].append({"mean_concurrency": tokens / max(steps, 1),
-                                 "preemptions": engine.preemptions - before[1],
-                                 "recomputed_tokens": engine.recomputed_tokens - before[2]})  # fmt: skip
+        self.stats[mode].append(
+            {
+                "mean_concurrency": tokens / max(steps, 1),
+                "preemptions": engine.preemptions - before[1],
+                "recomputed_tokens": engine.recomputed_tokens - before[2],
+            }
+        )
         self.tokens[mode] = [c.tokens for c in got]
 
 
@@ -101,31 +118,47 @@ def bench_capacity(args) -> dict:
         for mode in MODES:
             cap.rollout(mode)
     e = cap.engines["demand"].ecfg
-    r = {"device": jax.devices()[0].platform, "lengths": "skewed", "reps": args.reps,
-         "num_slots": e.num_slots, "num_pages": e.num_pages, "page_size": e.page_size,
-         "budget_tokens": cap.budget, "num_sequences": len(cap.lengths),
-         "completion_tokens": int(cap.lengths.sum()), "pool_full_budgets": cap.full_budgets,
-         "tokens_equal": cap.tokens["budget"] == cap.tokens["demand"]}  # fmt: skip
+    r = {
+        "device": jax.devices()[0].platform,
+        "lengths": "skewed",
+        "reps": args.reps,
+        "num_slots": e.num_slots,
+        "num_pages": e.num_pages,
+        "page_size": e.page_size,
+        "budget_tokens": cap.budget,
+        "num_sequences": len(cap.lengths),
+        "completion_tokens": int(cap.lengths.sum()),
+        "pool_full_budgets": cap.full_budgets,
+        "tokens_equal": cap.tokens["budget"] == cap.tokens["demand"],
+    }
     for mode in MODES:
         s = cap.stats[mode]
-        r[mode] = {"rollout_seconds": statistics.median(cap.times[mode]),
-                   **{k: statistics.median(x[k] for x in s) for k in s[0]}}  # fmt: skip
+        r[mode] = {
+            "rollout_seconds": statistics.median(cap.times[mode]),
+            **{k: statistics.median(x[k] for x in s) for k in s[0]},
+        }
     r["concurrency_ratio"] = r["demand"]["mean_concurrency"] / r["budget"]["mean_concurrency"]
     r["rollout_speedup"] = r["budget"]["rollout_seconds"] / r["demand"]["rollout_seconds"]
     return r
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['num_sequences']} sequences ({r['completion_tokens']} tokens) admitted with "
-             f"{r['budget_tokens']}-token budgets, {r['num_slots']} slots, {r['num_pages']} pages of "
-             f"{r['page_size']} (the whole budget of {r['pool_full_budgets']:.1f} sequences); "
-             f"median of {r['reps']}",
-             f"{'reserve':>8s} {'rollout s':>10s} {'concurrency':>12s} {'preemptions':>12s} "
-             f"{'recomputed':>11s}"]  # fmt: skip
+    lines = [
+        f"{r['num_sequences']} sequences ({r['completion_tokens']} tokens) admitted with "
+        f"{r['budget_tokens']}-token budgets, {r['num_slots']} slots, {r['num_pages']} pages of "
+        f"{r['page_size']} (the whole budget of {r['pool_full_budgets']:.1f} sequences); "
+        f"median of {r['reps']}",
+        f"{'reserve':>8s} {'rollout s':>10s} {'concurrency':>12s} {'preemptions':>12s} "
+        f"{'recomputed':>11s}",
+    ]
     for mode in MODES:
         m = r[mode]
-        lines.append(f"{mode:>8s} {m['rollout_seconds']:10.3f} {m['mean_concurrency']:12.2f} "
-                     f"{m['preemptions']:12.0f} {m['recomputed_tokens']:11.0f}")  # fmt: skip
-    lines.append(f"demand / budget: concurrency {r['concurrency_ratio']:.2f}x, rollout "
-                 f"{r['rollout_speedup']:.2f}x faster; same tokens: {r['tokens_equal']}")  # fmt: skip
+        lines.append(
+            f"{mode:>8s} {m['rollout_seconds']:10.3f} {m['mean_concurrency']:12.2f} "
+            f"{m['preemptions']:12.0f} {m['recomputed_tokens']:11.0f}"
+        )
+    lines.append(
+        f"demand / budget: concurrency {r['concurrency_ratio']:.2f}x, rollout "
+        f"{r['rollout_speedup']:.2f}x faster; same tokens: {r['tokens_equal']}"
+    )
     return "\n".join(lines)

@@ -42,34 +42,81 @@ SHAPES = {
     "tiny": dict(_BENCH, **TINY),
     "small": dict(_BENCH, **SMALL),
     "qwen2_5_0_5b": dict(
-        family="qwen2", vocab_size=151936, d_model=896, d_ff=4864, num_layers=24,
-        num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1e6, qkv_bias=True,
-        tie_embeddings=True, max_position_embeddings=32768,
+        family="qwen2",
+        vocab_size=151936,
+        d_model=896,
+        d_ff=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        rope_theta=1e6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_position_embeddings=32768,
     ),
     # Qwen2.5-7B(-Instruct)'s config.json: untied embeddings, GQA 28 query heads on 4 KV heads.
     "qwen2_5_7b": dict(
-        family="qwen2", vocab_size=152064, d_model=3584, d_ff=18944, num_layers=28,
-        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, qkv_bias=True,
-        tie_embeddings=False, norm_eps=1e-6, max_position_embeddings=32768,
+        family="qwen2",
+        vocab_size=152064,
+        d_model=3584,
+        d_ff=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1e6,
+        qkv_bias=True,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+        max_position_embeddings=32768,
     ),
     # Qwen2.5-32B(-Instruct)'s config.json: a 30B-class dense shape, GQA 40 query heads on 8.
     "qwen2_5_32b": dict(
-        family="qwen2", vocab_size=152064, d_model=5120, d_ff=27648, num_layers=64,
-        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6, qkv_bias=True,
-        tie_embeddings=False, norm_eps=1e-6, max_position_embeddings=32768,
+        family="qwen2",
+        vocab_size=152064,
+        d_model=5120,
+        d_ff=27648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        qkv_bias=True,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+        max_position_embeddings=32768,
     ),
     "qwen3_0_6b": dict(
-        family="qwen3", vocab_size=151936, d_model=1024, d_ff=3072, num_layers=28,
-        num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
-        tie_embeddings=True, max_position_embeddings=40960,
+        family="qwen3",
+        vocab_size=151936,
+        d_model=1024,
+        d_ff=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        qk_norm=True,
+        tie_embeddings=True,
+        max_position_embeddings=40960,
     ),
     "llama3_2_1b": dict(
-        family="llama", vocab_size=128256, d_model=2048, d_ff=8192, num_layers=16,
-        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
-        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_embeddings=True, norm_eps=1e-5,
+        family="llama",
+        vocab_size=128256,
+        d_model=2048,
+        d_ff=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_embeddings=True,
+        norm_eps=1e-5,
         max_position_embeddings=131072,
     ),
-}  # fmt: skip
+}
 
 
 def interleaved(runs: dict, reps: int) -> dict:
@@ -108,9 +155,12 @@ def engine_runner(cfg, graphdef, params, prompts, g, new_tokens, num_slots=None,
     worst = group_pages(plen, new_tokens, ecfg_kw["page_size"], g)
     num_slots = num_slots or len(prompts) * g
     ecfg = EngineConfig(
-        num_slots=num_slots, num_pages=worst * (num_slots // g) + 1,
-        max_prompt_len=plen, max_new_tokens=new_tokens, **ecfg_kw,
-    )  # fmt: skip
+        num_slots=num_slots,
+        num_pages=worst * (num_slots // g) + 1,
+        max_prompt_len=plen,
+        max_new_tokens=new_tokens,
+        **ecfg_kw,
+    )
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=1.0))
     box = {"state": engine.init_state()}
 
@@ -141,8 +191,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def parser(what: str, doc: str) -> Parser:
     """The parser of benchmark `what`, with the flag they all have: --output."""
-    p = Parser(prog=f"python -m launch.bench {what}", description=doc,
-               formatter_class=HelpFormatter)  # fmt: skip
+    p = Parser(
+        prog=f"python -m launch.bench {what}", description=doc, formatter_class=HelpFormatter
+    )
     p.add_argument("--output", default=f"bench_{what}.json", help="JSON results file")
     return p
 
@@ -209,8 +260,9 @@ def integers(low: int = 1, empty: bool = False):
             except ValueError:
                 value = None
             if value is None or value < low:
-                raise argparse.ArgumentTypeError(f"={text}: {item!r} is not an integer >= {low} "
-                                                 f"(expected {allowed})")  # fmt: skip
+                raise argparse.ArgumentTypeError(
+                    f"={text}: {item!r} is not an integer >= {low} (expected {allowed})"
+                )
             if value in out:
                 raise argparse.ArgumentTypeError(f"={text}: {value} is given twice ({allowed})")
             out.append(value)

@@ -27,15 +27,37 @@ import re
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-    "f8e4m3": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s4": 1, "u4": 1,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "s4": 1,
+    "u4": 1,
+}
 _SHAPE = re.compile(r"\b(" + "|".join(sorted(BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%([^\s(]+) \(")
 _INSTR = re.compile(r"^\s*(ROOT )?%([^\s=]+) = ")
-_CALLED = re.compile(r"\b(condition|body|to_apply|calls|true_computation|false_computation)"
-                     r"=%([^\s,}]+)")  # fmt: skip
+_CALLED = re.compile(
+    r"\b(condition|body|to_apply|calls|true_computation|false_computation)"
+    r"=%([^\s,}]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -220,9 +242,11 @@ def _walk(module: Module):
             if name in seen or name not in comps:
                 return False
             interesting[name] = any(
-                i.opcode == "while" or _kind(i.opcode) or any(holds(c, (*seen, name)) for _, c in i.calls)
+                i.opcode == "while"
+                or _kind(i.opcode)
+                or any(holds(c, (*seen, name)) for _, c in i.calls)
                 for i in comps[name]
-            )  # fmt: skip
+            )
         return interesting[name]
 
     stack = [(module.entry, ())]
@@ -255,8 +279,17 @@ def collectives(text_or_module) -> list[Collective]:
         for ins in module.computations.get(comp, []):
             kind = _kind(ins.opcode)
             if kind:
-                out.append(Collective(kind, ins.name, comp, _result_shapes(ins), loops,
-                                      ins.op_name, replica_groups(ins.line)))  # fmt: skip
+                out.append(
+                    Collective(
+                        kind,
+                        ins.name,
+                        comp,
+                        _result_shapes(ins),
+                        loops,
+                        ins.op_name,
+                        replica_groups(ins.line),
+                    )
+                )
     return out
 
 
@@ -268,8 +301,17 @@ def while_loops(text_or_module) -> list[While]:
         for ins in module.computations.get(comp, []):
             if ins.opcode == "while":
                 role = dict(ins.calls)
-                out.append(While(ins.name, comp, role.get("body", ""), role.get("condition", ""),
-                                 loops, ins.shapes, ins.op_name))  # fmt: skip
+                out.append(
+                    While(
+                        ins.name,
+                        comp,
+                        role.get("body", ""),
+                        role.get("condition", ""),
+                        loops,
+                        ins.shapes,
+                        ins.op_name,
+                    )
+                )
     return out
 
 

@@ -34,8 +34,9 @@ class Loop:
 
     def __init__(self, args):
         quick = args.quick
-        cfg = ModelConfig(family="qwen2", qkv_bias=True, tie_embeddings=True,
-                          **(TINY if quick else SMALL))  # fmt: skip
+        cfg = ModelConfig(
+            family="qwen2", qkv_bias=True, tie_embeddings=True, **(TINY if quick else SMALL)
+        )
         mesh = make_mesh({}, devices=jax.devices()[:1])
         graphdef, params = init_params(cfg, mesh, seed=0)
         self.ref_params = jax.tree.map(lambda x: x.copy(), params)
@@ -53,34 +54,52 @@ class Loop:
         page = 4 if quick else 16
         sampling = SamplingParams(temperature=1.0)
         ecfg = EngineConfig(
-            num_slots=slots, page_size=page, max_prompt_len=plen, max_new_tokens=self.max_new,
+            num_slots=slots,
+            page_size=page,
+            max_prompt_len=plen,
+            max_new_tokens=self.max_new,
             num_pages=slots * group_pages(plen, self.max_new, page, 1) + 1,
             steps_per_call=4 if quick else args.steps_per_call,
-        )  # fmt: skip
+        )
         self.engine = Engine(cfg, graphdef, ecfg, sampling)
         self.decode_state = self.engine.init_state()
-        lcfg = LearnerConfig(learning_rate=1e-6, sampling=sampling,
-                             loss=LossConfig(kl_coef=0.04))  # fmt: skip
+        lcfg = LearnerConfig(learning_rate=1e-6, sampling=sampling, loss=LossConfig(kl_coef=0.04))
         self.learner = Learner(lcfg, graphdef, state_shardings(params, mesh, DEFAULT_RULES))
         self.state = self.learner.init_state(params)
         self.sharding = batch_sharding(mesh, DEFAULT_RULES)
         self.width = plen + self.max_new
         self.adv = np.random.default_rng(0).normal(size=n).astype(np.float32)
-        self.times = {k: [] for k in ("rollout", "reference", "learn", "iteration",
-                                      "static_rollout", "padded_reference", "padded_learn")}  # fmt: skip
+        self.times = {
+            k: []
+            for k in (
+                "rollout",
+                "reference",
+                "learn",
+                "iteration",
+                "static_rollout",
+                "padded_reference",
+                "padded_learn",
+            )
+        }
 
     def rollout(self) -> list[Group]:
         """The G samples of each prompt, one request (the prompt prefilled once); skewed: each
         sample with its own budget (`lengths`, prompt-major)."""
         budgets = self.lengths.reshape(len(self.prompts), self.g).tolist()
         self.decode_state, completions = generate_all(
-            self.engine, self.state.params, self.decode_state, self.prompts, self.g,
+            self.engine,
+            self.state.params,
+            self.decode_state,
+            self.prompts,
+            self.g,
             budgets if self.skewed else self.max_new,
-        )  # fmt: skip
+        )
         for c, n in zip((c for cs in completions for c in cs), self.lengths):
             assert c.length == n, (c.length, n)  # exact lengths: no stop ids
-        return [Group({}, p, cs, [], np.zeros(self.g, np.float32), {})
-                for p, cs in zip(self.prompts, completions)]  # fmt: skip
+        return [
+            Group({}, p, cs, [], np.zeros(self.g, np.float32), {})
+            for p, cs in zip(self.prompts, completions)
+        ]
 
     def static_rollout(self) -> None:
         """The same groups in fixed batches of num_slots samples, each decoding to its longest."""
@@ -88,10 +107,14 @@ class Loop:
         lengths = self.lengths.reshape(len(self.prompts), self.g)
         for s in range(0, len(self.prompts), per):
             self.decode_state, _ = generate_all(
-                self.engine, self.state.params, self.decode_state, self.prompts[s : s + per],
-                self.g, int(lengths[s : s + per].max()),
+                self.engine,
+                self.state.params,
+                self.decode_state,
+                self.prompts[s : s + per],
+                self.g,
+                int(lengths[s : s + per].max()),
                 request_ids=range(s, min(s + per, len(lengths))),
-            )  # fmt: skip
+            )
 
     def batch(self, groups, pack: bool):
         batch, layout = build_batch(groups, self.width, 0, pack=pack)
@@ -115,8 +138,12 @@ class Loop:
         t2 = time.perf_counter()
         self.learn(batch)
         t3 = time.perf_counter()
-        for key, dt in (("rollout", t1 - t0), ("reference", t2 - t1), ("learn", t3 - t2),
-                        ("iteration", t3 - t0)):  # fmt: skip
+        for key, dt in (
+            ("rollout", t1 - t0),
+            ("reference", t2 - t1),
+            ("learn", t3 - t2),
+            ("iteration", t3 - t0),
+        ):
             self.times[key].append(dt)
         if self.skewed:
             t4 = time.perf_counter()

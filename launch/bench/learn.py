@@ -53,8 +53,10 @@ def groups_of(prompt_len: int, lengths, vocab: int, g: int = 8, seed: int = 0) -
     out = []
     for i in range(0, len(lengths), g):
         prompt = rng.integers(1, vocab, prompt_len).tolist()
-        cs = [Completion(rng.integers(1, vocab, n).tolist(), [-1.0] * n, "stop", int(n))
-              for n in lengths[i : i + g]]  # fmt: skip
+        cs = [
+            Completion(rng.integers(1, vocab, n).tolist(), [-1.0] * n, "stop", int(n))
+            for n in lengths[i : i + g]
+        ]
         out.append(Group({}, prompt, cs, [], np.zeros(len(cs), np.float32), {}))
     return out
 
@@ -102,15 +104,25 @@ def bench_learn(args) -> dict:
     tps = rows * seq / t["full"]
     flops = 6 * n_params + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq
     return {
-        "device": jax.devices()[0].platform, "params": n_params, "model": shape, "seq_len": seq,
-        "rows": rows, "tokens_per_s": tps, "flops_per_token": flops, "matmul_peak_flops": peak,
-        "mfu": tps * flops / peak, "step_seconds": t["full"],
-        "skewed_lengths": dict(num=len(lengths), mean=float(lengths.mean()),
-                               max=int(lengths.max()), prompt_len=prompt),
-        "packed_rows": layouts["packed"].rows, "padded_rows": layouts["padded"].rows,
-        "packed_tokens_per_s": real / t["packed"], "padded_tokens_per_s": real / t["padded"],
+        "device": jax.devices()[0].platform,
+        "params": n_params,
+        "model": shape,
+        "seq_len": seq,
+        "rows": rows,
+        "tokens_per_s": tps,
+        "flops_per_token": flops,
+        "matmul_peak_flops": peak,
+        "mfu": tps * flops / peak,
+        "step_seconds": t["full"],
+        "skewed_lengths": dict(
+            num=len(lengths), mean=float(lengths.mean()), max=int(lengths.max()), prompt_len=prompt
+        ),
+        "packed_rows": layouts["packed"].rows,
+        "padded_rows": layouts["padded"].rows,
+        "packed_tokens_per_s": real / t["packed"],
+        "padded_tokens_per_s": real / t["padded"],
         "packed_speedup": t["padded"] / t["packed"],
-    }  # fmt: skip
+    }
 
 
 def _with_advantages(batch):

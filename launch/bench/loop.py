@@ -44,12 +44,24 @@ def bench_loop(args) -> dict:
     for _ in range(args.reps):
         loop.iteration()
     med = {k: statistics.median(v) for k, v in loop.times.items() if v}
-    r = {"device": jax.devices()[0].platform, "lengths": args.lengths, "reps": args.reps,
-         "num_slots": loop.engine.ecfg.num_slots, "num_sequences": len(loop.lengths),
-         "completion_tokens": int(loop.lengths.sum()),
-         "tokens_per_s": int(loop.lengths.sum()) / med["iteration"]}  # fmt: skip
-    for key in ("iteration", "rollout", "reference", "learn", "static_rollout",
-                "padded_reference", "padded_learn"):  # fmt: skip
+    r = {
+        "device": jax.devices()[0].platform,
+        "lengths": args.lengths,
+        "reps": args.reps,
+        "num_slots": loop.engine.ecfg.num_slots,
+        "num_sequences": len(loop.lengths),
+        "completion_tokens": int(loop.lengths.sum()),
+        "tokens_per_s": int(loop.lengths.sum()) / med["iteration"],
+    }
+    for key in (
+        "iteration",
+        "rollout",
+        "reference",
+        "learn",
+        "static_rollout",
+        "padded_reference",
+        "padded_learn",
+    ):
         if key in med:
             r[f"{key}_seconds"] = med[key]
     if loop.skewed:
@@ -71,38 +83,69 @@ def table(r: dict) -> str:
 def main(argv) -> int:
     p = parser("loop", __doc__)
     p.add_argument("--quick", action="store_true", help="tiny model and workload (tests)")
-    p.add_argument("--lengths", type=one_of(("fixed", "skewed")), default="fixed",
-                   help="fixed (128 tokens each) or skewed (long-tailed over 8..512)")  # fmt: skip
+    p.add_argument(
+        "--lengths",
+        type=one_of(("fixed", "skewed")),
+        default="fixed",
+        help="fixed (128 tokens each) or skewed (long-tailed over 8..512)",
+    )
     p.add_argument("--seed", type=integer(0), default=0, help="seed of the lengths")
     p.add_argument("--reps", type=integer(), default=3, help="timed iterations (median)")
-    p.add_argument("--steps_per_call", type=integer(), default=None,
-                   help="EngineConfig.steps_per_call (default 32, partial 4)")  # fmt: skip
-    p.add_argument("--partial_rollouts", action="store_true",
-                   help="--lengths skewed: sync against partial rollouts")  # fmt: skip
-    p.add_argument("--extra_groups", type=integer(0), default=None,
-                   help="--partial_rollouts: groups in flight beyond B (default B)")  # fmt: skip
-    p.add_argument("--max_staleness", type=integer(0), default=4,
-                   help="--partial_rollouts: eta")  # fmt: skip
-    p.add_argument("--tool_ms", type=integer(1), default=None,
-                   help="--partial_rollouts: multi-turn, tools delayed by uniform(0, MS) ms")  # fmt: skip
-    p.add_argument("--turn_tokens", type=integer(), default=32,
-                   help="--tool_ms: model tokens per turn at most")  # fmt: skip
-    p.add_argument("--tool_workers", type=integer(), default=8,
-                   help="--tool_ms: tool threads")  # fmt: skip
-    p.add_argument("--tool_answer_calls", type=integers(0),
-                   default=[0, 1, 2, 4, 8],
-                   help="--tool_ms: the rules compared, comma-separated (0 = wall-clock)")  # fmt: skip
-    p.add_argument("--num_slots", type=integer(), default=None,
-                   help="--lengths skewed: compare sampling.reserve demand / budget on this many "
-                        "slots (capacity.py; default 32)")  # fmt: skip
-    p.add_argument("--num_pages", type=integer(2), default=None,
-                   help="--lengths skewed: ... and a pool of this many pages (default: 8 "
-                        "sequences' whole budget + the null page)")  # fmt: skip
+    p.add_argument(
+        "--steps_per_call",
+        type=integer(),
+        default=None,
+        help="EngineConfig.steps_per_call (default 32, partial 4)",
+    )
+    p.add_argument(
+        "--partial_rollouts",
+        action="store_true",
+        help="--lengths skewed: sync against partial rollouts",
+    )
+    p.add_argument(
+        "--extra_groups",
+        type=integer(0),
+        default=None,
+        help="--partial_rollouts: groups in flight beyond B (default B)",
+    )
+    p.add_argument("--max_staleness", type=integer(0), default=4, help="--partial_rollouts: eta")
+    p.add_argument(
+        "--tool_ms",
+        type=integer(1),
+        default=None,
+        help="--partial_rollouts: multi-turn, tools delayed by uniform(0, MS) ms",
+    )
+    p.add_argument(
+        "--turn_tokens", type=integer(), default=32, help="--tool_ms: model tokens per turn at most"
+    )
+    p.add_argument("--tool_workers", type=integer(), default=8, help="--tool_ms: tool threads")
+    p.add_argument(
+        "--tool_answer_calls",
+        type=integers(0),
+        default=[0, 1, 2, 4, 8],
+        help="--tool_ms: the rules compared, comma-separated (0 = wall-clock)",
+    )
+    p.add_argument(
+        "--num_slots",
+        type=integer(),
+        default=None,
+        help="--lengths skewed: compare sampling.reserve demand / budget on this many "
+        "slots (capacity.py; default 32)",
+    )
+    p.add_argument(
+        "--num_pages",
+        type=integer(2),
+        default=None,
+        help="--lengths skewed: ... and a pool of this many pages (default: 8 "
+        "sequences' whole budget + the null page)",
+    )
     args = parse(p, argv)
     if args.num_slots is not None or args.num_pages is not None:
         if args.lengths != "skewed" or args.partial_rollouts:
-            p.error("--num_slots / --num_pages: the capacity comparison needs --lengths=skewed "
-                    "and no --partial_rollouts")  # fmt: skip
+            p.error(
+                "--num_slots / --num_pages: the capacity comparison needs --lengths=skewed "
+                "and no --partial_rollouts"
+            )
         args.steps_per_call = args.steps_per_call or 8
         r = capacity.bench_capacity(args)
         return finish(args, r, capacity.table(r))

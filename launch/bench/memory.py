@@ -116,11 +116,15 @@ def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES, grad_reduce_dtype="fl
             _compile(learner.lower_logprobs(params, batch), row, "logprobs")
     if "prefill" in phases:
         ecfg = EngineConfig(
-            num_slots=mesh.size, page_size=PAGE_SIZE, max_prompt_len=t + 1, max_new_tokens=1,
+            num_slots=mesh.size,
+            page_size=PAGE_SIZE,
+            max_prompt_len=t + 1,
+            max_new_tokens=1,
             # A pool per batch shard, each with its null page: one prompt's pages on each.
-            num_pages=mesh.size * (-(-(t + 2) // PAGE_SIZE) + 1), cache_dtype=cfg.dtype,
+            num_pages=mesh.size * (-(-(t + 2) // PAGE_SIZE) + 1),
+            cache_dtype=cfg.dtype,
             prefill_chunk=0 if cfg.attention == "dense" else PREFILL_CHUNK,
-        )  # fmt: skip
+        )
         engine = Engine(cfg, graphdef, ecfg, SamplingParams(), mesh=mesh, rules=DEFAULT_RULES)
         _compile(lower_prefill(engine, params, rows=1, length=t), row, "prefill")
     return row
@@ -218,8 +222,10 @@ def table(r: dict) -> str:
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"
     lines = [header(r)]
     lines += [table_row(row) for row in r["rows"]]
-    lines.append(f"growth exponent (two longest T): learn {fmt(r['learn_exponent'])}, "
-                 f"logprobs {fmt(r['logprobs_exponent'])}, prefill {fmt(r['prefill_exponent'])}")  # fmt: skip
+    lines.append(
+        f"growth exponent (two longest T): learn {fmt(r['learn_exponent'])}, "
+        f"logprobs {fmt(r['logprobs_exponent'])}, prefill {fmt(r['prefill_exponent'])}"
+    )
     for phase in PHASES:
         for t, v in r[f"{phase}_per_layer_bytes"].items():
             lines.append(f"{phase} at T={t}: {v / GIB:.3f} GiB per layer")
@@ -228,14 +234,30 @@ def table(r: dict) -> str:
 
 def main(argv) -> int:
     p = parser("memory", __doc__)
-    p.add_argument("--shape", type=one_of(SHAPES), default="qwen2_5_0_5b",
-                   help=f"model shape: {', '.join(SHAPES)}")  # fmt: skip
-    p.add_argument("--tokens", type=integers(), default="4096,8192,16384,32768",
-                   help="comma-separated lengths T")  # fmt: skip
-    p.add_argument("--attention", type=one_of(("auto", "dense", "blockwise")), default="auto",
-                   help="learner attention: auto, dense or blockwise")  # fmt: skip
-    p.add_argument("--phases", type=some_of(PHASES), default=",".join(PHASES),
-                   help=f"comma-separated phases to compile: {', '.join(PHASES)}")  # fmt: skip
+    p.add_argument(
+        "--shape",
+        type=one_of(SHAPES),
+        default="qwen2_5_0_5b",
+        help=f"model shape: {', '.join(SHAPES)}",
+    )
+    p.add_argument(
+        "--tokens",
+        type=integers(),
+        default="4096,8192,16384,32768",
+        help="comma-separated lengths T",
+    )
+    p.add_argument(
+        "--attention",
+        type=one_of(("auto", "dense", "blockwise")),
+        default="auto",
+        help="learner attention: auto, dense or blockwise",
+    )
+    p.add_argument(
+        "--phases",
+        type=some_of(PHASES),
+        default=",".join(PHASES),
+        help=f"comma-separated phases to compile: {', '.join(PHASES)}",
+    )
     p.add_argument(
         "--layers",
         type=integers(),

@@ -134,8 +134,10 @@ def find_loops(module: hlo.Module, pools: set) -> tuple[hlo.While, list[hlo.Whil
     carries = lambda w: any(dims in pools for _, dims in w.shapes)
     decode = [w for w in loops if w.depth == 1 and carries(w)]
     if len(decode) != 1:
-        raise RuntimeError(f"{len(decode)} outermost while loops carry the KV pool, expected 1 "
-                           "(the decode loop); the HLO is not the one this bench reads")  # fmt: skip
+        raise RuntimeError(
+            f"{len(decode)} outermost while loops carry the KV pool, expected 1 "
+            "(the decode loop); the HLO is not the one this bench reads"
+        )
     pages = [w for w in loops if decode[0].name in w.loops and carries(w)]
     return decode[0], pages
 
@@ -149,8 +151,12 @@ def collective_figures(text: str, pools: set, num_slots: int, steps: int) -> dic
     inside = [c for c in items if decode.name in c.loops]
     outside = [c for c in items if decode.name not in c.loops]
     in_pages = [c for c in inside if page_names & set(c.loops)]
-    r = {"decode_loop": hlo.summarize(inside), "page_loop": hlo.summarize(in_pages),
-         "outside": hlo.summarize(outside), "page_loops": len(pages)}  # fmt: skip
+    r = {
+        "decode_loop": hlo.summarize(inside),
+        "page_loop": hlo.summarize(in_pages),
+        "outside": hlo.summarize(outside),
+        "page_loops": len(pages),
+    }
     r["per_step"] = {
         k: {f: r["decode_loop"][k][f] + r["outside"][k][f] / steps for f in ("count", "bytes")}
         for k in r["decode_loop"]
@@ -166,18 +172,31 @@ def collective_figures(text: str, pools: set, num_slots: int, steps: int) -> dic
         key=lambda x: -x["bytes"],
     )
     r["page_loop_collectives"] = [
-        {"kind": c.kind, "shapes": [f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes],
-         "bytes": c.bytes, "op_name": c.op_name}
+        {
+            "kind": c.kind,
+            "shapes": [f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes],
+            "bytes": c.bytes,
+            "op_name": c.op_name,
+        }
         for c in in_pages
-    ]  # fmt: skip
+    ]
     return r
 
 
 def _shape_dims(cfg: ModelConfig, ecfg) -> dict[str, int]:
-    return dict(vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_ff=cfg.d_ff,
-                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                num_layers=cfg.num_layers, page_size=ecfg.page_size, num_pages=ecfg.num_pages,
-                pages_per_seq=ecfg.pages_per_seq, max_new_tokens=ecfg.max_new_tokens)  # fmt: skip
+    return dict(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_layers=cfg.num_layers,
+        page_size=ecfg.page_size,
+        num_pages=ecfg.num_pages,
+        pages_per_seq=ecfg.pages_per_seq,
+        max_new_tokens=ecfg.max_new_tokens,
+    )
 
 
 def collisions(dims: dict[str, int], num_slots: int) -> list[str]:
@@ -197,9 +216,18 @@ def per_rollout(params, decode) -> dict:
     cast = lambda p: jax.tree.map(lambda x, d: x.astype(d.dtype), p, decode)
     items = hlo.collectives(jax.jit(cast, out_shardings=target).lower(params).compile().as_text())
     largest = sorted(items, key=lambda c: -c.bytes)[:3]
-    return {"copy_bytes": _per_device_bytes(decode), "collectives": hlo.summarize(items),
-            "largest": [{"kind": c.kind, "shapes": [f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes],
-                         "bytes": c.bytes} for c in largest]}  # fmt: skip
+    return {
+        "copy_bytes": _per_device_bytes(decode),
+        "collectives": hlo.summarize(items),
+        "largest": [
+            {
+                "kind": c.kind,
+                "shapes": [f"{d}[{','.join(map(str, s))}]" for d, s in c.shapes],
+                "bytes": c.bytes,
+            }
+            for c in largest
+        ],
+    }
 
 
 def check_shards(config, cfg: ModelConfig, names) -> None:
@@ -209,8 +237,10 @@ def check_shards(config, cfg: ModelConfig, names) -> None:
         n = num_shards(mesh_shape(name), rules, cfg.num_kv_heads)
         for field in ("num_slots", "num_pages"):
             if config.sampling[field] % n:
-                raise UsageError(f"--{field}={config.sampling[field]}: a total for the mesh, split "
-                                 f"over the {n} batch shards of {name}: must divide by {n}")  # fmt: skip
+                raise UsageError(
+                    f"--{field}={config.sampling[field]}: a total for the mesh, split "
+                    f"over the {n} batch shards of {name}: must divide by {n}"
+                )
 
 
 def measure(config, cfg: ModelConfig, name: str) -> dict:
@@ -225,9 +255,13 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
     ecfg = engine_config(config, eos)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     state = _abstract_state(engine)
-    row = {"mesh": name, "shape": {a: shape.get(a, 1) for a in MESH_AXES},
-           "shards": engine.num_shards, "backend": engine.backend,
-           "kv_bytes": _per_device_bytes((state.k_pages, state.v_pages))}  # fmt: skip
+    row = {
+        "mesh": name,
+        "shape": {a: shape.get(a, 1) for a in MESH_AXES},
+        "shards": engine.num_shards,
+        "backend": engine.backend,
+        "kv_bytes": _per_device_bytes((state.k_pages, state.v_pages)),
+    }
     start = time.perf_counter()
     compiled = lower_generate(engine, params).compile()
     row["compile_s"] = time.perf_counter() - start
@@ -247,8 +281,11 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
     # As launch.dry_run: a call on a decode copy holds the copy; the params stay resident.
     resident = opt + (_per_device_bytes(params) if decode is not params else 0)
     row.update(generate_peak_bytes=sample, rollout_peak_bytes=ref + resident + sample)
-    row.update(collective_figures(compiled.as_text(), pool_shapes(engine), ecfg.num_slots,
-                                  ecfg.steps_per_call))  # fmt: skip
+    row.update(
+        collective_figures(
+            compiled.as_text(), pool_shapes(engine), ecfg.num_slots, ecfg.steps_per_call
+        )
+    )
     return row
 
 
@@ -264,12 +301,23 @@ def bench_mesh(args) -> dict:
     check_shards(config, cfg, args.meshes)
     dims = _shape_dims(cfg, ecfg)
     path = os.path.relpath(os.path.abspath(args.config), ROOT)
-    r = {"shape": args.shape, "config": args.config if path.startswith("..") else path, "num_slots": ecfg.num_slots,
-         "num_pages": ecfg.num_pages, "page_size": ecfg.page_size,
-         "steps_per_call": ecfg.steps_per_call, "pages_per_seq": ecfg.pages_per_seq,
-         "cache_dtype": ecfg.cache_dtype, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
-         "weights_layout": ecfg.weights_layout, "weights_dtype": ecfg.weights_dtype, "devices": DEVICES,
-         "collisions": collisions(dims, ecfg.num_slots), "rows": []}  # fmt: skip
+    r = {
+        "shape": args.shape,
+        "config": args.config if path.startswith("..") else path,
+        "num_slots": ecfg.num_slots,
+        "num_pages": ecfg.num_pages,
+        "page_size": ecfg.page_size,
+        "steps_per_call": ecfg.steps_per_call,
+        "pages_per_seq": ecfg.pages_per_seq,
+        "cache_dtype": ecfg.cache_dtype,
+        "dtype": cfg.dtype,
+        "param_dtype": cfg.param_dtype,
+        "weights_layout": ecfg.weights_layout,
+        "weights_dtype": ecfg.weights_dtype,
+        "devices": DEVICES,
+        "collisions": collisions(dims, ecfg.num_slots),
+        "rows": [],
+    }
     print(HEADER, flush=True)
     for name in args.meshes:
         r["rows"].append(measure(config, cfg, name))
@@ -277,10 +325,12 @@ def bench_mesh(args) -> dict:
     return r
 
 
-HEADER = (f"{'mesh':>19s} {'KV GiB':>7s} {'rollout':>8s} {'generate':>8s} | "
-          f"{'AR n':>5s} {'AR MB':>8s} {'AG n':>5s} {'AG MB':>7s} {'other n':>7s} {'MB':>6s} "
-          f"{'all MB':>8s} | {'all-slot MB':>11s} {'page-loop n':>11s} {'MB':>7s} || "
-          f"{'copy GiB':>8s} {'n':>4s} {'MB':>8s}")  # fmt: skip
+HEADER = (
+    f"{'mesh':>19s} {'KV GiB':>7s} {'rollout':>8s} {'generate':>8s} | "
+    f"{'AR n':>5s} {'AR MB':>8s} {'AG n':>5s} {'AG MB':>7s} {'other n':>7s} {'MB':>6s} "
+    f"{'all MB':>8s} | {'all-slot MB':>11s} {'page-loop n':>11s} {'MB':>7s} || "
+    f"{'copy GiB':>8s} {'n':>4s} {'MB':>8s}"
+)
 
 
 def table_row(row: dict) -> str:
@@ -288,42 +338,61 @@ def table_row(row: dict) -> str:
     other = [k for k in hlo.KINDS if k not in ("all-reduce", "all-gather")]
     on = sum(s[k]["count"] for k in other)
     ob = sum(s[k]["bytes"] for k in other)
-    return (f"{row['mesh']:>19s} {row['kv_bytes'] / GIB:7.2f} {row['rollout_peak_bytes'] / GIB:8.2f} "
-            f"{row['generate_peak_bytes'] / GIB:8.2f} | "
-            f"{s['all-reduce']['count']:5.0f} {s['all-reduce']['bytes'] / MB:8.2f} "
-            f"{s['all-gather']['count']:5.0f} {s['all-gather']['bytes'] / MB:7.2f} "
-            f"{on:7.0f} {ob / MB:6.2f} {s['total']['bytes'] / MB:8.2f} | "
-            f"{row['all_slot_bytes'] / MB:11.2f} {p['total']['count']:11d} "
-            f"{p['total']['bytes'] / MB:7.2f} || {r['copy_bytes'] / GIB:8.2f} "
-            f"{r['collectives']['total']['count']:4d} {r['collectives']['total']['bytes'] / MB:8.1f}"
-            f"   ({row['compile_s']:.0f} s)")  # fmt: skip
+    return (
+        f"{row['mesh']:>19s} {row['kv_bytes'] / GIB:7.2f} {row['rollout_peak_bytes'] / GIB:8.2f} "
+        f"{row['generate_peak_bytes'] / GIB:8.2f} | "
+        f"{s['all-reduce']['count']:5.0f} {s['all-reduce']['bytes'] / MB:8.2f} "
+        f"{s['all-gather']['count']:5.0f} {s['all-gather']['bytes'] / MB:7.2f} "
+        f"{on:7.0f} {ob / MB:6.2f} {s['total']['bytes'] / MB:8.2f} | "
+        f"{row['all_slot_bytes'] / MB:11.2f} {p['total']['count']:11d} "
+        f"{p['total']['bytes'] / MB:7.2f} || {r['copy_bytes'] / GIB:8.2f} "
+        f"{r['collectives']['total']['count']:4d} {r['collectives']['total']['bytes'] / MB:8.1f}"
+        f"   ({row['compile_s']:.0f} s)"
+    )
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['shape']} ({r['dtype']}, cache {r['cache_dtype']}), {r['num_slots']} slots, "
-             f"{r['num_pages']} pages of {r['page_size']} (totals over each mesh's shards), "
-             f"{r['steps_per_call']} steps per call, weights_layout {r['weights_layout']}; "
-             "GiB per device (KV pool, rollout phase peak, generate call), collectives per "
-             "decode step per device (MB = 1e6 bytes); after ||: once per rollout, the decode "
-             "copy per device and its reshard's collectives", HEADER]  # fmt: skip
+    lines = [
+        f"{r['shape']} ({r['dtype']}, cache {r['cache_dtype']}), {r['num_slots']} slots, "
+        f"{r['num_pages']} pages of {r['page_size']} (totals over each mesh's shards), "
+        f"{r['steps_per_call']} steps per call, weights_layout {r['weights_layout']}; "
+        "GiB per device (KV pool, rollout phase peak, generate call), collectives per "
+        "decode step per device (MB = 1e6 bytes); after ||: once per rollout, the decode "
+        "copy per device and its reshard's collectives",
+        HEADER,
+    ]
     lines += [table_row(row) for row in r["rows"]]
     if r["collisions"]:
-        lines.append(f"note: num_slots={r['num_slots']} equals {', '.join(r['collisions'])}: "
-                     "all-slot MB may count arrays of those dimensions too")  # fmt: skip
+        lines.append(
+            f"note: num_slots={r['num_slots']} equals {', '.join(r['collisions'])}: "
+            "all-slot MB may count arrays of those dimensions too"
+        )
     return "\n".join(lines)
 
 
 def main(argv) -> int:
     p = parser("mesh", __doc__)
     p.add_argument("--config", default=CONFIG, help="the run config whose sampler is measured")
-    p.add_argument("--shape", type=one_of(SHAPES), default="qwen2_5_0_5b",
-                   help=f"model shape: {', '.join(SHAPES)}")  # fmt: skip
+    p.add_argument(
+        "--shape",
+        type=one_of(SHAPES),
+        default="qwen2_5_0_5b",
+        help=f"model shape: {', '.join(SHAPES)}",
+    )
     p.add_argument("--meshes", type=meshes, default=MESHES, help="comma-separated meshes")
     for field in ("num_slots", "num_pages", "page_size", "steps_per_call"):
-        p.add_argument(f"--{field}", type=integer(), default=None,
-                       help=f"sampling.{field} (default: the config's)")  # fmt: skip
-    p.add_argument("--weights_layout", type=one_of(WEIGHTS_LAYOUTS), default=None,
-                   help=f"sampling.weights_layout: {', '.join(WEIGHTS_LAYOUTS)} (default: the config's)")  # fmt: skip
+        p.add_argument(
+            f"--{field}",
+            type=integer(),
+            default=None,
+            help=f"sampling.{field} (default: the config's)",
+        )
+    p.add_argument(
+        "--weights_layout",
+        type=one_of(WEIGHTS_LAYOUTS),
+        default=None,
+        help=f"sampling.weights_layout: {', '.join(WEIGHTS_LAYOUTS)} (default: the config's)",
+    )
     args = parse(p, argv)
     r = bench_mesh(args)
     return finish(args, r, table(r))

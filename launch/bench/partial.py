@@ -79,10 +79,14 @@ class Partial:
         else:
             self.ms, turn, workers, calls = tools
             self.pool, self.rng = ThreadPoolExecutor(workers), random.Random(0)
-            self.episodes = EpisodeLoop(self.engine, loop.g, on_finish=self._finish,
-                                        respond=self._respond,
-                                        max_turn_tokens=min(turn, e.ecfg.max_new_tokens),
-                                        answer_calls=calls)  # fmt: skip
+            self.episodes = EpisodeLoop(
+                self.engine,
+                loop.g,
+                on_finish=self._finish,
+                respond=self._respond,
+                max_turn_tokens=min(turn, e.ecfg.max_new_tokens),
+                answer_calls=calls,
+            )
         self.next, self.version = 0, 0
 
     def _respond(self, key, k, turn, left):
@@ -106,13 +110,17 @@ class Partial:
         if n > 0:
             keys = list(range(self.next, self.next + n))
             self.next += n
-            self.episodes.add([self.loop.prompts[k % self.b] for k in keys],
-                              [self.budgets[k % self.b] for k in keys], request_ids=keys,
-                              keys=keys)  # fmt: skip
+            self.episodes.add(
+                [self.loop.prompts[k % self.b] for k in keys],
+                [self.budgets[k % self.b] for k in keys],
+                request_ids=keys,
+                keys=keys,
+            )
         v = self.version
         until = lambda: enough(self.episodes, len(self.done), self.b, v, self.eta)  # noqa: E731
-        self.state = self.episodes.run(self.loop.state.params, self.state, seed=v, version=v,
-                                       until=until)  # fmt: skip
+        self.state = self.episodes.run(
+            self.loop.state.params, self.state, seed=v, version=v, until=until
+        )
         keys = select(self.episodes, self.done, self.b, v, self.eta, drain=False)
         groups = []
         for key in keys:
@@ -150,9 +158,14 @@ def _iteration(loop: Loop, engine, rollout) -> dict:
     t2 = time.perf_counter()
     active, total = (a - b for a, b in zip(engine.slot_steps, before))
     tokens = sum(len(g.prompt) + c.length for g in groups for c in g.completions)
-    return {"iteration_seconds": t2 - t0, "rollout_seconds": t1 - t0,
-            "slot_utilization": active / max(total, 1), "tokens": tokens,
-            "sequences": len(groups), "trace": _trace(engine)}  # fmt: skip
+    return {
+        "iteration_seconds": t2 - t0,
+        "rollout_seconds": t1 - t0,
+        "slot_utilization": active / max(total, 1),
+        "tokens": tokens,
+        "sequences": len(groups),
+        "trace": _trace(engine),
+    }
 
 
 def bench_partial(args) -> dict:
@@ -171,13 +184,19 @@ def bench_partial(args) -> dict:
     for _ in range(args.reps):
         runs["sync"].append(_iteration(loop, loop.engine, sync))
         runs["partial"].append(_iteration(loop, partial.engine, partial.rollout))
-    r = {"device": jax.devices()[0].platform,
-         "reps": args.reps, "num_slots": loop.engine.ecfg.num_slots,
-         "batch_sequences": len(loop.lengths), "extra_groups": extra,
-         "max_staleness": args.max_staleness}  # fmt: skip
+    r = {
+        "device": jax.devices()[0].platform,
+        "reps": args.reps,
+        "num_slots": loop.engine.ecfg.num_slots,
+        "batch_sequences": len(loop.lengths),
+        "extra_groups": extra,
+        "max_staleness": args.max_staleness,
+    }
     for name, its in runs.items():
-        r[name] = {k: statistics.median(it[k] for it in its)
-                   for k in ("iteration_seconds", "rollout_seconds", "slot_utilization")}  # fmt: skip
+        r[name] = {
+            k: statistics.median(it[k] for it in its)
+            for k in ("iteration_seconds", "rollout_seconds", "slot_utilization")
+        }
         # Over all timed iterations: the partial batches vary in length from one to the next.
         r[name]["learned_tokens_per_s"] = sum(it["tokens"] for it in its) / sum(
             it["iteration_seconds"] for it in its
@@ -220,8 +239,11 @@ def _rollout(partial: Partial) -> dict:
     seconds = time.perf_counter() - t0
     active, total = (a - b for a, b in zip(engine.slot_steps, before))
     tokens = sum(c.length for g in groups for c in g.completions)
-    return {"rollout_seconds": seconds, "slot_utilization": active / max(total, 1),
-            "tokens": tokens}  # fmt: skip
+    return {
+        "rollout_seconds": seconds,
+        "slot_utilization": active / max(total, 1),
+        "tokens": tokens,
+    }
 
 
 def bench_tools(args) -> dict:
@@ -241,11 +263,19 @@ def bench_tools(args) -> dict:
             runs[k].append(_rollout(p))
     for p in loops.values():
         p.pool.shutdown()
-    r = {"device": jax.devices()[0].platform, "reps": args.reps,
-         "num_slots": loop.engine.ecfg.num_slots, "batch_sequences": len(loop.lengths),
-         "extra_groups": extra, "max_staleness": args.max_staleness, "tool_ms": args.tool_ms,
-         "turn_tokens": args.turn_tokens, "tool_workers": args.tool_workers,
-         "steps_per_call": loop.engine.ecfg.steps_per_call, "rules": {}}  # fmt: skip
+    r = {
+        "device": jax.devices()[0].platform,
+        "reps": args.reps,
+        "num_slots": loop.engine.ecfg.num_slots,
+        "batch_sequences": len(loop.lengths),
+        "extra_groups": extra,
+        "max_staleness": args.max_staleness,
+        "tool_ms": args.tool_ms,
+        "turn_tokens": args.turn_tokens,
+        "tool_workers": args.tool_workers,
+        "steps_per_call": loop.engine.ecfg.steps_per_call,
+        "rules": {},
+    }
     for k, its in runs.items():
         r["rules"][str(k)] = {
             "rollout_seconds": statistics.median(it["rollout_seconds"] for it in its),
@@ -261,8 +291,16 @@ def tools_table(r: dict) -> str:
     rows = [("tool_answer_calls", "rollout s", "slot utilization", "trained tokens/s")]
     for k, v in r["rules"].items():
         name = "0 (as soon as done)" if k == "0" else k
-        rows.append((name, f"{v['rollout_seconds']:.3f}", f"{v['slot_utilization']:.3f}",
-                     f"{v['tokens_per_s']:.0f}"))  # fmt: skip
+        rows.append(
+            (
+                name,
+                f"{v['rollout_seconds']:.3f}",
+                f"{v['slot_utilization']:.3f}",
+                f"{v['tokens_per_s']:.0f}",
+            )
+        )
     w = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(f"{c:>{w[i]}}" if i else f"{c:<{w[i]}}" for i, c in enumerate(row))
-                     for row in rows)  # fmt: skip
+    return "\n".join(
+        "  ".join(f"{c:>{w[i]}}" if i else f"{c:<{w[i]}}" for i, c in enumerate(row))
+        for row in rows
+    )

@@ -79,8 +79,9 @@ def mean_kv_len(prompt_len: int, new_tokens: int) -> float:
     return prompt_len + (new_tokens - 1) / 2
 
 
-def decode_step_bytes(cfg: ModelConfig, n_params: int, num_seqs: int, kv_len: float,
-                      cache_dtype: str) -> dict:  # fmt: skip
+def decode_step_bytes(
+    cfg: ModelConfig, n_params: int, num_seqs: int, kv_len: float, cache_dtype: str
+) -> dict:
     """{weights, kv, logits, total}: bytes one decode step of num_seqs sequences moves (module
     docstring), weights of n_params in cfg.param_dtype, kv_len tokens per sequence."""
     v, d = cfg.vocab_size, cfg.d_model
@@ -143,8 +144,12 @@ def bench_shape(args) -> dict:
     r = dict(shape=name, model=dataclasses.asdict(cfg), params=n_params)
     r.update(device=dev.platform, device_kind=dev.device_kind, dtype=dtype, cache_dtype=dtype)
     r["workload"] = dict(num_seqs=b, prompt_len=plen, new_tokens=new, num_samples=g)
-    r["engine"] = dict(ekw, backend_resolved=engine.backend, num_pages=engine.ecfg.num_pages,
-                       pages_per_seq=engine.ecfg.pages_per_seq)  # fmt: skip
+    r["engine"] = dict(
+        ekw,
+        backend_resolved=engine.backend,
+        num_pages=engine.ecfg.num_pages,
+        pages_per_seq=engine.ecfg.pages_per_seq,
+    )
     r.update(num_seqs=b, seconds=seconds, tokens_per_s=b * new / seconds, steps_per_s=steps_per_s)
     r.update(mean_kv_len=kv_len, bytes_per_step=step, achieved_bytes_per_s=achieved)
     r["kv_formula"] = "num_seqs x mean_kv_len x L x K x H x 2 x cache bytes"
@@ -154,10 +159,11 @@ def bench_shape(args) -> dict:
     r.update(table_bytes_per_s=peak, hbm_fraction_table=achieved / peak if peak else None)
     if args.decode_copy:
         r["decode_copy"] = dict(
-            tokens_per_s_masters=b * new / times["none"], tokens_per_s_copy=b * new / seconds,
+            tokens_per_s_masters=b * new / times["none"],
+            tokens_per_s_copy=b * new / seconds,
             speedup=times["none"] / seconds,
             extra_bytes=n_params * jnp.dtype(dtype).itemsize,  # resident during the rollout
-        )  # fmt: skip
+        )
     return r
 
 
@@ -169,8 +175,11 @@ def table(r: dict) -> str:
     rows = [
         ("shape", f"{r['shape']}, {r['params']:,} params, {r['dtype']}{note}"),
         ("device", f"{r['device']} ({r['device_kind']})"),
-        ("workload", f"{r['num_seqs']} seqs, prompt {wl['prompt_len']}, {wl['new_tokens']} new, "
-                     f"backend {r['engine']['backend_resolved']}"),
+        (
+            "workload",
+            f"{r['num_seqs']} seqs, prompt {wl['prompt_len']}, {wl['new_tokens']} new, "
+            f"backend {r['engine']['backend_resolved']}",
+        ),
         ("engine", f"{r['tokens_per_s']:.0f} tok/s, {1e3 / r['steps_per_s']:.2f} ms/step"),
         ("bytes/step: weights", f"{s['weights'] / 1e6:.2f} MB"),
         (f"bytes/step: KV (mean len {r['mean_kv_len']:g})", f"{s['kv'] / 1e6:.2f} MB"),
@@ -181,13 +190,16 @@ def table(r: dict) -> str:
         ("fraction of measured copy", f"{r['hbm_fraction_measured']:.1%}"),
         ("table HBM peak", "n/a" if peak is None else f"{peak / 1e9:.0f} GB/s"),
         ("fraction of table peak", "n/a" if frac is None else f"{frac:.1%}"),
-    ]  # fmt: skip
+    ]
     if "decode_copy" in r:
         c = r["decode_copy"]
         rows[3:3] = [
             ("engine, f32 masters (no copy)", f"{c['tokens_per_s_masters']:.0f} tok/s"),
-            (f"engine, {r['dtype']} decode copy", f"{c['tokens_per_s_copy']:.0f} tok/s, "
-             f"{c['speedup']:.2f}x, +{c['extra_bytes'] / 2**20:.1f} MiB"),
-        ]  # fmt: skip
+            (
+                f"engine, {r['dtype']} decode copy",
+                f"{c['tokens_per_s_copy']:.0f} tok/s, "
+                f"{c['speedup']:.2f}x, +{c['extra_bytes'] / 2**20:.1f} MiB",
+            ),
+        ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -129,9 +129,12 @@ def hf_runner(cfg, params, prompts, g, new_tokens):
     def run():
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, **kw,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                **kw,
+            )
         assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens)
 
     return run
@@ -200,8 +203,10 @@ def _batch_sweep(cfg, graphdef, params, g, new, plen, ekw, args) -> list[dict]:
         prompts = random_prompts(max(1, n // g), plen, cfg.vocab_size, seed=2)
         runs[n] = engine_runner(cfg, graphdef, params, prompts, g, new, **ekw)[0]
     t = interleaved(runs, args.reps)
-    return [dict(num_seqs=max(1, n // g) * g, tokens_per_s=max(1, n // g) * g * new / t[n])
-            for n in runs]  # fmt: skip
+    return [
+        dict(num_seqs=max(1, n // g) * g, tokens_per_s=max(1, n // g) * g * new / t[n])
+        for n in runs
+    ]
 
 
 def _sweep(cfg, graphdef, params, prompts, g, new, ekw, reps) -> list[dict]:
@@ -243,29 +248,55 @@ def main(argv) -> int:
     p.add_argument("--no_hf", action="store_true", help="skip HF generate even if installed")
     p.add_argument("--reps", type=integer(), default=3, help="timed repetitions (median)")
     p.add_argument("--num_prompts", type=integer(), default=8)
-    p.add_argument("--num_prompts_256", type=integer(), default=32,
-                   help="prompts of the 256-seq run")  # fmt: skip
+    p.add_argument(
+        "--num_prompts_256", type=integer(), default=32, help="prompts of the 256-seq run"
+    )
     p.add_argument("--num_samples", type=integer(), default=8, help="G samples per prompt")
     p.add_argument("--prompt_len", type=integer(), default=64)
     p.add_argument("--new_tokens", type=integer(), default=128, help="exactly this many (no stop)")
-    p.add_argument("--steps_per_call", type=integer(), default=32,
-                   help="EngineConfig.steps_per_call")  # fmt: skip
+    p.add_argument(
+        "--steps_per_call", type=integer(), default=32, help="EngineConfig.steps_per_call"
+    )
     p.add_argument("--page_size", type=integer(), default=16)
-    p.add_argument("--backend", type=one_of(BACKENDS), default="auto",
-                   help=f"paged attention backend: {', '.join(BACKENDS)}")  # fmt: skip
-    p.add_argument("--compare_backends", type=some_of(BACKENDS, empty=True), default="",
-                   help="comma-separated backends also timed at 256 seqs")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        type=one_of(BACKENDS),
+        default="auto",
+        help=f"paged attention backend: {', '.join(BACKENDS)}",
+    )
+    p.add_argument(
+        "--compare_backends",
+        type=some_of(BACKENDS, empty=True),
+        default="",
+        help="comma-separated backends also timed at 256 seqs",
+    )
     p.add_argument("--sweep", action="store_true", help="also sweep steps_per_call x num_slots")
-    p.add_argument("--batch_sweep", type=integers(empty=True), default="",
-                   help="comma-separated sequence counts to time")  # fmt: skip
-    p.add_argument("--shape", type=one_of(SHAPES), default=None,
-                   help=f"roofline bench of a model shape: {', '.join(SHAPES)}")  # fmt: skip
-    p.add_argument("--num_seqs", type=integer(), default=None,
-                   help="roofline bench of B seqs (default 256)")  # fmt: skip
-    p.add_argument("--dtype", type=one_of(("auto", *DTYPES)), default="auto",
-                   help="roofline: weights/cache dtype (auto: f32 on CPU, else bf16)")  # fmt: skip
-    p.add_argument("--decode_copy", action="store_true",
-                   help="roofline: f32 masters, with and without a decode-dtype copy")  # fmt: skip
+    p.add_argument(
+        "--batch_sweep",
+        type=integers(empty=True),
+        default="",
+        help="comma-separated sequence counts to time",
+    )
+    p.add_argument(
+        "--shape",
+        type=one_of(SHAPES),
+        default=None,
+        help=f"roofline bench of a model shape: {', '.join(SHAPES)}",
+    )
+    p.add_argument(
+        "--num_seqs", type=integer(), default=None, help="roofline bench of B seqs (default 256)"
+    )
+    p.add_argument(
+        "--dtype",
+        type=one_of(("auto", *DTYPES)),
+        default="auto",
+        help="roofline: weights/cache dtype (auto: f32 on CPU, else bf16)",
+    )
+    p.add_argument(
+        "--decode_copy",
+        action="store_true",
+        help="roofline: f32 masters, with and without a decode-dtype copy",
+    )
     args = parse(p, argv)
     if args.shape or args.num_seqs:
         b, g = args.num_seqs or 256, args.num_samples

@@ -92,8 +92,14 @@ class Environment(abc.ABC):
         """The episode's prompt ids; by default the record's `prompt_field` (the data split's)
         under the config's data settings (chat template, system prompt), as for single-turn."""
         d = self.config.data
-        return format_prompt(record, self.tokenizer, d.use_chat_template, d.system_prompt or None,
-                             prompt_field, self._template_kwargs())  # fmt: skip
+        return format_prompt(
+            record,
+            self.tokenizer,
+            d.use_chat_template,
+            d.system_prompt or None,
+            prompt_field,
+            self._template_kwargs(),
+        )
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end a model turn besides the tokenizer's end ids (a tool-call close);
@@ -129,8 +135,12 @@ class Environment(abc.ABC):
         if not self.config.data.use_chat_template:
             return self.tokenizer.encode(text)
         closed = bool(turn.ids) and self._end is not None and turn.ids[-1] == self._end
-        return message_delta_ids(self.tokenizer, {"role": role, "content": text},
-                                 turn_closed=closed, **self._template_kwargs())  # fmt: skip
+        return message_delta_ids(
+            self.tokenizer,
+            {"role": role, "content": text},
+            turn_closed=closed,
+            **self._template_kwargs(),
+        )
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}

@@ -88,8 +88,11 @@ class CodeTestsEnv(Environment):
         return "" if r.ok else "The tests failed:\n" + failure_message(r, self.max_chars)
 
     def step(self, episode: Episode, turn: Turn) -> list[int] | None:
-        if CALL_OPEN in turn.text and turn.finish_reason == "stop" and not turn.text.rstrip(
-        ).endswith("```"):  # fmt: skip
+        if (
+            CALL_OPEN in turn.text
+            and turn.finish_reason == "stop"
+            and not turn.text.rstrip().endswith("```")
+        ):
             return self.observation_ids(self._python(episode, turn), turn, role="tool")
         failure = self._test(episode)
         if not failure:

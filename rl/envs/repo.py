@@ -178,9 +178,12 @@ class RepoEnv(Environment):
         self.per_test = int(e.get("per_test_timeout_s", 30))
         self.setup_timeout = float(e.get("setup_timeout_s", 300.0))
         workers, site = e.get("tool_workers", 8), rs.site_packages()
-        lim = dict(memory_bytes=int(e.get("sandbox_memory_bytes", 4 << 30)),
-                   file_bytes=self.disk, output_bytes=8 << 20,
-                   processes=int(e.get("sandbox_processes", 64)))  # fmt: skip
+        lim = dict(
+            memory_bytes=int(e.get("sandbox_memory_bytes", 4 << 30)),
+            file_bytes=self.disk,
+            output_bytes=8 << 20,
+            processes=int(e.get("sandbox_processes", 64)),
+        )
         slowest = max(self.command_timeout, self.setup_timeout) + 10
         iso = isolation_of(e)  # auto (bubblewrap or refuse) | bwrap | rlimits (rl.sandbox)
         tool_limits = Limits(wall_s=slowest, cpu_s=int(slowest), **lim)
@@ -204,8 +207,9 @@ class RepoEnv(Environment):
         if not d.use_chat_template:  # plain text: the tools and the call syntax described
             self.tools_in_template = False
             head = (d.system_prompt + "\n\n" if d.system_prompt else "") + TOOLS_TEXT + "\n\n"
-            return self.tokenizer.encode_rendered(head + self.tokenizer.escape(user),
-                                                  add_bos=self.tokenizer.add_bos_token)  # fmt: skip
+            return self.tokenizer.encode_rendered(
+                head + self.tokenizer.escape(user), add_bos=self.tokenizer.add_bos_token
+            )
         own = Trusted(d.system_prompt or "")  # the config's text: special-token strings stay
         system = [{"role": "system", "content": own}] if own else []
         msgs, kw = system + [{"role": "user", "content": user}], self._template_kwargs()
@@ -216,11 +220,14 @@ class RepoEnv(Environment):
             self.tools_in_template = False
         if not self.tools_in_template:  # describe them in the system message
             sys_text = (d.system_prompt + "\n\n" if d.system_prompt else "") + TOOLS_TEXT
-            msgs = [{"role": "system", "content": Trusted(sys_text)},
-                    {"role": "user", "content": user}]  # fmt: skip
+            msgs = [
+                {"role": "system", "content": Trusted(sys_text)},
+                {"role": "user", "content": user},
+            ]
         # The problem is data: its special-token strings stay text (models/special_text.py).
-        return self.tokenizer.encode_chat(msgs, True, **kw, **(
-            {"tools": TOOLS} if self.tools_in_template else {}))  # fmt: skip
+        return self.tokenizer.encode_chat(
+            msgs, True, **kw, **({"tools": TOOLS} if self.tools_in_template else {})
+        )
 
     def stop_ids(self) -> tuple[int, ...]:
         try:
@@ -259,8 +266,10 @@ class RepoEnv(Environment):
             ep.infra_error = f"workspace: {type(err).__name__}: {err}"
             return False
         if ep.record.get("setup"):
-            r = {**self._shell(ep, ep.record["setup"], self.setup_timeout),
-                 "timeout": self.setup_timeout}  # fmt: skip
+            r = {
+                **self._shell(ep, ep.record["setup"], self.setup_timeout),
+                "timeout": self.setup_timeout,
+            }
             if r.get("rc") != 0:
                 ep.infra_error = f"setup failed: {self._bash_text(r)[-500:]}"
                 return False
@@ -387,8 +396,10 @@ class RepoEnv(Environment):
                 outputs.append(self._edit(ep, args))
             else:
                 ep.tool_errors += 1
-                outputs.append(f"error: unknown tool {name!r}; the tools are bash, "
-                               "str_replace_editor and submit")  # fmt: skip
+                outputs.append(
+                    f"error: unknown tool {name!r}; the tools are bash, "
+                    "str_replace_editor and submit"
+                )
             if ep.infra_error:
                 return None
             if not ep.mounted and rs.disk_usage(ep.workspace.path) > self.disk:
@@ -402,8 +413,9 @@ class RepoEnv(Environment):
             return self.tokenizer.encode("\n".join(texts))
         closed = bool(turn.ids) and self._end is not None and turn.ids[-1] == self._end
         msgs = [{"role": role, "content": t} for t in texts]
-        return message_delta_ids(self.tokenizer, msgs, turn_closed=closed,
-                                 **self._template_kwargs())  # fmt: skip
+        return message_delta_ids(
+            self.tokenizer, msgs, turn_closed=closed, **self._template_kwargs()
+        )
 
     # ----- reward -----
 

@@ -86,8 +86,11 @@ class RepoFixEnv(Environment):
     def reward(self, episode: Episode) -> float:
         f2p, p2p, _ = run_tests(episode.record, episode.source)
         fixed = float(f2p == 1.0 and p2p == 1.0)
-        episode.metrics.update(fail_to_pass_frac=f2p, pass_to_pass_frac=p2p,
-                               first_try_fix_rate=float(bool(episode.first_fixed)))  # fmt: skip
+        episode.metrics.update(
+            fail_to_pass_frac=f2p,
+            pass_to_pass_frac=p2p,
+            first_try_fix_rate=float(bool(episode.first_fixed)),
+        )
         if episode.first_fixed is False:
             episode.metrics["second_try_fix_rate"] = fixed
             episode.metrics["first_edit_noop_rate"] = float(episode.first_kind == "noop")

@@ -73,11 +73,15 @@ def repo_fix_records(
         if is_heldout(prompt, eval_fraction) != (split == "eval"):
             continue
         right = cands[int(rng.integers(candidates))]
-        records.append({
-            "prompt": prompt, "files": {MODULE: f"{name}={bug}"},
-            "fail_to_pass": [f"assert m.{name}=={right}"], "pass_to_pass": ["import m"],
-            "answer": right,
-        })  # fmt: skip
+        records.append(
+            {
+                "prompt": prompt,
+                "files": {MODULE: f"{name}={bug}"},
+                "fail_to_pass": [f"assert m.{name}=={right}"],
+                "pass_to_pass": ["import m"],
+                "answer": right,
+            }
+        )
     return records
 
 

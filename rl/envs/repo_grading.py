@@ -26,8 +26,16 @@ import tarfile
 from rl.envs.repo_sandbox import last_phase
 
 # conftest.py and the files pytest 9 reads its configuration from (its CONFIG_LOADERS_BY_NAME)
-HARNESS = ("conftest.py", "pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini",
-           "pyproject.toml", "tox.ini", "setup.cfg")  # fmt: skip
+HARNESS = (
+    "conftest.py",
+    "pytest.toml",
+    ".pytest.toml",
+    "pytest.ini",
+    ".pytest.ini",
+    "pyproject.toml",
+    "tox.ini",
+    "setup.cfg",
+)
 GRACE_S = 3.0  # a graded run killed this long past an alarm, in the model's code: its fault
 TEST_DIR = re.compile(r"(tests?|testing|test_.*|.*_tests?)")  # a directory name that says tests
 ERRORS = (OSError, KeyError, UnicodeError, tarfile.TarError)  # a pristine repository unreadable
@@ -60,16 +68,23 @@ def _walk(repo: str, top: str) -> tuple[list[str], list[str]]:
         seen.add(os.path.realpath(d))
         subdirs[:] = [n for n in subdirs if os.path.realpath(os.path.join(d, n)) not in seen]
         dirs += [os.path.relpath(os.path.join(d, n), repo) for n in subdirs]
-        files += [os.path.relpath(os.path.join(d, n), repo) for n in names
-                  if os.path.isfile(os.path.join(d, n))]  # fmt: skip
+        files += [
+            os.path.relpath(os.path.join(d, n), repo)
+            for n in names
+            if os.path.isfile(os.path.join(d, n))
+        ]
     return files, dirs
 
 
 def _read_dir(repo: str, tests, dirs) -> tuple[dict, list[str]]:
     """({path: [mode, bytes]}, subdirectories) of a directory: the test files, every file of
     their test directories, the HARNESS files anywhere."""
-    rels = [os.path.relpath(os.path.join(d, n), repo)
-            for d, _, names in os.walk(repo) for n in names if n in HARNESS]  # fmt: skip
+    rels = [
+        os.path.relpath(os.path.join(d, n), repo)
+        for d, _, names in os.walk(repo)
+        for n in names
+        if n in HARNESS
+    ]
     keep, files = [], {}
     for top in dirs:
         more, subdirs = _walk(repo, top)

@@ -160,8 +160,10 @@ def resolve(image: str, images_dir: str | None) -> tuple[str, dict]:
             return os.path.realpath(os.path.join(c, oci.ROOTFS)), info
         if os.path.isdir(c) and os.path.isabs(c):
             return os.path.realpath(c), {}
-    raise ValueError(f"image {image!r} not found (env.images_dir={images_dir!r}; unpack it with "
-                     "python -m launch.images unpack SRC --out IMAGES_DIR)")  # fmt: skip
+    raise ValueError(
+        f"image {image!r} not found (env.images_dir={images_dir!r}; unpack it with "
+        "python -m launch.images unpack SRC --out IMAGES_DIR)"
+    )
 
 
 def find_python(rootfs: str, path: str, workdir: str, python: str = "") -> str:
@@ -188,9 +190,11 @@ def load(record: dict, images_dir: str | None) -> Image:
     image = dataclasses.replace(probe, python=python)
     top = posixpath.normpath(workdir).rstrip("/") + "/"
     if posixpath.normpath(python).startswith(top) and not image.env_root:
-        raise ValueError(f"image {record['image']!r}: its python {python} lies in the workdir "
-                         "outside an environment (<workdir>/<env>/bin/python) that the sandbox "
-                         "keeps read-only: the model could replace it")  # fmt: skip
+        raise ValueError(
+            f"image {record['image']!r}: its python {python} lies in the workdir "
+            "outside an environment (<workdir>/<env>/bin/python) that the sandbox "
+            "keeps read-only: the model could replace it"
+        )
     return image
 
 
@@ -284,8 +288,12 @@ class View:
             self.testbed, self.tmp = os.path.join(p, "testbed"), os.path.join(p, "tmp")
             env_rel = image.env_root[len(self.workdir.rstrip("/")) + 1 :]
             skip = os.path.join(image.host(self.workdir), env_rel) if env_rel else ""
-            shutil.copytree(image.host(self.workdir), self.testbed, symlinks=True,
-                            ignore=lambda d, ns: [n for n in ns if os.path.join(d, n) == skip])  # fmt: skip
+            shutil.copytree(
+                image.host(self.workdir),
+                self.testbed,
+                symlinks=True,
+                ignore=lambda d, ns: [n for n in ns if os.path.join(d, n) == skip],
+            )
             if env_rel:  # bound read-only from the image (root_args): not copied
                 os.makedirs(os.path.join(self.testbed, env_rel))
             os.mkdir(self.tmp, 0o700)
@@ -319,9 +327,18 @@ class View:
             return ["--bind", self.merged, "/", *keep]
         if self.mode == "bwrap-overlay":  # the image read-only (in a user namespace the model
             # owns every file of it: /usr/lib's too), the overlay over the workdir alone
-            args = ["--ro-bind", self.image.rootfs, "/", "--overlay-src",
-                    self.image.host(self.workdir), "--overlay", self.upper, self.work,
-                    self.workdir, *keep]  # fmt: skip
+            args = [
+                "--ro-bind",
+                self.image.rootfs,
+                "/",
+                "--overlay-src",
+                self.image.host(self.workdir),
+                "--overlay",
+                self.upper,
+                self.work,
+                self.workdir,
+                *keep,
+            ]
         else:
             args = ["--ro-bind", self.image.rootfs, "/", "--bind", self.testbed, self.workdir]
             args += keep
@@ -344,8 +361,12 @@ class View:
         with the helpers' bin first on the image's PATH."""
         own = dict(e.split("=", 1) for e in self.image.env if "=" in e)
         root = self.workdir
-        return {**own, **base, "PATH": f"{CTL}/bin:{self.image.path}",
-                "PYTHONPATH": f"{root}:{self.site}" if self.site else root}  # fmt: skip
+        return {
+            **own,
+            **base,
+            "PATH": f"{CTL}/bin:{self.image.path}",
+            "PYTHONPATH": f"{root}:{self.site}" if self.site else root,
+        }
 
     def probe(self, sb) -> str:
         """The site-packages the image python imports pytest from (once per image, python and
@@ -372,12 +393,17 @@ class View:
         if not known.startswith("ok "):
             raise RuntimeError(_refusal(self.image, known))
         found, top, env = json.loads(known[3:]), self.workdir.rstrip("/") + "/", self.image.env_root
-        mine = [d for d in found["sites"] + [found["site"]]  # the model's files: never the
-                if (d + "/").startswith(top)  # harness's, nor trusted
-                and not (env and (d + "/").startswith(env + "/"))]  # fmt: skip
+        mine = [
+            d
+            for d in found["sites"] + [found["site"]]  # the model's files: never the
+            if (d + "/").startswith(top)  # harness's, nor trusted
+            and not (env and (d + "/").startswith(env + "/"))
+        ]
         if found["site"] in mine:
-            raise RuntimeError(f"image {self.image.name!r} ({self.image.python}): pytest is "
-                               f"imported from {found['site']}, in the workdir the model edits")  # fmt: skip
+            raise RuntimeError(
+                f"image {self.image.name!r} ({self.image.python}): pytest is "
+                f"imported from {found['site']}, in the workdir the model edits"
+            )
         self.site, self.sites = found["site"], [d for d in found["sites"] if d not in mine]
         self.versions = found["versions"]
         # The python's prefixes and site dirs are the image's, read-only, in every later run: an

@@ -149,8 +149,16 @@ class RepoSandbox(Sandbox):
         `_run` the RunResult and `_started` whether it got past READY (no result: it died)."""
         root = self.root(ws)
         path = ":".join(filter(None, (self.bin, extra_path, "/usr/local/bin:/usr/bin:/bin")))
-        env = {"PATH": path, "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONPATH": f"{root}:{self.site}",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}  # fmt: skip
+        env = {
+            "PATH": path,
+            "HOME": root,
+            "TMPDIR": root,
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": f"{root}:{self.site}",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONHASHSEED": "0",
+        }
         if (view := getattr(ws, "view", None)) is not None:
             env = view.env(env)  # the image's PATH and env; its own site-packages
         r: RunResult = self.run(script, ws, stdin=json.dumps({**args, "root": root, "env": env}))

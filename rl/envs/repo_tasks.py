@@ -78,8 +78,10 @@ def _checkout(row: dict, repos_dir: str | None) -> str:
     for path in candidates:
         if path and os.path.exists(os.path.expanduser(path)):
             return os.path.abspath(os.path.expanduser(path))
-    raise ValueError(f"{iid}: no local checkout (looked for repo_path, {repos_dir}/{iid}[.tar.gz]"
-                     f" and repo={row.get('repo')!r})")  # fmt: skip
+    raise ValueError(
+        f"{iid}: no local checkout (looked for repo_path, {repos_dir}/{iid}[.tar.gz]"
+        f" and repo={row.get('repo')!r})"
+    )
 
 
 def image_name(row: dict, template: str | None = None) -> str:
@@ -108,16 +110,25 @@ def _image_record(row, iid, f2p, p2p, name, images_dir) -> dict:
         raise ValueError(f"{iid}: no local image: {err}") from None
     workdir = row.get("workdir") or "/testbed"
     tree = in_root(rootfs, workdir)
-    missing = sorted({n.split("::")[0] for n in f2p + p2p
-                      if not tree or not os.path.isfile(os.path.join(tree, n.split("::")[0]))})  # fmt: skip
+    missing = sorted(
+        {
+            n.split("::")[0]
+            for n in f2p + p2p
+            if not tree or not os.path.isfile(os.path.join(tree, n.split("::")[0]))
+        }
+    )
     if missing:
         raise ValueError(f"{iid}: test files {missing[:3]} not in image {name}:{workdir}")
     extra = {k: row[k] for k in ("workdir", "python") if row.get(k)}
     return {"image": name, **extra}
 
 
-def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None = None,
-                 image_template: str | None = None) -> dict:  # fmt: skip
+def from_swe_row(
+    row: dict,
+    repos_dir: str | None = None,
+    images_dir: str | None = None,
+    image_template: str | None = None,
+) -> dict:
     """The `repo` environment's record of one SWE-style row (module docstring)."""
     if not isinstance(row, dict):
         raise ValueError(f"a row must be an object, got {type(row).__name__}")
@@ -134,8 +145,13 @@ def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None
     where = _image_record(row, iid, f2p, p2p, name, images_dir) if name else None
     repo = _checkout(row, repos_dir) if where is None else ""
     if repo and os.path.isdir(repo):
-        missing = sorted({n.split("::")[0] for n in f2p + p2p
-                          if not os.path.isfile(os.path.join(repo, n.split("::")[0]))})  # fmt: skip
+        missing = sorted(
+            {
+                n.split("::")[0]
+                for n in f2p + p2p
+                if not os.path.isfile(os.path.join(repo, n.split("::")[0]))
+            }
+        )
         if missing:
             raise ValueError(f"{iid}: test files {missing[:3]} not in {repo} (test patch applied?)")
     problem = row.get("problem_statement", row.get("problem"))
@@ -154,8 +170,12 @@ def from_swe_row(row: dict, repos_dir: str | None = None, images_dir: str | None
     }
 
 
-def convert_rows(rows, repos_dir: str | None = None, images_dir: str | None = None,
-                 image_template: str | None = None) -> tuple[list[dict], list[str]]:  # fmt: skip
+def convert_rows(
+    rows,
+    repos_dir: str | None = None,
+    images_dir: str | None = None,
+    image_template: str | None = None,
+) -> tuple[list[dict], list[str]]:
     """(records, reasons): the rows that convert, and why each of the others did not (a row
     without an instance id named by its number, from 1)."""
     records, skipped = [], []
@@ -176,8 +196,14 @@ class RowsError(ValueError):
 FLAGS = {"path": "--from_rows", "name": "--name", "split": "--split", "revision": "--revision"}
 
 
-def read_rows(path: str, *, name: str | None = None, split: str = "train", revision: str = "",
-              flags: dict | None = None) -> tuple[Sequence[dict], str]:  # fmt: skip
+def read_rows(
+    path: str,
+    *,
+    name: str | None = None,
+    split: str = "train",
+    revision: str = "",
+    flags: dict | None = None,
+) -> tuple[Sequence[dict], str]:
     """(rows, commit) of SWE-style rows at `path` (module docstring): a jsonl file's lines as
     dicts (a `.jsonl` path that does not exist is no such file, never a Hub id), or an "hf" source's rows read by rl/sources.py (`HFRecords`, random access, no copy),
     and the Hub commit they were read at ("" for local files). Raises RowsError (one line naming
@@ -192,8 +218,10 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
             raise RowsError(f"{flag['path']}={path!r}: no such file")
     if path.endswith(".jsonl") and os.path.isfile(os.path.expanduser(path)):
         if name or revision or split != "train":
-            raise RowsError(f"{flag['path']}={path!r}: a jsonl file has no subset, split or "
-                            f"revision ({flag['name']}, {flag['split']}, {flag['revision']})")  # fmt: skip
+            raise RowsError(
+                f"{flag['path']}={path!r}: a jsonl file has no subset, split or "
+                f"revision ({flag['name']}, {flag['split']}, {flag['revision']})"
+            )
         try:
             return [row for _, row in read_jsonl(os.path.expanduser(path))], ""
         except ValueError as e:  # path:line: not valid JSON / not UTF-8
@@ -201,19 +229,29 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise RowsError(f"{flag['path']}={path!r}: reading rows other than jsonl needs the "
-                        "datasets library: pip install -e '.[hub]'") from None  # fmt: skip
+        raise RowsError(
+            f"{flag['path']}={path!r}: reading rows other than jsonl needs the "
+            "datasets library: pip install -e '.[hub]'"
+        ) from None
     try:  # the Hub id resolved once, by rl/sources.py's code, its errors naming our flags
-        directory = hub_dataset_dir(path, revision, name, field=flag["path"],
-                                    revision_field=flag["revision"])  # fmt: skip
+        directory = hub_dataset_dir(
+            path, revision, name, field=flag["path"], revision_field=flag["revision"]
+        )
     except HubError as e:
         raise RowsError(str(e)) from None
     except SourceError as e:  # a subset the card does not hold (before any data file)
         raise RowsError(f"{flag.get(e.field, e.field)}{str(e)[len(e.field) :]}") from None
     hub = directory != os.path.expanduser(path)  # (local paths come back as they are)
     commit = os.path.basename(os.path.normpath(directory)) if hub else ""  # snapshots/<commit>
-    source = {"type": "hf", "path": path, "name": name or "", "split": split,
-              "revision": revision, "hf_commit": commit, "prompt_field": "instance_id"}  # fmt: skip
+    source = {
+        "type": "hf",
+        "path": path,
+        "name": name or "",
+        "split": split,
+        "revision": revision,
+        "hf_commit": commit,
+        "prompt_field": "instance_id",
+    }
     local = "" if hub else shadowing(path)  # an "org/name" that is a local directory here
     try:
         rows = load_records(source)
@@ -227,6 +265,7 @@ def read_rows(path: str, *, name: str | None = None, split: str = "train", revis
         raise RowsError(f"{flag['path']}={path!r}: {what}{local}") from None
     columns = rows.dataset.column_names
     if not {"FAIL_TO_PASS", "fail_to_pass"} & set(columns):
-        raise RowsError(f"{flag['path']}={path!r}: no FAIL_TO_PASS column (columns: "
-                        f"{sorted(columns)}){local}")  # fmt: skip
+        raise RowsError(
+            f"{flag['path']}={path!r}: no FAIL_TO_PASS column (columns: {sorted(columns)}){local}"
+        )
     return rows, commit

@@ -15,27 +15,41 @@ _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + 
 
 def _fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
     params = {"type": "object", "properties": properties, "required": required}
-    return {"type": "function",
-            "function": {"name": name, "description": description, "parameters": params}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": params},
+    }
 
 
 TOOLS = [
-    _fn("bash", "Run a bash command in the repository (cwd). Long output is cut in the middle.",
-        {"command": {"type": "string", "description": "The command to run."}}, ["command"]),
-    _fn("str_replace_editor",
+    _fn(
+        "bash",
+        "Run a bash command in the repository (cwd). Long output is cut in the middle.",
+        {"command": {"type": "string", "description": "The command to run."}},
+        ["command"],
+    ),
+    _fn(
+        "str_replace_editor",
         "View, create and edit files. `view` shows a file with line numbers (or a directory "
         "two levels deep); `create` writes a new file; `str_replace` replaces `old_str`, which "
         "must occur exactly once, by `new_str`; `insert` puts `new_str` after line "
         "`insert_line`; `undo_edit` reverts the last edit of `path`.",
-        {"command": {"type": "string",
-                     "enum": ["view", "create", "str_replace", "insert", "undo_edit"]},
-         "path": {"type": "string", "description": "Absolute path, or relative to the repo."},
-         "file_text": {"type": "string"}, "old_str": {"type": "string"},
-         "new_str": {"type": "string"}, "insert_line": {"type": "integer"},
-         "view_range": {"type": "array", "items": {"type": "integer"}}},
-        ["command", "path"]),
+        {
+            "command": {
+                "type": "string",
+                "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
+            },
+            "path": {"type": "string", "description": "Absolute path, or relative to the repo."},
+            "file_text": {"type": "string"},
+            "old_str": {"type": "string"},
+            "new_str": {"type": "string"},
+            "insert_line": {"type": "integer"},
+            "view_range": {"type": "array", "items": {"type": "integer"}},
+        },
+        ["command", "path"],
+    ),
     _fn("submit", "Submit the repository as it is now; ends the episode.", {}, []),
-]  # fmt: skip
+]
 # The tools described in text, in Qwen's wording, with the exact call syntax: the prompt of a
 # tokenizer without a chat template, or with one that ignores its `tools` argument.
 TOOLS_TEXT = (
@@ -54,9 +68,9 @@ INSTRUCTIONS = (
     "<issue>\n{problem}\n</issue>"
 )
 NO_CALL = (
-    "No tool call found. Call a tool in the format <tool_call>{\"name\": ..., \"arguments\": "
+    'No tool call found. Call a tool in the format <tool_call>{"name": ..., "arguments": '
     "{...}}</tool_call>, or submit when you are done."
-)  # fmt: skip
+)
 
 
 def parse_calls(text: str) -> list[tuple[str, dict] | str]:
