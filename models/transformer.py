@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import lora
+from models import lora, quant
 from models.attention import apply_rope, causal_hook, rope_inv_freq
 from models.config import ModelConfig
 from models.order import after
@@ -84,6 +84,8 @@ def weight_grad_dtype(dtype):
 
 def _matmul(spec: str, x, p):
     """einsum(spec, x, p) with the parameter p cast to x's dtype (see the module docstring)."""
+    if quant.quantized(p.get_value()):  # an int8 / fp8 decode copy (sampling.decode_weights)
+        return quant.einsum(spec, x, p.get_value())
     g = weight_grad_dtype(x.dtype)
     if g is None:
         return jnp.einsum(spec, x, _cast(p, x.dtype))

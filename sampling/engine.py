@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from models import quant
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
 from sampling import partitioned, steps
@@ -93,11 +94,11 @@ class Engine:
         rules=DEFAULT_RULES,
     ):
         ecfg.validate()
-        if ecfg.weights_dtype not in ("", cfg.dtype):
+        if ecfg.weights_dtype not in ("", cfg.dtype, *quant.DTYPES):
             raise ValueError(
                 f"weights_dtype={ecfg.weights_dtype!r}: a decode copy of the weights must be in "
                 f"the model's compute dtype {cfg.dtype!r} (the sampler's log-probs then stay the "
-                f"learner's to the bit), or '' for none"
+                f"learner's to the bit), quantised ({', '.join(quant.DTYPES)}), or '' for none"
             )
         self.cfg, self.graphdef, self.ecfg, self.sampling = cfg, graphdef, ecfg, sampling
         # Hashable (a static jit argument), also for rules written as lists in a config.

@@ -12,6 +12,7 @@ import operator
 
 import numpy as np
 
+from models.quant import DTYPES as WEIGHTS_QUANTIZED  # quantised EngineConfig.weights_dtype
 from sampling.page_allocator import group_pages
 from sampling.paged_attention import BACKENDS
 
@@ -32,7 +33,10 @@ class EngineConfig:
     backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
     cache_dtype: str = "float32"
     interpret: bool = False  # Pallas kernels in interpret mode: runs them on CPU (tests)
-    weights_dtype: str = ""  # "": decode from the params as given; else a copy, one per rollout
+    # "": decode from the params as given; else a copy, one per rollout: in the compute dtype,
+    # or "int8" / "float8_e4m3fn": block projections quantised per output channel, W8A8
+    # matmuls (models.quant), the rest in the compute dtype; with either weights_layout.
+    weights_dtype: str = ""
     # "tensor": decode from a copy in the compute dtype split over the KV-head / tensor axes only
     # (replicated over the shard axes), made once per rollout, so a decode step moves only its
     # own slots' activations; "training": from the params in their training layout (zero copy;
@@ -72,9 +76,10 @@ class EngineConfig:
             raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}")
-        if self.weights_dtype not in ("", "float32", "bfloat16", "float16"):
+        if self.weights_dtype not in ("", "float32", "bfloat16", "float16", *WEIGHTS_QUANTIZED):
             raise ValueError(
-                f"weights_dtype={self.weights_dtype!r}: must be '', float32, bfloat16 or float16"
+                f"weights_dtype={self.weights_dtype!r}: must be '', float32, bfloat16, float16, "
+                "int8 or float8_e4m3fn"
             )
         if self.weights_layout not in WEIGHTS_LAYOUTS:
             raise ValueError(
