@@ -211,7 +211,7 @@ def get_config():
     # "Logical time"); 0 = as soon as done (wall-clock: such runs do not repeat themselves)
     c.env.tool_answer_calls = 4
     c.env.max_observation_chars = 1000  # tool output / test failures shown to the model, at most
-    # The repository environment (env.name="repo", rl/envs/repo.py, docs/repo_env.md):
+    # The repository environment (env.name="repo", rl/envs/repo/env.py, docs/repo_env.md):
     c.env.command_timeout_s = 30.0  # repo: wall-clock seconds per bash command
     c.env.max_tool_calls = 40  # repo: tool calls per episode; the episode ends there
     c.env.workspace_bytes = 256 << 20  # repo: disk bytes of an episode's workspace (tmpfs size)

@@ -6,7 +6,7 @@
 
 The data are HumanEval/MBPP-style jsonl rows: `prompt` (the task), `tests` (Python asserts, or
 HumanEval's `def check(candidate)`), optional `entry_point`. Each episode (rl/envs/code_tests.py):
-the model writes a solution, the environment runs the tests in the sandbox (rl/sandbox.py) and
+the model writes a solution, the environment runs the tests in the sandbox (rl/sandbox/process.py) and
 returns the failures, and the model may revise, for up to `env.max_turns` turns; the model may also
 call a `python` tool to try code first. The reward is 1 when the last attempt passes the tests.
 The test output comes back as the chat template's rendering of a user message (models/chat.py);

@@ -7,13 +7,13 @@
         --config.data.train.path=$HOME/data/repo_tasks/tasks.jsonl \
         --config.data.eval.path=$HOME/data/repo_tasks_eval/tasks.jsonl
 
-Each episode (rl/envs/repo.py, docs/repo_env.md) gets its own copy of a repository in the
+Each episode (rl/envs/repo/env.py, docs/repo_env.md) gets its own copy of a repository in the
 bubblewrap sandbox, a bash tool, OpenHands' str_replace_editor and submit, whose schemas reach the
 prompt through Qwen3's chat template (`tools`); the reward is 1 when every FAIL_TO_PASS and
 PASS_TO_PASS test passes on the final workspace. Harness timeouts and sandbox failures are masked
 out of the loss (`episode/infra_errors`). Rows of SWE-Gym / SWE-smith / R2E-Gym with their
 repositories checked out locally work too: `python -m launch.make_repo_tasks --out DIR --from_rows
-rows.jsonl --repos CHECKOUTS` writes their records (rl/envs/repo_tasks.py), and `python -m
+rows.jsonl --repos CHECKOUTS` writes their records (rl/envs/repo/tasks.py), and `python -m
 launch.make_repo_tasks --validate DIR` keeps those whose gold patch validates in DIR/valid.jsonl
 (train on that; docs/repo_env.md). Every
 field not set here is in configs/qwen3_0_6b_code.py, configs/qwen2_5_0_5b_code.py,
@@ -39,7 +39,7 @@ def get_config():
     c.rl.num_generations = 8  # G episodes per task: 128 per step
     c.rl.micro_batches = 8  # 16 rows of up to 16k tokens per micro-batch
 
-    c.env.name = "repo"  # rl/envs/repo.py
+    c.env.name = "repo"  # rl/envs/repo/env.py
     c.env.max_turns = 24  # model turns (each may hold several tool calls)
     c.env.max_turn_tokens = 1024  # model tokens per turn
     c.env.max_tool_calls = 32  # tool calls per episode

@@ -4,7 +4,7 @@
 
 SRC is an OCI image layout directory (`skopeo copy docker://IMG oci:DIR:TAG`, `crane pull
 --format=oci`) or a `docker save` tarball (`docker save IMG -o img.tar`), made on another
-machine. The image's root filesystem lands in DIR/sha256-<digest>/rootfs (rl/oci.py), and each of
+machine. The image's root filesystem lands in DIR/sha256-<digest>/rootfs (rl/sandbox/oci.py), and each of
 its names (the archive's tags, `--name`) gets a link DIR/<name with / and : replaced by _>: point
 `env.images_dir` at DIR and a record's `image` at the name. Unpacking the same image again costs
 nothing. A source holding several images (an OCI layout of several tags, `docker save A B`)
@@ -20,7 +20,7 @@ import sys
 import time
 
 from launch.cli import ArgumentParser
-from rl.oci import ImageError, unpack
+from rl.sandbox.oci import ImageError, unpack
 
 
 def main(argv=None) -> int:

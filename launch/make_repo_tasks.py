@@ -8,7 +8,7 @@
     python -m launch.make_repo_tasks --reference_episode DIR [--index 0]
 
 The second form converts SWE-Gym / SWE-smith / R2E-Gym rows whose repositories are checked out
-locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo_tasks`), each with the
+locally (CHECKOUTS/<instance_id>) into DIR/tasks.jsonl (`rl.envs.repo.tasks`), each with the
 row's gold `patch` when it has one; no row converting is an error (one line, nothing written). The rows are a
 jsonl file or a `datasets` dataset: a Hub dataset id read as rl/sources.py reads an "hf" source
 (`--from_rows SWE-Gym/SWE-Gym --split train [--name SUBSET --revision COMMIT]`; HF_HUB_OFFLINE=1
@@ -31,7 +31,7 @@ those of the buggy module that do not reach the bug). `tests/launch/test_make_re
 both against the reference fix. The problem text reports the symptom as a user would, not the fix.
 
 `--validate DIR` checks DIR/tasks.jsonl (or a jsonl file) as SWE-bench validates gold patches, in
-the repo environment's own sandbox or image (`rl.envs.repo_reference`): per record, the tests of
+the repo environment's own sandbox or image (`rl.envs.repo.reference`): per record, the tests of
 the repository as it is, and after its reference fix (`patch` or `fix`) applied with the tools;
 FAIL_TO_PASS must go from failing to passing, PASS_TO_PASS pass both times. The records that
 validate go to valid.jsonl beside the tasks (train on that file); each other one is printed with
@@ -465,13 +465,13 @@ def _name(record: dict, index: int) -> str:
 
 
 def validate_main(a) -> int:
-    """--validate: each record's reference fix checked (rl/envs/repo_reference.py); the records
+    """--validate: each record's reference fix checked (rl/envs/repo/reference.py); the records
     that validate written to valid.jsonl beside the tasks, every other one named with why."""
     from concurrent.futures import ThreadPoolExecutor
 
     from launch.cli import fail
     from rl.envs.repo import check_record
-    from rl.envs.repo_reference import make_env, validate
+    from rl.envs.repo.reference import make_env, validate
 
     try:
         file, records = _records(a.validate, "--validate")
@@ -517,7 +517,7 @@ def reference_main(a) -> int:
 
     from launch.cli import fail
     from rl.envs.repo import check_record
-    from rl.envs.repo_reference import fix_calls, make_env, reference_episode
+    from rl.envs.repo.reference import fix_calls, make_env, reference_episode
 
     try:
         file, records = _records(a.reference_episode, "--reference_episode")
@@ -582,7 +582,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--image_template",
         help="with --from_rows: a row's image name, e.g. "
-        "swebench/sweb.eval.x86_64.{docker_id}:latest (rl/envs/repo_tasks.py)",
+        "swebench/sweb.eval.x86_64.{docker_id}:latest (rl/envs/repo/tasks.py)",
     )
     p.add_argument(
         "--validate",
@@ -621,7 +621,7 @@ def main(argv=None) -> int:
         )
     if a.from_rows:
         from launch.cli import fail
-        from rl.envs.repo_tasks import RowsError, convert_rows, read_rows
+        from rl.envs.repo.tasks import RowsError, convert_rows, read_rows
 
         try:
             rows, commit = read_rows(

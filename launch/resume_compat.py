@@ -47,7 +47,7 @@ HUB_DEFAULTS = (("model", "revision", ""), ("model", "hf_commit", ""))
 DATA_DEFAULTS = {"name": "", "revision": ""}
 
 
-# The repo environment's fields' defaults (configs/default.py): the values rl/envs/repo.py used
+# The repo environment's fields' defaults (configs/default.py): the values rl/envs/repo/env.py used
 # before they were config fields, so a run saved without them resumes when they still hold those
 # values (check_resumable). Their least values are launch.validate.REPO_ENV_MINIMA.
 REPO_ENV_DEFAULTS = {

@@ -17,6 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
+import rl.envs  # noqa: F401  (registers the built-in environments, their rewards and sources)
 from launch.cli import UsageError, config_json
 from launch.pin import model_dir
 from launch.resume_compat import check_resumable
@@ -210,7 +211,7 @@ def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
             return
         what, problem = f"env {name!r}", cls.check_sandbox(c)
     else:
-        from rl.code_rewards import use_isolation
+        from rl.envs.code_rewards import use_isolation
 
         code = [n for n in dict.fromkeys([*c.rl.rewards, c.eval.reward]) if n in CODE_REWARDS]
         if not code:

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from rl import sandbox
-from rl.envs.base import Environment, Episode, Turn
+from rl.environment import Environment, Episode, Turn
 from sampling.engine import Engine
 from sampling.episodes import EpisodeLoop
 

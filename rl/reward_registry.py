@@ -1,9 +1,10 @@
 """The reward registry: name -> reward function, filled by `@register_reward(name)`.
 
-It is a module of its own so that reward modules can register into it without importing
-`rl.rewards`, which imports them (`rl.code_rewards`): the arrows run one way,
-rl.rewards -> rl.code_rewards -> rl.reward_registry. Look rewards up through `rl.rewards`
-(`REWARDS`, `get_reward`), which registers every built-in one when imported.
+It is a module of its own so that an environment's rewards register into it from above without
+importing `rl.rewards`: rl.envs.code_rewards -> rl.reward_registry, and no learning module imports
+an environment. `rl.rewards` defines the plain-text rewards and re-exports the registry
+(`REWARDS`, `get_reward`); importing `rl.envs` (launch's entry points do) adds the environments'
+rewards (`python_tests`).
 """
 
 from __future__ import annotations

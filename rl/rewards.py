@@ -10,8 +10,9 @@ completion. `fields` are the data record's other columns as lists aligned with `
         return [float(c.rstrip().endswith(".")) for c in completions]
 
 then give it a weight next to the others in the config's name -> weight dict; `combined_rewards`
-sums them. The registry itself is `rl/reward_registry.py` (re-exported here): a reward module that
-this one imports, like `rl/code_rewards.py`, registers through it, so that no import runs back.
+sums them. The registry itself is `rl/reward_registry.py` (re-exported here). An environment's
+rewards register from above: `python_tests` (rl/envs/code_rewards.py) when `rl.envs` is imported,
+as every launch entry point does; this module imports no environment.
 
 Rewards see text, not token ids: the tokenizer's decode is the one place ids become text, and a
 reward written against text works for every tokenizer. Completions are expected cut at their
@@ -35,7 +36,6 @@ from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
 import numpy as np
 
-from rl import code_rewards  # noqa: F401  (registers python_tests)
 from rl.reward_registry import REWARDS, RewardFn, get_reward, register_reward
 
 

@@ -1,7 +1,15 @@
-"""Multi-turn environments (`rl.envs.base` has the interface); importing this package registers
-the built-in ones by name for the config's `env.name`."""
+"""The built-in environments (`rl.environment` has the interface and the registries). Importing
+this package registers, from above, what the learning modules look up by name and never import:
+the environments (config `env.name`), their rewards (`python_tests`, rl/envs/code_rewards.py) and
+their data sources (`repo_fix`). launch's entry points import it.
 
-from rl.envs import calculator, code_tests, repo, repo_fix  # noqa: F401  (register themselves)
-from rl.envs.base import ENVIRONMENTS, Environment, Episode, Turn, make_env, register_env
+    calculator.py      the CPU tool task (a calculator)
+    code_tests.py      code with test feedback, run in the sandbox; code_rewards.py its reward
+    repo/              repository-level coding episodes (SWE-Gym style), package
+    repo_fix.py        the CPU repository demo; repo_fix_tasks.py its tiny repositories
+"""
+
+from rl.environment import ENVIRONMENTS, Environment, Episode, Turn, make_env, register_env
+from rl.envs import calculator, code_rewards, code_tests, repo, repo_fix  # noqa: F401  (register)
 
 __all__ = ["ENVIRONMENTS", "Environment", "Episode", "Turn", "make_env", "register_env"]

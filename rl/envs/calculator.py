@@ -15,7 +15,7 @@ on the others; GRPO learns to call it (configs/calc_tool.py).
 
 from __future__ import annotations
 
-from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.environment import Environment, Episode, Turn, register_env
 from rl.rewards import arithmetic_exact
 from rl.tasks import CALL_CLOSE, CALL_OPEN, calc_observation
 

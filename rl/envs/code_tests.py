@@ -10,11 +10,11 @@ A turn is one of:
   (the Qwen tool-call format; `</tool_call>` is a stop id when it is one token): the code runs in the
   episode's sandbox workspace (kept across its turns) and stdout/stderr, truncated, come back as a
   tool message (at most `env.max_observation_chars`). A malformed call gets an error message and counts as a tool error;
-- anything else: a solution attempt. Its last ```python block (`rl.code_rewards.extract_code`) runs
+- anything else: a solution attempt. Its last ```python block (`rl.envs.code_rewards.extract_code`) runs
   with the tests; when they pass the episode ends, otherwise the failure (reason and stderr tail)
   comes back as a user message.
 The reward is 1.0 when the tests pass on the last attempt (run at the end if the turn limit cut the
-episode before its test run), else 0.0. Runs go through `rl.code_rewards`' shared sandbox under
+episode before its test run), else 0.0. Runs go through `rl.envs.code_rewards`' shared sandbox under
 config.env.isolation.
 """
 
@@ -22,8 +22,14 @@ from __future__ import annotations
 
 import json
 
-from rl.code_rewards import extract_code, failure_message, run_tests, shared_sandbox, use_isolation
-from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.environment import Environment, Episode, Turn, register_env
+from rl.envs.code_rewards import (
+    extract_code,
+    failure_message,
+    run_tests,
+    shared_sandbox,
+    use_isolation,
+)
 from rl.sandbox import isolation_of
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl.envs.base import Environment, Episode, Turn, register_env
+from rl.environment import Environment, Episode, Turn, register_env
 from rl.envs.repo_fix_tasks import (
     CALL_CLOSE,
     CALL_OPEN,

@@ -21,7 +21,7 @@ CHOICES = {
     "aggregation": "seq_mean_token_sum", "is_correction": "tis", "is_level": "sequence",
     "old_logp": "sampler", "backend": "blockwise", "cache_dtype": "bfloat16", "stop_ids": (61, 62),
     "weights_dtype": "float32", "weights_layout": "training", "reserve": "budget",
-    "grad_reduce_dtype": "bfloat16",
+    "grad_reduce_dtype": "bfloat16", "trust_region": "tv",
 }  # fmt: skip
 
 
@@ -163,13 +163,15 @@ def test_a_run_saved_before_grad_reduce_dtype_resumes_summing_in_its_compute_dty
 
 def test_repo_env_fields_are_documented_read_validated_and_resumable():
     """The repo environment's fields: set with a comment in configs/default.py to the defaults
-    rl/envs/repo.py reads them with, checked at start-up, and a run saved before they existed
+    rl/envs/repo/env.py reads them with, checked at start-up, and a run saved before they existed
     resumes while they keep those values."""
     from launch.resume_compat import REPO_ENV_DEFAULTS, check_resumable
 
     with open(DEFAULT_CONFIG) as f:
         lines = f.read().splitlines()
-    with open(os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "rl", "envs", "repo.py")) as f:
+    with open(
+        os.path.join(os.path.dirname(DEFAULT_CONFIG), "..", "rl", "envs", "repo", "env.py")
+    ) as f:
         env_source = f.read()
     default = parse_args([], {})[0]
     for name, value in REPO_ENV_DEFAULTS.items():

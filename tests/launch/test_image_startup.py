@@ -18,7 +18,7 @@ TESTBED = {"calc/__init__.py": b"", "tests/test_ops.py": b"def test_add():\n    
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """An image without pytest (its site-packages empty), unpacked as `nopytest`."""
-    from rl.oci import unpack
+    from rl.sandbox.oci import unpack
 
     if shutil.which("bwrap") is None:
         pytest.skip("image tasks need bubblewrap")

@@ -1,4 +1,4 @@
-"""`python -m launch.images unpack` (rl/oci.py): OCI layouts and `docker save` tarballs made here
+"""`python -m launch.images unpack` (rl/sandbox/oci.py): OCI layouts and `docker save` tarballs made here
 from the test's own files unpack into the expected tree, file by file with modes (two layers, a
 whiteout, an opaque directory, a hard link, symlinks kept verbatim), a second unpack is free, and
 each hostile archive is refused with one line, leaving nothing behind."""
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from launch.images import main
-from rl.oci import ImageError, safe_name, unpack
+from rl.sandbox.oci import ImageError, safe_name, unpack
 from tests.rl.image_helpers import layer, tree, write_docker_save, write_oci
 
 BOTTOM = layer([
@@ -185,7 +185,7 @@ def test_sources_of_several_images_platforms_and_broken_sources(tmp_path, capsys
     import json
 
     import tests.rl.image_helpers as h
-    from rl.oci import host_arch
+    from rl.sandbox.oci import host_arch
 
     one, two = layer([("f", "file", b"one", 0o644)]), layer([("f", "file", b"two", 0o644)])
     src = tmp_path / "oci"

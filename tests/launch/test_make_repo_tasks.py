@@ -129,7 +129,7 @@ def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
 
     from models.tokenizer import CharTokenizer
     from rl.envs.repo import RepoEnv, check_record
-    from rl.envs.repo_tasks import from_swe_row
+    from rl.envs.repo.tasks import from_swe_row
 
     gen = tmp_path / "gen"
     main(["--out", str(gen), "--num", "2", "--seed", "3"])

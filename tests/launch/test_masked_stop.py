@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rl.envs.base import register_env
+from rl.environment import register_env
 from rl.envs.calculator import CalculatorEnv
 from tests.conftest import train_here
 

@@ -1,4 +1,4 @@
-"""launch.make_repo_tasks --validate and --reference_episode (rl/envs/repo_reference.py): each
+"""launch.make_repo_tasks --validate and --reference_episode (rl/envs/repo/reference.py): each
 record's tests before and after its reference fix, run as the repo environment runs a training
 episode (its sandbox, its setup, the graded run). Generated tasks (their `fix`) and a SWE-Gym row
 converted with --from_rows (its gold `patch`, applied with git apply / patch through the tools)
@@ -174,7 +174,7 @@ def test_image_records_validate_in_their_image(tmp_path, capsys):
     already passes refused; the reference episode runs in the image's view."""
     if sandbox_isolation() != "bwrap":
         pytest.skip("image tasks need bubblewrap")
-    from rl.oci import unpack
+    from rl.sandbox.oci import unpack
     from tests.rl.image_helpers import python_image
 
     name = "sweb.eval.x86_64.calc__calc-2"

@@ -1,5 +1,5 @@
 """Container images made by the tests, from files they write: layer tars, OCI image layouts and
-`docker save` tarballs (the formats rl/oci.py unpacks)."""
+`docker save` tarballs (the formats rl/sandbox/oci.py unpacks)."""
 
 import gzip
 import hashlib

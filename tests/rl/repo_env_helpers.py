@@ -9,7 +9,7 @@ import pytest
 
 from launch.make_repo_tasks import make_tasks
 from models.tokenizer import CharTokenizer
-from rl.envs.base import Turn
+from rl.environment import Turn
 from rl.envs.repo import RepoEnv
 from tests.conftest import sandbox_isolation
 from tests.rl.repo_scripted import call  # noqa: F401 (shared with the tests)

@@ -5,8 +5,8 @@ subprocess keeps its own devices)."""
 
 import json
 
+from rl.environment import Turn
 from rl.envs import register_env
-from rl.envs.base import Turn
 from rl.envs.repo import RepoEnv
 
 
@@ -76,8 +76,8 @@ def check(rollout) -> None:
 def rollout(run, config, batch_size: int):
     """(step 0's Rollout of the built `run`, the sandbox runs it started), the script's outcome
     checked; the run's rollouts and environment are closed after it."""
-    from rl import sandbox
     from rl.data import make_prompt_stream
+    from rl.sandbox import process as sandbox
 
     data = make_prompt_stream(config.data.train, batch_size=batch_size, seed=0)
     rollouts, before = run.rollouts(), sandbox.RUNS[0]

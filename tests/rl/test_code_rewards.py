@@ -2,8 +2,8 @@
 
 import pytest
 
-from rl import code_rewards
-from rl.code_rewards import extract_code, failure_message, python_tests, run_tests
+from rl.envs import code_rewards
+from rl.envs.code_rewards import extract_code, failure_message, python_tests, run_tests
 from rl.rewards import get_reward
 from tests.conftest import sandbox_isolation
 

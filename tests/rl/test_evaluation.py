@@ -36,7 +36,7 @@ def test_evaluation_counts_the_episodes_caught_tampering(monkeypatch):
     from types import SimpleNamespace as NS
 
     from rl import evaluation
-    from rl.envs.base import Episode
+    from rl.environment import Episode
 
     class Sampler:  # G episodes per record, the first of each run caught
         def __init__(self, *args):

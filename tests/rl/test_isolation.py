@@ -1,4 +1,4 @@
-"""config.env.isolation fails closed (rl/sandbox.py, launch/validate.py `check_isolation`): without
+"""config.env.isolation fails closed (rl/sandbox/process.py, launch/validate.py `check_isolation`): without
 working bubblewrap (hidden from the probe here, not uninstalled) a Sandbox refuses unless asked for
 the weak mode, and every config that runs model-written code stops at start-up with one line,
 before its workdir exists; configs that run none probe nothing, nor do --dry_run and export. The repo environment refuses a
@@ -19,10 +19,11 @@ import pytest
 from launch.cli import UsageError, load_config_file
 from launch.train import main
 from launch.validate import check_isolation
-from rl import code_rewards, sandbox
-from rl.envs import repo_sandbox as rs
+from rl.envs import code_rewards
 from rl.envs.repo import RepoEnv
+from rl.envs.repo import sandbox as rs
 from rl.sandbox import Sandbox
+from rl.sandbox import process as sandbox
 from tests.conftest import FIXTURES, ROOT, sandbox_isolation
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config

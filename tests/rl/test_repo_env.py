@@ -1,4 +1,4 @@
-"""The `repo` environment (rl/envs/repo.py): a scripted policy fixes generated repositories through
+"""The `repo` environment (rl/envs/repo/env.py): a scripted policy fixes generated repositories through
 the env's step/reward API and through the engine's episode loop; tool semantics and errors;
 grading and infrastructure errors: tests/rl/test_repo_grading.py. Isolation against hostile commands:
 tests/rl/test_repo_isolation.py; shared fixtures and helpers: tests/rl/repo_env_helpers.py."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rl.envs.repo import RepoEnv
-from rl.envs.repo_tools import cut, parse_calls
+from rl.envs.repo.tools import cut, parse_calls
 from tests.conftest import sandbox_isolation
 from tests.rl import repo_env_helpers
 from tests.rl import repo_scripted as scripted
@@ -116,7 +116,7 @@ def test_call_parsing_and_cut():
 def test_a_prompt_without_a_chat_template_describes_the_tools(env, tasks):
     """Plain text (no chat template, e.g. a CharTokenizer): the schemas and the exact call syntax
     are in the prompt, and its example is a call the environment parses."""
-    from rl.envs.repo_tools import TOOLS
+    from rl.envs.repo.tools import TOOLS
 
     text = TOK.decode(env.prompt(tasks[0]))
     assert text.startswith("# Tools") and all(json.dumps(t) in text for t in TOOLS)
@@ -218,7 +218,7 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
     """Qwen2.5's published template renders the schemas from its `tools` argument (its own
     "# Tools" system block); a template that ignores `tools` gets them in a system message."""
     from models.tokenizer import load_tokenizer
-    from rl.envs.repo_tools import TOOLS
+    from rl.envs.repo.tools import TOOLS
     from tests.models.test_chat import _write_stand_in
 
     _write_stand_in("qwen2", str(tmp_path))

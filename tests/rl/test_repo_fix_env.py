@@ -10,8 +10,8 @@ import pytest
 from configs import repo_fix as repo_fix_config
 from launch.sft_repo_fix import SEQ_LEN, encode
 from models.tokenizer import CharTokenizer
+from rl.environment import Turn
 from rl.envs import make_env
-from rl.envs.base import Turn
 from rl.envs.repo_fix_tasks import (
     REPO_FIX_ALPHABET,
     parse_module,

@@ -1,5 +1,5 @@
-"""Grading in the `repo` environment (rl/envs/repo.py, the GRADE program of
-rl/envs/repo_programs.py): infrastructure errors are masked, the model's failures (hangs at
+"""Grading in the `repo` environment (rl/envs/repo/env.py, the GRADE program of
+rl/envs/repo/programs.py): infrastructure errors are masked, the model's failures (hangs at
 import, broken or forging conftest.py and pytest configuration, files pytest would stumble on)
 score 0, and nothing the model writes changes how its tests run. Shared fixtures and helpers:
 tests/rl/repo_env_helpers.py."""

@@ -1,4 +1,4 @@
-"""Image tasks of the `repo` environment (rl/envs/repo_images.py): a test image (the host's
+"""Image tasks of the `repo` environment (rl/envs/repo/images.py): a test image (the host's
 interpreter and standard library, its own pytest and a marker module, a small repository at
 /testbed; tests/rl/image_helpers.py) is unpacked once for the module; episodes run their tools and
 their graded run inside it with its python; 32 concurrent episodes on it are isolated and leave
@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from launch.make_repo_tasks import main as make_repo_tasks
-from rl.envs import repo_images
 from rl.envs.repo import RepoEnv
-from rl.oci import unpack
-from rl.sandbox import _live
+from rl.envs.repo import images as repo_images
+from rl.sandbox.oci import unpack
+from rl.sandbox.workspace import _live
 from tests.rl import image_helpers
 from tests.rl.image_helpers import python_image
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
@@ -257,7 +257,7 @@ def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, 
     base = [env.start({**task(), "image": "", "repo": str(checkout)}) for _ in range(32)]
     with ThreadPoolExecutor(8) as pool:
         base_starts = list(pool.map(first, base))
-    from rl.envs.repo_sandbox import disk_usage
+    from rl.envs.repo.sandbox import disk_usage
 
     base_disk = [disk_usage(ep.workspace.path) for ep in base]
     for ep in base:

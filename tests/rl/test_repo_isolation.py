@@ -1,4 +1,4 @@
-"""Isolation of the `repo` environment's bubblewrap-mode episodes (rl/envs/repo.py): concurrent
+"""Isolation of the `repo` environment's bubblewrap-mode episodes (rl/envs/repo/env.py): concurrent
 episodes cannot read or write each other's workspaces or the host, and hostile commands are
 contained, each with a host-side check. Skipped where bubblewrap does not work."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rl.envs.repo import RepoEnv
-from rl.sandbox import _live
+from rl.sandbox.workspace import _live
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
 

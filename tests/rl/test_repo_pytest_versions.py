@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from rl.envs import repo_images
 from rl.envs.repo import RepoEnv
-from rl.oci import unpack
+from rl.envs.repo import images as repo_images
+from rl.sandbox.oci import unpack
 from tests.rl import pytest_wheels
 from tests.rl.image_helpers import PREFIX, python_image
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
@@ -248,7 +248,7 @@ def test_start_up_probes_every_image_once_and_refuses_the_first_that_cannot(imag
     parallel, once each; the first record whose image cannot grade is refused, in one line."""
     from collections import Counter
 
-    from rl.envs import repo
+    from rl.envs.repo import env as repo
 
     monkeypatch.setattr(repo, "_graded", {})  # (earlier tests of this process probed some)
     probes, grades = Counter(), repo._grades

@@ -11,7 +11,7 @@ import _pytest.config
 import pytest
 
 from rl.envs.repo import RepoEnv
-from rl.envs.repo_grading import dirs_of_tests, pristine
+from rl.envs.repo.grading import dirs_of_tests, pristine
 from tests.rl import repo_env_helpers
 from tests.rl.repo_env_helpers import TOK, graded, make_config
 

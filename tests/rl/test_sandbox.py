@@ -18,8 +18,9 @@ import warnings
 
 import pytest
 
-from rl.code_rewards import extract_code, run_tests
-from rl.sandbox import Limits, Sandbox, _live
+from rl.envs.code_rewards import extract_code, run_tests
+from rl.sandbox import Limits, Sandbox
+from rl.sandbox.workspace import _live
 from tests.conftest import sandbox_isolation
 
 LIMITS = Limits(wall_s=2.0, cpu_s=1, processes=4)  # a few processes, to see fork bombs contained
@@ -204,7 +205,7 @@ def test_python_and_python3_are_first_on_the_path(sb):
 
 
 def test_without_bwrap_warns_once_and_still_limits(monkeypatch):
-    from rl import sandbox
+    from rl.sandbox import process as sandbox
 
     monkeypatch.setattr(sandbox, "_warned", set())
     with pytest.warns(RuntimeWarning, match="without bubblewrap") as record:

@@ -1,5 +1,5 @@
 """A dead run's sandbox roots (workspaces, and as root their tmpfs mounts) are removed when the next
-Sandbox starts (rl/sandbox_sweep.py); a live owner's, and anything without our marker, are not."""
+Sandbox starts (rl/sandbox/sweep.py); a live owner's, and anything without our marker, are not."""
 
 import os
 import subprocess
@@ -8,13 +8,13 @@ import tempfile
 
 import pytest
 
-from rl import sandbox_sweep
 from rl.sandbox import Sandbox
+from rl.sandbox import sweep as sandbox_sweep
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore:sandbox without bubblewrap")
 
-# A trainer mid-episode: a workspace (as root a tmpfs mounted on it, as rl.envs.repo_sandbox's
+# A trainer mid-episode: a workspace (as root a tmpfs mounted on it, as rl.envs.repo.sandbox's
 # mount_tmpfs does: importing rl.envs would cost seconds of jax), then it waits on stdin for ever;
 # the test kills it with SIGKILL.
 CHILD = """
@@ -158,7 +158,7 @@ def test_a_root_the_sweep_cannot_remove_warns_once_and_sandbox_starts(tmp_path, 
 def test_a_leased_uid_has_no_orphan_of_a_killed_run(tmp_path, monkeypatch):
     """A run killed with SIGKILL releases its uid leases (flock) but not its programs: the next
     workspace leasing that uid kills them before it runs anything."""
-    from rl import sandbox_workspace
+    from rl.sandbox import workspace as sandbox_workspace
 
     tmp_path.chmod(0o711)
     first = sandbox_workspace.Workspace(str(tmp_path), as_root=True)

@@ -1,6 +1,6 @@
 """The three programs of the `repo` environment, as Python source run inside its sandbox: a
 shell command (`BASH`), a file edit (`EDITOR`, OpenHands' str_replace_editor) and the graded test
-run (`GRADE`). `rl.envs.repo_sandbox.RepoSandbox.program` runs them in an episode's workspace.
+run (`GRADE`). `rl.envs.repo.sandbox.RepoSandbox.program` runs them in an episode's workspace.
 
 Each reads its arguments as JSON on stdin, writes `READY` before it does anything the model
 controls and its result (`RESULT` + JSON) last; a run without `READY` means the sandbox could not
@@ -11,7 +11,7 @@ start.
 
 from __future__ import annotations
 
-from rl.envs.repo_integrity import GUARD, RESTORE
+from rl.envs.repo.integrity import GUARD, RESTORE
 
 READY, RESULT = "\x00READY\n", "\x00RESULT "
 
@@ -230,7 +230,7 @@ except (OSError, UnicodeError) as e:
 
 # The graded run. Before READY it imports its harness (pytest and its built-in plugins, from the
 # trainer's site-packages: a sandbox that cannot is an infrastructure error, masked) and the
-# guard (rl/envs/repo_integrity.py) snapshots it. Then it puts back the pristine test files, every
+# guard (rl/envs/repo/integrity.py) snapshots it. Then it puts back the pristine test files, every
 # file of their test directories, conftest.py and pytest configuration files, deleting any other
 # there or of those names, and runs pytest on the node ids in this process under alarms over the
 # parts of collection that import the model's code and over each test, the guard checking the

@@ -1,5 +1,5 @@
 """Image tasks of the `repo` environment: an episode whose record names a container image (unpacked
-by `python -m launch.images unpack`, rl/oci.py) runs its tools and its graded run with the image as
+by `python -m launch.images unpack`, rl/sandbox/oci.py) runs its tools and its graded run with the image as
 the sandbox's root, in the image's `workdir` (default /testbed), with the image's PATH, env and
 python; the trainer's site-packages are not bound.
 
@@ -52,8 +52,7 @@ import stat
 import subprocess
 import threading
 
-from rl import oci
-from rl.sandbox import _BOOT
+from rl.sandbox import boot_command, oci
 
 TESTBED_PYTHON = "/opt/miniconda3/envs/testbed/bin/python"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -346,9 +345,7 @@ class View:
         return args + (["--bind", self.tmp, "/tmp"] if tmp and os.path.isdir(tmp) else [])
 
     def command(self, sb, main: str) -> list[str]:
-        lim, py, ws = sb.limits, self.image.python, self.ws
-        boot = [py, "-I", "-S", "-c", _BOOT, str(ws.uid), str(lim.cpu_s), str(lim.memory_bytes)]
-        boot += [str(lim.file_bytes), str(lim.processes), py, f"{CTL}/main.py"]
+        boot = boot_command(self.image.python, self.ws.uid, sb.limits, f"{CTL}/main.py")
         cmd = [sb.bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
         cmd += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         cmd += [] if sb.as_root else ["--unshare-user"]
@@ -416,7 +413,7 @@ class View:
 
     def disk(self) -> int:
         """Bytes this episode's view holds on its own: the overlay's upper dir, or the copy."""
-        from rl.envs.repo_sandbox import disk_usage
+        from rl.envs.repo.sandbox import disk_usage
 
         if self.mode == "copy":
             return disk_usage(self.testbed) + disk_usage(self.tmp)
@@ -426,7 +423,7 @@ class View:
 
     def close(self) -> None:
         if self.mounted:
-            from rl.sandbox_sweep import unmount
+            from rl.sandbox.sweep import unmount
 
             unmount(self.merged)
             self.mounted = False

@@ -1,6 +1,6 @@
 """The sandbox side of the `repo` environment: per-episode workspaces holding a repository copy,
 and running the three programs in them (a shell command, a file edit, the graded test run; their
-source is `rl/envs/repo_programs.py`).
+source is `rl/envs/repo/programs.py`).
 
 Every tool call is a fresh `rl.sandbox` process in the episode's workspace, so it gets the
 sandbox's limits, namespaces and clean-up (every process the call left is killed when it ends).
@@ -33,7 +33,7 @@ import shutil
 import tarfile
 import threading
 
-from rl.envs.repo_programs import (  # noqa: F401  (re-exported: rl.envs.repo runs them from here)
+from rl.envs.repo.programs import (  # noqa: F401  (re-exported: rl.envs.repo.env runs them from here)
     BASH,
     EDITOR,
     GRADE,
@@ -41,7 +41,7 @@ from rl.envs.repo_programs import (  # noqa: F401  (re-exported: rl.envs.repo ru
     RESULT,
 )
 from rl.sandbox import Limits, RunResult, Sandbox, Workspace
-from rl.sandbox_sweep import unmount  # noqa: F401  (rl.envs.repo unmounts workspaces with it)
+from rl.sandbox.sweep import unmount  # noqa: F401  (rl.envs.repo.env unmounts workspaces with it)
 
 WORKDIR = "/testbed"  # where the repository lies as the model sees it (bubblewrap mode)
 # Imports pytest as the graded run does (site first on sys.path); says which directory on the way
@@ -145,7 +145,7 @@ class RepoSandbox(Sandbox):
         return cmd[:j] + extra + cmd[j:]
 
     def program(self, script: str, ws: Workspace, args: dict, extra_path: str = "") -> dict:
-        """Runs one of the programs (rl.envs.repo_programs) with `args`; its result dict, with
+        """Runs one of the programs (rl.envs.repo.programs) with `args`; its result dict, with
         `_run` the RunResult and `_started` whether it got past READY (no result: it died)."""
         root = self.root(ws)
         path = ":".join(filter(None, (self.bin, extra_path, "/usr/local/bin:/usr/bin:/bin")))

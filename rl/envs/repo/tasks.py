@@ -1,4 +1,4 @@
-"""SWE-Gym / SWE-smith / R2E-Gym style rows -> records of the `repo` environment (rl/envs/repo.py).
+"""SWE-Gym / SWE-smith / R2E-Gym style rows -> records of the `repo` environment (rl/envs/repo/env.py).
 
 SWE-bench's row shape, which SWE-Gym and SWE-smith share: `instance_id`, `repo` (owner/name on
 GitHub), `problem_statement`, and `FAIL_TO_PASS` / `PASS_TO_PASS` as lists of test ids or as JSON
@@ -16,7 +16,7 @@ path.
     record = from_swe_row(row, images_dir=D, image_template="sweb.eval.x86_64.{instance_id}")
                                             # {"instance_id", "image", ...}: runs in the image
 
-Image rows (rl/envs/repo_images.py): a row that names its image in a column (`image_name`, as
+Image rows (rl/envs/repo/images.py): a row that names its image in a column (`image_name`, as
 SWE-smith's rows and mini-swe-agent read it; `docker_image`; `image`) uses it, else
 `image_template` maps the row to a name: its fields `{instance_id}`, `{repo}` and
 `{docker_id}` (the instance id with `__` replaced by `_1776_`, as SWE-bench's own image names
@@ -32,7 +32,7 @@ it names is missing from a checkout directory (the test patch is not applied). `
 command run once per workspace, e.g. `pip install -e . --no-deps`; the sandbox has no network)
 passes through when the row has it, and so does `patch` (SWE-bench's gold patch, a unified diff):
 the reference fix that `python -m launch.make_repo_tasks --validate` applies
-(rl/envs/repo_reference.py); the environment never shows it to the model. A row's `test_cmd` is not
+(rl/envs/repo/reference.py); the environment never shows it to the model. A row's `test_cmd` is not
 carried over: the environment grades FAIL_TO_PASS / PASS_TO_PASS with pytest and refuses a record
 that sets `test_cmd` (rl.envs.repo.check_record).
 
@@ -102,7 +102,7 @@ def image_name(row: dict, template: str | None = None) -> str:
 
 
 def _image_record(row, iid, f2p, p2p, name, images_dir) -> dict:
-    from rl.envs.repo_images import in_root, resolve
+    from rl.envs.repo.images import in_root, resolve
 
     try:
         rootfs, _ = resolve(name, images_dir)

@@ -11,7 +11,7 @@ A record that sets `test_cmd` is refused (`check_record`, at load time in launch
 runs the node ids with pytest, and a command that would replace it is not run.
 
 Each episode gets its own writable copy of the repository as its sandbox workspace
-(`rl.envs.repo_sandbox`: at /testbed in bubblewrap mode, a tmpfs of `env.workspace_bytes` when we
+(`rl.envs.repo.sandbox`: at /testbed in bubblewrap mode, a tmpfs of `env.workspace_bytes` when we
 may mount), made on its first tool call and deleted when it is scored. Tools, in the chat
 template's tool-call format (Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or
 a bare JSON object `{"name": ..., "parameters": {...}}` as Llama 3 writes it), several per turn:
@@ -27,16 +27,16 @@ block); a template that ignores `tools` (its rendering does not change) or a tok
 none gets them described in a system message in Qwen's wording instead, and a prompt without a
 chat template (`data.use_chat_template` False) in its plain text (`TOOLS_TEXT`: the schemas and
 the call syntax). The schemas, the instructions and the parsing of calls are
-`rl/envs/repo_tools.py`.
+`rl/envs/repo/tools.py`.
 
-Reward, after submit or when a limit ends the episode (`rl/envs/repo_grading.py`): the original
+Reward, after submit or when a limit ends the episode (`rl/envs/repo/grading.py`): the original
 test files, every file of their test directories (`tests/`: `__init__.py`, helpers, data; as the
 record's `setup` left them), and the conftest.py files and pytest configuration files (HARNESS)
 are put back, any other file there or of those names deleted, and FAIL_TO_PASS + PASS_TO_PASS
 run in a fresh sandbox process on the final workspace; 1.0 if all pass, else 0.0.
 `episode.metrics` holds both pass fractions. Code of the model's that changes the test harness in
 that process (unittest's asserts, pytest's report machinery, builtins, a plugin it registers:
-`rl/envs/repo_integrity.py`) scores 0, `episode.tamper` naming what changed (counted in
+`rl/envs/repo/integrity.py`) scores 0, `episode.tamper` naming what changed (counted in
 `episode/tamper`). A test that hangs fails on its own alarm (`env.per_test_timeout_s`, the
 model's fault), and so does code that hangs at import (importing the root conftest.py and
 collecting have the same alarm; a module that fails to import, also
@@ -65,11 +65,11 @@ import time
 
 from models.chat import message_delta_ids
 from models.special_text import Trusted
-from rl.envs import repo_images
-from rl.envs import repo_sandbox as rs
-from rl.envs.base import Environment, Episode, Turn, register_env
-from rl.envs.repo_grading import ERRORS, HARNESS, after_setup, pristine, score, tested_files
-from rl.envs.repo_tools import (
+from rl.environment import Environment, Episode, Turn, register_env
+from rl.envs.repo import images as repo_images
+from rl.envs.repo import sandbox as rs
+from rl.envs.repo.grading import ERRORS, HARNESS, after_setup, pristine, score, tested_files
+from rl.envs.repo.tools import (
     CALL_CLOSE,
     INSTRUCTIONS,
     NO_CALL,
@@ -94,7 +94,7 @@ class RepoEpisode(Episode):
     grade_timeout: str = ""  # the graded run was killed in the model's code: collect | test
     restored: list = dataclasses.field(default_factory=list)  # test files grading put back
     restore: dict | None = None  # what grading puts back, read after `setup` (None: no setup)
-    view: object = None  # an image task's view (rl.envs.repo_images.View; its mode: view.mode)
+    view: object = None  # an image task's view (rl.envs.repo.images.View; its mode: view.mode)
 
 
 def check_record(record: dict, env=None) -> dict:

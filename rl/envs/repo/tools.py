@@ -1,7 +1,7 @@
 """The `repo` environment's tool-call format: the tools' schemas (`TOOLS`, OpenAI function
 format), the task instructions, the parsing of a turn's calls (Qwen `<tool_call>` blocks or a
 Llama 3 JSON object) and the cutting of long observations. The episodes that use them, and the
-tools themselves, are `rl/envs/repo.py`.
+tools themselves, are `rl/envs/repo/env.py`.
 """
 
 from __future__ import annotations

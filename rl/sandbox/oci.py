@@ -1,6 +1,6 @@
 """Container images without a daemon: an OCI image layout directory, or a `docker save` tarball,
 unpacked into a root filesystem that the `repo` environment's sandbox uses as an episode's root
-(rl/envs/repo_images.py). No network, no Docker.
+(rl/envs/repo/images.py). No network, no Docker.
 
     info = unpack(src, out)     # {"digest", "rootfs", "env", "names", ...}; a second call is free
     safe_name("org/img:tag")    # "org_img_tag": out/org_img_tag links to out/sha256-<hex>

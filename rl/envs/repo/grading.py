@@ -1,5 +1,5 @@
 """Grading in the `repo` environment, host side: what the graded run (GRADE,
-`rl/envs/repo_programs.py`) puts back from the pristine repository, and how its result becomes
+`rl/envs/repo/programs.py`) puts back from the pristine repository, and how its result becomes
 the episode's reward, its metrics, or an infrastructure error (masked).
 
 Put back: the task's test files; every file of their test directories; conftest.py and pytest
@@ -8,7 +8,7 @@ whose name says tests (`tests`, `test`, `testing`, `test_*`, `*_test`, `*_tests`
 `tests/` for `tests/unit/test_a.py`, `pkg/sub/tests/`): the `__init__.py`, helpers and data
 files there are the task's, never the fix. A test file with no such ancestor (at the root, or
 beside the package's code) has only itself put back: its directory holds the code to fix. The
-guard (`rl/envs/repo_integrity.py`) covers what is not put back, the package's own files. For a
+guard (`rl/envs/repo/integrity.py`) covers what is not put back, the package's own files. For a
 record with a `setup`, what is put back is read from the workspace as setup left it
 (`after_setup`), so a file setup makes in a test directory is the task's, not deleted.
 """
@@ -23,7 +23,7 @@ import posixpath
 import re
 import tarfile
 
-from rl.envs.repo_sandbox import last_phase
+from rl.envs.repo.sandbox import last_phase
 
 # conftest.py and the files pytest 9 reads its configuration from (its CONFIG_LOADERS_BY_NAME)
 HARNESS = (

@@ -1,5 +1,5 @@
 """What keeps the graded run of the `repo` environment honest: two parts of the GRADE program
-(`rl/envs/repo_programs.py`), as Python source it splices in. RESTORE puts the pristine test
+(`rl/envs/repo/programs.py`), as Python source it splices in. RESTORE puts the pristine test
 files back, with every file of their test directories, and the conftest.py and pytest
 configuration files; GUARD is the tamper check, defined (and its snapshot taken) after GRADE has
 imported its harness (pytest, its built-in plugins, unittest) and before it writes READY, so before

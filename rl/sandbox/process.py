@@ -18,7 +18,7 @@ the same but is unsafe in a threaded parent. A run ends when the program exits, 
 fill and never hold more); then its process group, and every process it left, is SIGKILLed.
 
 Root ignores RLIMIT_NPROC and may signal or write anything, so as root every workspace leases its
-own uid (`rl.sandbox_workspace`) and serialises its runs; when the uid is leased and after each
+own uid (`rl.sandbox.workspace`) and serialises its runs; when the uid is leased and after each
 run every live process of that uid is killed.
 
 With bubblewrap (probed once per process) the program also gets new pid, net, ipc, uts and cgroup
@@ -36,7 +36,7 @@ root, else rlimits alone), with a warning once. docs/sandbox.md says what each m
 `python` and `python3` are first on every run's PATH (the sandbox's bin/, links to the interpreter
 the runs use), in every mode. Each sandbox root carries an owner marker, and a new Sandbox first
 removes the roots (and their tmpfs mounts) of runs that died without closing theirs
-(`rl.sandbox_sweep`).
+(`rl.sandbox.sweep`).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ import time
 import warnings
 import weakref
 
-from rl import sandbox_sweep
-from rl.sandbox_workspace import Workspace, _live, _sweep  # noqa: F401  (_live: for the tests)
+from rl.sandbox import sweep as sandbox_sweep
+from rl.sandbox.workspace import Workspace, _sweep
 
 ISOLATIONS = ("auto", "bwrap", "rlimits")
 BWRAP = "bwrap"  # looked up on PATH (a test hides it by renaming)
@@ -95,6 +95,14 @@ class Limits:
     file_bytes: int = 16 << 20  # RLIMIT_FSIZE: largest file the program may write
     output_bytes: int = 64 << 10  # cap on each of stdout and stderr; passing it kills the run
     processes: int = 0  # processes/threads the program may start (0: fork fails)
+
+
+def boot_command(python: str, uid: int, limits: Limits, main: str) -> list[str]:
+    """The trusted bootstrap's command: `python -I -S -c _BOOT` drops to `uid` (when >= 0), sets
+    `limits`' rlimits and execs `python -s -S main` (what a run starts, inside bwrap if any)."""
+    lim = limits
+    boot = [python, "-I", "-S", "-c", _BOOT, str(uid), str(lim.cpu_s), str(lim.memory_bytes)]
+    return boot + [str(lim.file_bytes), str(lim.processes), python, main]
 
 
 @dataclasses.dataclass
@@ -265,9 +273,8 @@ class Sandbox:
                 ws.close()
 
     def _command(self, ws: Workspace, main: str) -> list[str]:
-        lim, py = self.limits, self._python
-        boot = [py, "-I", "-S", "-c", _BOOT, str(ws.uid), str(lim.cpu_s), str(lim.memory_bytes)]
-        boot += [str(lim.file_bytes), str(lim.processes), py, main]
+        py = self._python
+        boot = boot_command(py, ws.uid, self.limits, main)
         if not self._bwrap:
             return boot
         cmd = [self._bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]

@@ -20,7 +20,7 @@ root is kept. Nothing outside the root being removed is ever unmounted or chmod'
 the sweep cannot remove is left with one warning: a sweep never fails a `Sandbox()`.
 
 Processes a dead run left in the uid mode are killed when their uid is leased again
-(rl.sandbox_workspace); bubblewrap mode: `--die-with-parent` ends them with the trainer.
+(rl.sandbox.workspace); bubblewrap mode: `--die-with-parent` ends them with the trainer.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 
-from rl.sandbox_sweep import rmtree
+from rl.sandbox.sweep import rmtree
 
 _UID_FIRST, _UID_COUNT = 40000, 20000
 

@@ -1,5 +1,5 @@
 """Reference episodes of the `repo` environment: a record's own fix applied through the tools, then
-submit, graded as a training episode is (`rl/envs/repo.py`: its sandbox or image, its setup, the
+submit, graded as a training episode is (`rl/envs/repo/env.py`: its sandbox or image, its setup, the
 test files put back, GRADE). Two uses, both `python -m launch.make_repo_tasks`:
 
 - `validate(env, record)`: SWE-bench's check of a gold patch. One episode submits the repository
@@ -12,7 +12,7 @@ test files put back, GRADE). Two uses, both `python -m launch.make_repo_tasks`:
   a smoke test of the sandbox, the tools and the grading on a laptop, without a model.
 
 The reference fix is the record's `patch` (a unified diff, SWE-bench's gold patch; carried over
-by `rl.envs.repo_tasks.from_swe_row`), written with str_replace_editor `create` and applied with
+by `rl.envs.repo.tasks.from_swe_row`), written with str_replace_editor `create` and applied with
 `git apply`, else `patch -p1` (SWE-bench's harness tries both), by bash in the workspace; or its
 `fix` ({path, old, new}, the generated tasks'), one str_replace. Observations become ids through
 `CodePoints`, one id per character, since no model reads them here.
@@ -26,9 +26,9 @@ import string
 import ml_collections
 
 from models.tokenizer import CharTokenizer
-from rl.envs.base import Turn
-from rl.envs.repo import RepoEnv, RepoEpisode
-from rl.envs.repo_tools import CALL_CLOSE, CALL_OPEN
+from rl.environment import Turn
+from rl.envs.repo.env import RepoEnv, RepoEpisode
+from rl.envs.repo.tools import CALL_CLOSE, CALL_OPEN
 
 PATCH_FILE = ".reference.patch"  # in the workspace while it is applied, then deleted
 APPLY = (
@@ -53,7 +53,7 @@ class CodePoints(CharTokenizer):
 
 
 def make_env(isolation: str = "auto", images_dir: str = "", workers: int = 4, **env) -> RepoEnv:
-    """A repo environment for reference episodes: the training defaults of `env` (rl/envs/repo.py)
+    """A repo environment for reference episodes: the training defaults of `env` (rl/envs/repo/env.py)
     but `isolation`, `images_dir`, `tool_workers` and the keyword arguments. Raises RuntimeError
     (one line) when its sandbox cannot run here."""
     env = {"isolation": isolation, "images_dir": images_dir, "tool_workers": workers, **env}
@@ -62,7 +62,7 @@ def make_env(isolation: str = "auto", images_dir: str = "", workers: int = 4, **
 
 
 def call(name: str, **args) -> str:
-    """A tool call in the Qwen format the environment parses (rl/envs/repo_tools.py)."""
+    """A tool call in the Qwen format the environment parses (rl/envs/repo/tools.py)."""
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n{CALL_CLOSE}"
 
 
