@@ -176,8 +176,10 @@ def get_config():
     c.sampling.backend = "auto"  # auto: the fastest that lowers for this platform, shape and mesh
     c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype
     # "" decodes from the training params (no copy); "bfloat16" (= model.dtype) decodes from a
-    # bf16 copy made once per rollout: less HBM traffic per step, +2 bytes/param during rollouts
-    c.sampling.weights_dtype = ""  # "" or model.dtype (see above); weights_layout "training" only
+    # bf16 copy made once per rollout: less HBM traffic per step, +2 bytes/param during rollouts;
+    # "int8" / "float8_e4m3fn": that copy with the block projections quantised per output
+    # channel and int8 / fp8 matmuls, activations per token (models/quant.py; either layout)
+    c.sampling.weights_dtype = ""  # "", model.dtype, int8 or float8_e4m3fn (see above)
     # The weights decoding reads, made once per rollout and freed before learning:
     # "tensor" = a copy in model.dtype split over `tensor` only (replicated over data x fsdp):
     #   each device decodes its own slots, and a decode step sends nothing over data or fsdp

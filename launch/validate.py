@@ -406,10 +406,11 @@ def validate(
         f"must be 'float32' or model.dtype = {c.model.dtype!r}",
     )
     _need(
-        s.weights_dtype in ("", c.model.dtype),
+        s.weights_dtype in ("", c.model.dtype, "int8", "float8_e4m3fn"),
         "sampling.weights_dtype",
         s.weights_dtype,
-        f"a decode copy must be in model.dtype = {c.model.dtype!r} (or '' for none)",
+        f"a decode copy must be in model.dtype = {c.model.dtype!r}, int8 or float8_e4m3fn "
+        "(or '' for none)",
     )
     # Slots and pages are totals for the mesh, split evenly over its batch shards, each with
     # its own null page; a group lives on one shard (`sampling.partitioned`). The KV heads are

@@ -1,7 +1,7 @@
 """What each mesh costs the sampler, compiled and never run: `python -m launch.bench mesh
 --shape qwen2_5_0_5b --meshes fsdp1,fsdp2,fsdp4,fsdp8,data2xfsdp4,fsdp4xtensor2
 [--config configs/qwen2_5_0_5b_code_32k.py] [--num_slots N] [--num_pages P] [--page_size S]
-[--steps_per_call K] [--weights_layout tensor|training] [--output F.json]`.
+[--steps_per_call K] [--weights_layout tensor|training] [--weights_dtype D] [--output F.json]`.
 
 For each mesh (axis sizes joined by "x": fsdp8, data2xfsdp4, fsdp4xtensor2, on the first
 data*fsdp*tensor of 8 CPU devices) a registered model shape (`launch.bench.common.SHAPES`) gets
@@ -21,8 +21,9 @@ Per mesh, per device:
   passes, unlike `--dry_run` (`launch.estimate`): the collectives below are XLA:CPU's, and so is
   the figure, its f32 copies of a bf16 KV pool included;
 - per_rollout: the reshard the rollout makes once, before its first call (`Engine.decode_params`;
-  weights_layout "tensor": a copy in the compute dtype split over tensor only). copy_bytes is
-  the copy's size per device (0: the call decodes from the params themselves), collectives
+  weights_layout "tensor": a copy in the compute dtype split over tensor only; weights_dtype
+  int8 / float8_e4m3fn: its block projections quantised, `models.quant`). copy_bytes is the
+  copy's size per device (0: the call decodes from the params themselves), collectives
   those of that reshard compiled on its own (a jit of the cast with the copy's shardings as
   out_shardings, which is what the device_put of `decode_params` does): they run once per
   rollout, never per step, and are not in any per-step figure;
@@ -72,6 +73,7 @@ from launch.bench.memory import DEVICES, cpu_devices
 from launch.cli import UsageError, load_config_file
 from launch.dry_run import _per_device_bytes, _report
 from launch.validate import engine_config, learner_config, model_overrides, sampling_params
+from models import quant
 from models.config import ModelConfig
 from models.sharding import MESH_AXES, abstract_model, make_mesh, state_shardings, with_shardings
 from rl.learner import Learner, TrainState
@@ -206,7 +208,7 @@ def collisions(dims: dict[str, int], num_slots: int) -> list[str]:
     return sorted(k for k, v in dims.items() if num_slots in shares(v))
 
 
-def per_rollout(params, decode) -> dict:
+def per_rollout(params, decode, weights_dtype: str = "", compute_dtype: str = "") -> dict:
     """The once-per-rollout reshard of the weights into the ones a rollout decodes from
     (`decode`, `Engine.abstract_decode_params(params)`): the copy's bytes per device and the
     collectives of the cast-and-reshard compiled on its own (module docstring)."""
@@ -214,6 +216,8 @@ def per_rollout(params, decode) -> dict:
         return {"copy_bytes": 0, "collectives": hlo.summarize([]), "largest": []}
     target = jax.tree.map(lambda x: x.sharding, decode)
     cast = lambda p: jax.tree.map(lambda x, d: x.astype(d.dtype), p, decode)
+    if weights_dtype in quant.DTYPES:  # quantise and reshard (one jit here, two in the engine)
+        cast = lambda p: quant.quantize_params(p, weights_dtype, compute_dtype)
     items = hlo.collectives(jax.jit(cast, out_shardings=target).lower(params).compile().as_text())
     largest = sorted(items, key=lambda c: -c.bytes)[:3]
     return {
@@ -266,7 +270,7 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
     compiled = lower_generate(engine, params).compile()
     row["compile_s"] = time.perf_counter() - start
     decode = engine.abstract_decode_params(params)  # what lower_generate lowered on
-    row["per_rollout"] = per_rollout(params, decode)
+    row["per_rollout"] = per_rollout(params, decode, ecfg.weights_dtype, cfg.dtype)
     with contextlib.redirect_stdout(io.StringIO()):  # its printed line: the JSON has the figures
         sample = int(_report("rollout", estimate.from_compiled(compiled)))
     # The rollout phase as launch.dry_run bounds it: beside the optimizer state, and the
@@ -291,7 +295,8 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
 
 def bench_mesh(args) -> dict:
     config = load_config_file(args.config)
-    for field in ("num_slots", "num_pages", "page_size", "steps_per_call", "weights_layout"):
+    fields = ("num_slots", "num_pages", "page_size", "steps_per_call", "weights_layout")
+    for field in (*fields, "weights_dtype"):
         if getattr(args, field) is not None:
             config.sampling[field] = getattr(args, field)
     shape = dict(SHAPES[args.shape])
@@ -355,7 +360,8 @@ def table(r: dict) -> str:
     lines = [
         f"{r['shape']} ({r['dtype']}, cache {r['cache_dtype']}), {r['num_slots']} slots, "
         f"{r['num_pages']} pages of {r['page_size']} (totals over each mesh's shards), "
-        f"{r['steps_per_call']} steps per call, weights_layout {r['weights_layout']}; "
+        f"{r['steps_per_call']} steps per call, weights_layout {r['weights_layout']}"
+        f"{', weights_dtype ' + r['weights_dtype'] if r['weights_dtype'] else ''}; "
         "GiB per device (KV pool, rollout phase peak, generate call), collectives per "
         "decode step per device (MB = 1e6 bytes); after ||: once per rollout, the decode "
         "copy per device and its reshard's collectives",
@@ -392,6 +398,12 @@ def main(argv) -> int:
         type=one_of(WEIGHTS_LAYOUTS),
         default=None,
         help=f"sampling.weights_layout: {', '.join(WEIGHTS_LAYOUTS)} (default: the config's)",
+    )
+    p.add_argument(
+        "--weights_dtype",
+        default=None,
+        help="sampling.weights_dtype: '', the model dtype, int8 or float8_e4m3fn (default: "
+        "the config's)",
     )
     args = parse(p, argv)
     r = bench_mesh(args)

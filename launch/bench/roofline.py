@@ -31,6 +31,12 @@ Reported, all measured in this one process:
   256 MiB array on CPU, 1 GiB on accelerators; bytes = read + write, median of `max(5, reps)`
   calls). On CPU a small model's weights sit in the caches, so the fraction can pass 1 there.
 
+Quantised rollouts: `--weights_dtype int8|float8_e4m3fn` decodes from the per-rollout copy with
+its block projections quantised (`models.quant`: 1 byte per weight and an f32 scale per output
+channel; the rest in the decode dtype), `--cache_dtype int8|float8_e4m3fn` from quantised KV
+pages (`sampling.kv_quant`: H bytes and one bf16 scale per token and KV head); the bytes above
+count them so (`decode_step_bytes`'s `weights_dtype`, `projections`, cache dtype).
+
 `--decode_copy` keeps f32 master weights, as the training loop does, and times decoding from
 them (cast to the decode dtype inside every step) against decoding from a copy in the decode
 dtype made once per `generate_all` (`EngineConfig.weights_dtype`), with the copy's size.
@@ -39,6 +45,7 @@ dtype made once per `generate_all` (`EngineConfig.weights_dtype`), with the copy
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -46,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from launch.bench.common import SHAPES, engine_runner, interleaved, random_prompts
+from models import quant
 from models.config import ModelConfig
 from models.sharding import init_params, make_mesh, param_count
 
@@ -79,16 +87,42 @@ def mean_kv_len(prompt_len: int, new_tokens: int) -> float:
     return prompt_len + (new_tokens - 1) / 2
 
 
+def projections(params) -> tuple[int, int]:
+    """(weights, output channels) of the projections `models.quant` quantises in params: what
+    a weights_dtype int8 / fp8 copy holds in 1 byte, and its f32 scales."""
+    counts = []
+    count = lambda x, c: counts.append((x.size, x.size // math.prod(x.shape[:c])))
+    quant.map_params(count, lambda x: None, params)
+    return sum(n for n, _ in counts), sum(s for _, s in counts)
+
+
 def decode_step_bytes(
-    cfg: ModelConfig, n_params: int, num_seqs: int, kv_len: float, cache_dtype: str
+    cfg: ModelConfig,
+    n_params: int,
+    num_seqs: int,
+    kv_len: float,
+    cache_dtype: str,
+    weights_dtype: str = "",
+    quantized: tuple[int, int] = (0, 0),
 ) -> dict:
     """{weights, kv, logits, total}: bytes one decode step of num_seqs sequences moves (module
-    docstring), weights of n_params in cfg.param_dtype, kv_len tokens per sequence."""
+    docstring), weights of n_params in cfg.param_dtype, kv_len tokens per sequence. With
+    weights_dtype int8 / float8_e4m3fn the `quantized` (weights, scales) of `projections` are
+    read as 1 byte and 4 bytes each; a quantised cache_dtype adds a 2-byte scale per token and
+    KV head."""
     v, d = cfg.vocab_size, cfg.d_model
     read = n_params if cfg.tie_embeddings else n_params - v * d + min(num_seqs, v) * d
     weights = read * jnp.dtype(cfg.param_dtype).itemsize
+    if weights_dtype in quant.DTYPES:
+        n, scales = quantized
+        weights = (read - n) * jnp.dtype(cfg.param_dtype).itemsize + n + 4 * scales
+    scale = 2 / cfg.head_dim if cache_dtype in quant.DTYPES else 0  # bf16 per (token, head)
     kv_token = (
-        cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cache_dtype).itemsize
+        cfg.num_layers
+        * cfg.num_kv_heads
+        * cfg.head_dim
+        * 2
+        * (jnp.dtype(cache_dtype).itemsize + scale)
     )
     kv = num_seqs * kv_len * kv_token
     logits = num_seqs * v * 4
@@ -121,28 +155,30 @@ def bench_shape(args) -> dict:
     # --decode_copy: f32 master weights, as in training, decoded with and without a copy in the
     # decode dtype (EngineConfig.weights_dtype); the roofline is the copy's.
     masters = "float32" if args.decode_copy else dtype
+    cache, wq = args.cache_dtype or dtype, args.weights_dtype  # quantised KV / weights, or not
     cfg = ModelConfig(**SHAPES[name], dtype=dtype, param_dtype=masters)
     graphdef, params = init_params(cfg, make_mesh({}, devices=[dev]), seed=0)
     n_params = param_count(params)
     ekw = dict(steps_per_call=args.steps_per_call, backend=args.backend, page_size=args.page_size)
     prompts = random_prompts(b // g, plen, cfg.vocab_size)
     runs = {}
-    for copy in ("", dtype) if args.decode_copy else ("",):
-        kw = dict(ekw, cache_dtype=dtype, weights_dtype=copy)
+    for copy in ("", dtype) if args.decode_copy else (wq,):
+        kw = dict(ekw, cache_dtype=cache, weights_dtype=copy)
         runs[copy or "none"], engine = engine_runner(cfg, graphdef, params, prompts, g, new, **kw)
         runs[copy or "none"]()  # a second warm-up: the second generate_all compiles prefill again
     times = interleaved(runs, args.reps)
-    seconds = times[dtype if args.decode_copy else "none"]
+    seconds = times[dtype if args.decode_copy else wq or "none"]
     cfg = dataclasses.replace(cfg, param_dtype=dtype)  # the weights decoding reads
     copy_bytes = (256 if dev.platform == "cpu" else 1024) << 20
     copy_bw = copy_bandwidth(copy_bytes, max(5, args.reps))
     kv_len = mean_kv_len(plen, new)
-    step = decode_step_bytes(cfg, n_params, b, kv_len, dtype)
+    step = decode_step_bytes(cfg, n_params, b, kv_len, cache, wq, projections(params))
     steps_per_s = new / seconds
     achieved = step["total"] * steps_per_s
     peak = hbm_peak(dev.device_kind)
     r = dict(shape=name, model=dataclasses.asdict(cfg), params=n_params)
-    r.update(device=dev.platform, device_kind=dev.device_kind, dtype=dtype, cache_dtype=dtype)
+    r.update(device=dev.platform, device_kind=dev.device_kind, dtype=dtype, cache_dtype=cache)
+    r["weights_dtype"] = wq
     r["workload"] = dict(num_seqs=b, prompt_len=plen, new_tokens=new, num_samples=g)
     r["engine"] = dict(
         ekw,
@@ -152,7 +188,7 @@ def bench_shape(args) -> dict:
     )
     r.update(num_seqs=b, seconds=seconds, tokens_per_s=b * new / seconds, steps_per_s=steps_per_s)
     r.update(mean_kv_len=kv_len, bytes_per_step=step, achieved_bytes_per_s=achieved)
-    r["kv_formula"] = "num_seqs x mean_kv_len x L x K x H x 2 x cache bytes"
+    r["kv_formula"] = "num_seqs x mean_kv_len x L x K x 2 x (H x cache bytes + 2 if quantised)"
     r.update(
         copy_bytes=copy_bytes, copy_bytes_per_s=copy_bw, hbm_fraction_measured=achieved / copy_bw
     )
@@ -181,6 +217,7 @@ def table(r: dict) -> str:
             f"backend {r['engine']['backend_resolved']}",
         ),
         ("engine", f"{r['tokens_per_s']:.0f} tok/s, {1e3 / r['steps_per_s']:.2f} ms/step"),
+        ("weights / KV dtype", f"{r.get('weights_dtype') or r['dtype']} / {r['cache_dtype']}"),
         ("bytes/step: weights", f"{s['weights'] / 1e6:.2f} MB"),
         (f"bytes/step: KV (mean len {r['mean_kv_len']:g})", f"{s['kv'] / 1e6:.2f} MB"),
         ("bytes/step: logits f32", f"{s['logits'] / 1e6:.2f} MB"),

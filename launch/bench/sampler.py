@@ -57,6 +57,7 @@ from launch.validate import DTYPES
 from models.config import ModelConfig
 from models.hf import save_hf
 from models.hf_config import GenerationIds
+from models.quant import DTYPES as QUANT
 from models.sharding import init_params, make_mesh, param_count
 from sampling.distribution import SamplingParams, sample
 from sampling.paged_attention import BACKENDS
@@ -291,6 +292,18 @@ def main(argv) -> int:
         type=one_of(("auto", *DTYPES)),
         default="auto",
         help="roofline: weights/cache dtype (auto: f32 on CPU, else bf16)",
+    )
+    p.add_argument(
+        "--weights_dtype",
+        type=one_of(("", *QUANT)),
+        default="",
+        help="roofline: decode from a copy with int8 / fp8 projections ('' = none)",
+    )
+    p.add_argument(
+        "--cache_dtype",
+        type=one_of(("", *DTYPES, *QUANT)),
+        default="",
+        help="roofline: KV cache dtype ('' = --dtype's)",
     )
     p.add_argument(
         "--decode_copy",

@@ -130,6 +130,18 @@ def test_bench_sampler_shape_tiny(roofline):
     assert c["tokens_per_s_copy"] == pytest.approx(r["tokens_per_s"])
 
 
+def test_roofline_counts_the_quantized_projections():
+    from launch.bench.roofline import projections
+    from models.sharding import abstract_model
+    from tests.conftest import CFG
+
+    _, shapes = abstract_model(CFG)
+    d, f, n, k, h, layers = 32, 64, 4, 2, 8, 2  # CFG's
+    weights = layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
+    scales = layers * (n * h + 2 * k * h + d + 2 * f + d)  # one per output channel
+    assert projections(shapes) == (weights, scales)
+
+
 def test_sampler_decode_step_bytes():
     from launch.bench.roofline import decode_step_bytes, hbm_peak, mean_kv_len
     from models.config import ModelConfig
@@ -143,6 +155,12 @@ def test_sampler_decode_step_bytes():
     # Untied: the embedding's 40 parameters are read for 3 gathered rows of 4 only: 72 x 4.
     b = decode_step_bytes(ModelConfig(**kw), 100, 3, 5.5, "float32")
     assert b == dict(weights=288, kv=528.0, logits=120, total=936.0)
+    # int8 weights: 60 of the tied 100 in 1 byte with 6 f32 scales, 40 in bf16; int8 KV: 2 L x
+    # 1 K x 2 x (2 H x 1 byte + a 2-byte scale) = 16 bytes a token again, fp8 alike.
+    b = decode_step_bytes(tied, 100, 3, 5.5, "int8", "int8", (60, 6))
+    assert b == dict(weights=80 + 60 + 24, kv=264.0, logits=120, total=548.0)
+    b = decode_step_bytes(tied, 100, 3, 5.5, "float8_e4m3fn", "float8_e4m3fn", (60, 6))
+    assert (b["weights"], b["kv"]) == (164, 264.0)
     assert mean_kv_len(8, 8) == 11.5  # steps attend to 8, 9, ..., 15 tokens
     kinds = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA A100-SXM4-40GB":
              1.555e12, "TPU v5 lite": 8.19e11, "TPU v5": 2.765e12, "cpu": None}  # fmt: skip
