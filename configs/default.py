@@ -48,6 +48,7 @@ def get_config():
     c.mesh.data = 1  # data-parallel axis size
     c.mesh.fsdp = 1  # FSDP axis size (shards the model dimension of weights)
     c.mesh.tensor = 1  # tensor-parallel axis size (heads, MLP, vocabulary)
+    c.mesh.expert = 1  # expert-parallel axis size (a mixture of experts' experts; models/moe.py)
     c.rules = (  # logical axis -> mesh axes (models/sharding.py)
         ("vocab", "tensor"),
         ("embed", "fsdp"),
@@ -56,6 +57,8 @@ def get_config():
         ("kv_heads", "tensor"),
         ("head_dim", None),
         ("norm", None),
+        ("experts", "expert"),
+        ("expert_mlp", "tensor"),
         ("batch", ("data", "fsdp")),
     )
 

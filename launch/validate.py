@@ -26,6 +26,7 @@ from models.hf_config import CheckpointError, config_from_hf
 from models.hub import HubError, shadowing
 from models.lora import TARGETS as LORA_TARGETS
 from rl.advantages import MODES as ADVANTAGE_MODES
+from models.sharding import MESH_AXES
 from rl.data import reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
@@ -211,6 +212,24 @@ def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
             return
         what, problem = f"env {name!r}", cls.check_sandbox(c)
     else:
+def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
+    """The expert axis splits the experts of a mixture-of-experts model (models/moe.py): it must
+    divide their number, and a dense model has none to split."""
+    ep = c.mesh.get("expert", 1)
+    _need(
+        num_experts > 0 or ep == 1,
+        "mesh.expert",
+        ep,
+        "splits a mixture of experts' experts; the checkpoint is a dense model (use 1)",
+    )
+    _need(
+        ep < 1 or not num_experts or num_experts % ep == 0,
+        "mesh.expert",
+        ep,
+        f"does not divide the checkpoint's num_experts = {num_experts}",
+    )
+
+
         from rl.envs.code_rewards import use_isolation
 
         code = [n for n in dict.fromkeys([*c.rl.rewards, c.eval.reward]) if n in CODE_REWARDS]
@@ -231,7 +250,7 @@ def validate(
     g, b = c.rl.num_generations, c.data.prompts_per_step
     _need(g >= 2, "rl.num_generations", g, "GRPO needs G >= 2 completions per prompt")
     _need(b >= 1, "data.prompts_per_step", b, "must be >= 1")
-    mesh = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
+    mesh = {a: c.mesh.get(a, 1) for a in MESH_AXES}
     size = math.prod(mesh.values())
     _need(
         size == device_count,
@@ -523,7 +542,7 @@ def validate(
                 "needs the wandb library: pip install -e '.[wandb]' (or pip install wandb)",
             )
     try:
-        vocab = config_from_hf(path).vocab_size
+        model = config_from_hf(path)
     except CheckpointError as e:
         raise UsageError(
             f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}"
@@ -567,6 +586,8 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
                 _need(
                     False,
                     f"data.{split}.type",
+    vocab = model.vocab_size
+    check_expert_mesh(c, model.num_experts)
                     "hf",
                     "needs the datasets library: pip install -e '.[hub]'",
                 )

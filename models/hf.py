@@ -51,8 +51,10 @@ _DTYPES = {
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def _mapping(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Callable, Callable]]:
-    """Our param path -> (HF tensor name, HF shape, to_ours(hf_array), to_hf(our_array))."""
+def _mapping(cfg: ModelConfig) -> dict[str, tuple[Any, tuple[int, ...], Callable, Callable]]:
+    """Our param path -> (HF tensor name, HF shape, to_ours(hf_array), to_hf(our_array)). A
+    mixture of experts' stacked weights [E,...] have a tuple of E names (the Hub's layout, one
+    tensor per expert), the shape and conversions those of one expert's."""
     n, k, h, d, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
     ident = (lambda x: x, lambda x: x)
     transpose = (lambda x: x.T, lambda x: x.T)
@@ -93,6 +95,13 @@ def _mapping(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], Callable
         if cfg.qk_norm:
             m[ours + "attn.q_norm.scale"] = (hf + "self_attn.q_norm.weight", (h,), *ident)
             m[ours + "attn.k_norm.scale"] = (hf + "self_attn.k_norm.weight", (h,), *ident)
+        if i in cfg.moe_layers:  # stacked experts <- one HF tensor per expert (a tuple of names)
+            fe, experts = cfg.expert_d_ff, range(cfg.num_experts)
+            m[ours + "mlp.router"] = (hf + "mlp.gate.weight", (cfg.num_experts, d), *transpose)
+            for p, shape in (("gate", (fe, d)), ("up", (fe, d)), ("down", (d, fe))):
+                names = tuple(f"{hf}mlp.experts.{j}.{p}_proj.weight" for j in experts)
+                m[ours + "mlp." + p] = (names, shape, *transpose)
+            continue
         m[ours + "mlp.gate"] = (hf + "mlp.gate_proj.weight", (f, d), *transpose)
         m[ours + "mlp.up"] = (hf + "mlp.up_proj.weight", (f, d), *transpose)
         m[ours + "mlp.down"] = (hf + "mlp.down_proj.weight", (d, f), *transpose)
@@ -146,7 +155,14 @@ def _load_base(ckpt_dir: str, cfg: ModelConfig, mesh, rules):
     handles: dict[str, Any] = {}
 
     def read(path, var, sharding):
-        name, expected, to_ours, _ = mapping[path_name(path)]
+        names, expected, to_ours, _ = mapping[path_name(path)]
+        if isinstance(names, tuple):  # experts: one HF tensor each, stacked on a new axis 0
+            x = np.stack([read_one(n, expected, to_ours) for n in names])
+        else:
+            x = read_one(names, expected, to_ours)
+        return var.replace(jax.device_put(x, sharding.get_value()))
+
+    def read_one(name, expected, to_ours):
         file = files.get(name)
         if file is None:
             raise CheckpointError(f"{ckpt_dir}: missing tensor {name!r} (needed for {cfg.family})")
@@ -168,8 +184,7 @@ def _load_base(ckpt_dir: str, cfg: ModelConfig, mesh, rules):
             raise CheckpointError(
                 f"{file}: cannot read tensor {name!r} ({e}); is the file truncated?"
             ) from None
-        x = np.ascontiguousarray(to_ours(x).astype(target))
-        return var.replace(jax.device_put(x, sharding.get_value()))
+        return np.ascontiguousarray(to_ours(x).astype(target))
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_var)
     flat_sh = jax.tree.leaves(shardings, is_leaf=is_var)
@@ -196,15 +211,19 @@ def save_hf(
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for path, var in flat:
-        name, _, _, to_hf = mapping[path_name(path)]
-        x = np.ascontiguousarray(
-            to_hf(np.asarray(jax.device_get(var.get_value()))).astype(_DTYPES[dtype])
-        )
-        if shards[-1] and size + x.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = x
-        size += x.nbytes
+        names, _, _, to_hf = mapping[path_name(path)]
+        value = np.asarray(jax.device_get(var.get_value()))
+        if isinstance(names, tuple):  # stacked experts -> one HF tensor per expert
+            tensors = [(n, to_hf(value[j])) for j, n in enumerate(names)]
+        else:
+            tensors = [(names, to_hf(value))]
+        for name, x in tensors:
+            x = np.ascontiguousarray(x.astype(_DTYPES[dtype]))
+            if shards[-1] and size + x.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = x
+            size += x.nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)

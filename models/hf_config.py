@@ -11,9 +11,27 @@ import json
 import os
 from typing import Any
 
-from models.config import ARCHITECTURES, ModelConfig, RopeScaling
+from models.config import ARCHITECTURES, MOE_FAMILIES, ModelConfig, RopeScaling
 
 HF_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
+
+# Mixture-of-experts fields of other families' configs that Qwen3-MoE's block does not have
+# (shared experts, grouped routing, scaled or sigmoid routing, dense leading layers): a config
+# that sets one describes a model this block would compute wrongly, so it is refused, named.
+UNSUPPORTED_MOE_FIELDS = (
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_shared_experts",
+    "moe_shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "scoring_func",
+    "topk_method",
+    "moe_layer_freq",
+    "use_sliding_window",
+)
 
 
 class CheckpointError(ValueError):
@@ -84,7 +102,7 @@ def config_from_hf(ckpt_dir: str, **overrides: Any) -> ModelConfig:
     for flag in ("mlp_bias",) + (("attention_bias",) if family == "llama" else ()):
         if hf.get(flag):
             raise CheckpointError(f"{path}: {flag}=true is not supported for {known[0]}")
-    if family == "qwen3" and hf.get("attention_bias"):
+    if family in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
         raise CheckpointError(f"{path}: attention_bias=true is not supported for {known[0]}")
 
     def need(key):
@@ -94,6 +112,7 @@ def config_from_hf(ckpt_dir: str, **overrides: Any) -> ModelConfig:
 
     heads = int(need("num_attention_heads"))
     theta, scaling = _rope(hf, path)
+    moe = _experts(hf, path, int(need("num_hidden_layers"))) if family in MOE_FAMILIES else {}
     fields = dict(
         family=family,
         vocab_size=int(need("vocab_size")),
@@ -106,13 +125,52 @@ def config_from_hf(ckpt_dir: str, **overrides: Any) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        **moe,
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def _experts(hf: dict[str, Any], path: str, layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a Qwen3-MoE config.json (its experts and which layers have
+    them: transformers' rule, not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0)."""
+    for key in UNSUPPORTED_MOE_FIELDS:
+        if hf.get(key):
+            raise CheckpointError(
+                f"{path}: {key}={hf[key]!r} is not supported (models/moe.py's Qwen3-MoE block has no such part)"
+            )
+
+    def need(key, *aliases):
+        for k in (key, *aliases):
+            if k in hf:
+                return hf[k]
+        raise CheckpointError(f"{path}: missing field {key!r}")
+
+    e = int(need("num_experts", "num_local_experts"))
+    k = int(need("num_experts_per_tok"))
+    if e < 1:
+        raise CheckpointError(f"{path}: num_experts={e}: a mixture of experts needs >= 1")
+    if not 1 <= k <= e:
+        raise CheckpointError(f"{path}: num_experts_per_tok={k}: must be in [1, num_experts = {e}]")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise CheckpointError(f"{path}: decoder_sparse_step={step}: must be >= 1")
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(not isinstance(i, int) for i in dense):
+        raise CheckpointError(
+            f"{path}: mlp_only_layers={dense!r}: expected a list of layer indices"
+        )
+    return dict(
+        num_experts=e,
+        experts_per_token=k,
+        expert_d_ff=int(need("moe_intermediate_size")),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
@@ -139,8 +197,17 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if cfg.rope_scaling is not None:
         hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
-    if cfg.family in ("llama", "qwen3"):
+    if cfg.family in ("llama", "qwen3", "qwen3_moe"):
         hf["attention_bias"] = False
+    if cfg.family in MOE_FAMILIES:  # which layers have experts: those not in mlp_only_layers
+        hf.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.expert_d_ff,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(cfg.num_layers) if i not in cfg.moe_layers],
+        )
     if cfg.family == "llama":
         hf["mlp_bias"] = False
     return hf

@@ -1,7 +1,7 @@
 """Mesh construction and logical-axis sharding of parameters (the pjit / GSPMD model).
 
 Parameters name their dimensions logically (`models.transformer`); a rules table, written in the
-config, maps each logical name to zero or more mesh axes (`data`, `fsdp`, `tensor`):
+config, maps each logical name to zero or more mesh axes (`data`, `fsdp`, `expert`, `tensor`):
 
     rules = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ...)
 
@@ -31,10 +31,13 @@ from models import lora
 from models.config import ModelConfig
 from models.transformer import Transformer, shapes_only
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# `expert` splits a mixture-of-experts model's experts (models/moe.py); for everything else it is
+# one more axis that the rows are split over inside the experts' block only (size 1: absent).
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
-# Defaults for a (data, fsdp, tensor) mesh: FSDP shards the model dimension, tensor parallelism the
-# heads, MLP and vocabulary dimensions. Configs may override the whole table.
+# Defaults for a (data, fsdp, expert, tensor) mesh: FSDP shards the model dimension, tensor
+# parallelism the heads, MLP and vocabulary dimensions, expert parallelism the experts (and
+# tensor each expert's width). Configs may override the whole table.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -43,6 +46,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
     ("batch", ("data", "fsdp")),
 )
 
@@ -81,7 +86,7 @@ def on_devices(devices: Sequence[jax.Device]) -> Iterator[None]:
 def make_mesh(
     shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None
 ) -> jax.sharding.Mesh:
-    """A mesh with axes (data, fsdp, tensor) in that order over `devices` (default
+    """A mesh with axes (data, fsdp, expert, tensor) in that order over `devices` (default
     `run_devices()`); missing axes have size 1.
 
     Axis types are Auto (GSPMD propagation): jax 0.10's make_mesh defaults to Explicit.

@@ -30,6 +30,7 @@ from flax import nnx
 from models import lora, quant
 from models.attention import apply_rope, causal_hook, rope_inv_freq
 from models.config import ModelConfig
+from models.moe import MoE
 from models.order import after
 
 _INIT = nnx.initializers.normal(0.02)
@@ -230,12 +231,13 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        """moe: the feed-forward block is the experts' (models/moe.py), not a dense MLP."""
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs, _param) if moe else MLP(cfg, rngs)
 
     def __call__(self, x, positions, inv_freq, layer, attend):
         a, attend = self.attn(self.attn_norm(x), positions, inv_freq, layer, attend)
@@ -303,7 +305,9 @@ class Transformer(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dtype=pd)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List(
+            [Block(cfg, rngs, i in cfg.moe_layers) for i in range(cfg.num_layers)]
+        )
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype=pd)

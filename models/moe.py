@@ -1,0 +1,196 @@
+"""The mixture-of-experts feed-forward block (Qwen3-MoE): router, top-k, experts' grouped matmuls.
+
+x [B,T,D] -> [B,T,D]. Tokens are N = B*T rows. The router is a linear map [D,E] and a softmax in
+f32 over its logits; each token goes to the k experts of highest probability (dropless: no
+capacity, every token reaches its k experts), with gate weights those k probabilities,
+renormalised to sum to 1 when `norm_topk_prob`, cast back to the compute dtype (as transformers'
+Qwen3MoeTopKRouter does). Expert e is a SwiGLU block, down(silu(x @ gate[e]) * (x @ up[e])),
+with gate/up [E,D,F] and down [E,F,D] (F = `expert_d_ff`), and a token's output is the
+gate-weighted sum of its k experts' outputs.
+
+The experts' matmuls are grouped: the N*k (token, expert) pairs are sorted by expert and each
+projection is one `jax.lax.ragged_dot` over the sorted rows with the group sizes (tokens per
+expert), so the FLOPs are those of N*k rows, not N*E (no dense one-hot dispatch). XLA:CPU lowers
+ragged_dot densely (a masked dot over every expert: E/k times the FLOPs); TPU and GPU lower it
+to a grouped matmul (`chlo.ragged_dot`), which is what the exported programs hold.
+
+On a device mesh (the mesh jit attaches to x, else the context mesh) the block runs inside a
+`jax.shard_map` over every mesh axis, so nothing in it is left to GSPMD:
+- tokens: rows split over the mesh axes other than `tensor` (data, fsdp, expert; padded to a
+  multiple of their product), each device routing its own rows with the whole router;
+- experts: split over the `expert` axis (device j of it holds experts [j*E/ep, (j+1)*E/ep)) and
+  their width F over `tensor` where it divides (gathered over fsdp at the boundary, as FSDP
+  gathers every weight for its layer);
+- dispatch: each device sorts its pairs by expert, so by the device holding it, packs them into
+  a [ep, N_loc*k, D] buffer (slot j: the rows for device j, at the front) and one
+  `jax.lax.all_to_all` over `expert` delivers them; the receiver sorts what it got by its local
+  expert, runs the grouped matmuls (rows past the group sizes are padding, never read), and a
+  second all_to_all returns each row to its sender, which weights and sums them per token; the
+  partial sums over the tensor-split F are summed last (`psum` over tensor). Dropless with static
+  shapes: the buffers are sized for the worst case (all of a device's pairs to one expert
+  device), ep times the rows that travel. (XLA:CPU has no `ragged_all_to_all`, which would send
+  only the rows; the dense all_to_all is used on every platform.)
+
+Routing replay: `experts` int [B,T,k] (recorded expert ids) replaces the top-k; the gate weights
+are then this router's probabilities at those ids (renormalised as `norm_topk_prob` says), so
+the router still gets gradients. A model passes one [B,T,k] slice of a [B,T,L_moe,k] record per
+MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+EXPERT_AXIS = "expert"  # the mesh axis that splits the experts
+TENSOR_AXIS = "tensor"  # the mesh axis that splits each expert's width F
+
+
+def route(x, router, k: int, norm_topk_prob: bool, experts=None):
+    """x [N,D] (compute dtype), router [D,E] -> (gate weights [N,k] in x's dtype, expert ids
+    int32 [N,k]). `experts` [N,k]: use these ids (routing replay), weights from this router."""
+    logits = jnp.einsum("ND,DE->NE", x, router.astype(x.dtype))
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if experts is None:
+        top, experts = jax.lax.top_k(probs, k)
+    else:
+        top = jnp.take_along_axis(probs, experts.astype(jnp.int32), axis=-1)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def grouped_ffn(x, sizes, gate, up, down):
+    """x [M,D] sorted by group, sizes int32 [G] (rows past their sum are padding), gate/up
+    [G,D,F], down [G,F,D] -> [M,D]: each row through its group's SwiGLU block."""
+    g = jax.lax.ragged_dot(x, gate, sizes)
+    u = jax.lax.ragged_dot(x, up, sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
+
+
+def _sort_pairs(experts):
+    """experts int32 [N,k] -> (order [N*k]: the pairs sorted by expert (stable), token [N*k] of
+    each sorted pair, expert [N*k] of each sorted pair)."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, order // k, flat[order]
+
+
+def local_moe(x, weights, experts, gate, up, down):
+    """One device, all experts: x [N,D], weights [N,k], experts int32 [N,k] -> [N,D]."""
+    order, token, expert = _sort_pairs(experts)
+    sizes = jnp.bincount(expert, length=gate.shape[0]).astype(jnp.int32)
+    y = grouped_ffn(x[token], sizes, gate, up, down)  # [N*k, D]
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, split_f: bool):
+    """Inside the shard_map: this device's rows x [n,D] with their weights/experts [n,k], its
+    experts gate/up [E/ep,D,F'] and down [E/ep,F',D] -> [n,D] (see the module docstring)."""
+    n, d = x.shape
+    e_loc = gate.shape[0]
+    m = n * experts.shape[1]
+    order, token, expert = _sort_pairs(experts)
+    dest = expert // e_loc  # [m] the expert-axis device of each sorted pair (non-decreasing)
+    counts = jnp.bincount(dest, length=ep)
+    pos = jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest]  # its row in dest's slot
+    send = jnp.zeros((ep, m, d), x.dtype).at[dest, pos].set(x[token])
+    send_e = jnp.full((ep, m), e_loc, jnp.int32).at[dest, pos].set(expert % e_loc)
+    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0).reshape(ep * m, d)
+    recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * m)  # e_loc = padding
+    order2 = jnp.argsort(recv_e, stable=True)
+    sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+    y = grouped_ffn(recv[order2], sizes, gate, up, down)
+    y = jnp.zeros_like(y).at[order2].set(y).reshape(ep, m, d)
+    back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0)  # back[j]: the rows this device sent to j
+    y = back[dest, pos] * weights.reshape(-1)[order][:, None]  # [m, D] in sorted order
+    out = jnp.zeros_like(x).at[token].add(y)
+    return jax.lax.psum(out, TENSOR_AXIS) if split_f else out
+
+
+def _mesh(x):
+    """The (abstract) mesh x is traced on: its aval's, else the context mesh; None if none."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def check_expert_axis(num_experts: int, expert_axis: int, field: str = "mesh.expert") -> None:
+    """ValueError (one line naming `field`) unless the expert axis divides the experts."""
+    if expert_axis > 1 and num_experts % expert_axis:
+        raise ValueError(
+            f"{field}={expert_axis}: does not divide the model's num_experts={num_experts} "
+            "(each device of the expert axis holds num_experts / expert of them)"
+        )
+
+
+def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=None):
+    """x [N,D] -> [N,D]: the block on one device or, on a mesh, in a shard_map (module
+    docstring). Weights in x's dtype; experts: recorded ids [N,k] or None."""
+    mesh = _mesh(x)
+    if mesh is None or mesh.size == 1:
+        w, ids = route(x, router, k, norm_topk_prob, experts)
+        return local_moe(x, w, ids, gate, up, down)
+    shape = dict(mesh.shape)
+    ep = shape.get(EXPERT_AXIS, 1)
+    check_expert_axis(gate.shape[0], ep)
+    split_f = shape.get(TENSOR_AXIS, 1) > 1 and gate.shape[2] % shape[TENSOR_AXIS] == 0
+    rows = tuple(a for a in mesh.axis_names if shape[a] > 1 and (a != TENSOR_AXIS or not split_f))
+    shards = math.prod(shape[a] for a in rows)
+    n = x.shape[0]
+    pad = -n % shards
+    ids = experts
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        ids = None if ids is None else jnp.pad(ids, ((0, pad), (0, 0)))
+    tp = TENSOR_AXIS if split_f else None
+    ex = EXPERT_AXIS if ep > 1 else None
+    row = P(rows if rows else None, None)
+
+    def body(x, router, gate, up, down, ids):
+        w, ids = route(x, router, k, norm_topk_prob, ids)
+        if ep == 1:
+            out = local_moe(x, w, ids, gate, up, down)
+            return jax.lax.psum(out, TENSOR_AXIS) if split_f else out
+        return _dispatch_moe(x, w, ids, gate, up, down, ep, split_f)
+
+    specs = (row, P(), P(ex, None, tp), P(ex, None, tp), P(ex, tp, None))
+    if ids is None:
+        fn = lambda x, r, g, u, dn: body(x, r, g, u, dn, None)
+        out = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=row)(x, router, gate, up, down)
+    else:
+        out = jax.shard_map(body, mesh=mesh, in_specs=(*specs, row), out_specs=row)(
+            x, router, gate, up, down, ids
+        )
+    return out[:n] if pad else out
+
+
+class MoE(nnx.Module):
+    """The experts' feed-forward block of one layer (see the module docstring)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs, param):
+        """`param(rngs, shape, axes, dtype=...)` makes a parameter (models.transformer's)."""
+        d, f, e = cfg.d_model, cfg.expert_d_ff, cfg.num_experts
+        pd = jnp.dtype(cfg.param_dtype)
+        self.router = param(rngs, (d, e), ("embed", None), dtype=pd)
+        self.gate = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype=pd)
+        self.up = param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype=pd)
+        self.down = param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), dtype=pd)
+        self.k = cfg.experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def __call__(self, x, experts=None):
+        """x [B,T,D] -> [B,T,D]; experts: recorded expert ids int [B,T,k] (routing replay)."""
+        b, t, d = x.shape
+        dt = x.dtype
+        w = [p[...].astype(dt) for p in (self.router, self.gate, self.up, self.down)]
+        ids = None if experts is None else experts.reshape(b * t, -1)
+        y = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids)
+        return y.reshape(b, t, d)
