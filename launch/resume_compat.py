@@ -124,11 +124,6 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
     ):
         if field not in old.get(section, {}):
             new = _without(new, section, field)
-    for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
-        if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
-            new = _without(new, "rl", field)
-    for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
-        if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
     if "expert" not in old.get("mesh", {}) and new.get("mesh", {}).get("expert") == 1:
         new = _without(new, "mesh", "expert")  # saved before the expert axis: none (size 1)
     if isinstance(old.get("rules"), list) and isinstance(new.get("rules"), list):
@@ -137,13 +132,11 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
             **new,
             "rules": [r for r in new["rules"] if r[0] in saved_names or r[0] not in MOE_RULES],
         }
-    for field, default in TRUST_REGION_DEFAULTS.items():  # no trust region before
+    for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
         if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
             new = _without(new, "rl", field)
-    if _correction(old) is not None and _correction(old) == _correction(new):
-        # "auto" (the default since issue 53) is what it resolves to: a run saved with "none"
-        # (the default before) resumes under "auto" while its rollout is not quantised.
-        new = {**new, "rl": {**new["rl"], "is_correction": old["rl"]["is_correction"]}}
+    for field, default in REPO_ENV_DEFAULTS.items():  # read with these defaults before
+        if field not in old.get("env", {}) and new.get("env", {}).get(field) == default:
             new = _without(new, "env", field)
     for section, field, default in HUB_DEFAULTS:
         if field not in old.get(section, {}) and new.get(section, {}).get(field) == default:
@@ -222,24 +215,15 @@ def _check_commit(old: dict, new: dict, *where: str) -> None:
     )
 
 
+# the logical axes of a mixture of experts' weights (models/moe.py), added to the rules with them
+MOE_RULES = ("experts", "expert_mlp")
+
+
 def _without(config: dict, section: str, field: str) -> dict:
     """config (a nested dict) without config[section][field], if there is one."""
     if field not in config.get(section, {}):
         return config
     return {**config, section: {k: v for k, v in config[section].items() if k != field}}
-# the logical axes of a mixture of experts' weights (models/moe.py), added to the rules with them
-MOE_RULES = ("experts", "expert_mlp")
-
-
-def _correction(config: dict) -> str | None:
-    """The mismatch correction a config dict's rl.is_correction means ("auto" resolved)."""
-    rl, sampling = config.get("rl", {}), config.get("sampling", {})
-    if "is_correction" not in rl:
-        return None
-    dtypes = (sampling.get("cache_dtype", ""), sampling.get("weights_dtype", ""))
-    return resolve_correction(rl["is_correction"], *dtypes, rl.get("old_logp", "recompute"))
-
-
 
 
 def _get(d: dict, dotted: str):

@@ -25,8 +25,8 @@ from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
 from models.hub import HubError, shadowing
 from models.lora import TARGETS as LORA_TARGETS
-from rl.advantages import MODES as ADVANTAGE_MODES
 from models.sharding import MESH_AXES
+from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
@@ -185,6 +185,24 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
     )
 
 
+def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
+    """The expert axis splits the experts of a mixture-of-experts model (models/moe.py): it must
+    divide their number, and a dense model has none to split."""
+    ep = c.mesh.get("expert", 1)
+    _need(
+        num_experts > 0 or ep == 1,
+        "mesh.expert",
+        ep,
+        "splits a mixture of experts' experts; the checkpoint is a dense model (use 1)",
+    )
+    _need(
+        ep < 1 or not num_experts or num_experts % ep == 0,
+        "mesh.expert",
+        ep,
+        f"does not divide the checkpoint's num_experts = {num_experts}",
+    )
+
+
 def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
     """A run that executes model-written code (an environment that `runs_code`, or a reward of
     CODE_REWARDS without one) starts only where its sandbox works under config.env.isolation:
@@ -212,24 +230,6 @@ def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
             return
         what, problem = f"env {name!r}", cls.check_sandbox(c)
     else:
-def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
-    """The expert axis splits the experts of a mixture-of-experts model (models/moe.py): it must
-    divide their number, and a dense model has none to split."""
-    ep = c.mesh.get("expert", 1)
-    _need(
-        num_experts > 0 or ep == 1,
-        "mesh.expert",
-        ep,
-        "splits a mixture of experts' experts; the checkpoint is a dense model (use 1)",
-    )
-    _need(
-        ep < 1 or not num_experts or num_experts % ep == 0,
-        "mesh.expert",
-        ep,
-        f"does not divide the checkpoint's num_experts = {num_experts}",
-    )
-
-
         from rl.envs.code_rewards import use_isolation
 
         code = [n for n in dict.fromkeys([*c.rl.rewards, c.eval.reward]) if n in CODE_REWARDS]
@@ -548,6 +548,8 @@ def validate(
             f"config.model.hf_checkpoint={c.model.hf_checkpoint!r}: {e}"
             + shadowing(c.model.hf_checkpoint)
         ) from None
+    vocab = model.vocab_size
+    check_expert_mesh(c, model.num_experts)
     stops = c.sampling.stop_ids
     _need(
         all(isinstance(i, int) and 0 <= i < vocab for i in stops),
@@ -586,8 +588,6 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
                 _need(
                     False,
                     f"data.{split}.type",
-    vocab = model.vocab_size
-    check_expert_mesh(c, model.num_experts)
                     "hf",
                     "needs the datasets library: pip install -e '.[hub]'",
                 )
