@@ -33,13 +33,12 @@ from rl.losses import LossConfig
 from rl.reward_registry import CODE_REWARDS
 from rl.rewards import REWARDS
 from rl.sandbox import ISOLATIONS, isolation_of
-from rl.sources import SourceError, hub_dataset_dir, load_records
+from rl.sources import SourceError, builtin_types, hub_dataset_dir, load_records
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
 from sampling.page_allocator import group_pages
 from sampling.partitioned import num_shards
 
-BUILTIN_SOURCES = ("arithmetic", "repo_fix")
 FILE_SOURCES = ("jsonl", "parquet", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -600,10 +599,10 @@ def check_sources(c: ml_collections.ConfigDict, fetch: bool = True) -> None:
                 pass  # reports it, as it does a jsonl file's
         else:
             _need(
-                src.type in BUILTIN_SOURCES,
+                src.type in builtin_types(),
                 f"data.{split}.type",
                 src.type,
-                f"expected jsonl, parquet, hf or one of {BUILTIN_SOURCES}",
+                f"expected jsonl, parquet, hf or one of {builtin_types()}",
             )
 
 

@@ -1,4 +1,7 @@
-"""The environment interface of multi-turn, tool-using episodes.
+"""The environment interface of multi-turn, tool-using episodes, and the registries that the
+built-in environments (rl/envs/, imported by launch's entry points) fill from above: environments by
+name (`register_env`) and their infrastructure's process-wide counters (`register_counter`). The
+learning modules import this module, never an environment or the sandbox.
 
 An environment turns a data record into the prompt ids of an episode, and each finished model
 turn into the next observation ids (tool output, test failures) or the end of the episode; at the
@@ -143,7 +146,24 @@ class Environment(abc.ABC):
         )
 
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}  # env.name -> class, filled by rl/envs
+
+# Process-wide counters of the environments' infrastructure (name -> its count in this process so
+# far), reported per process next to tool calls and seconds (`rl.multiturn`). Filled from above:
+# rl/envs registers the sandbox's "sandbox_runs"; the learning modules import no sandbox.
+PROCESS_COUNTERS: dict[str, Callable[[], float]] = {}
+
+
+def register_counter(name: str, read: Callable[[], float]) -> None:
+    """Adds a process-wide counter (`read()` gives its value so far) under `name`."""
+    if name in PROCESS_COUNTERS:
+        raise ValueError(f"counter {name!r} is already registered")
+    PROCESS_COUNTERS[name] = read
+
+
+def process_counters() -> dict[str, float]:
+    """Every registered counter's value in this process now."""
+    return {name: read() for name, read in PROCESS_COUNTERS.items()}
 
 
 def register_env(name: str):

@@ -34,8 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from rl import sandbox
-from rl.environment import Environment, Episode, Turn
+from rl.environment import Environment, Episode, Turn, process_counters
 from sampling.engine import Engine
 from sampling.episodes import EpisodeLoop
 
@@ -68,7 +67,7 @@ class EpisodeSampler:
         counted as they start."""
         with self._lock:
             calls, seconds = self._calls
-        return {"tool_calls": calls, "tool_seconds": seconds, "sandbox_runs": sandbox.RUNS[0]}
+        return {"tool_calls": calls, "tool_seconds": seconds, **process_counters()}
 
     def _warn_once(self, what: str, err: BaseException) -> None:
         if what not in self._warned:

@@ -17,7 +17,10 @@ Source config (a dict or ml_collections.ConfigDict; missing keys take the defaul
     num: 10_000, digits: 2, ops: "+", split: "train", eval_fraction: 0.1, seed: 0   (arithmetic,
         see rl.tasks.arithmetic_records; the held-out set is the same config with split="eval")
     num, split, eval_fraction, seed   (repo_fix: the CPU repository demo's tiny repositories,
-        rl.envs.repo_fix_tasks.repo_fix_records)
+        rl.envs.repo_fix_tasks.repo_fix_source)
+
+A built-in type an environment brings ("repo_fix") is registered from above (`register_source`,
+by rl/envs/, which launch's entry points import): this module imports no environment.
 
 Choices a reader may question:
 - jsonl / parquet records are read into host memory up front. Prompt sets are small (GSM8K: 7.5k
@@ -41,15 +44,41 @@ import decimal
 import glob
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl.tasks import arithmetic_records
 
-SOURCE_TYPES = ("jsonl", "parquet", "hf", "arithmetic", "repo_fix")
+FILE_TYPES = ("jsonl", "parquet", "hf")
+# Source types an environment brings (type -> fn(source config) -> records), filled from above by
+# `register_source` (rl/envs registers "repo_fix").
+GENERATED: dict[str, Callable[[Any], list[dict]]] = {}
 
 
-def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
+def register_source(kind: str):
+    """Decorator adding a built-in source type `kind`: fn(source config) -> its records."""
+
+    def wrap(fn):
+        if kind in GENERATED or kind in (*FILE_TYPES, "arithmetic"):
+            raise ValueError(f"data source type {kind!r} is already registered")
+        GENERATED[kind] = fn
+        return fn
+
+    return wrap
+
+
+def builtin_types() -> tuple[str, ...]:
+    """The built-in (generated, not read) source types: "arithmetic" and the registered ones."""
+    return ("arithmetic", *GENERATED)
+
+
+def source_types() -> tuple[str, ...]:
+    """Every source type `load_records` knows now."""
+    return FILE_TYPES + builtin_types()
+
+
+def cfg_get(cfg: Any, key: str, default: Any) -> Any:
+    """`cfg[key]` of a dict or ConfigDict; `default` when it is missing or None."""
     value = cfg.get(key, default) if hasattr(cfg, "get") else default
     return default if value is None else value
 
@@ -326,9 +355,9 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         raise ImportError(
             "a data source of type 'hf' needs the datasets library: pip install -e '.[hub]'"
         ) from None
-    path = os.fspath(_cfg_get(source_cfg, "path", ""))
-    name = _cfg_get(source_cfg, "name", "") or None
-    split = str(_cfg_get(source_cfg, "split", "train"))
+    path = os.fspath(cfg_get(source_cfg, "path", ""))
+    name = cfg_get(source_cfg, "name", "") or None
+    split = str(cfg_get(source_cfg, "split", "train"))
     where = f"{path}" + (f" (subset {name})" if name else "")
     local = os.path.expanduser(path)
     files = data_files(path)
@@ -350,7 +379,7 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
         _check_prompt_field(datasets, args, split, prompt_field, where, path)
         ds = datasets.load_dataset(*args[0], split=split, **args[1])
     else:  # a directory of data files, or a Hub dataset id (fetched into the Hub cache)
-        revision = _cfg_get(source_cfg, "hf_commit", "") or _cfg_get(source_cfg, "revision", "")
+        revision = cfg_get(source_cfg, "hf_commit", "") or cfg_get(source_cfg, "revision", "")
         directory = hub_dataset_dir(path, str(revision), name)
         try:  # the subset and split are checked before any split is generated
             builder = datasets.load_dataset_builder(directory, name)
@@ -382,33 +411,26 @@ def _load_hf(source_cfg: Any, prompt_field: str) -> HFRecords:
 def load_records(source_cfg: Any) -> Sequence[dict]:
     """All records of a source config (see the module docstring), in file order: a list, or
     for an "hf" source its rows as a random-access `HFRecords`."""
-    kind = _cfg_get(source_cfg, "type", None)
-    prompt_field = _cfg_get(source_cfg, "prompt_field", "prompt")
+    kind = cfg_get(source_cfg, "type", None)
+    prompt_field = cfg_get(source_cfg, "prompt_field", "prompt")
     if kind == "arithmetic":
         records = arithmetic_records(
-            seed=int(_cfg_get(source_cfg, "seed", 0)),
-            num=int(_cfg_get(source_cfg, "num", 10_000)),
-            digits=int(_cfg_get(source_cfg, "digits", 2)),
-            ops=str(_cfg_get(source_cfg, "ops", "+")),
-            split=str(_cfg_get(source_cfg, "split", "train")),
-            eval_fraction=float(_cfg_get(source_cfg, "eval_fraction", 0.1)),
+            seed=int(cfg_get(source_cfg, "seed", 0)),
+            num=int(cfg_get(source_cfg, "num", 10_000)),
+            digits=int(cfg_get(source_cfg, "digits", 2)),
+            ops=str(cfg_get(source_cfg, "ops", "+")),
+            split=str(cfg_get(source_cfg, "split", "train")),
+            eval_fraction=float(cfg_get(source_cfg, "eval_fraction", 0.1)),
         )
         if prompt_field != "prompt":
             raise ValueError(
                 f"the arithmetic task's prompt field is 'prompt', not {prompt_field!r}"
             )
-    elif kind == "repo_fix":  # the CPU repository demo's tiny repositories
-        from rl.envs.repo_fix_tasks import repo_fix_records
-
-        records = repo_fix_records(
-            seed=int(_cfg_get(source_cfg, "seed", 0)),
-            num=int(_cfg_get(source_cfg, "num", 10_000)),
-            split=str(_cfg_get(source_cfg, "split", "train")),
-            eval_fraction=float(_cfg_get(source_cfg, "eval_fraction", 0.1)),
-        )
+    elif kind in GENERATED:  # an environment's tasks (e.g. repo_fix's tiny repositories)
+        records = GENERATED[kind](source_cfg)
     elif kind in ("jsonl", "parquet"):
         read = _read_jsonl if kind == "jsonl" else _read_parquet
-        records, paths = [], _expand_paths(_cfg_get(source_cfg, "path", None))
+        records, paths = [], _expand_paths(cfg_get(source_cfg, "path", None))
         for path in paths:
             records.extend(read(path, prompt_field))
         if not records:
@@ -418,7 +440,7 @@ def load_records(source_cfg: Any) -> Sequence[dict]:
         if not len(records):
             raise ValueError(f"{records.where}: no records (an empty dataset)")
     else:
-        raise ValueError(f"data source type must be one of {SOURCE_TYPES}, got {kind!r}")
+        raise ValueError(f"data source type must be one of {source_types()}, got {kind!r}")
     if not len(records):
         raise ValueError(f"data source {dict(source_cfg)} has no records")
     return records

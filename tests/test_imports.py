@@ -7,7 +7,12 @@ cannot be understood, or tested, one without the other). `from pkg import name` 
 submodule pkg.name when there is one, else on pkg/__init__.py.
 
 DESIGN.md's direction: launch -> rl -> sampling -> models, rl -> models; configs import none of
-them. `python -m tests.test_imports` prints the cycles and the arrows against that direction.
+them. Inside rl/, three layers: the environments (rl.envs.*) may import the learning modules (the
+rest of rl/) and the sandbox (rl.sandbox.*), never the other way: a learning module imports nothing
+of rl.envs or rl.sandbox (the environments, their rewards and data sources register themselves
+from above into rl.environment, rl.reward_registry and rl.sources), and the sandbox imports no
+other module of rl/. `python -m tests.test_imports` prints the cycles and the arrows against
+these directions.
 """
 
 from __future__ import annotations
@@ -141,6 +146,28 @@ def wrong_way(edges: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def rl_layer(mod: str) -> str | None:
+    """The layer of an rl/ module: "envs", "sandbox" or "learning" (None outside rl/)."""
+    parts = mod.split(".")
+    if parts[0] != "rl":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ("envs", "sandbox") else "learning"
+
+
+RL_LAYERS_ALLOWED = {("envs", "learning"), ("envs", "sandbox")}  # (importer, imported)
+
+
+def rl_back_edges(edges: dict[str, set[str]]) -> list[str]:
+    """Imports between rl/'s layers other than envs -> learning modules and envs -> sandbox."""
+    out = []
+    for mod, targets in sorted(edges.items()):
+        for t in sorted(targets):
+            a, b = rl_layer(mod), rl_layer(t)
+            if a and b and a != b and (a, b) not in RL_LAYERS_ALLOWED:
+                out.append(f"{mod} -> {t}  ({a} -> {b})")
+    return out
+
+
 def cycle_lines(edges: dict[str, set[str]]) -> list[str]:
     """One line per component(): its modules and a cycle through them."""
     return [f"{{{', '.join(comp)}}}, e.g. " + " -> ".join(c)
@@ -155,6 +182,35 @@ def test_no_import_cycle():
 def test_packages_depend_one_way():
     bad = wrong_way(graph())
     assert not bad, "imports against launch -> rl -> sampling -> models:\n" + "\n".join(bad)
+
+
+def test_rl_learning_modules_import_no_environment_or_sandbox():
+    bad = rl_back_edges(graph())
+    assert not bad, "imports against rl/'s envs -> learning, envs -> sandbox:\n" + "\n".join(bad)
+
+
+def test_the_rl_layer_rule_catches_a_planted_back_edge():
+    edges = graph()
+    assert rl_layer("rl.envs.repo.env") == "envs" and rl_layer("rl.sandbox") == "sandbox"
+    assert rl_layer("rl.environment") == rl_layer("rl") == "learning" and not rl_layer("launch.x")
+    assert {"rl.envs.repo.env", "rl.sandbox.process", "rl.rewards"} <= set(edges)
+    planted = {  # today's graph, plus one back edge of each kind
+        **edges,
+        "rl.rewards": edges["rl.rewards"] | {"rl.envs.code_rewards"},
+        "rl.multiturn": edges["rl.multiturn"] | {"rl.sandbox"},
+        "rl.sandbox.oci": edges["rl.sandbox.oci"] | {"rl.envs.repo.images", "rl.data"},
+    }
+    assert rl_back_edges(planted) == [
+        "rl.multiturn -> rl.sandbox  (learning -> sandbox)",
+        "rl.rewards -> rl.envs.code_rewards  (learning -> envs)",
+        "rl.sandbox.oci -> rl.data  (sandbox -> learning)",
+        "rl.sandbox.oci -> rl.envs.repo.images  (sandbox -> envs)",
+    ]
+    lazy = "def f():\n    from rl.envs.repo import images\n"  # a lazy import counts too
+    mods = set(edges)
+    assert rl_back_edges({"rl.sources": imports(lazy, "rl.sources", mods)}) == [
+        "rl.sources -> rl.envs.repo.images  (learning -> envs)"
+    ]
 
 
 def test_the_checker_sees_lazy_and_relative_imports():
@@ -174,7 +230,7 @@ def test_the_checker_sees_lazy_and_relative_imports():
 
 if __name__ == "__main__":
     g = graph()
-    found, bad = cycle_lines(g), wrong_way(g)
+    found, bad, back = cycle_lines(g), wrong_way(g), rl_back_edges(g)
     print(f"{len(g)} modules, {sum(map(len, g.values()))} project imports")
     print(f"{len(found)} import cycle(s)" + (":" if found else ""))
     for line in found:
@@ -182,4 +238,15 @@ if __name__ == "__main__":
     print(f"{len(bad)} import(s) against the package direction" + (":" if bad else ""))
     for b in bad:
         print("  " + b)
-    sys.exit(1 if found or bad else 0)
+    layers = {}
+    for mod in g:
+        layers.setdefault(rl_layer(mod), []).append(mod)
+    sizes = ", ".join(f"{k} {len(layers.get(k, []))}" for k in ("learning", "envs", "sandbox"))
+    print(f"rl/ modules by layer: {sizes}")
+    print(
+        f"{len(back)} import(s) against rl/'s envs -> learning, envs -> sandbox"
+        + (":" if back else "")
+    )
+    for b in back:
+        print("  " + b)
+    sys.exit(1 if found or bad or back else 0)

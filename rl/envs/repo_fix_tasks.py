@@ -30,6 +30,8 @@ import zlib
 
 import numpy as np
 
+from rl.sources import cfg_get, register_source
+
 # The code alphabet (the character-level tokenizer's): identifiers, integers, the few operators a
 # tiny Python file and its test output use, and the tool-call characters.
 REPO_FIX_ALPHABET = (
@@ -47,6 +49,18 @@ _ASSERT = re.compile(r"assert m\.([A-Za-z_][A-Za-z0-9_]*)==(-?[0-9]+)")
 def is_heldout(prompt: str, eval_fraction: float) -> bool:
     """Stable train / held-out split by prompt hash (as `rl.tasks.is_heldout`)."""
     return zlib.crc32(prompt.encode("utf-8")) < eval_fraction * 2**32
+
+
+@register_source("repo_fix")
+def repo_fix_source(source_cfg) -> list[dict]:
+    """The records of a data source of type "repo_fix" (rl/sources.py): num, split,
+    eval_fraction, seed."""
+    return repo_fix_records(
+        seed=int(cfg_get(source_cfg, "seed", 0)),
+        num=int(cfg_get(source_cfg, "num", 10_000)),
+        split=str(cfg_get(source_cfg, "split", "train")),
+        eval_fraction=float(cfg_get(source_cfg, "eval_fraction", 0.1)),
+    )
 
 
 def repo_fix_records(
