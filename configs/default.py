@@ -127,11 +127,17 @@ def get_config():
     c.rl.kl_in = "loss"  # "loss": + beta * KL in the loss | "reward": - beta * sum_t k1 in rewards
     c.rl.kl_clamp = 10.0  # |log ref - log pi| per token is clamped to this before any estimator
     c.rl.entropy_coef = 0.0  # entropy bonus (entropy of the tempered full softmax)
-    c.rl.is_correction = "none"  # sampler/learner mismatch correction: none | tis | mis
-    c.rl.is_level = "token"  # IS ratio per token | per "sequence"
+    # Sampler-vs-learner mismatch correction (rl/mismatch.py, README "Mismatch corrections"):
+    # auto = tis when sampling.cache_dtype or weights_dtype is int8 or float8_e4m3fn (and
+    # old_logp="recompute"), else none; resolved when the config is validated
+    c.rl.is_correction = "auto"  # none | tis | mis | icepop | auto (above)
+    c.rl.is_level = "token"  # ratio per token | "sequence" (product) | "geometric" (mean of logs)
     c.rl.is_cap = 2.0  # tis: weight = min(ratio, is_cap)
-    c.rl.mis_low = 0.5  # mis: tokens (or sequences) with ratio outside [mis_low, mis_high] ...
-    c.rl.mis_high = 2.0  # ... get no policy loss
+    c.rl.mis_low = 0.5  # mis, icepop: tokens (or sequences) with ratio outside [mis_low, ...
+    c.rl.mis_high = 2.0  # ... mis_high] get no policy loss (icepop weighs those inside by ratio)
+    c.rl.trust_region = "none"  # DPPO token mask, pi vs pi_old: none | tv (prob.) | log (log-prob)
+    c.rl.trust_region_low = 0.2  # masked where pi - pi_old < -low and A <= 0 (prime-rl: 0.2)
+    c.rl.trust_region_high = 0.2  # masked where pi - pi_old > high and A > 0 (prime-rl: 0.2)
     c.rl.old_logp = "recompute"  # π_old: recompute (learner) | sampler (bypass)
     c.rl.num_iterations = 1  # μ: passes over each rollout
     c.rl.minibatches = 1  # optimizer steps per pass
@@ -146,7 +152,8 @@ def get_config():
     c.rl.reward_timeout_s = 60.0  # a reward call running longer scores 0 (counted); 0 = no limit
     # Partial rollouts (rl/partial.py): episodes not ended when B groups are complete stay parked,
     # KV and all, across the learner step and go on under the new weights; decoupled PPO
-    # corrects for the older policies (needs is_correction tis or mis).
+    # corrects for the older policies (needs is_correction tis, mis or icepop: auto resolves to
+    # none unless the rollout is quantised).
     c.rl.partial_rollouts = False
     c.rl.extra_groups = 4  # groups in flight beyond B (over-provisioning), 1..B
     c.rl.max_staleness = 4  # eta: no token older than this many policy versions is trained

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from launch.cli import UsageError
+from rl.mismatch import resolve_correction
 from rl.sandbox import isolation_of
 
 # Fields that cannot change the trajectory of a run: a resumed run may change them (model.revision
@@ -60,6 +61,10 @@ REPO_ENV_DEFAULTS = {
     "sandbox_memory_bytes": 4 << 30,
     "sandbox_processes": 64,
 }
+
+
+# The trust region's fields (issue 53), off in a run saved before them.
+TRUST_REGION_DEFAULTS = {"trust_region": "none", "trust_region_low": 0.2, "trust_region_high": 0.2}
 
 
 PARTIAL_DEFAULTS = {
@@ -132,6 +137,13 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
             **new,
             "rules": [r for r in new["rules"] if r[0] in saved_names or r[0] not in MOE_RULES],
         }
+    for field, default in TRUST_REGION_DEFAULTS.items():  # no trust region before
+        if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
+            new = _without(new, "rl", field)
+    if _correction(old) is not None and _correction(old) == _correction(new):
+        # "auto" (the default since issue 53) is what it resolves to: a run saved with "none"
+        # (the default before) resumes under "auto" while its rollout is not quantised.
+        new = {**new, "rl": {**new["rl"], "is_correction": old["rl"]["is_correction"]}}
     for field, default in PARTIAL_DEFAULTS.items():  # synchronous rollouts before
         if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
             new = _without(new, "rl", field)
@@ -217,6 +229,15 @@ def _check_commit(old: dict, new: dict, *where: str) -> None:
 
 # the logical axes of a mixture of experts' weights (models/moe.py), added to the rules with them
 MOE_RULES = ("experts", "expert_mlp")
+
+
+def _correction(config: dict) -> str | None:
+    """The mismatch correction a config dict's rl.is_correction means ("auto" resolved)."""
+    rl, sampling = config.get("rl", {}), config.get("sampling", {})
+    if "is_correction" not in rl:
+        return None
+    dtypes = (sampling.get("cache_dtype", ""), sampling.get("weights_dtype", ""))
+    return resolve_correction(rl["is_correction"], *dtypes, rl.get("old_logp", "recompute"))
 
 
 def _without(config: dict, section: str, field: str) -> dict:

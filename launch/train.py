@@ -35,7 +35,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
@@ -57,6 +56,7 @@ from launch.validate import check_isolation, check_sources, prepare_workdir, val
 from launch.workdir_lock import WorkdirLock
 from models.sharding import run_devices
 from rl.checkpoint import Checkpointer, CheckpointError, SaveError, fingerprint
+from rl.learner import rollout_metrics
 
 FLAGS = {"workdir": "", "dry_run": False, "print_config": False}
 USAGE = """\
@@ -171,7 +171,7 @@ def train(
                 TOTALS, (t1 - t0, t2 - t1, new_tokens, sum(h["tokens"] for h in history))
             ):
                 totals[k] += float(v)
-            metrics = {k: float(np.mean([h[k] for h in history])) for k in history[-1]}
+            metrics = rollout_metrics(history)  # mean over the optimizer steps, maxima max
             metrics.update(
                 rollout.stats,
                 rollout_seconds=t1 - t0,

@@ -12,6 +12,7 @@ import glob
 import json
 import math
 import os
+import sys
 
 import jax
 import ml_collections
@@ -30,6 +31,7 @@ from rl.advantages import MODES as ADVANTAGE_MODES
 from rl.data import reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
+from rl.mismatch import CORRECTIONS, QUANTISED_DTYPES, resolve_correction
 from rl.reward_registry import CODE_REWARDS
 from rl.rewards import REWARDS
 from rl.sandbox import ISOLATIONS, isolation_of
@@ -102,7 +104,33 @@ def sampling_params(c: ml_collections.ConfigDict) -> SamplingParams:
 
 
 def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
-    return from_config(LossConfig, c, ("rl", "sampling"))
+    return from_config(LossConfig, c, ("rl", "sampling"), is_correction=is_correction(c))
+
+
+def is_correction(c: ml_collections.ConfigDict) -> str:
+    """config.rl.is_correction with "auto" resolved: tis for a quantised rollout, else none
+    (`rl.mismatch.resolve_correction`). A resumed run resolves it as it did, as the sampling
+    dtypes and old_logp it reads cannot change on resume."""
+    s = c.sampling
+    dtypes = (s.get("cache_dtype", ""), s.get("weights_dtype", ""))
+    return resolve_correction(c.rl.is_correction, *dtypes, c.rl.old_logp)
+
+
+def mismatch_warning(c: ml_collections.ConfigDict) -> str | None:
+    """The one-line warning for a quantised rollout whose mismatch correction was turned off."""
+    s = c.sampling
+    quantised = [
+        f"sampling.{f}={s.get(f, '')!r}"
+        for f in ("cache_dtype", "weights_dtype")
+        if s.get(f, "") in QUANTISED_DTYPES
+    ]
+    if c.rl.is_correction != "none" or not quantised or c.rl.old_logp != "recompute":
+        return None
+    return (
+        f"warning: config.rl.is_correction='none' with a quantised rollout ({', '.join(quantised)}):"
+        f" the sampler's log-probs differ from the learner's and nothing corrects for it "
+        f"(the default 'auto' uses tis, is_cap={c.rl.is_cap})"
+    )
 
 
 def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
@@ -287,12 +315,21 @@ def validate(
         "data.prompts_per_step or set rl.pack=False",
     )
     _need(
-        c.rl.is_correction == "none" or c.rl.old_logp == "recompute",
+        c.rl.is_correction in (*CORRECTIONS, "auto"),
+        "rl.is_correction",
+        c.rl.is_correction,
+        f"must be one of {', '.join(CORRECTIONS)}, auto",
+    )
+    _need(
+        is_correction(c) == "none" or c.rl.old_logp == "recompute",
         "rl.is_correction",
         c.rl.is_correction,
         "corrects pi_old against the sampler, which old_logp='sampler' "
         "makes the same distribution: use old_logp='recompute'",
     )
+    warning = mismatch_warning(c)
+    if warning:
+        print(warning, file=sys.stderr)
     _need(
         c.rl.partial_rollouts or not c.rl.refresh_kv_on_update,
         "rl.refresh_kv_on_update",
@@ -302,7 +339,9 @@ def validate(
     if c.rl.partial_rollouts:
         from rl.partial import check_partial
 
-        for field, value, why in check_partial(c):
+        resolved = c.copy_and_resolve_references()  # what "auto" means for this rollout
+        resolved.rl.is_correction = is_correction(c)
+        for field, value, why in check_partial(resolved):
             _need(False, field, value, why)
     _need(c.rl.advantage_eps >= 0, "rl.advantage_eps", c.rl.advantage_eps, "must be >= 0")
     _need(

@@ -35,6 +35,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
@@ -44,11 +45,21 @@ from models.attention import lowering_for
 from models.sharding import DEFAULT_RULES, flatten, with_shardings
 from models.transformer import weight_grads_in
 from rl.logprobs import TokenLogprobs, token_logprobs
-from rl.losses import LossConfig, combine_metrics, grpo_loss
+from rl.losses import MAXIMA, LossConfig, combine_metrics, grpo_loss
 from rl.segments import count_sequences, sequence_totals
 from sampling.distribution import SamplingParams
 
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # LearnerConfig.grad_reduce_dtype
+# A step's metrics that are maxima: over micro-batches and devices the step takes their max, and
+# so does `rollout_metrics` over a rollout's optimizer steps (the other metrics: the mean).
+MAX_METRICS = (*MAXIMA, "response_length_max")
+
+
+def rollout_metrics(history: list[dict]) -> dict:
+    """One rollout's metrics from its optimizer steps' (`Learner.learn`'s history), as floats:
+    the max of MAX_METRICS, the mean of the others."""
+    reduce = lambda k: np.max if k in MAX_METRICS else np.mean
+    return {k: float(reduce(k)([h[k] for h in history])) for k in history[-1]}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,14 @@ Choices a reader may question:
   a dropped token acts as a zero-weight token; under seq_mean_token_mean a sequence's remaining
   tokens share its full weight (the per-sequence length is the kept length).
 - The IS weight multiplies only the policy term, never KL or entropy.
+- The trust region (`trust_region`, DPPO: Qi et al. 2026, arXiv 2602.04879; prime-rl's default
+  loss) drops a token from the policy term when pi has moved too far from pi_old in the
+  direction its advantage pushes: for A > 0 when d > trust_region_high, otherwise when
+  d < -trust_region_low, with d = pi - pi_old in probability ("tv", DPPO-Binary-TV) or
+  log pi - log pi_old ("log"). A token beyond the region keeps the gradient that brings it back
+  (A < 0 on a token that rose), as DPPO's and prime-rl's masks do; like MIS it acts on the
+  policy term only, and normalisers are not recounted. With pi_old = sg(logp) (recompute, one
+  pass, one minibatch) d = 0 and it masks nothing.
 - GSPO's per-token form sg(s) * exp(logp - sg(logp)) makes every token carry the sequence ratio s
   with gradient s * grad(logp_t); with seq_mean_token_mean this is exactly GSPO's sequence loss,
   and the other aggregation modes choose a different weighting of sequences.
@@ -45,13 +53,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rl.mismatch import behaviour_weights, mismatch_metrics
-from rl.segments import segment_sum
+from rl.mismatch import CORRECTIONS, LEVELS, behaviour_weights, mismatch_metrics
+from rl.segments import count_sequences, segment_sum
 
 sg = jax.lax.stop_gradient
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "drgrpo_constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+TRUST_REGIONS = ("none", "tv", "log")  # LossConfig.trust_region
+# The metrics grpo_loss returns under "maxima": reduced with max over micro-batches and steps.
+MAXIMA = ("ratio_max", "is_weight_max", "mismatch_abs_logp_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +82,14 @@ class LossConfig:
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
     aggregation: str = "token_mean"  # one of AGGREGATIONS
     max_new_tokens: int = 0  # Dr. GRPO's constant normaliser; must be > 0 for drgrpo_constant
-    is_correction: str = "none"  # sampler-vs-learner correction: none, tis, mis
-    is_level: str = "token"  # IS ratio per token or per sequence
+    is_correction: str = "none"  # sampler-vs-learner correction: none, tis, mis, icepop
+    is_level: str = "token"  # IS ratio per token, sequence (product) or geometric (mean)
     is_cap: float = 2.0  # TIS: weight = min(ratio, is_cap)
-    mis_low: float = 0.5  # MIS keeps ratios in [mis_low, mis_high]
+    mis_low: float = 0.5  # MIS and IcePop keep ratios in [mis_low, mis_high]
     mis_high: float = 2.0
+    trust_region: str = "none"  # DPPO token mask: none, tv (probability), log (log-prob)
+    trust_region_low: float = 0.2  # masked when pi - pi_old < -low on a token with A <= 0
+    trust_region_high: float = 0.2  # masked when pi - pi_old > high on a token with A > 0
 
     def validate(self):
         """Raises ValueError naming the first bad field and why."""
@@ -88,8 +102,9 @@ class LossConfig:
             "kl_estimator": KL_ESTIMATORS,
             "kl_in": ("loss", "reward"),
             "aggregation": AGGREGATIONS,
-            "is_correction": ("none", "tis", "mis"),
-            "is_level": ("token", "sequence"),
+            "is_correction": CORRECTIONS,
+            "is_level": LEVELS,
+            "trust_region": TRUST_REGIONS,
         }
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
@@ -128,6 +143,9 @@ class LossConfig:
             bad("is_cap", "must be > 0")
         if not 0.0 <= self.mis_low < self.mis_high:
             bad("mis_low", f"must satisfy 0 <= mis_low < mis_high ({self.mis_high})")
+        for field in ("trust_region_low", "trust_region_high"):
+            if not getattr(self, field) >= 0.0:
+                bad(field, "must be >= 0 (the trust region's half-width)")
         return self
 
 
@@ -229,6 +247,24 @@ POLICY_LOSSES = {
 }
 
 
+def trust_region_keep(logp, old_logp, adv, cfg):
+    """f32 [B, T] 0 where the DPPO trust region drops a token from the policy term, else 1 (see
+    the module docstring); a constant (no gradient)."""
+    if cfg.trust_region == "none":
+        return jnp.ones_like(logp)
+    if cfg.trust_region == "tv":
+        d = jnp.exp(logp) - jnp.exp(old_logp)  # [B, T] change of the token's probability
+    elif cfg.trust_region == "log":
+        d = logp - old_logp
+    else:
+        raise ValueError(
+            f"unknown trust_region {cfg.trust_region!r}; valid: {', '.join(TRUST_REGIONS)}"
+        )
+    d = sg(d)
+    out = jnp.where(_per_token(adv) > 0, d > cfg.trust_region_high, d < -cfg.trust_region_low)
+    return 1.0 - out.astype(jnp.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Aggregation: per-token values -> this micro-batch's contribution to the full-batch scalar.
 
@@ -295,10 +331,12 @@ def grpo_loss(
         None: one sequence per row.
 
     Returns:
-      loss = agg(w * policy, mask*keep) + kl_coef * agg(kl, mask) - entropy_coef * agg(H, mask),
+      loss = agg(w * policy, mask*keep*trust) + kl_coef * agg(kl, mask) - entropy_coef * agg(H, mask),
       metrics: dict of contributions (sum them over micro-batches); token-level metrics are
-        token means (sum / global_tokens) whatever the aggregation. metrics["maxima"] holds
-        ratio_max and is_weight_max, to be reduced with max.
+        token means (sum / global_tokens) whatever the aggregation, *_seq_frac fractions of
+        global_seqs (sequences with a token the rule dropped: mis_* the IS rule's, trust_* the
+        trust region's, logged when it is on). metrics["maxima"] holds MAXIMA (the sampler's
+        only with sampler_logp), to be reduced with max.
     """
     cfg.validate()
     mask = mask.astype(jnp.float32)
@@ -329,7 +367,14 @@ def grpo_loss(
         # old_logp, not logp: same parameters as the sampler, so this is pure numerical mismatch.
         mismatch = mismatch_metrics(old_logp, sampler_logp, mask)
 
-    policy = agg(weight * per_token, mask * keep)
+    # Sequences with a token the rule dropped, as a fraction of the step's sequences.
+    seq_frac = lambda drop: count_sequences(mask * drop, segments) / jnp.maximum(global_seqs, 1)
+    policy_keep = keep
+    trust = None
+    if cfg.trust_region != "none":
+        trust = trust_region_keep(logp, old_logp, adv, cfg)
+        policy_keep = keep * trust
+    policy = agg(weight * per_token, mask * policy_keep)
     loss = policy
     metrics = {
         "policy_loss": policy,
@@ -338,7 +383,11 @@ def grpo_loss(
         "ratio_mean": token_mean(aux["ratio"]),
         "is_weight_mean": token_mean(weight),
         "mis_masked_frac": token_mean(1.0 - keep),
+        "mis_masked_seq_frac": seq_frac(1.0 - keep),
     }
+    if trust is not None:
+        metrics["trust_masked_frac"] = token_mean(1.0 - trust)
+        metrics["trust_masked_seq_frac"] = seq_frac(1.0 - trust)
     if "clipped_dual" in aux:
         metrics["clip_frac_dual"] = token_mean(aux["clipped_dual"])
     if mismatch is not None:
@@ -371,6 +420,8 @@ def grpo_loss(
         "ratio_max": jnp.max(clean(aux["ratio"])),
         "is_weight_max": jnp.max(clean(weight)),
     }
+    if mismatch is not None:
+        metrics["maxima"]["mismatch_abs_logp_max"] = mismatch["abs_logp_max"]
     return loss, jax.tree.map(sg, metrics)
 
 

@@ -122,11 +122,33 @@ def is_weights(olp, slp, cfg):
     if cfg.is_level == "sequence":
         seq_ratio = float(np.prod(token_ratios))
         ratios = [seq_ratio] * n
+    elif cfg.is_level == "geometric":  # the n-th root of the product
+        seq_ratio = float(np.prod(token_ratios)) ** (1.0 / max(n, 1))
+        ratios = [seq_ratio] * n
     else:
         ratios = token_ratios
     if cfg.is_correction == "tis":
         return [min(r, cfg.is_cap) for r in ratios], [True] * n
-    return [1.0] * n, [cfg.mis_low <= r <= cfg.mis_high for r in ratios]
+    inside = [cfg.mis_low <= r <= cfg.mis_high for r in ratios]
+    if cfg.is_correction == "icepop":
+        return [r if k else 0.0 for r, k in zip(ratios, inside)], inside
+    return [1.0] * n, inside
+
+
+def trust_keep(lp, olp, a, cfg):
+    """Per token of ONE sequence: False where DPPO's trust region drops it. The probability (tv)
+    or log-probability (log) moved beyond the region in the direction the advantage pushes."""
+    out = []
+    for x, y in zip(lp, olp):
+        if cfg.trust_region == "none":
+            out.append(True)
+            continue
+        moved = math.exp(x) - math.exp(y) if cfg.trust_region == "tv" else x - y
+        if a > 0:
+            out.append(not moved > cfg.trust_region_high)
+        else:
+            out.append(not moved < -cfg.trust_region_low)
+    return out
 
 
 def aggregate_full(values, keeps, mode, max_new_tokens):
@@ -148,55 +170,90 @@ def aggregate_full(values, keeps, mode, max_new_tokens):
 
 
 def grpo_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, cfg, entropy=None):
-    """Full-batch loss and metrics (same keys as rl.losses.grpo_loss, maxima flattened in)."""
-    logp, old_logp, mask = (np.asarray(x, np.float64) for x in (logp, old_logp, mask))
-    per_seq = {k: [] for k in ("loss", "w", "keep", "ratio", "lo", "hi", "dual", "kl", "ent")}
-    abs_d, mis_kl = 0.0, 0.0
-    for i in range(logp.shape[0]):
+    """Full-batch loss and metrics (same keys as rl.losses.grpo_loss, maxima flattened in); one
+    sequence per row (`grpo_loss_seqs` takes the sequences themselves)."""
+    mask = np.asarray(mask, np.float64)
+    seqs = []
+    for i in range(mask.shape[0]):
         idx = np.nonzero(mask[i] > 0)[0]
-        lp, olp = logp[i, idx], old_logp[i, idx]
-        rows = policy_tokens(cfg.policy_loss, lp, olp, float(adv[i]), cfg)
+        pick = lambda x, i=i, idx=idx: None if x is None else np.asarray(x, np.float64)[i, idx]
+        seqs.append(
+            dict(
+                logp=pick(logp),
+                old_logp=pick(old_logp),
+                sampler_logp=pick(sampler_logp),
+                ref_logp=pick(ref_logp),
+                entropy=pick(entropy),
+                adv=float(adv[i]),
+            )
+        )
+    return grpo_loss_seqs(seqs, cfg)
+
+
+def grpo_loss_seqs(seqs, cfg):
+    """Full-batch loss and metrics of a list of sequences, each a dict of its valid tokens' 1-d
+    float64 arrays logp, old_logp, sampler_logp, ref_logp, entropy (the last three may be None)
+    and its advantage adv."""
+    sampler_logp = seqs[0]["sampler_logp"]
+    ref_logp = seqs[0]["ref_logp"]
+    entropy = seqs[0]["entropy"]
+    per_seq = {k: [] for k in ("loss", "w", "keep", "ratio", "lo", "hi", "dual", "kl", "ent")}
+    per_seq["trust"] = []
+    abs_d, mis_kl, max_d = 0.0, 0.0, 0.0
+    for sq in seqs:
+        lp, olp = sq["logp"], sq["old_logp"]
+        rows = policy_tokens(cfg.policy_loss, lp, olp, sq["adv"], cfg)
         if sampler_logp is None:
-            w, keep = [1.0] * len(idx), [True] * len(idx)
+            w, keep = [1.0] * len(lp), [True] * len(lp)
         else:
-            slp = np.asarray(sampler_logp, np.float64)[i, idx]
+            slp = sq["sampler_logp"]
             w, keep = is_weights(olp, slp, cfg)
             for o, s in zip(olp, slp):
                 abs_d += abs(o - s)
                 mis_kl += math.exp(o - s) - (o - s) - 1.0
+                max_d = max(max_d, abs(o - s))
+        trust = trust_keep(lp, olp, sq["adv"], cfg)
         per_seq["loss"].append([wt * row[0] for wt, row in zip(w, rows)])
         per_seq["w"].append(w)
         per_seq["keep"].append(keep)
+        per_seq["trust"].append(trust)
         for j, key in enumerate(("ratio", "lo", "hi", "dual"), start=1):
             per_seq[key].append([float(row[j]) for row in rows])
         if ref_logp is not None:
             est = cfg.kl_estimator if cfg.kl_in == "loss" else "k1"
-            ref = np.asarray(ref_logp, np.float64)[i, idx]
-            per_seq["kl"].append([kl(a, b, est, cfg.kl_clamp) for a, b in zip(lp, ref)])
+            per_seq["kl"].append([kl(a, b, est, cfg.kl_clamp) for a, b in zip(lp, sq["ref_logp"])])
         if entropy is not None:
-            per_seq["ent"].append(list(np.asarray(entropy, np.float64)[i, idx]))
+            per_seq["ent"].append(list(sq["entropy"]))
 
     n_tok = sum(len(v) for v in per_seq["w"])
     all_keep = [[True] * len(v) for v in per_seq["w"]]
     agg = lambda v, k: aggregate_full(v, k, cfg.aggregation, cfg.max_new_tokens)
     tok_mean = lambda v: sum(sum(x) for x in v) / n_tok
-    policy = agg(per_seq["loss"], per_seq["keep"])
+    both = [[k and t for k, t in zip(kp, tp)] for kp, tp in zip(per_seq["keep"], per_seq["trust"])]
+    policy = agg(per_seq["loss"], both)
     loss = policy
+    dropped = lambda keeps: [[float(not k) for k in kp] for kp in keeps]
+    seq_frac = lambda keeps: sum(not all(kp) for kp in keeps) / len(seqs)
     out = {
         "policy_loss": policy,
         "clip_frac_low": tok_mean(per_seq["lo"]),
         "clip_frac_high": tok_mean(per_seq["hi"]),
         "ratio_mean": tok_mean(per_seq["ratio"]),
         "is_weight_mean": tok_mean(per_seq["w"]),
-        "mis_masked_frac": tok_mean([[float(not k) for k in kp] for kp in per_seq["keep"]]),
+        "mis_masked_frac": tok_mean(dropped(per_seq["keep"])),
+        "mis_masked_seq_frac": seq_frac(per_seq["keep"]),
         "ratio_max": max(max(v, default=0.0) for v in per_seq["ratio"]),
         "is_weight_max": max(max(v, default=0.0) for v in per_seq["w"]),
     }
+    if cfg.trust_region != "none":
+        out["trust_masked_frac"] = tok_mean(dropped(per_seq["trust"]))
+        out["trust_masked_seq_frac"] = seq_frac(per_seq["trust"])
     if cfg.policy_loss == "dual_clip":
         out["clip_frac_dual"] = tok_mean(per_seq["dual"])
     if sampler_logp is not None:
         out["mismatch_abs_logp"] = abs_d / n_tok
         out["mismatch_kl"] = mis_kl / n_tok
+        out["mismatch_abs_logp_max"] = max_d
     if ref_logp is not None:
         out["kl"] = tok_mean(per_seq["kl"])
         if cfg.kl_in == "loss" and cfg.kl_coef > 0:

@@ -82,8 +82,11 @@ FAST = ("token_mean",)
 def test_accumulation_and_data_parallel_are_exact(model, aggregation):
     loss = LossConfig(aggregation=aggregation, max_new_tokens=17, is_correction="tis")
     batch = _batch()
-    # Old log-probs away from the current ones, so that clipping is active in the gradient.
-    batch = batch.replace(old_logp=batch.sampler_logp + 0.3)
+    # Old log-probs away from the current ones, so that clipping is active in the gradient, and
+    # from the sampler's by a varying amount whose largest |difference| (1.25) is in one row.
+    noise = np.random.default_rng(2).uniform(-0.2, 0.2, batch.sampler_logp.shape)
+    noise[21, :] = 0.95  # row 21: micro-batch 1 of 4, and the second device's half of the rows
+    batch = batch.replace(old_logp=(batch.sampler_logp + 0.3 + noise).astype(np.float32))
     results = []
     for micro, mesh_shape, n_dev in [(1, {}, 1), (4, {}, 1), (1, {"data": 2}, 2)]:
         mesh = make_mesh(mesh_shape, devices=jax.devices()[:n_dev])
@@ -99,6 +102,13 @@ def test_accumulation_and_data_parallel_are_exact(model, aggregation):
         for k in g1:
             np.testing.assert_allclose(g[k], g1[k], atol=1e-6, rtol=0, err_msg=k)
         np.testing.assert_allclose(m["loss"], m1["loss"], atol=1e-6)
+        # Maxima are maxed over micro-batches and devices, never summed; the rest summed.
+        for k in ("mismatch_abs_logp_max", "ratio_max", "is_weight_max", "mismatch_kl"):
+            np.testing.assert_allclose(m[k], m1[k], rtol=1e-6, err_msg=k)
+    valid = np.asarray(batch.loss_mask) > 0
+    d = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.sampler_logp))[valid]
+    np.testing.assert_allclose(m1["mismatch_abs_logp_max"], d.max(), rtol=1e-6)
+    assert abs(d.max() - 1.25) < 1e-5
 
 
 def test_ratio_is_exactly_one_with_recomputed_old_logp(model):
