@@ -47,6 +47,15 @@ Backend notes (jax 0.10.2):
   page_size to be powers of two, and Triton's dot needs blocks of >= 16 keys, so "auto" uses it
   for H and page_size powers of two >= 16, on one device or a mesh; pages_per_seq may be any
   number.
+
+Quantised KV (cache dtype int8 or float8_e4m3fn, `sampling.kv_quant`): a layer's pool is a
+`QuantPages` (values [K,P,page_size,H], bf16 scales [K,P,page_size]); `write_kv` quantises the
+new rows, and every backend that takes it reads the values in place and dequantises a block at
+a time: blockwise (scales folded into scores and probabilities, `_online_softmax`), the
+reference (the sequences' gathered rows) and pallas_gpu (the kernel's own k/v_scales_pages).
+pallas_tpu cannot (its scales must be broadcast to the pages' shape, a float pool-sized copy
+per layer; no fp8) and cpu_kernel reads f32 only: "auto" gives a quantised cache "blockwise"
+on TPU and CPU, and either refuses one when asked by name.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ import jax.numpy as jnp
 
 from models.attention import dense_attention
 from sampling import cpu_attention
+from sampling.kv_quant import SCALE_DTYPE, QuantPages, dequantize, is_quantized, quantize
 
 # Logical axes of a layer's pool [K,P,page_size,H], named as in the parameters' rules table:
 # each device caches the heads its k/v projections produce (`sampling.state.state_shardings`).
@@ -72,7 +82,9 @@ def write_kv(k_pages, v_pages, k, v, page_indices, positions):
     One scatter per array with unique indices: a position < 0 is sent to page P, out of bounds,
     and dropped, so no two rows write the same place (the valid ones write their own sequence's
     private pages: shared prompt pages are full and never written). K and V stay two scatters:
-    one would need a combined K|V pool, which JAX's Pallas kernels do not read.
+    one would need a combined K|V pool, which JAX's Pallas kernels do not read. A quantised
+    pool (`sampling.kv_quant.QuantPages`) gets the rows quantised, values and scales scattered
+    at the same places.
     """
     page_size, num_pages = k_pages.shape[-2], k_pages.shape[-3]
     valid = positions >= 0  # [B,T]
@@ -83,21 +95,35 @@ def write_kv(k_pages, v_pages, k, v, page_indices, positions):
     # Advanced indices page/slot [B,T] on axes 1, 2 select [K,B,T,H]; k/v must match that.
     k, v = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
     index = (slice(None), page, slot)
+    return _put(k_pages, k, index), _put(v_pages, v, index)
+
+
+def _put(pages, x, index):
+    """pages with rows x [K,B,T,H] set at index (K, page [B,T], slot [B,T]); out of bounds
+    dropped."""
     put = dict(mode="drop", unique_indices=True)
-    k_pages = k_pages.at[index].set(k.astype(k_pages.dtype), **put)
-    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), **put)
-    return k_pages, v_pages
+    if isinstance(pages, QuantPages):
+        values, scales = quantize(x, pages.dtype)  # [K,B,T,H], [K,B,T]
+        # Written as their bits (fp8 values, bf16 scales): XLA:CPU has no fp8 or bf16
+        # scatter and would round trip the layer's whole pool through a wider type.
+        set_bits = lambda a, b: _from_bits(_bits(a).at[index].set(_bits(b), **put), a.dtype)
+        return QuantPages(set_bits(pages.values, values), set_bits(pages.scales, scales))
+    return pages.at[index].set(x.astype(pages.dtype), **put)
 
 
 def gather_kv(pages, page_indices):
     """The cache of each sequence as a dense array: [K,P,page_size,H] -> [B,S,K,H].
 
     S = pages_per_seq * page_size; positions past a sequence's length hold whatever the pages
-    hold (null page or stale tokens) and must be masked by the caller.
+    hold (null page or stale tokens) and must be masked by the caller. A quantised pool's rows
+    are dequantised (float32) after the gather: the sequences' rows, not the pool.
     """
     kh, _, page_size, h = pages.shape
     b, pages_per_seq = page_indices.shape
-    x = pages[:, page_indices]  # [K,B,pages_per_seq,page_size,H]
+    if isinstance(pages, QuantPages):
+        x = dequantize(pages.values[:, page_indices], pages.scales[:, page_indices])
+    else:
+        x = pages[:, page_indices]  # [K,B,pages_per_seq,page_size,H]
     x = jnp.transpose(x, (1, 2, 3, 0, 4))  # [B,pages_per_seq,page_size,K,H]
     return x.reshape(b, pages_per_seq * page_size, kh, h)
 
@@ -136,13 +162,10 @@ def paged_attention_blockwise(
     block's shared pages are read once, against all of the block's group * R query rows at
     once, and every row then continues the same online softmax over its own pages only.
     """
-    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)  # numpy can't take tracers
     b, n, h = q.shape
     kh, num_pages, page_size, _ = k_pages.shape
     r = n // kh
-    base = jnp.arange(kh)  # first row of each kv head's block of pages
-    pool = (k_pages.reshape(-1, page_size * h), v_pages.reshape(-1, page_size * h))
-    pool += (base * num_pages,)
+    pool = _page_rows(k_pages, v_pages)
     qg = q.reshape(b, kh, r, h).astype(jnp.float32) * h**-0.5  # [B,K,R,H]
     m0 = jnp.full((b, kh, r), -jnp.inf, jnp.float32)
     carry = (m0, jnp.zeros_like(m0), jnp.zeros((b, kh, r, h), jnp.float32))
@@ -168,12 +191,10 @@ def paged_prefill_attention(q, k_pages, v_pages, positions, page_indices, keys_p
     history is ever gathered whole. The trip count is the chunk's last position over the block
     size: a chunk reads the pages up to its own end.
     """
-    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
     b, t, n, h = q.shape
     kh, num_pages, page_size, _ = k_pages.shape
     r = n // kh
-    pool = (k_pages.reshape(-1, page_size * h), v_pages.reshape(-1, page_size * h))
-    pool += (jnp.arange(kh) * num_pages,)
+    pool = _page_rows(k_pages, v_pages)
     qg = q.astype(jnp.float32).reshape(b, t, kh, r, h) * h**-0.5
     qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kh, t * r, h)  # [B,K,T*R,H], row t*R+r
     stop = jnp.repeat(jnp.maximum(positions + 1, 0), r, axis=1)  # [B,T*R]; padding: 0
@@ -185,6 +206,46 @@ def paged_prefill_attention(q, k_pages, v_pages, positions, page_indices, keys_p
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B,K,T*R,H]
     out = jnp.transpose(out.reshape(b, kh, t, r, h), (0, 2, 1, 3, 4))
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _page_rows(k_pages, v_pages):
+    """The pool as `_online_softmax` reads it: (k rows, v rows, first row of each kv head, k
+    scale rows, v scale rows, cache dtype), rows [(K*P), page_size*H] (scales [(K*P),
+    page_size], None for an unquantised pool). Reshapes and bitcasts of the pool: no copy."""
+
+    def rows(pages):
+        if isinstance(pages, QuantPages):
+            kh, p, s, h = pages.shape
+            # Gathered as their bits (fp8 values, bf16 scales): XLA:CPU has no fp8 or bf16
+            # gather and would widen the layer's whole pool first; a bitcast is free, and only
+            # the gathered block is widened (`_widen`).
+            values, scales = _bits(pages.values), _bits(pages.scales)
+            return values.reshape(kh * p, s * h), scales.reshape(kh * p, s)
+        pages = jnp.asarray(pages)  # numpy can't take tracers
+        kh, p, s, h = pages.shape
+        return pages.reshape(kh * p, s * h), None
+
+    (k, ks), (v, vs) = rows(k_pages), rows(v_pages)
+    kh, num_pages = k_pages.shape[:2]
+    return k, v, jnp.arange(kh) * num_pages, ks, vs, k_pages.dtype
+
+
+def _bits(x):
+    """x as unsigned ints of its width where it is a float of 16 bits or fewer (bf16, fp8): a
+    bitcast, so gathers and scatters move bits, which every backend has."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 2:
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return x
+
+
+def _from_bits(x, dtype):
+    """The inverse of `_bits`: x back in `dtype`."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _widen(x, dtype):
+    """A gathered block (values as stored, or their bits) in f32."""
+    return _from_bits(x, dtype).astype(jnp.float32)
 
 
 def _shared_prefix(qg, pool, page_indices, shared_len, group, carry, pages_per_block):
@@ -217,11 +278,15 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
     which hold tokens start[x]*page_size .. stop[x,m]-1 for query row m; carry is the running
     max and sum [X,K,M] and the unnormalised output [X,K,M,H].
 
-    `pool` is (k rows, v rows, first row of each kv head): the pool viewed as one page per row
-    [(K*P), page_size*H], so a block's pages are one gather with a 1-D index, which XLA:CPU
-    copies several times faster than a multi-dimensional page gather.
+    `pool` is (k rows, v rows, first row of each kv head, k scale rows, v scale rows, the
+    cache dtype; `_page_rows`): the pool
+    viewed as one page per row [(K*P), page_size*H], so a block's pages are one gather with a
+    1-D index, which XLA:CPU copies several times faster than a multi-dimensional page gather.
+    A quantised pool (scale rows not None) is read as stored: the block's values are widened
+    to f32 and its scales folded into the scores (K) and the probabilities (V), per key, so
+    no dequantised copy of anything larger than a block is made.
     """
-    k_rows, v_rows, head_base = pool
+    k_rows, v_rows, head_base, k_scales, v_scales, dtype = pool
     x, kh, _, h = qg.shape
     page_size = k_rows.shape[1] // h
     s_blk = pages_per_block * page_size
@@ -239,8 +304,11 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
         # Table entries are pages of the pool, so in bounds: no clamping or fill per element.
         k = k_rows.at[rows].get(mode="promise_in_bounds").reshape(x, kh, s_blk, h)
         v = v_rows.at[rows].get(mode="promise_in_bounds").reshape(x, kh, s_blk, h)
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        k, v = _widen(k, dtype), _widen(v, dtype)
         s = jnp.einsum("XKMH,XKSH->XKMS", qg, k)
+        if k_scales is not None:  # key j's scale multiplies its score
+            ks = k_scales.at[rows].get(mode="promise_in_bounds").reshape(x, kh, 1, s_blk)
+            s = s * _widen(ks, SCALE_DTYPE)
         pos = first[:, None] * page_size + jnp.arange(s_blk)  # [X,S]
         valid = pos[:, None, :] < stop[:, :, None]  # [X,M,S]
         s = jnp.where(valid[:, None], s, -jnp.inf)
@@ -250,7 +318,11 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
         shift = jnp.where(m_new > -jnp.inf, m_new, 0.0)
         p = jnp.exp(s - shift[..., None])  # [X,K,M,S]
         scale = jnp.exp(m - shift)
-        acc = acc * scale[..., None] + jnp.einsum("XKMS,XKSH->XKMH", p, v)
+        pv = p
+        if v_scales is not None:  # value j's scale multiplies its weight
+            vs = v_scales.at[rows].get(mode="promise_in_bounds").reshape(x, kh, 1, s_blk)
+            pv = p * _widen(vs, SCALE_DTYPE)
+        acc = acc * scale[..., None] + jnp.einsum("XKMS,XKSH->XKMH", pv, v)
         return m_new, l * scale + p.sum(-1), acc
 
     todo = jnp.maximum(stop.max(1) - start * page_size, 0)
@@ -277,8 +349,18 @@ def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
     k_splits = fits[0] if fits else 1
     per_block = _largest_divisor(pages_per_seq // k_splits, (8, 4, 2, 1))
     # The kernel does not scale the scores. q is cast to the cache dtype so that Triton's dot
-    # sees matching operand dtypes, as the kernel assumes without quantisation scales.
-    qs = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k_pages.dtype)
+    # sees matching operand dtypes, as the kernel assumes without quantisation scales. With
+    # them (a QuantPages pool) the kernel widens each block of int8 / fp8 pages to q's dtype
+    # itself and multiplies the scores by the keys' scales and the probabilities by the
+    # values' (its k_scales_pages / v_scales_pages [K,P,page_size], our layout): q stays in
+    # the compute dtype.
+    scales = {}
+    if isinstance(k_pages, QuantPages):
+        scales = dict(k_scales_pages=k_pages.scales, v_scales_pages=v_pages.scales)
+        k_pages, v_pages = k_pages.values, v_pages.values
+        qs = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+    else:
+        qs = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k_pages.dtype)
     out = gpu_pa.paged_attention(
         qs,
         k_pages,
@@ -288,6 +370,7 @@ def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
         k_splits=k_splits,
         pages_per_compute_block=per_block,
         interpret=interpret,
+        **scales,
     )
     return out.astype(q.dtype)
 
@@ -295,6 +378,14 @@ def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
 def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, interpret):
     # Imported on use, like an optional dependency: a run needs one platform's kernel at most.
     import contextlib
+
+    if isinstance(k_pages, QuantPages):
+        raise ValueError(
+            f"backend 'pallas_tpu' cannot read a {k_pages.dtype} KV cache in place: JAX's TPU "
+            "kernel takes int8 pages only with scales broadcast to the pages' own shape "
+            "[K,P,page_size,H] (a full-size float copy of the pool per layer), and no fp8; "
+            "use backend 'blockwise' (what 'auto' picks for a quantised cache on TPU)"
+        )
 
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
@@ -333,10 +424,15 @@ def resolve_backend(
     the cache dtype, `head_dim` and `page_size` the page shape. "auto" picks
     - tpu: "pallas_tpu" when head_dim % 128 == 0. Mosaic needs a block's last dim divisible by
       128 or equal to the array's, and the kernel gives its softmax max/sum outputs [..., 1]
-      q's block spec, last dim H: head_dim 64 (Qwen2.5-0.5B, Llama-3.2-1B) fails;
+      q's block spec, last dim H: head_dim 64 (Qwen2.5-0.5B, Llama-3.2-1B) fails. A quantised
+      cache (int8, float8_e4m3fn) gets "blockwise": JAX's TPU kernel takes int8 pages only
+      with their scales broadcast to [K,P,page_size,H] (the size of the pool again, in a
+      float dtype, per layer and step) and no fp8 at all;
     - gpu: "pallas_gpu" when head_dim and page_size are powers of two >= 16 (Triton loads only
-      power-of-two blocks; its dot needs >= 16 per dimension);
-    - cpu: "cpu_kernel" on one device with an f32 cache, if the kernel builds. On a mesh of
+      power-of-two blocks; its dot needs >= 16 per dimension), quantised caches included (the
+      kernel reads int8 / fp8 pages with per-(token, head) scales);
+    - cpu: "cpu_kernel" on one device with an f32 cache, if the kernel builds (it reads f32
+      pages only: a quantised cache gets "blockwise"). On a mesh of
       fake CPU devices (the tests) "blockwise": its GSPMD path is what the suite exercises;
     - otherwise "blockwise", which lowers for every shape and mesh. Unknown shapes (None) get it.
     On a mesh the kernels run inside a shard_map (`sampling.partitioned`), so `sharded` no
@@ -349,7 +445,8 @@ def resolve_backend(
     platform = platform or jax.default_backend()
     platform = "gpu" if platform in ("cuda", "rocm") else platform  # jax.export's spellings
     if platform == "tpu":
-        return "pallas_tpu" if head_dim is not None and head_dim % 128 == 0 else "blockwise"
+        fits = head_dim is not None and head_dim % 128 == 0 and not is_quantized(dtype)
+        return "pallas_tpu" if fits else "blockwise"
     if platform == "gpu":
         fits = head_dim is not None and page_size is not None
         fits = fits and head_dim >= 16 and _pow2(head_dim) and page_size >= 16 and _pow2(page_size)

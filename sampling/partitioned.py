@@ -30,6 +30,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from models.sharding import logical_to_spec
+from sampling.kv_quant import QuantPages
 
 
 def spec_axes(entry) -> tuple[str, ...]:
@@ -76,6 +77,16 @@ def specs(mesh, rules, kv_heads: int) -> tuple[P, P]:
     return P(h, b, None, None), P(b)
 
 
+def pool_like(pages, pool: P, wrap=lambda spec: spec):
+    """The spec tree of one layer's pool `pages` from the spec `pool` of a [K,P,page_size,H]
+    array: `wrap(pool)`, or for a quantised pool (`sampling.kv_quant.QuantPages`) the values
+    on `pool` and their scales [K,P,page_size] on its first three entries: each device holds
+    the scales of exactly the pages it holds."""
+    if isinstance(pages, QuantPages):
+        return QuantPages(wrap(pool), wrap(P(*tuple(pool)[:3])))
+    return wrap(pool)
+
+
 def _local(mesh, rules, kv_heads):
     pool, slots = specs(mesh, rules, kv_heads)
     return pool[0], slots[0], pool
@@ -101,11 +112,12 @@ def decode_layer(
     [B,pages_per_seq]. Returns (out [B,N,H], k_pages, v_pages), laid out as they came in."""
     h, b, pool = _local(mesh, rules, k_pages.shape[0])
     new = P(b, None, h, None)  # k, v [B,1,K,H]
+    kp, vp = pool_like(k_pages, pool), pool_like(v_pages, pool)
     return jax.shard_map(
         write_attend,
         mesh=mesh,
-        in_specs=(P(b, h, None), new, new, pool, pool, P(b), P(b, None), P(b, None), P(b)),
-        out_specs=(P(b, h, None), pool, pool),
+        in_specs=(P(b, h, None), new, new, kp, vp, P(b), P(b, None), P(b, None), P(b)),
+        out_specs=(P(b, h, None), kp, vp),
         check_vma=False,  # the kernels are opaque: their outputs carry no varying-axes info
     )(q, k, v, k_pages, v_pages, lengths, positions, page_indices, shared_len)
 
@@ -119,24 +131,26 @@ def prefill_layer(
     Returns (out [B,T,N,H], k_pages, v_pages)."""
     h, b, pool = _local(mesh, rules, k_pages.shape[0])
     heads = P(b, None, h, None)
+    kp, vp = pool_like(k_pages, pool), pool_like(v_pages, pool)
     return jax.shard_map(
         write_attend,
         mesh=mesh,
-        in_specs=(heads, heads, heads, pool, pool, P(b, None), P(b, None), P(b)),
-        out_specs=(heads, pool, pool),
+        in_specs=(heads, heads, heads, kp, vp, P(b, None), P(b, None), P(b)),
+        out_specs=(heads, kp, vp),
         check_vma=False,
     )(q, k, v, k_pages, v_pages, page_indices, valid, starts)
 
 
 def copy_pages(pages: tuple, src, dst, mesh, rules) -> tuple:
     """Each layer's pool with pages src -> dst int32[S*C] copied (shard i's copies in rows
-    [i*C, (i+1)*C), local ids; (0, 0) a no-op: the null page onto itself)."""
+    [i*C, (i+1)*C), local ids; (0, 0) a no-op: the null page onto itself). A quantised pool's
+    scales are copied with its values (both have the page axis second)."""
     h, b, pool = _local(mesh, rules, pages[0].shape[0])
 
     def local(pages, src, dst):
-        return tuple(x.at[:, dst].set(x[:, src]) for x in pages)
+        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pages)
 
-    specs_in = (tuple(pool for _ in pages), P(b), P(b))
+    spec = tuple(pool_like(x, pool) for x in pages)
     return jax.shard_map(
-        local, mesh=mesh, in_specs=specs_in, out_specs=tuple(pool for _ in pages), check_vma=False
+        local, mesh=mesh, in_specs=(spec, P(b), P(b)), out_specs=spec, check_vma=False
     )(pages, src, dst)

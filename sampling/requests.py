@@ -13,6 +13,7 @@ import operator
 import numpy as np
 
 from models.quant import DTYPES as WEIGHTS_QUANTIZED  # quantised EngineConfig.weights_dtype
+from sampling.kv_quant import CACHE_DTYPES
 from sampling.page_allocator import group_pages
 from sampling.paged_attention import BACKENDS
 
@@ -31,7 +32,7 @@ class EngineConfig:
     steps_per_call: int = 16  # decode steps per `generate` call (host sync period)
     stop_ids: tuple[int, ...] = ()
     backend: str = "auto"  # paged attention backend (sampling.paged_attention.BACKENDS)
-    cache_dtype: str = "float32"
+    cache_dtype: str = "float32"  # KV pages; int8 / float8_e4m3fn: with scales (sampling.kv_quant)
     interpret: bool = False  # Pallas kernels in interpret mode: runs them on CPU (tests)
     # "": decode from the params as given; else a copy, one per rollout: in the compute dtype,
     # or "int8" / "float8_e4m3fn": block projections quantised per output channel, W8A8
@@ -93,8 +94,10 @@ class EngineConfig:
                 f"kv_watermark={self.kv_watermark}: must be in [0, 1) (a fraction "
                 "of each shard's pages)"
             )
-        if self.cache_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"cache_dtype={self.cache_dtype!r}: float32, bfloat16 or float16")
+        if self.cache_dtype not in CACHE_DTYPES:  # int8 / fp8: quantised (`sampling.kv_quant`)
+            raise ValueError(
+                f"cache_dtype={self.cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}"
+            )
         return self
 
 

@@ -41,7 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES
-from sampling import partitioned
+from sampling import kv_quant, partitioned
+from sampling.kv_quant import QuantPages
 from sampling.paged_attention import (
     gather_kv,
     paged_attention,
@@ -54,8 +55,10 @@ from sampling.paged_attention import (
 class DecodeState:
     """Everything the decode loop reads and writes; B = slots, M = max_new_tokens."""
 
-    k_pages: tuple[jax.Array, ...]  # L x f32/bf16 [K,P,page_size,H]
-    v_pages: tuple[jax.Array, ...]  # L x f32/bf16 [K,P,page_size,H]
+    # L x f32/bf16 [K,P,page_size,H], or with an int8 / fp8 cache L x `QuantPages` (values
+    # [K,P,page_size,H] and bf16 scales [K,P,page_size], `sampling.kv_quant`)
+    k_pages: tuple[jax.Array | QuantPages, ...]
+    v_pages: tuple[jax.Array | QuantPages, ...]
     page_indices: jax.Array  # int32 [B,pages_per_seq]; uploaded from the host table
     lengths: jax.Array  # int32 [B] tokens in the cache
     last_token: jax.Array  # int32 [B] token fed to the next decode step (not yet cached)
@@ -75,7 +78,7 @@ class DecodeState:
         cls, cfg: ModelConfig, num_slots, num_pages, page_size, pages_per_seq, max_new, dtype
     ):
         pages = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        layers = lambda: tuple(jnp.zeros(pages, dtype) for _ in range(cfg.num_layers))
+        layers = lambda: tuple(kv_quant.zeros(pages, dtype) for _ in range(cfg.num_layers))
         b = num_slots
         i32 = lambda *s: jnp.zeros(s, jnp.int32)
         return cls(
@@ -114,7 +117,8 @@ def state_shardings(state, mesh, rules=DEFAULT_RULES) -> DecodeState:
         return NamedSharding(mesh, PartitionSpec(*spec))
 
     pools = {
-        name: tuple(named(pool) for _ in getattr(state, name)) for name in ("k_pages", "v_pages")
+        name: tuple(partitioned.pool_like(x, pool, named) for x in getattr(state, name))
+        for name in ("k_pages", "v_pages")
     }
     rest = jax.tree.map(lambda _: named(slots), state.replace(k_pages=None, v_pages=None))
     return rest.replace(**pools)
@@ -160,6 +164,10 @@ def _prefill_local(q, k, v, kp, vp, page_indices, valid, starts, *, fresh: bool,
     if paged:  # online softmax over the pages where they lie (a chunk of a prompt)
         return paged_prefill_attention(q, kp, vp, positions, page_indices), kp, vp
     if fresh:  # a fresh prompt attends to itself only
+        # As stored: with a quantised cache the prompt's own k, v are read back as the pages
+        # hold them (rows [B,T,K,H], not the pool), so a prompt prefilled densely, chunked or
+        # recomputed after a preemption sees the same keys and values as decoding does.
+        k, v = kv_quant.as_stored(k, kp.dtype), kv_quant.as_stored(v, vp.dtype)
         return dense_attention(q, k, v, causal_mask(valid)), kp, vp
     # History + new tokens, read back from the pages just written: query t (at position
     # starts + t) sees cache positions <= starts + t.

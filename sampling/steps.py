@@ -110,7 +110,8 @@ def update(
     if layout is not None and layout[0].size > 1:
         copy = lambda pages: partitioned.copy_pages(pages, copy_src, copy_dst, *layout)
     else:
-        copy = lambda pages: tuple(x.at[:, copy_dst].set(x[:, copy_src]) for x in pages)
+        # A quantised pool's scales move with its values (`sampling.kv_quant`).
+        copy = lambda pages: jax.tree.map(lambda x: x.at[:, copy_dst].set(x[:, copy_src]), pages)
     new = lambda value, old: jnp.where(put, value, old)
     state = state.replace(
         k_pages=copy(state.k_pages),
