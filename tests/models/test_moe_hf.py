@@ -8,7 +8,6 @@ and a load by Hub id from a cache laid out as huggingface_hub lays it out.
 """
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -152,7 +151,7 @@ def test_generate_and_learner_logprobs_match_transformers(name, checkpoints, tmp
         np.testing.assert_allclose(line["logprobs"], lp[-NEW:], atol=1e-4, rtol=0)
     cfg, graphdef, params, _ = load_hf(d, mk({"data": 1}, devices=jax.devices()[:1]))
     model = nnx.merge(graphdef, params)
-    for p, (*_, lp, seq) in zip(PROMPTS, ref):
+    for *_, lp, seq in ref:
         tokens = jnp.asarray([seq])
         pos = jnp.arange(len(seq))[None]
         ours = token_logprobs(model, tokens, pos, jnp.ones_like(tokens, bool), SamplingParams())

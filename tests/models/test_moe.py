@@ -1,0 +1,257 @@
+"""The mixture-of-experts block (models/moe.py) on a mesh with an expert axis (issue 52 item 2),
+against one device, and its bad inputs.
+
+A tiny Qwen3-MoE shape (8 experts, top-2, layers 0 and 2 of 3 with experts) on the 8 fake CPU
+devices: expert=4 (x data=2) and expert=2 x fsdp=2 x tensor=2. The log-prob pass and its
+gradient (what the learner differentiates) equal one device's within 1e-5 in f32, greedy decoding
+of the sampler equals one device's exactly, each device holds 1/expert of the experts' bytes (or
+less), and the decode step and the learner's train step lowered for tpu and cuda hold the
+experts' matmuls as ragged_dot (a grouped matmul), no dot over all experts at once.
+"""
+
+import dataclasses
+import json
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import ModelConfig
+from models.hf_config import CheckpointError, config_from_hf
+from models.moe import check_expert_axis, local_moe, route
+from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
+from rl.logprobs import token_logprobs
+from sampling.distribution import SamplingParams
+
+CFG = ModelConfig(
+    family="qwen3_moe", vocab_size=64, d_model=32, d_ff=40, num_layers=3, num_heads=4,
+    num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=8, experts_per_token=2,
+    expert_d_ff=24, norm_topk_prob=True, moe_layers=(0, 2),
+)  # fmt: skip
+MESHES = {
+    "expert4": {"data": 2, "expert": 4},
+    "expert2_fsdp2_tensor2": {"expert": 2, "fsdp": 2, "tensor": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def one():
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, params = init_params(CFG, mesh, DEFAULT_RULES, seed=3)
+    return graphdef, jax.device_get(params)
+
+
+def _on(mesh, params):
+    shardings = state_shardings(params, mesh, DEFAULT_RULES)
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), params, shardings)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, CFG.vocab_size, (8, 12)).astype(np.int32)
+    valid = np.ones_like(tokens, bool)
+    valid[1, :3] = valid[5, :5] = False  # left padding
+    positions = np.maximum(np.cumsum(valid, 1) - 1, 0).astype(np.int32)
+    weights = rng.standard_normal((8, 11)).astype(np.float32)
+    return tokens, positions, valid, weights
+
+
+def _logp_and_grad(graphdef, params, tokens, positions, valid, weights):
+    def loss(params):
+        lp = token_logprobs(nnx.merge(graphdef, params), tokens, positions, valid, SamplingParams())
+        return jnp.sum(lp.logp * weights * valid[:, 1:]), lp.logp
+
+    (_, logp), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logp, grads
+
+
+_step = jax.jit(_logp_and_grad, static_argnums=0)
+
+
+def test_grouped_block_equals_a_dense_reference():
+    """local_moe (sorted pairs, ragged_dot) against a numpy loop over tokens and their experts."""
+    rng = np.random.default_rng(1)
+    n, d, f, e, k = 10, 6, 5, 4, 2
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    router = rng.standard_normal((d, e)).astype(np.float32)
+    gate, up = (rng.standard_normal((e, d, f)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((e, f, d)).astype(np.float32)
+    for norm in (True, False):
+        w, ids = route(jnp.asarray(x), jnp.asarray(router), k, norm)
+        got = np.asarray(local_moe(jnp.asarray(x), w, ids, gate, up, down))
+        logits = x @ router
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        want = np.zeros_like(x)
+        for i in range(n):
+            top = np.argsort(-p[i])[:k]
+            g = p[i, top] / (p[i, top].sum() if norm else 1)
+            for j, gj in zip(top, g):
+                h = x[i] @ gate[j]
+                want[i] += gj * ((h / (1 + np.exp(-h))) * (x[i] @ up[j])) @ down[j]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        # replaying the ids it chose gives the same output (routing replay's entry point)
+        w2, ids2 = route(jnp.asarray(x), jnp.asarray(router), k, norm, experts=ids)
+        np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids))
+        np.testing.assert_array_equal(np.asarray(w2), np.asarray(w))
+
+
+@pytest.mark.parametrize("name", MESHES)
+def test_sharded_logprobs_and_gradients_equal_one_device(name, one):
+    graphdef, params = one
+    tokens, positions, valid, weights = _batch()
+    want_lp, want_g = _step(graphdef, params, tokens, positions, valid, weights)
+    mesh = make_mesh(MESHES[name])
+    sharded = _on(mesh, params)
+    ep = mesh.shape["expert"]
+    for layer in CFG.moe_layers:  # each device holds 1/expert of the experts' bytes (or less)
+        for p in ("gate", "up", "down"):
+            x = sharded["blocks"][layer]["mlp"][p].get_value()
+            shard = x.addressable_shards[0].data
+            assert shard.shape[0] == CFG.num_experts // ep
+            assert shard.nbytes * ep <= x.nbytes
+    with jax.set_mesh(mesh):
+        got_lp, got_g = _step(graphdef, sharded, tokens, positions, valid, weights)
+    np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), atol=1e-5, rtol=0)
+    flat_want = jax.tree_util.tree_leaves_with_path(want_g)
+    for (path, w), g in zip(flat_want, jax.tree.leaves(got_g)):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=str(path)
+        )
+    assert any(float(np.abs(np.asarray(g)).max()) > 1e-3 for g in jax.tree.leaves(got_g))
+
+
+def _greedy(graphdef, params, mesh):
+    from sampling.engine import Engine, EngineConfig
+    from sampling.episodes import generate_all
+
+    ecfg = EngineConfig(num_slots=8, page_size=8, num_pages=64, max_prompt_len=16,
+                        max_new_tokens=10, steps_per_call=5)  # fmt: skip
+    engine = Engine(
+        CFG, graphdef, ecfg, SamplingParams(temperature=0.0), mesh=mesh, rules=DEFAULT_RULES
+    )
+    prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]] * 2
+    _, results = generate_all(engine, params, engine.init_state(), prompts)
+    return [(r[0].tokens, r[0].logprobs) for r in results]
+
+
+@pytest.mark.slow  # three samplers compiled (~20 s)
+def test_sharded_sampler_greedy_equals_one_device(one):
+    graphdef, params = one
+    single = make_mesh({}, devices=jax.devices()[:1])
+    want = _greedy(graphdef, _on(single, params), single)
+    for shape in MESHES.values():
+        mesh = make_mesh(shape)
+        got = _greedy(graphdef, _on(mesh, params), mesh)
+        for (t1, l1), (t2, l2) in zip(got, want):
+            assert list(t1) == list(t2)
+            np.testing.assert_allclose(l1, l2, atol=1e-5)
+
+
+def _ragged_and_dense_expert_dots(text: str):
+    """(ragged_dot ops, dot_generals whose operand has the expert count E leading a [E,D,F]
+    or [E,F,D] weight) in a StableHLO module."""
+    ragged = len(re.findall(r"ragged_dot", text))
+    e, d, f = CFG.num_experts, CFG.d_model, CFG.expert_d_ff
+    dense = [
+        ln for ln in text.splitlines()
+        if "dot_general" in ln and re.search(rf"tensor<{e}x({d}x{f}|{f}x{d})x", ln)
+    ]  # fmt: skip
+    return ragged, dense
+
+
+@pytest.mark.slow  # four lowerings of the train step and decode step (~30 s)
+@pytest.mark.parametrize("platform", ("tpu", "cuda"))
+def test_decode_and_train_step_lower_with_ragged_dot(platform):
+    from configs.default import get_config
+    from launch.validate import engine_config, learner_config, sampling_params
+    from models.sharding import abstract_model, with_shardings
+    from rl.learner import Learner
+    from sampling.engine import Engine
+    from sampling.lowering import lower_generate
+    from tests.sampling.test_tpu_export import _batch as abstract_batch
+
+    c = get_config()
+    c.mesh.update(data=2, expert=4)
+    c.data.prompts_per_step, c.rl.num_generations = 4, 4
+    c.sampling.max_prompt_len, c.sampling.max_new_tokens = 16, 16
+    cfg = dataclasses.replace(CFG, dtype="bfloat16")
+    graphdef, shapes = abstract_model(cfg)
+    mesh = make_mesh(dict(c.mesh))
+    shardings = state_shardings(shapes, mesh, DEFAULT_RULES)
+    params = with_shardings(shapes, shardings)
+    learner = Learner(learner_config(c, (63,)), graphdef, shardings)
+    lowered = learner.lower_step(
+        params, abstract_batch(c, mesh, DEFAULT_RULES), platforms=(platform,)
+    )
+    ragged, dense = _ragged_and_dense_expert_dots(lowered.as_text())
+    assert ragged >= 3 * len(CFG.moe_layers) and dense == []
+    ecfg = dataclasses.replace(engine_config(c, (63,)), num_slots=8, num_pages=64)
+    engine = Engine(cfg, graphdef, ecfg, sampling_params(c), mesh=mesh, rules=DEFAULT_RULES)
+    text = lower_generate(engine, params, platforms=(platform,)).as_text()
+    ragged, dense = _ragged_and_dense_expert_dots(text)
+    assert ragged >= 3 * len(CFG.moe_layers) and dense == []
+    assert "all_to_all" in text
+
+
+# --- bad inputs: one line naming the field, before anything is made -----------------------------
+
+
+def _moe_config(tmp_path, **fields):
+    hf = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=64,
+              hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=16, eos_token_id=1)  # fmt: skip
+    hf.update(fields)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(num_experts_per_tok=5), r"num_experts_per_tok=5: must be in \[1, num_experts = 4\]"),
+        (dict(shared_expert_intermediate_size=64), r"shared_expert_intermediate_size=64 is not supported"),
+        (dict(n_shared_experts=1), r"n_shared_experts=1 is not supported"),
+        (dict(routed_scaling_factor=2.5), r"routed_scaling_factor=2.5 is not supported"),
+        (dict(moe_intermediate_size=None), r"missing field 'moe_intermediate_size'"),
+    ],
+)  # fmt: skip
+def test_bad_moe_config_is_one_line_naming_the_field(tmp_path, fields, message):
+    fields = {k: v for k, v in fields.items() if v is not None}
+    path = _moe_config(tmp_path, **fields)
+    if "moe_intermediate_size" in message:
+        hf = json.loads((tmp_path / "config.json").read_text())
+        del hf["moe_intermediate_size"]
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=message) as e:
+        config_from_hf(path)
+    assert "\n" not in str(e.value)
+
+
+def test_expert_axis_must_divide_the_experts(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"^mesh.expert=3: does not divide the model's num_experts=8"
+    ):
+        check_expert_axis(8, 3)
+    with pytest.raises(ValueError, match=r"experts_per_token=9: must be in \[1, num_experts = 8\]"):
+        dataclasses.replace(CFG, experts_per_token=9)
+    from configs.default import get_config
+    from launch.cli import UsageError
+    from launch.validate import check_expert_mesh
+
+    c = get_config()
+    c.mesh.expert = 3
+    with pytest.raises(
+        UsageError, match=r"mesh.expert.*3.*does not divide the checkpoint's num_experts = 8"
+    ):
+        check_expert_mesh(c, 8)
+    c.mesh.expert = 2
+    check_expert_mesh(c, 8)
+    with pytest.raises(UsageError, match=r"mesh.expert.*dense model"):
+        check_expert_mesh(c, 0)
+    shutil.rmtree(tmp_path)
