@@ -252,3 +252,51 @@ def test_preempted_and_recomputed_episodes_match_the_uninterrupted_run(dtype):
     )
     tp._close(tp._run(engine, (params,)), want)
     assert engine.preemptions > 0 and engine.recomputed_tokens > 0
+
+
+def _real_engine(name, mesh_name, platform, dtype):
+    """tests/sampling/test_tpu_export.py's real config `name` (its widths, heads, pool and
+    mesh; 2 layers) with cache dtype `dtype` and the backend "auto" picks on `platform`."""
+    from launch.validate import engine_config, sampling_params
+    from tests.sampling.test_tpu_export import _setup
+
+    c, cfg, eos, graphdef, mesh, rules, _, params = _setup(name, mesh_name)
+    ecfg = dataclasses.replace(engine_config(c, eos), cache_dtype=dtype)
+    backend = resolve_backend(
+        "auto", mesh.size > 1, dtype, cfg.head_dim, ecfg.page_size, platform=platform
+    )
+    ecfg = dataclasses.replace(ecfg, backend=backend)
+    engine = Engine(cfg, graphdef, ecfg, sampling_params(c), mesh=mesh, rules=rules)
+    engine.pages.set_group(c.rl.num_generations)  # the cascade, as a GRPO rollout decodes
+    return engine, params, mesh
+
+
+@pytest.mark.slow  # 16 lowerings of real widths: about 4 s each
+@pytest.mark.parametrize("mesh_name", ["1-device", "config-mesh"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantised_decode_step_lowers_for_tpu_and_cuda(dtype, name, platform, mesh_name):
+    """The decode step of Qwen2.5-0.5B (head_dim 64) and Qwen3-0.6B (head_dim 128) with an int8
+    / fp8 cache lowers for TPU (blockwise: the Mosaic kernel cannot take the scales) and CUDA
+    (the Pallas Triton kernel with its k/v_scales_pages), on one device and the config's
+    8-device mesh (inside a shard_map), taking each layer's pool as stored with its bf16
+    scales, and copying no pool."""
+    from tests.sampling.test_tpu_export import pool_copies
+
+    engine, params, mesh = _real_engine(name, mesh_name, platform, dtype)
+    assert engine.backend == ("pallas_gpu" if platform == "cuda" else "blockwise")
+    lowered = lower_generate(engine, params, platforms=(platform,))
+    text = lowered.as_text()
+    assert f"mhlo.num_partitions = {mesh.size}" in text
+    assert ("__gpu$xla.gpu.triton" in text) == (platform == "cuda")
+    assert ("manual" in text) == (mesh.size > 1)
+    cfg, e = engine.cfg, engine.ecfg
+    pool = (cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim)
+    state = lowered.args_info[0][1]
+    for pages in (*state.k_pages, *state.v_pages):
+        assert (pages.values.shape, pages.values.dtype) == (pool, jnp.dtype(dtype))
+        assert (pages.scales.shape, pages.scales.dtype) == (pool[:3], jnp.bfloat16)
+        assert pages.values.donated and pages.scales.donated
+    assert pool_copies(text, pool[1:]) == []
+    assert pool_copies(text, (e.num_pages // engine.num_shards, *pool[2:])) == []
