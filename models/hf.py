@@ -3,7 +3,8 @@
 Import reads one tensor at a time: it checks the tensor's shape from the safetensors header before
 reading any data, converts it to our layout and the param dtype on the host, and `device_put`s it
 straight into its target sharding. The host never holds more than one tensor, and no device holds
-an unsharded parameter (beyond what its own shard needs).
+an unsharded parameter (beyond what its own shard needs). A mixture of experts' stacked weights
+are read as one layer's projection at a time (E tensors of the Hub's per-expert layout, stacked).
 
 Export gathers one parameter at a time to the host and writes safetensors in HF's layout, in the
 param dtype by default (float32 master weights keep the round trip bitwise) or a requested dtype.

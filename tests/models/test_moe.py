@@ -255,3 +255,22 @@ def test_expert_axis_must_divide_the_experts(tmp_path):
     with pytest.raises(UsageError, match=r"mesh.expert.*dense model"):
         check_expert_mesh(c, 0)
     shutil.rmtree(tmp_path)
+
+
+def test_tensor_layout_decode_copy_keeps_the_experts_split(one):
+    """sampling.weights_layout="tensor": the per-rollout decode copy drops the batch-shard axes
+    (data, fsdp) from each weight's sharding, not `expert`: no device holds all the experts."""
+    from sampling.engine import Engine, EngineConfig
+
+    graphdef, params = one
+    mesh = make_mesh({"data": 2, "expert": 4})
+    ecfg = EngineConfig(num_slots=8, page_size=8, num_pages=64, max_prompt_len=16,
+                        max_new_tokens=8, weights_layout="tensor")  # fmt: skip
+    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=0.0), mesh=mesh,
+                    rules=DEFAULT_RULES)  # fmt: skip
+    sharded = _on(mesh, params)
+    copy = engine.decode_params(sharded)
+    for layer in CFG.moe_layers:
+        for p in ("gate", "up", "down"):
+            x = copy["blocks"][layer]["mlp"][p].get_value()
+            assert x.addressable_shards[0].data.shape[0] == CFG.num_experts // 4
