@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from models.processes import agree
 from rl.shaping import select_groups
-from sampling.peers import agree
 
 
 def fill_groups(
@@ -37,7 +37,7 @@ def fill_groups(
 ) -> tuple[list[Any], int, int, int]:
     """(this process's groups, rounds, dropped, shortfall): `quota` groups per batch shard.
 
-    Each round every shard asks for what it still misses (`sampling.peers.agree`: each process
+    Each round every shard asks for what it still misses (`models.processes.agree`: each process
     gives its own shards' counts), and `sample_round(counts)` samples counts[i] prompts x G for
     every shard i (returning this process's groups, with `.shard`, `.rewards` and `.keep()`), so
     every process runs the same rounds. A shard keeps its informative groups in the order they

@@ -15,13 +15,13 @@ from math import comb
 
 import numpy as np
 
+from models.processes import agree_json
 from rl.data import reward_inputs, tokenize_prompts
 from rl.multiturn import EpisodeSampler
 from rl.rewards import get_reward
 from rl.rollout import env_prompts
 from rl.summary import metric_means
 from sampling.episodes import generate_all
-from sampling.peers import agree_json
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -67,10 +67,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from models.processes import agree
 from rl import summary as S
 from rl.dynamic_sampling import informative
 from sampling.episodes import IDLE, EpisodeLoop
-from sampling.peers import agree
 
 
 class PartialRollouts:

@@ -14,7 +14,7 @@ Batch shards: a step's B prompts are split over the S batch shards of the mesh
 (`sampling.partitioned`), shard i taking the i-th B/S of them, and a group lives on its shard
 from its prompt to its learner rows: it is sampled in that shard's slots, scored, refilled (DAPO,
 per shard) and packed into that shard's rows of the batch. In a multi-process run each process
-does this for the shards on its own devices only (`sampling.peers`): it reads only their records,
+does this for the shards on its own devices only (`models.processes`): it reads only their records,
 runs only their rewards, tools and sandboxes, and fills only their rows. What needs the whole
 batch (`advantage=batch_std`, the logged statistics, the number of rows) it gets from small
 agreements, never the data (`rl.summary`). One process runs the same code over all its shards.
@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.processes import agree, local_values, shard_blocks
 from rl import summary as S
 from rl.advantages import compute_advantages
 from rl.data import reward_inputs, tokenize_prompts
@@ -59,7 +60,6 @@ from rl.rewards import combined_rewards
 from rl.shaping import kl_reward_penalty, overlong_penalty
 from sampling.engine import Engine
 from sampling.episodes import generate_all
-from sampling.peers import agree, local_values, shard_blocks
 
 
 @dataclasses.dataclass

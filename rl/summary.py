@@ -1,10 +1,10 @@
 """A step's statistics and advantages from the groups of every process, without their data.
 
 Each process samples, scores and packs only the groups of its own batch shards
-(`sampling.peers`). What needs the whole batch, the advantages of `advantage=batch_std`, the KL
+(`models.processes`). What needs the whole batch, the advantages of `advantage=batch_std`, the KL
 folded into the rewards, the logged means, takes a `summary` of every group: a few numbers per
 sample (reward, mask, length, turns, tool counts, KL penalty, token ages), never a token or a
-text. The processes exchange them in one `peers.agree_json` a step, in shard order, and every
+text. The processes exchange them in one `processes.agree_json` a step, in shard order, and every
 process computes the same statistics from the same list. A run of one process takes the same
 path, so its statistics are those of a run of several, to the bit.
 """
@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 
-from sampling.peers import agree_json
+from models.processes import agree_json
 
 
 def summary(grp, idx: int, step: int | None = None) -> dict:

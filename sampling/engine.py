@@ -65,13 +65,13 @@ from jax.sharding import NamedSharding
 
 from models import quant
 from models.config import ModelConfig
+from models.processes import agree, global_array, local_values, shard_processes
 from models.sharding import DEFAULT_RULES
 from sampling import partitioned, steps
 from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
 from sampling.paged_attention import resolve_backend
 from sampling.pages import PageBook
-from sampling.peers import agree, global_array, local_values, shard_processes
 from sampling.plan import CHUNK, EXTENDS, Plan, Row
 from sampling.requests import EngineConfig, Parked, Prefix, Results, Ticket, check_slots
 from sampling.state import DecodeState, state_shardings
@@ -130,7 +130,7 @@ class Engine:
                 "each shard's page 0 is its null page)"
             )
         self.slots_per_shard, self.pages_per_shard = ecfg.num_slots // s, ecfg.num_pages // s
-        # The process that decides each shard's slots (`sampling.peers`); this one's shards.
+        # The process that decides each shard's slots (`models.processes`); this one's shards.
         axes = partitioned.shard_axes(shape, rules, cfg.num_kv_heads)
         self.owners = [0] * s if mesh is None else shard_processes(mesh, axes)
         self.local_shards = [i for i in range(s) if self.owners[i] == jax.process_index()]
@@ -312,7 +312,7 @@ class Engine:
             uploaded = array.copy()
             # Placed like the array it replaces: a call whose table was kept and one whose
             # table was uploaded then see the same input (one compile).
-            # With several processes each fills its own slots' rows (`peers.global_array`).
+            # With several processes each fills its own slots' rows (`processes.global_array`).
             sharding = state.page_indices.sharding
             table = (
                 jax.device_put(uploaded, sharding)

@@ -52,7 +52,7 @@ from sampling.requests import (
 
 class PageBook:
     """Slots, pages, lengths, caps, parked sequences and reservations of one engine's shards
-    (module docstring). `local_shards`: the shards this process decides (`sampling.peers`); the
+    (module docstring). `local_shards`: the shards this process decides (`models.processes`); the
     other shards' slots are never free here."""
 
     def __init__(self, ecfg: EngineConfig, num_shards: int = 1, local_shards=None):

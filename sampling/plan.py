@@ -2,11 +2,11 @@
 `Engine.flush`: the prefill batches of the round's phases, then one `steps.update` of the slots.
 
 Why queue it: every process of a multi-process run must make the same jitted calls with the same
-shapes, in the same order, while each decides only its own batch shards (`sampling.peers`). So
+shapes, in the same order, while each decides only its own batch shards (`models.processes`). So
 the engine's methods (`prefill_many`, `bulk_insert`, `resume`, `park`, `restore`, ...) only
 change the host bookkeeping and queue their device work here. Before the round's decode call,
 each process puts the shapes its own rows need into a fixed-size vector (`Plan.shapes`), the
-processes agree on the elementwise maximum (one `peers.agree`, which carries the loop's own flags
+processes agree on the elementwise maximum (one `processes.agree`, which carries the loop's own flags
 too), and each issues the agreed calls with its own rows in them and zeros in the rows of the
 shards it does not hold. One process is the same code with nothing to agree.
 

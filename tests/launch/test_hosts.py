@@ -12,7 +12,7 @@ shards, 2 on each process).
 - A tool whose answers hold the process index and a random digit trains 3 steps on the two
   processes: nothing requires the hosts to agree, and each process's groups hold exactly the
   observations its own tool produced, in the rows of the batch that process holds.
-- The traffic of a decode call (`sampling.peers`): in the compiled `steps.generate`, the
+- The traffic of a decode call (`models.processes`): in the compiled `steps.generate`, the
   collectives whose replica groups span both processes, and the collectives of the loop around
   it (`peers.agree`, and any `multihost_utils` call): the same at 8 and at 32 slots, and none
   carries a token or a log-prob.
@@ -221,7 +221,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from launch.bench import hlo
 from models.sharding import init_params, make_mesh
-from sampling import peers, steps
+from models import processes as peers
+from sampling import steps
 from sampling.distribution import SamplingParams
 from models.config import ModelConfig
 from sampling.engine import Engine, EngineConfig

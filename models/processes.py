@@ -1,6 +1,7 @@
-"""The processes of a multi-process run, as the sampler and the rollout see them: which process
-holds each batch shard, and `agree`, the one small collective through which they agree on what
-they must do alike.
+"""The processes of a multi-process run: which process holds each batch shard of the mesh, and
+`agree`, the one small collective through which they agree on what they must do alike. Beside
+`models.sharding` (the mesh): the sampler (`sampling.engine`, `sampling.plan`) and the rollout
+(`rl.rollout`, `rl.partial`, `rl.summary`, `rl.evaluation`) both use it, and neither owns it.
 
 Each batch shard (`sampling.partitioned`) lives on the devices of one process, and that process
 alone decides and feeds its slots: its requests, its tools, sandboxes and rewards, its results
@@ -9,7 +10,7 @@ sequence of jitted calls and their shapes (SPMD), and the few decisions that fol
 counts (when a partial rollout stops, how many records each shard draws): each process puts its
 share in a fixed-size int32 vector, and `agree` gathers the vectors of all processes. No token,
 log-prob or record travels this way; `global_array` builds a jitted call's input from each
-process's rows of it.
+process's rows of it, `shard_blocks` the learner batch from each process's shards' rows.
 """
 
 from __future__ import annotations
