@@ -10,6 +10,8 @@ plots draws PNGs from those files (--out, a directory, default docs/img).
     memory    compiled per-device temporaries against the sequence length (nothing runs)
     mesh      per mesh: the sampler's KV pool and rollout peak per device, and the collectives of
               a decode step in the compiled HLO (nothing runs; hlo.py reads the HLO)
+    quant     the sampler with int8 / fp8 KV pages and decode weights against the f32 sampler:
+              greedy tokens, log-prob KL and max |diff| (quant.py)
     plots     the plots of docs/performance.md, from the JSON files of the others
 
 One module per benchmark, each with `main(argv) -> int` (launch/bench/common.py holds what they
@@ -24,7 +26,7 @@ import sys
 
 from launch.cli import UsageError, fail
 
-BENCHES = ("sampler", "learn", "loop", "memory", "mesh", "plots")  # modules of launch.bench
+BENCHES = ("sampler", "learn", "loop", "memory", "mesh", "quant", "plots")  # launch.bench.<x>
 
 
 def main(argv=None) -> int:

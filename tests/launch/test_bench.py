@@ -130,6 +130,20 @@ def test_bench_sampler_shape_tiny(roofline):
     assert c["tokens_per_s_copy"] == pytest.approx(r["tokens_per_s"])
 
 
+def test_bench_quant_qwen2_fixture(tmp_path):
+    """launch.bench quant on the qwen2 fixture, 4 prompts of 8 tokens: the f32 row is the f32
+    sampler (same greedy tokens, its log-probs the teacher-forced ones to f32 rounding); int8
+    weights move them a little, not more."""
+    path = tmp_path / "quant.json"
+    argv = ["quant", "--models", "qwen2", "--rows", "f32,weights_int8", "--num_prompts", "4"]
+    assert main([*argv, "--new_tokens", "8", "--output", str(path)]) == 0
+    f32, int8 = json.loads(path.read_text())["rows"]
+    assert (f32["row"], f32["greedy_identical"], f32["greedy_agree_tokens"]) == ("f32", 1.0, 8)
+    assert f32["kl_k3"] < 1e-10 and f32["max_abs_diff"] < 1e-4
+    assert (int8["weights"], int8["kv"]) == ("int8", "float32")
+    assert 0 < int8["kl_k3"] < 1e-2 and 0 < int8["max_abs_diff"] < 0.5
+
+
 def test_roofline_counts_the_quantized_projections():
     from launch.bench.roofline import projections
     from models.sharding import abstract_model

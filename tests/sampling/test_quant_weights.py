@@ -167,3 +167,26 @@ def test_decode_step_lowers_with_quantized_dots(platform, dtype):
     assert all(r.endswith(acc) for _, r in quantized)
     logits = [(a, r) for a, r in dots if r.endswith(f"x{CFG.vocab_size}xbf16")]
     assert logits and all("bf16" in a for a, _ in logits)  # the logits projection in bf16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_real_config_decode_step_lowers_with_quantized_dots(platform):
+    """configs/qwen2_5_0_5b_gsm8k.py's decode step (Qwen2.5-0.5B shape, 2 of its layers, its
+    8-device mesh and the backend "auto" picks there) with int8 and with fp8 decode weights,
+    lowered for `platform`: every projection dots in the quantised type, the pools are read
+    in place (tests/sampling/test_tpu_export.py's check)."""
+    from tests.sampling.test_tpu_export import _engine, check_pool_read_in_place
+
+    engine, params, mesh = _engine(
+        "qwen2.5-0.5b", "config-mesh", "gpu" if platform == "cuda" else platform
+    )
+    for dtype in quant.DTYPES:
+        ecfg = dataclasses.replace(engine.ecfg, weights_dtype=dtype)
+        e = Engine(engine.cfg, engine.graphdef, ecfg, engine.sampling, mesh, engine.layout[1])
+        e.pages.set_group(engine.cascade_group())
+        lowered = lower_generate(e, params, (platform,))
+        q = {"int8": "xi8>", "float8_e4m3fn": "xf8E4M3FN>"}[dtype]
+        quantized = [a for a, _ in _dots(lowered.as_text()) if a.count(q) == 2]
+        assert len(quantized) == 7 * e.cfg.num_layers
+        check_pool_read_in_place(e, lowered)
