@@ -304,6 +304,28 @@ def test_config_auto_warning_and_resume():
         check_resumable(saved, config_json(_config(rl__trust_region="tv")))
 
 
+def test_validate_warns_once_and_builds_the_resolved_loss(capsys):
+    """A run's start-up (launch.validate.validate, then the learner's config): an int8 rollout
+    trains with tis by default, and with is_correction=none says so in one stderr line."""
+    from launch.cli import parse_args
+    from launch.validate import learner_config, validate
+
+    int8 = ["--config.sampling.weights_dtype=int8"]
+    fp8 = ["--config.sampling.cache_dtype=float8_e4m3fn"]
+    for args, want, warned in [
+        ([], "none", False),
+        (["--config.sampling.cache_dtype=int8"], "tis", False),
+        ([*int8, "--config.rl.is_correction=none"], "none", True),
+        ([*fp8, "--config.rl.is_correction=mis"], "mis", False),
+    ]:
+        config = parse_args(args, {})[0]
+        validate(config, 1)
+        assert learner_config(config, (2,)).loss.is_correction == want, args
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == int(warned), err
+        assert all(e.startswith("warning: config.rl.is_correction='none'") for e in err), err
+
+
 @pytest.mark.parametrize(
     "bad,field",
     [
