@@ -184,7 +184,7 @@ def get_config():
     c.sampling.max_prompt_len = 8  # longest prompt (tokens); longer prompts are an error
     # paged attention: auto | cpu_kernel | blockwise | reference | pallas_gpu | pallas_tpu
     c.sampling.backend = "auto"  # auto: the fastest that lowers for this platform, shape and mesh
-    c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype
+    c.sampling.cache_dtype = ""  # KV cache dtype; "" = model.dtype; int8 / float8_e4m3fn: + scales
     # "" decodes from the training params (no copy); "bfloat16" (= model.dtype) decodes from a
     # bf16 copy made once per rollout: less HBM traffic per step, +2 bytes/param during rollouts;
     # "int8" / "float8_e4m3fn": that copy with the block projections quantised per output

@@ -1,7 +1,8 @@
 """What each mesh costs the sampler, compiled and never run: `python -m launch.bench mesh
 --shape qwen2_5_0_5b --meshes fsdp1,fsdp2,fsdp4,fsdp8,data2xfsdp4,fsdp4xtensor2
 [--config configs/qwen2_5_0_5b_code_32k.py] [--num_slots N] [--num_pages P] [--page_size S]
-[--steps_per_call K] [--weights_layout tensor|training] [--weights_dtype D] [--output F.json]`.
+[--steps_per_call K] [--weights_layout tensor|training] [--weights_dtype D] [--cache_dtype D]
+[--output F.json]`.
 
 For each mesh (axis sizes joined by "x": fsdp8, data2xfsdp4, fsdp4xtensor2, on the first
 data*fsdp*tensor of 8 CPU devices) a registered model shape (`launch.bench.common.SHAPES`) gets
@@ -13,7 +14,9 @@ split over its `shards`, and must divide by them). ONE `generate` call (steps_pe
 steps) is lowered as `Engine.dispatch` runs it (`sampling.lowering.lower_generate`, on the
 weights the rollout decodes from, `Engine.abstract_decode_params`) and compiled for the CPU.
 Per mesh, per device:
-- kv_bytes: the KV pool, each layer's k and v shard shape (`Engine.state_shardings`) x dtype;
+- kv_bytes: the KV pool, each layer's k and v shard shape (`Engine.state_shardings`) x dtype,
+  with an int8 / float8_e4m3fn cache (--cache_dtype) its bf16 scales [K,P,page_size] included;
+  kv_scale_bytes: those scales alone (`sampling.kv_quant`; 0 for a float cache);
 - generate_peak_bytes: the compiled call's arguments + outputs + temporaries - aliased
   (`launch.dry_run._report`), and rollout_peak_bytes: the rollout phase's peak as `--dry_run`
   bounds it (that + optimizer state + the reference copy when the KL term is on, + the
@@ -78,6 +81,7 @@ from models.config import ModelConfig
 from models.sharding import MESH_AXES, abstract_model, make_mesh, state_shardings, with_shardings
 from rl.learner import Learner, TrainState
 from sampling.engine import Engine
+from sampling.kv_quant import CACHE_DTYPES, QuantPages
 from sampling.lowering import _abstract_state, lower_generate
 from sampling.partitioned import num_shards
 from sampling.requests import WEIGHTS_LAYOUTS
@@ -125,6 +129,7 @@ def pool_shapes(engine: Engine) -> set[tuple[int, ...]]:
     state = _abstract_state(engine)
     out = set()
     for x in (*state.k_pages, *state.v_pages):
+        x = x.values if isinstance(x, QuantPages) else x  # int8 / fp8: the values (kv_quant)
         k, p, s, h = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
         out |= {(k, p, s, h), (k * p, s * h)}
     return out
@@ -265,6 +270,9 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
         "shards": engine.num_shards,
         "backend": engine.backend,
         "kv_bytes": _per_device_bytes((state.k_pages, state.v_pages)),
+        "kv_scale_bytes": _per_device_bytes(
+            [x.scales for x in (*state.k_pages, *state.v_pages) if isinstance(x, QuantPages)]
+        ),
     }
     start = time.perf_counter()
     compiled = lower_generate(engine, params).compile()
@@ -296,7 +304,7 @@ def measure(config, cfg: ModelConfig, name: str) -> dict:
 def bench_mesh(args) -> dict:
     config = load_config_file(args.config)
     fields = ("num_slots", "num_pages", "page_size", "steps_per_call", "weights_layout")
-    for field in (*fields, "weights_dtype"):
+    for field in (*fields, "weights_dtype", "cache_dtype"):
         if getattr(args, field) is not None:
             config.sampling[field] = getattr(args, field)
     shape = dict(SHAPES[args.shape])
@@ -398,6 +406,12 @@ def main(argv) -> int:
         type=one_of(WEIGHTS_LAYOUTS),
         default=None,
         help=f"sampling.weights_layout: {', '.join(WEIGHTS_LAYOUTS)} (default: the config's)",
+    )
+    p.add_argument(
+        "--cache_dtype",
+        type=one_of(CACHE_DTYPES),
+        default=None,
+        help=f"sampling.cache_dtype: {', '.join(CACHE_DTYPES)} (default: the config's)",
     )
     p.add_argument(
         "--weights_dtype",
