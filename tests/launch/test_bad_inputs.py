@@ -236,7 +236,7 @@ def repo_tasks(swap: str = "|`", problem: str = ""):
     launch.make_repo_tasks (repos/), the first one's issue `problem` when given."""
 
     def setup(_):
-        from launch.make_repo_tasks import make_tasks
+        from rl.envs.repo.templates import make_tasks
 
         asset = os.path.join(ROOT, "configs", "assets", "repo_fix_sft")
         os.mkdir("ckpt")

@@ -1,6 +1,7 @@
-"""launch.make_repo_tasks: every generated task's FAIL_TO_PASS tests fail with the planted bug and
-pass after the reference fix, and its PASS_TO_PASS tests pass before and after (pytest in a
-process of its own per repository state, forked from one subprocess)."""
+"""launch.make_repo_tasks (its generator: rl/envs/repo/templates.py): every generated task's
+FAIL_TO_PASS tests fail with the planted bug and pass after the reference fix, and its PASS_TO_PASS
+tests pass before and after (pytest in a process of its own per repository state, forked from one
+subprocess)."""
 
 import json
 import os
@@ -12,7 +13,8 @@ import tarfile
 
 import pytest
 
-from launch.make_repo_tasks import KINDS, TEMPLATES, main, make_task
+from launch.make_repo_tasks import main
+from rl.envs.repo.templates import KINDS, TEMPLATES, make_task
 from tests.conftest import sandbox_isolation
 
 # Runs `python -m pytest -q -rA -p no:cacheprovider <nodes>` in each root of the JSON list

@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from launch.make_repo_tasks import main, make_tasks
+from launch.make_repo_tasks import main
+from rl.envs.repo.templates import make_tasks
 from tests.conftest import sandbox_isolation
 
 

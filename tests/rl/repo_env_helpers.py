@@ -7,10 +7,10 @@ import string
 import ml_collections
 import pytest
 
-from launch.make_repo_tasks import make_tasks
 from models.tokenizer import CharTokenizer
 from rl.environment import Turn
 from rl.envs.repo import RepoEnv
+from rl.envs.repo.templates import make_tasks
 from tests.conftest import sandbox_isolation
 from tests.rl.repo_scripted import call  # noqa: F401 (shared with the tests)
 
