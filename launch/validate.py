@@ -339,9 +339,15 @@ def validate(
     if c.rl.partial_rollouts:
         from rl.partial import check_partial
 
-        resolved = c.copy_and_resolve_references()  # what "auto" means for this rollout
-        resolved.rl.is_correction = is_correction(c)
-        for field, value, why in check_partial(resolved):
+        if c.rl.is_correction == "auto":  # (check_partial refuses an explicit none)
+            _need(
+                is_correction(c) != "none",
+                "rl.is_correction",
+                "auto",
+                "means none on an unquantised rollout, and partial rollouts train on tokens of "
+                "older policies: set tis, mis or icepop (decoupled PPO's behaviour weight)",
+            )
+        for field, value, why in check_partial(c):
             _need(False, field, value, why)
     _need(c.rl.advantage_eps >= 0, "rl.advantage_eps", c.rl.advantage_eps, "must be >= 0")
     _need(

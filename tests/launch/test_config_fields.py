@@ -117,7 +117,9 @@ def test_bad_values_name_the_config_field(override, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ([], "config.rl.is_correction='none': partial rollouts train on tokens of older policies"),
+        ([], "config.rl.is_correction='auto': means none on an unquantised rollout, and partial rollouts"),
+        (["rl.is_correction=none"], "config.rl.is_correction='none': partial rollouts train on tokens of older policies"),
+        (["sampling.cache_dtype=int8", "rl.extra_groups=0"], "config.rl.extra_groups=0"),  # auto: tis
         (["rl.is_correction=tis", "rl.extra_groups=0"], "config.rl.extra_groups=0: must be in [1, data.prompts_per_step=16]"),
         (["rl.is_correction=mis", "rl.max_staleness=0"], "config.rl.max_staleness=0: must be >= 1"),
         (["rl.is_correction=tis", "sampling.min_new_tokens=1"], "config.sampling.min_new_tokens=1: must be 0"),
