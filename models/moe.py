@@ -19,8 +19,13 @@ On a device mesh (the mesh jit attaches to x, else the context mesh) the block r
 - tokens: rows split over the mesh axes other than `tensor` (data, fsdp, expert; padded to a
   multiple of their product), each device routing its own rows with the whole router;
 - experts: split over the `expert` axis (device j of it holds experts [j*E/ep, (j+1)*E/ep)) and
-  their width F over `tensor` where it divides (gathered over fsdp at the boundary, as FSDP
-  gathers every weight for its layer);
+  their width F over `tensor` where it divides, and enter the shard_map as master-weight shards
+  (the model dimension D over fsdp where it divides): each is cast to the compute dtype and then
+  gathered over fsdp inside (bf16 gathers for a bf16 model, as FSDP gathers every weight for its
+  layer), and its gradient is computed with `preferred_element_type` = the learner's
+  grad_reduce_dtype (`models.transformer.weight_grads_in`), reduce-scattered over fsdp and summed
+  over the axes its shard is replicated over in that dtype (custom VJPs `_grouped`,
+  `_router_logits`); the router likewise;
 - dispatch: each device sorts its pairs by expert, so by the device holding it, packs them into
   a [ep, N_loc*k, D] buffer (slot j: the rows for device j, at the front) and one
   `jax.lax.all_to_all` over `expert` delivers them; the receiver sorts what it got by its local
@@ -39,7 +44,9 @@ MoE layer.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +55,102 @@ from jax.sharding import PartitionSpec as P
 
 EXPERT_AXIS = "expert"  # the mesh axis that splits the experts
 TENSOR_AXIS = "tensor"  # the mesh axis that splits each expert's width F
+FSDP_AXIS = "fsdp"  # the mesh axis that splits the model dimension D of the block's weights
 
 
-def route(x, router, k: int, norm_topk_prob: bool, experts=None):
-    """x [N,D] (compute dtype), router [D,E] -> (gate weights [N,k] in x's dtype, expert ids
-    int32 [N,k]). `experts` [N,k]: use these ids (routing replay), weights from this router."""
-    logits = jnp.einsum("ND,DE->NE", x, router.astype(x.dtype))
+_DW = jax.lax.RaggedDotDimensionNumbers(  # [M,D] x [M,F] -> [G,D,F]: rows summed per group
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+class Weights(NamedTuple):
+    """How the block uses its master weights: cast to the compute dtype `dtype`, gathered over
+    the mesh axis `fsdp` (None: not split) along axis 1 (gate, up: D) or 2 (down: D) of the
+    experts and 0 of the router, and their gradients computed and reduce-scattered in `grad`."""
+
+    dtype: Any
+    grad: Any
+    fsdp: str | None = None
+
+
+def _gather(w, spec: Weights, axis: int):
+    """A master weight shard -> the compute-dtype weight the block uses (cast, then gathered)."""
+    w = w.astype(spec.dtype)
+    return w if spec.fsdp is None else jax.lax.all_gather(w, spec.fsdp, axis=axis, tiled=True)
+
+
+def _summed(ct, like):
+    """ct summed over the manual mesh axes it varies over and `like` does not: a gradient of an
+    operand replicated over axes whose devices used it on different rows (what autodiff puts
+    there, here in ct's own dtype)."""
+    axes = tuple(sorted(_varying(ct) - _varying(like)))
+    return jax.lax.psum(ct, axes) if axes else ct
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes x varies over inside a shard_map (jax's check_vma type)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # jax 0.10; `vma` before
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _scatter(dw, spec: Weights, axis: int, like):
+    """The gradient of the gathered weight (in spec.grad) -> that of the master shard `like`
+    (its dtype and varying axes): reduce-scattered over fsdp, summed over the axes the shard is
+    replicated over, in spec.grad."""
+    if spec.fsdp is not None:
+        dw = jax.lax.psum_scatter(dw, spec.fsdp, scatter_dimension=axis, tiled=True)
+    return _summed(dw, like).astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _router_logits(spec: Weights, x, w):
+    """x [N,D] (compute dtype) @ the router's master [D,E] shard -> logits [N,E]."""
+    return jnp.einsum("ND,DE->NE", x, _gather(w, spec, 0))
+
+
+def _router_fwd(spec, x, w):
+    wc = _gather(w, spec, 0)
+    return jnp.einsum("ND,DE->NE", x, wc), (x, wc, w[:0])
+
+
+def _router_bwd(spec, res, ct):
+    x, wc, like = res
+    dw = jnp.einsum("ND,NE->DE", x, ct, preferred_element_type=spec.grad)
+    return _summed(jnp.einsum("NE,DE->ND", ct, wc), x), _scatter(dw, spec, 0, like)
+
+
+_router_logits.defvjp(_router_fwd, _router_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped(spec: Weights, axis: int, x, w, sizes):
+    """x [M,K] sorted by group @ the master shard of w [G,K,J] (gathered along `axis`) ->
+    [M,J] with `jax.lax.ragged_dot`; w's gradient in spec.grad (`preferred_element_type`)."""
+    return jax.lax.ragged_dot(x, _gather(w, spec, axis), sizes)
+
+
+def _grouped_fwd(spec, axis, x, w, sizes):
+    wc = _gather(w, spec, axis)
+    return jax.lax.ragged_dot(x, wc, sizes), (x, wc, sizes, w[:0])
+
+
+def _grouped_bwd(spec, axis, res, ct):
+    x, wc, sizes, like = res
+    dx = _summed(jax.lax.ragged_dot(ct, jnp.swapaxes(wc, 1, 2), sizes), x)
+    dw = jax.lax.ragged_dot_general(x, ct, sizes, _DW, preferred_element_type=spec.grad)
+    return dx, _scatter(dw, spec, axis, like), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def route(x, router, k: int, norm_topk_prob: bool, experts=None, spec: Weights | None = None):
+    """x [N,D] (compute dtype), router [D,E] (master) -> (gate weights [N,k] in x's dtype,
+    expert ids int32 [N,k]). `experts` [N,k]: use these ids (routing replay), weights from this
+    router."""
+    spec = spec or Weights(x.dtype, x.dtype)
+    logits = _router_logits(spec, x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     if experts is None:
         top, experts = jax.lax.top_k(probs, k)
@@ -64,12 +161,14 @@ def route(x, router, k: int, norm_topk_prob: bool, experts=None):
     return top.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def grouped_ffn(x, sizes, gate, up, down):
+def grouped_ffn(x, sizes, gate, up, down, spec: Weights | None = None):
     """x [M,D] sorted by group, sizes int32 [G] (rows past their sum are padding), gate/up
-    [G,D,F], down [G,F,D] -> [M,D]: each row through its group's SwiGLU block."""
-    g = jax.lax.ragged_dot(x, gate, sizes)
-    u = jax.lax.ragged_dot(x, up, sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
+    [G,D,F], down [G,F,D] (master shards, see Weights) -> [M,D]: each row through its group's
+    SwiGLU block."""
+    spec = spec or Weights(x.dtype, x.dtype)
+    g = _grouped(spec, 1, x, gate, sizes)
+    u = _grouped(spec, 1, x, up, sizes)
+    return _grouped(spec, 2, jax.nn.silu(g) * u, down, sizes)
 
 
 def _sort_pairs(experts):
@@ -81,16 +180,16 @@ def _sort_pairs(experts):
     return order, order // k, flat[order]
 
 
-def local_moe(x, weights, experts, gate, up, down):
-    """One device, all experts: x [N,D], weights [N,k], experts int32 [N,k] -> [N,D]."""
+def local_moe(x, weights, experts, gate, up, down, spec: Weights | None = None):
+    """All experts here: x [N,D], weights [N,k], experts int32 [N,k] -> [N,D]."""
     order, token, expert = _sort_pairs(experts)
     sizes = jnp.bincount(expert, length=gate.shape[0]).astype(jnp.int32)
-    y = grouped_ffn(x[token], sizes, gate, up, down)  # [N*k, D]
+    y = grouped_ffn(x[token], sizes, gate, up, down, spec)  # [N*k, D]
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token].add(y)
 
 
-def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, split_f: bool):
+def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, spec: Weights):
     """Inside the shard_map: this device's rows x [n,D] with their weights/experts [n,k], its
     experts gate/up [E/ep,D,F'] and down [E/ep,F',D] -> [n,D] (see the module docstring)."""
     n, d = x.shape
@@ -106,12 +205,11 @@ def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, split_f: bool):
     recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * m)  # e_loc = padding
     order2 = jnp.argsort(recv_e, stable=True)
     sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-    y = grouped_ffn(recv[order2], sizes, gate, up, down)
+    y = grouped_ffn(recv[order2], sizes, gate, up, down, spec)
     y = jnp.zeros_like(y).at[order2].set(y).reshape(ep, m, d)
     back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0)  # back[j]: the rows this device sent to j
     y = back[dest, pos] * weights.reshape(-1)[order][:, None]  # [m, D] in sorted order
-    out = jnp.zeros_like(x).at[token].add(y)
-    return jax.lax.psum(out, TENSOR_AXIS) if split_f else out
+    return jnp.zeros_like(x).at[token].add(y)
 
 
 def _mesh(x):
@@ -131,17 +229,23 @@ def check_expert_axis(num_experts: int, expert_axis: int, field: str = "mesh.exp
         )
 
 
-def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=None):
-    """x [N,D] -> [N,D]: the block on one device or, on a mesh, in a shard_map (module
-    docstring). Weights in x's dtype; experts: recorded ids [N,k] or None."""
+def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=None, grad=None):
+    """x [N,D] (compute dtype) -> [N,D]: the block on one device or, on a mesh, in a shard_map
+    (module docstring). router, gate, up, down: master weights (cast to x's dtype where used;
+    their gradients computed and summed across devices in `grad`, default x's dtype);
+    experts: recorded ids [N,k] or None."""
+    grad = jnp.dtype(grad or x.dtype)
     mesh = _mesh(x)
     if mesh is None or mesh.size == 1:
-        w, ids = route(x, router, k, norm_topk_prob, experts)
-        return local_moe(x, w, ids, gate, up, down)
+        spec = Weights(x.dtype, grad)
+        w, ids = route(x, router, k, norm_topk_prob, experts, spec)
+        return local_moe(x, w, ids, gate, up, down, spec)
     shape = dict(mesh.shape)
     ep = shape.get(EXPERT_AXIS, 1)
     check_expert_axis(gate.shape[0], ep)
     split_f = shape.get(TENSOR_AXIS, 1) > 1 and gate.shape[2] % shape[TENSOR_AXIS] == 0
+    fsdp = FSDP_AXIS if shape.get(FSDP_AXIS, 1) > 1 and x.shape[1] % shape[FSDP_AXIS] == 0 else None
+    spec = Weights(x.dtype, grad, fsdp)
     rows = tuple(a for a in mesh.axis_names if shape[a] > 1 and (a != TENSOR_AXIS or not split_f))
     shards = math.prod(shape[a] for a in rows)
     n = x.shape[0]
@@ -155,13 +259,14 @@ def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=Non
     row = P(rows if rows else None, None)
 
     def body(x, router, gate, up, down, ids):
-        w, ids = route(x, router, k, norm_topk_prob, ids)
+        w, ids = route(x, router, k, norm_topk_prob, ids, spec)
         if ep == 1:
-            out = local_moe(x, w, ids, gate, up, down)
-            return jax.lax.psum(out, TENSOR_AXIS) if split_f else out
-        return _dispatch_moe(x, w, ids, gate, up, down, ep, split_f)
+            out = local_moe(x, w, ids, gate, up, down, spec)
+        else:
+            out = _dispatch_moe(x, w, ids, gate, up, down, ep, spec)
+        return jax.lax.psum(out, TENSOR_AXIS) if split_f else out
 
-    specs = (row, P(), P(ex, None, tp), P(ex, None, tp), P(ex, tp, None))
+    specs = (row, P(fsdp, None), P(ex, fsdp, tp), P(ex, fsdp, tp), P(ex, tp, fsdp))
     if ids is None:
         fn = lambda x, r, g, u, dn: body(x, r, g, u, dn, None)
         out = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=row)(x, router, gate, up, down)
@@ -188,9 +293,11 @@ class MoE(nnx.Module):
 
     def __call__(self, x, experts=None):
         """x [B,T,D] -> [B,T,D]; experts: recorded expert ids int [B,T,k] (routing replay)."""
+        from models.transformer import weight_grad_dtype  # (it imports this module)
+
         b, t, d = x.shape
-        dt = x.dtype
-        w = [p[...].astype(dt) for p in (self.router, self.gate, self.up, self.down)]
+        w = [p[...] for p in (self.router, self.gate, self.up, self.down)]
         ids = None if experts is None else experts.reshape(b * t, -1)
-        y = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids)
+        grad = weight_grad_dtype(x.dtype)
+        y = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids, grad)
         return y.reshape(b, t, d)

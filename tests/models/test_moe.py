@@ -6,7 +6,9 @@ devices: expert=4 (x data=2) and expert=2 x fsdp=2 x tensor=2. The log-prob pass
 gradient (what the learner differentiates) equal one device's within 1e-5 in f32, greedy decoding
 of the sampler equals one device's exactly, each device holds 1/expert of the experts' bytes (or
 less), and the decode step and the learner's train step lowered for tpu and cuda hold the
-experts' matmuls as ragged_dot (a grouped matmul), no dot over all experts at once.
+experts' matmuls as ragged_dot (a grouped matmul), no dot over all experts at once. A bf16
+model's train step on expert=2 x fsdp=4 gathers the experts in bf16 and sums their gradients in
+grad_reduce_dtype.
 """
 
 import dataclasses
@@ -274,3 +276,61 @@ def test_tensor_layout_decode_copy_keeps_the_experts_split(one):
         for p in ("gate", "up", "down"):
             x = copy["blocks"][layer]["mlp"][p].get_value()
             assert x.addressable_shards[0].data.shape[0] == CFG.num_experts // 4
+
+
+@pytest.mark.parametrize("grad_reduce_dtype, dtype", [("float32", "f32"), ("bfloat16", "bf16")])
+def test_bf16_step_gathers_experts_in_bf16_and_sums_their_gradients_in_grad_reduce_dtype(
+    grad_reduce_dtype, dtype
+):
+    """A bf16 MoE model's train step on expert=2 x fsdp=4 (the partitioned program, as
+    tests/rl/test_grad_reduce.py reads it): the experts' weights gathered over fsdp in bf16, and
+    every gradient reduction across devices, the experts' and the router's included, in
+    optim.grad_reduce_dtype (`models.transformer.weight_grads_in`)."""
+    from launch import estimate
+    from launch.bench import hlo
+    from launch.dry_run import abstract_batch
+    from models.sharding import abstract_model, flatten, with_shardings
+    from rl.learner import Learner, LearnerConfig, batch_sharding
+    from rl.losses import LossConfig
+
+    cfg = dataclasses.replace(CFG, dtype="bfloat16", d_model=64, expert_d_ff=32, vocab_size=128)
+    mesh = make_mesh({"expert": 2, "fsdp": 4})
+    graphdef, shapes = abstract_model(cfg)
+    shardings = state_shardings(shapes, mesh, DEFAULT_RULES)
+    params = with_shardings(shapes, shardings)
+    lcfg = LearnerConfig(
+        loss=LossConfig(kl_coef=0.0), grad_reduce_dtype=grad_reduce_dtype, logprob_chunk=32
+    )
+    learner = Learner(lcfg, graphdef, shardings)
+    batch = abstract_batch(8, 32, batch_sharding(mesh, DEFAULT_RULES))
+    est = estimate.compile(learner.lower_step(params, batch))
+    named = flatten(params)
+    experts = {
+        tuple(x.shape)
+        for n, x in named.items()
+        if n.endswith(("mlp.gate", "mlp.up", "mlp.down")) and x.ndim == 3
+    }
+    local = {(cfg.num_experts // 2, *s[1:]) for s in experts}  # an expert device's experts
+    items = hlo.collectives(est.partitioned)
+    gathers = [c for c in items if c.kind == "all-gather" and c.shapes[0][1] in local]
+    assert gathers and {c.shapes[0][0] for c in gathers} == {"bf16"}, [
+        (c.name, c.shapes) for c in gathers
+    ]
+    shapes_ = {tuple(x.shape) for x in named.values()}
+    shapes_ |= {tuple(x.sharding.shard_shape(x.shape)) for x in named.values()}
+    shapes_ |= local
+    grads = estimate.gradient_reductions(est.partitioned, shapes_)
+    # but the embedding's: its lookup's gradient is taken in the master dtype (f32), and on this
+    # mesh summed over `expert` too (the rows leave the experts' block split over it)
+    embed = tuple(sorted((cfg.vocab_size, cfg.d_model)))
+    grads = [c for c in grads if not any(tuple(sorted(d)) == embed for _, d in c.shapes)]
+    assert {d for c in grads for d, _ in c.shapes} == {dtype}, [(c.name, c.shapes) for c in grads]
+    reduced = {tuple(sorted(dims)) for c in grads for _, dims in c.shapes}
+    shards = {  # each expert weight's gradient reduce-scattered into its shard (E/2, D/4, F)
+        tuple(sorted(x.sharding.shard_shape(x.shape)))
+        for n, x in named.items()
+        if n.endswith(("mlp.gate", "mlp.up", "mlp.down")) and x.ndim == 3
+    }
+    assert shards <= reduced, (shards, reduced)
+    router = (cfg.d_model // 4, cfg.num_experts)  # reduce-scattered over fsdp too
+    assert tuple(sorted(router)) in reduced
