@@ -83,7 +83,7 @@ os.execv(sys.argv[6], [sys.argv[6], '-s', '-S', sys.argv[7]])
 """
 
 
-RUNS = [0]  # programs this process started in a sandbox (rl.multiturn reports them per process)
+RUNS = [0]  # programs this process started in a sandbox (rl.envs: the "sandbox_runs" counter)
 _RUNS_LOCK = threading.Lock()
 
 
