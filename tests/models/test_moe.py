@@ -334,3 +334,36 @@ def test_bf16_step_gathers_experts_in_bf16_and_sums_their_gradients_in_grad_redu
     assert shards <= reduced, (shards, reduced)
     router = (cfg.d_model // 4, cfg.num_experts)  # reduce-scattered over fsdp too
     assert tuple(sorted(router)) in reduced
+
+
+@pytest.mark.slow  # three learners compiled (~25 s)
+def test_learner_grads_and_step_on_the_expert_meshes_equal_one_device(one):
+    """rl.learner.Learner (GRPO loss, 2 micro-batches) on each expert mesh: the loss and every
+    parameter's gradient within 1e-5 of one device's; an optimizer step on expert=2 x fsdp=2 x
+    tensor=2 compiles and keeps the state's shardings."""
+    from rl.learner import Learner, LearnerConfig, batch_sharding
+    from rl.losses import LossConfig
+    from tests.rl.test_learner import _batch as learner_batch
+
+    graphdef, params = one
+    batch = learner_batch()
+    cfg = LearnerConfig(micro_batches=2, loss=LossConfig(max_new_tokens=17), logprob_chunk=8)
+    results = {}
+    for name, shape in {"one": None, **MESHES}.items():
+        mesh = make_mesh({}, devices=jax.devices()[:1]) if shape is None else make_mesh(shape)
+        sharded = _on(mesh, params)
+        shardings = jax.tree.map(lambda x: x.sharding, sharded)
+        learner = Learner(cfg, graphdef, shardings)
+        b = jax.device_put(batch, batch_sharding(mesh, DEFAULT_RULES))
+        grads, metrics = learner.grads(sharded, b)
+        results[name] = (jax.tree.leaves(jax.device_get(grads)), float(metrics["loss"]))
+        if name == "expert2_fsdp2_tensor2":  # the optimizer step compiles and keeps its layout
+            state, _ = learner.step(learner.init_state(sharded), b)
+            for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(shardings)):
+                assert x.sharding.is_equivalent_to(s, x.ndim)
+    want, loss = results.pop("one")
+    assert max(float(np.abs(g).max()) for g in want) > 1e-3
+    for got, got_loss in results.values():
+        assert abs(got_loss - loss) < 1e-5
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
