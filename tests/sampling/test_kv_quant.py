@@ -300,3 +300,42 @@ def test_quantised_decode_step_lowers_for_tpu_and_cuda(dtype, name, platform, me
         assert pages.values.donated and pages.scales.donated
     assert pool_copies(text, pool[1:]) == []
     assert pool_copies(text, (e.num_pages // engine.num_shards, *pool[2:])) == []
+
+
+@pytest.mark.parametrize(
+    "mesh_shape", [{}, {"data": 2, "fsdp": 2, "tensor": 2}], ids=["one", "mesh"]
+)
+def test_page_copies_move_the_scales_with_the_values(mesh_shape):
+    """`steps.update`'s page copies (a shared prompt's partial last page given to each sample,
+    `sampling.plan`) on a quantised pool: the destination pages get the source's values and
+    scales, on one device and per shard on a mesh (shard-local ids), nothing else changes."""
+    from sampling import steps
+
+    mesh = make_mesh(mesh_shape, devices=None if mesh_shape else jax.devices()[:1])
+    ecfg = dataclasses.replace(ECFG, cache_dtype="int8", num_pages=32)
+    engine = Engine(CFG, None, ecfg, SamplingParams(0.0), mesh=mesh if mesh_shape else None)
+    state = engine.init_state()
+    rng = np.random.default_rng(6)
+    pool = (CFG.num_kv_heads, ecfg.num_pages, ecfg.page_size, CFG.head_dim)
+    k = rng.integers(-127, 128, pool).astype(np.int8)
+    ks = rng.uniform(0.5, 2, pool[:3]).astype(ml_dtypes.bfloat16)
+    put = lambda x, like: jax.device_put(x, like.sharding)
+    layer = QuantPages(put(k, state.k_pages[0].values), put(ks, state.k_pages[0].scales))
+    state = state.replace(k_pages=(layer, *state.k_pages[1:]))
+    s = engine.num_shards
+    local = ecfg.num_pages // s
+    src = np.array([[3, 5] for _ in range(s)], np.int32).reshape(-1)  # shard-local ids
+    dst = np.array([[6, 7] for _ in range(s)], np.int32).reshape(-1)
+    b = ecfg.num_slots
+    zeros = np.zeros(b, np.int32)
+    off = np.zeros(b, bool)
+    args = (off, off, zeros, zeros, zeros, zeros, zeros, zeros, zeros, src, dst, engine.layout)
+    new = steps.update(state, *args)
+    want_k, want_s = k.copy(), ks.copy()
+    for i in range(s):
+        want_k[:, i * local + dst[2 * i : 2 * i + 2]] = k[:, i * local + src[2 * i : 2 * i + 2]]
+        want_s[:, i * local + dst[2 * i : 2 * i + 2]] = ks[:, i * local + src[2 * i : 2 * i + 2]]
+    np.testing.assert_array_equal(np.asarray(new.k_pages[0].values), want_k)
+    np.testing.assert_array_equal(
+        np.asarray(new.k_pages[0].scales, np.float32), want_s.astype(np.float32)
+    )
