@@ -22,8 +22,8 @@ from configs import repo_fix
 from launch.validate import engine_config
 from rl.envs import make_env
 from rl.envs.repo_fix_tasks import repo_fix_records, scripted_episode
+from rl.groups import GroupSampler
 from rl.multiturn import EpisodeSampler, env_metrics
-from rl.rollout import env_prompts
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 
@@ -60,23 +60,21 @@ def report(graphdef, params, held_out, tok, samples: int, seed: int) -> dict:
     cfg = nnx.merge(graphdef, params).cfg
     env = make_env(c.env.name, tok, c)
     ecfg = engine_config(c, tuple(tok.eos_ids) + env.stop_ids())
-    prompts = env_prompts(env, held_out, c.sampling.max_prompt_len, "prompt")
     out = {}
     for name, temp, g in (("greedy", 0.0, 1), ("sampled", 1.0, samples)):
         engine = Engine(cfg, graphdef, ecfg, SamplingParams(temperature=temp))
-        sampler = EpisodeSampler(env, engine, tok, c.env)
+        episodes = EpisodeSampler(env, engine, tok, c.env)
+        sampler = GroupSampler(engine, tok, g, c, "prompt", episodes=episodes)
         try:
-            _, res = sampler.run(
-                params, engine.init_state(), held_out, prompts, g, seed, range(len(held_out))
-            )
-            rewards = np.concatenate([fut.result() for _, _, fut in res])
+            keys = list(range(len(held_out)))
+            _, groups = sampler.round(params, engine.init_state(), held_out, keys, None, seed)
+            rewards = np.concatenate([grp.rewards for grp in groups])
         finally:
             sampler.close()
-        metrics = env_metrics([ep for eps, _, _ in res for ep in eps])
+        res = [grp.episodes for grp in groups]
+        metrics = env_metrics([ep for eps in res for ep in eps])
         out[f"{name}_reward"] = float(rewards.mean())
         for m in ("first_try_fix_rate", "second_try_fix_rate"):
             out[f"{name}_{m}"] = metrics.get(f"episode/{m}", float("nan"))
-        out[f"{name}_tool_errors"] = float(
-            np.mean([ep.tool_errors for eps, _, _ in res for ep in eps])
-        )
+        out[f"{name}_tool_errors"] = float(np.mean([ep.tool_errors for eps in res for ep in eps]))
     return out

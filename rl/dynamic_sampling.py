@@ -78,7 +78,7 @@ def fill_groups(
 
 
 def selection_rewards(groups) -> np.ndarray:
-    """f32 [n*G] rewards for the zero-variance test of groups (`rl.rollout.Group`): a masked
+    """f32 [n*G] rewards for the zero-variance test of groups (`rl.groups.Group`): a masked
     sample takes the value of its group's first kept sample, so it neither makes nor hides a
     spread."""
     out = []

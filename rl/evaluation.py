@@ -10,18 +10,18 @@ greedy episodes that report them (e.g. repo_fix's second_try_fix_rate; `rl.summa
 
 from __future__ import annotations
 
+import functools
 import math
 from math import comb
 
 import numpy as np
 
 from models.processes import agree_json
-from rl.data import reward_inputs, tokenize_prompts
+from rl.data import reward_inputs
+from rl.groups import Group, GroupSampler
 from rl.multiturn import EpisodeSampler
 from rl.rewards import get_reward
-from rl.rollout import env_prompts
 from rl.summary import metric_means
-from sampling.episodes import generate_all
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,12 +32,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _correct(reward_name, records, texts, group_size, prompt_field):
-    if not records:  # a process whose shards hold none of the held-out records
-        return np.zeros((0, group_size), bool)
-    prompts, fields = reward_inputs(records, group_size, prompt_field)
+def correct_group(record, prompt, completions, tokenizer, reward_name, prompt_field) -> Group:
+    """A held-out single-turn group scored by the 0/1 reward `reward_name` (rewards >= 0.5 are
+    correct)."""
+    g = len(completions)
+    texts = [tokenizer.decode(c.tokens) for c in completions]
+    prompts, fields = reward_inputs([record], g, prompt_field)
     scores = np.asarray(get_reward(reward_name)(prompts, texts, **fields), np.float32)
-    return (scores >= 0.5).reshape(len(records), group_size)
+    return Group(record, prompt, completions, texts, scores, {})
 
 
 def _mine(engine, records) -> tuple[list[int], list[int]]:
@@ -54,22 +56,36 @@ def _everyone(rows: list[dict]) -> list[dict]:
     return sorted((r for part in agree_json(rows) for r in part), key=lambda r: r["index"])
 
 
+def _groups(engine, params, records, tokenizer, cfg, g, seed, env=None):
+    """(indices, groups) of this process's held-out records (`_mine`), G samples each through the rollout driver
+    (`rl.groups.GroupSampler`, one synchronous round), as scored groups in record order:
+    single-turn by `cfg.eval.reward`, with `env` its episodes by the environment."""
+    index, shards = _mine(engine, records)
+    score = functools.partial(
+        correct_group,
+        tokenizer=tokenizer,
+        reward_name=cfg.eval.reward,
+        prompt_field=cfg.data.eval.prompt_field,
+    )
+    episodes = None if env is None else EpisodeSampler(env, engine, tokenizer, cfg.env)
+    sampler = GroupSampler(engine, tokenizer, g, cfg, cfg.data.eval.prompt_field, score, episodes)
+    try:
+        mine = [records[j] for j in index]
+        _, groups = sampler.round(params, engine.init_state(), mine, index, shards, seed)
+    finally:
+        sampler.close()
+    return index, groups
+
+
 def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
     """Per held-out record (every process's, in order) {"correct": [G], "masked": [G] (infra
     failures and the environment's own errors, `rl.multiturn`: they count neither way),
     "calls": [G] (made a tool call), "metrics": [G] (the environment's, {} when masked),
     "tamper": count of episodes caught changing their grading, "text": the first sample's}."""
-    index, shards = _mine(engine, records)
-    mine = [records[j] for j in index]
-    sampler = EpisodeSampler(env, engine, tokenizer, cfg.env)
-    try:
-        prompts = env_prompts(env, mine, cfg.sampling.max_prompt_len, cfg.data.eval.prompt_field)
-        _, out = sampler.run(params, engine.init_state(), mine, prompts, g, seed, index, shards)
-        rewards = [fut.result() for _, _, fut in out]
-    finally:
-        sampler.close()
+    index, groups = _groups(engine, params, records, tokenizer, cfg, g, seed, env)
     rows = []
-    for j, (eps, cs, _), r in zip(index, out, rewards):
+    for j, grp in zip(index, groups):
+        eps, r = grp.episodes, grp.rewards
         rows.append(
             {
                 "index": j,
@@ -80,7 +96,7 @@ def _episodes(env, engine, params, records, tokenizer, cfg, g, seed):
                 "metrics": [
                     {} if ep.masked else {k: float(v) for k, v in ep.metrics.items()} for ep in eps
                 ],
-                "text": tokenizer.decode(cs[0].tokens) if j == 0 else "",
+                "text": grp.texts[0] if j == 0 else "",
             }
         )
     return _everyone(rows)
@@ -129,25 +145,10 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
             out["infra_errors"] += scores["infra_errors"]
             out["tamper"] += float(sum(r["tamper"] for r in rows))
         return out
-    index, shards = _mine(greedy_engine, records)
-    mine = [records[j] for j in index]
-    prompts = tokenize_prompts(mine, tokenizer, cfg, cfg.data.eval.prompt_field)
-    decode = lambda completions: [tokenizer.decode(c.tokens) for c in completions]
-    _, greedy = generate_all(
-        greedy_engine,
-        params,
-        greedy_engine.init_state(),
-        prompts,
-        1,
-        seed=seed,
-        request_ids=index,
-        shards=shards,
-    )
-    texts = decode([g[0] for g in greedy])
-    right = _correct(cfg.eval.reward, mine, texts, 1, cfg.data.eval.prompt_field)[:, 0]
+    index, greedy = _groups(greedy_engine, params, records, tokenizer, cfg, 1, seed)
     rows = [
-        {"index": j, "correct": bool(c), "text": t if j == 0 else ""}
-        for j, c, t in zip(index, right, texts)
+        {"index": j, "correct": bool(grp.rewards[0] >= 0.5), "text": grp.texts[0] if j == 0 else ""}
+        for j, grp in zip(index, greedy)
     ]
     rows = _everyone(rows)
     out = {
@@ -155,18 +156,8 @@ def evaluate(greedy_engine, sample_engine, params, records, tokenizer, cfg, seed
         "example": rows[0]["text"] if rows else "",
     }
     if k:
-        _, sampled = generate_all(
-            sample_engine,
-            params,
-            sample_engine.init_state(),
-            prompts,
-            n,
-            seed=seed + 1,
-            request_ids=index,
-            shards=shards,
-        )
-        samples = decode([c for group in sampled for c in group])
-        correct = _correct(cfg.eval.reward, mine, samples, n, cfg.data.eval.prompt_field)
-        rows = _everyone([{"index": j, "c": int(c)} for j, c in zip(index, correct.sum(axis=1))])
+        index, sampled = _groups(sample_engine, params, records, tokenizer, cfg, n, seed + 1)
+        correct = [int((grp.rewards >= 0.5).sum()) for grp in sampled]
+        rows = _everyone([{"index": j, "c": c} for j, c in zip(index, correct)])
         out[f"pass@{k}"] = float(np.mean([pass_at_k(n, r["c"], k) for r in rows]))
     return out

@@ -1,5 +1,6 @@
 """Multi-turn rollouts: G episodes per record through an environment (`rl.envs`), on the engine's
-episode loop (`sampling.episodes`).
+episode loop (`sampling.episodes`), driven by the rollout driver (`rl.groups.GroupSampler`); this
+module is the environment's side of it (`EpisodeSampler`: begin, respond, score).
 
     record --env.prompt--> prompt ids --engine: model turn (ends on a stop id)-->
            --env.step on a tool worker--> observation ids --engine: prefilled onto the
@@ -36,7 +37,6 @@ import numpy as np
 
 from rl.environment import Environment, Episode, Turn, process_counters
 from sampling.engine import Engine
-from sampling.episodes import EpisodeLoop
 
 log = logging.getLogger(__name__)
 
@@ -154,43 +154,6 @@ class EpisodeSampler:
             for ep in eps:
                 self._close(ep)
         self.live.clear()
-
-    def loop(self, g: int, on_finish, answer_calls=None) -> EpisodeLoop:
-        """An episode loop on the engine whose turns go to this sampler's environment; its tool
-        answers taken as soon as done, or with `answer_calls` on the loop's logical clock."""
-        return EpisodeLoop(
-            self.engine,
-            g,
-            on_finish=on_finish,
-            respond=self.respond,
-            max_turn_tokens=self.max_turn_tokens,
-            answer_calls=answer_calls,
-        )
-
-    def run(self, params, state, records, prompts, g, seed, request_ids, shards=None):
-        """(state, [(episodes, completions, rewards future)] per record): G episodes each, record
-        j on batch shard shards[j] (None: where there is room)."""
-        keys = list(range(len(records)))
-        for key, r in zip(keys, records):
-            self.begin(key, r, g)
-        done = [[None] * g for _ in records]
-        left = [g] * len(records)
-        scored = {}
-
-        def on_finish(i, k, completion):
-            done[i][k] = completion
-            left[i] -= 1
-            if not left[i]:
-                scored[i] = self.score(i)
-
-        loop = self.loop(g, on_finish)
-        loop.add(prompts, request_ids=list(request_ids), keys=keys, shards=shards)
-        try:
-            state = loop.run(params, state, seed)
-        except BaseException:
-            self.abandon()
-            raise
-        return state, [(scored[i][0], done[i], scored[i][1]) for i in range(len(records))]
 
     def close(self) -> None:
         """Waits for the tool calls running, then releases what episodes still live hold

@@ -70,62 +70,56 @@ import numpy as np
 from models.processes import agree
 from rl import summary as S
 from rl.dynamic_sampling import informative
-from sampling.episodes import IDLE, EpisodeLoop
+from rl.groups import GroupSampler
+from sampling.episodes import IDLE
 
 
-class PartialRollouts:
-    """The groups in flight across steps, on one `EpisodeLoop` over the rollout engine. Every
-    count of the module docstring is per batch shard (B/S groups a step, extra_groups/S more in
-    flight, B/S x (max_tries - 1) replacements): a shard decides alike whichever process holds
-    it, and the processes agree, once per round, only on whether the step's batch is complete."""
+class Partial:
+    """Partial rollouts, an option of the rollout driver (`rl.groups.GroupSampler`): its loop
+    kept across steps, stopped once a step's batch is complete (`until`), the complete groups
+    the step trains chosen (`select`) and the rest carried. Every count of the module docstring
+    is per batch shard (B/S groups a step, extra_groups/S more in flight, B/S x (max_tries - 1)
+    replacements): a shard decides alike whichever process holds it, and the processes agree,
+    once per round, only on whether the step's batch is complete."""
 
-    def __init__(self, rollouts):
-        self.r = rollouts  # rl.rollout.Rollouts: engine, tokenizer, config, scoring
-        c = rollouts.config
-        self.shards, self.local, self.mine = rollouts.num_shards, rollouts.local, rollouts.mine
-        self.b, self.g = rollouts.quota, c.rl.num_generations
+    carries = True  # groups may be carried to a later step (their token ages are logged)
+
+    def __init__(self, sampler: GroupSampler, config, num_shards: int, local):
+        self.sampler, self.config = sampler, config
+        c = config
+        self.shards, self.local = num_shards, list(local)
+        self.mine = [i in self.local for i in range(num_shards)]
+        self.b, self.g = c.data.prompts_per_step // num_shards, c.rl.num_generations
         self.extra, self.eta = c.rl.extra_groups // self.shards, c.rl.max_staleness
         self.refresh = c.rl.refresh_kv_on_update
         self.ds = bool(c.rl.dynamic_sampling)
         # Dynamic sampling: zero-variance groups replaced per shard and step at most.
         self.budget = self.b * (c.rl.dynamic_sampling_max_tries - 1) if self.ds else 0
-        sampler = rollouts.episodes
-        # Tool answers and multi-turn gradings taken on the loop's clock (0: as soon as done).
-        self.answer_calls = (c.env.get("tool_answer_calls", 0) or None) if sampler else None
-        if sampler is None:
-            self.loop = EpisodeLoop(rollouts.engine, self.g, on_finish=self._on_finish)
-        else:
-            self.loop = sampler.loop(self.g, self._on_finish, self.answer_calls)
-        self.groups: dict[int, tuple] = {}  # key -> (record, prompt, shard), until trained
-        self.done: dict[int, tuple] = {}  # key -> (completions, score future), complete
-        self.scored: dict = {}  # key -> rl.rollout.Group, once its score was waited for
-        self.zero: set[int] = set()  # keys in `done` judged zero-variance (dynamic sampling)
-        self.done_at: dict[int, int] = {}  # key in `done` -> the loop's clock when it completed
-        self.generated: list[int] = []  # lengths of the episodes that ended in this step
+        # Tool answers and multi-turn gradings taken on the loop's clock (None: as soon as done).
+        self.answer_calls = sampler.answer_calls
+        sampler.open()  # the one loop, kept across steps
+        self.zero: set[int] = set()  # complete keys judged zero-variance (dynamic sampling)
         self.waits = 0  # decode calls of this step spent waiting for a group at the bound
         self.replacements: dict[int, set] = {}  # shard -> keys of this step's replacements
 
-    def _on_finish(self, key, k, completion) -> None:
-        self.generated.append(completion.length)
-        results = self.loop.results[key]
-        if any(c is None for c in results):
-            return
-        record, prompt, _ = self.groups[key]
-        sampler = self.r.episodes
-        self.done_at[key] = self.loop.clock
-        if sampler is None:
-            self.done[key] = (results, self.r.score(record, prompt, results))
-        else:
-            self.done[key] = (results, sampler.score(key))
+    @property
+    def loop(self):
+        """The driver's episode loop (`sampling.episodes.EpisodeLoop`)."""
+        return self.sampler.loop
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no episode queued, decoding, parked or waiting on a tool."""
+        return self.sampler.loop.idle
 
     @property
     def carried(self) -> int:
         """This process's groups not trained yet (in flight or complete): none after a drained
         step."""
-        return len(self.groups)
+        return len(self.sampler.groups)
 
     def _of(self, shard: int, keys) -> list:
-        return [k for k in keys if self.groups[k][2] == shard]
+        return self.sampler.of(shard, keys)
 
     def _add(self, step: int, shard: int, records, first: int) -> list[int]:
         """Queues records as new groups of `shard`, keyed by their request ids
@@ -134,12 +128,7 @@ class PartialRollouts:
         stride = self.b + self.extra + self.budget
         base = (step * self.shards + shard) * stride + first
         keys = list(range(base, base + len(records)))
-        prompts = self.r.prompts_of(records)
-        for key, record, prompt in zip(keys, records, prompts):
-            self.groups[key] = (record, prompt, shard)
-            if self.r.episodes is not None:
-                self.r.episodes.begin(key, record, self.g)
-        self.loop.add(prompts, request_ids=keys, keys=keys, shards=[shard] * len(keys))
+        self.sampler.add(records, keys, [shard] * len(keys))
         return keys
 
     def _draw(self, step: int, data, wants: dict, first) -> bool:
@@ -181,16 +170,20 @@ class PartialRollouts:
         if not self.ds:
             return wants
         for i in self.local:
-            new = [k for k in self._of(i, self.done) if k not in self.scored]
+            new = [k for k in self._of(i, self.sampler.done) if k not in self.sampler.scored]
             if not new:
                 continue
             if not (force or self.loop.starved(i) or self._informative(i) + len(new) >= self.b):
                 continue
-            if self.r.episodes is not None and not force:
+            if self.sampler.episodes is not None and not force:
                 if self.answer_calls is not None:  # due on the loop's clock, as tool answers
-                    new = [k for k in new if self.done_at[k] + self.answer_calls <= self.loop.clock]
+                    new = [
+                        k
+                        for k in new
+                        if self.sampler.done_at[k] + self.answer_calls <= self.loop.clock
+                    ]
                 elif self.loop.owner:  # while slots decode here: those graded by now
-                    new = [k for k in new if self.done[k][1][1].done()]
+                    new = [k for k in new if self.sampler.graded(k)]
                 if not new:
                     continue
             zero = [k for k in new if not informative(self._scored(k))]
@@ -201,29 +194,22 @@ class PartialRollouts:
         return wants
 
     def _scored(self, key):
-        """The `rl.rollout.Group` of a complete group (waits for its score)."""
-        if key not in self.scored:
-            completions, scored = self.done[key]
-            record, prompt, shard = self.groups[key]
-            if self.r.episodes is None:
-                grp = scored.result()
-            else:
-                episodes, rewards = scored
-                grp = self.r.episode_group(record, prompt, episodes, completions, rewards.result())
-            grp.shard = shard
-            self.scored[key] = grp
-        return self.scored[key]
+        """The `rl.groups.Group` of a complete group (waits for its score)."""
+        return self.sampler.group(key)
 
     def _informative(self, shard: int) -> int:
         """Complete groups of a shard judged informative."""
-        return sum(k in self.scored and k not in self.zero for k in self._of(shard, self.done))
+        return sum(
+            k in self.sampler.scored and k not in self.zero
+            for k in self._of(shard, self.sampler.done)
+        )
 
     def _complete(self, shard: int) -> int:
         """Complete groups of a shard that count towards its batch: without dynamic sampling
         every one; with it the informative ones, and the zero-variance ones too once the
         shard's replacements are spent and have all completed (as the synchronous refill waits
         for its last round before it tops the batch up)."""
-        done = self._of(shard, self.done)
+        done = self._of(shard, self.sampler.done)
         if not self.ds:
             return len(done)
         reps = self.replacements[shard]
@@ -236,13 +222,13 @@ class PartialRollouts:
         asked at the start and once every shard's groups are complete (or, if the loop ran
         dry first, once all have ended) whether a stop was requested (SIGTERM); then the step
         drains too, and queues no more replacements."""
-        c = self.r.config
+        c = self.config
         stop = stop or (lambda: False)
         stopping = [bool(stop())]  # latched, as is draining: once draining, the step drains
         draining = [bool(drain) or stopping[0]]
         stopped = [False]  # `until` ended the run, groups still in flight
         queued = [False]  # replacements queued anywhere as the run ended: it runs again
-        self.generated, self.waits = [], 0
+        self.sampler.generated, self.waits = [], 0
         self.replacements = {i: set() for i in self.local}
         first = self._replacement_first
 
@@ -271,7 +257,7 @@ class PartialRollouts:
             return stopped[0]
 
         room = lambda i: (
-            (self.b if draining[0] else self.b + self.extra) - len(self._of(i, self.groups))
+            (self.b if draining[0] else self.b + self.extra) - len(self._of(i, self.sampler.groups))
         )
         self._draw(step, data, {i: max(room(i), 0) for i in self.local}, lambda i: 0)
         root = jax.random.fold_in(jax.random.key(c.seed), step)
@@ -294,7 +280,7 @@ class PartialRollouts:
             for i in self.local:
                 keys = select(
                     self.loop,
-                    [k for k in self._of(i, self.done) if k not in self.zero],
+                    [k for k in self._of(i, self.sampler.done) if k not in self.zero],
                     self.b,
                     step,
                     self.eta,
@@ -307,16 +293,15 @@ class PartialRollouts:
                     self._group(key)
                 found, short = found + len(spare), short + len(top_up)
         except BaseException:
-            if self.r.episodes is not None:
-                self.r.episodes.abandon()  # what unscored episodes hold (workspaces)
+            self.sampler.abandon()  # what unscored episodes hold (workspaces)
             raise
         in_flight = self.loop.in_flight()
         episodes = sum(sum(c is None for c in self.loop.results[k]) for k in in_flight)
         counters = {
             "sum/rollout/carried_groups": self.carried,
             "sum/rollout/carried_episodes": episodes,
-            "generated_sum": sum(self.generated),
-            "generated_n": len(self.generated),
+            "generated_sum": sum(self.sampler.generated),
+            "generated_n": len(self.sampler.generated),
         }
         if self.ds:
             counters.update(
@@ -340,14 +325,9 @@ class PartialRollouts:
         }
 
     def _group(self, key: int):
-        """A complete group's `rl.rollout.Group`, forgotten here (trained or dropped)."""
-        grp = self._scored(key)
-        for d in (self.done, self.groups, self.scored):
-            d.pop(key)
-        self.done_at.pop(key, None)
+        """A complete group's `rl.groups.Group`, forgotten (trained or dropped)."""
         self.zero.discard(key)
-        self.loop.forget(key)
-        return grp
+        return self.sampler.take(key)
 
 
 def enough(loop, n_done: int, b: int, step: int, eta: int) -> bool:

@@ -19,7 +19,7 @@ from models.processes import agree_json
 
 
 def summary(grp, idx: int, step: int | None = None) -> dict:
-    """The JSON-able facts of a `rl.rollout.Group` that statistics and advantages need: per
+    """The JSON-able facts of a `rl.groups.Group` that statistics and advantages need: per
     sample its reward, parts, mask, length, finish, observation tokens, and for multi-turn
     episodes their counters; `idx` orders it within its shard; with `step` (partial rollouts)
     the ages step - version of its model tokens (sum, count, max, count > 0)."""

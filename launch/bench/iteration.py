@@ -19,10 +19,10 @@ from launch.bench.common import SMALL, TINY, random_prompts
 from launch.bench.learn import skewed_lengths
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
+from rl.groups import Group
 from rl.learner import Learner, LearnerConfig, batch_sharding
 from rl.losses import LossConfig
 from rl.packing import build_batch
-from rl.rollout import Group
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import generate_all

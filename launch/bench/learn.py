@@ -27,10 +27,10 @@ import numpy as np
 from launch.bench.common import TINY, finish, integer, interleaved, parse, parser, square_matmuls
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, param_count, state_shardings
+from rl.groups import Group
 from rl.learner import Learner, LearnerConfig, batch_sharding
 from rl.losses import LossConfig
 from rl.packing import build_batch
-from rl.rollout import Group
 from sampling.requests import Completion
 
 LEARN = dict(vocab_size=4096, d_model=512, d_ff=1536, num_layers=8, num_heads=8)

@@ -45,9 +45,9 @@ import jax
 import numpy as np
 
 from launch.bench.iteration import Loop
+from rl.groups import Group
 from rl.packing import bucket_rows, build_batch
 from rl.partial import enough, select
-from rl.rollout import Group
 from sampling.engine import Engine
 from sampling.episodes import EpisodeLoop
 

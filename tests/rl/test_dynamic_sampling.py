@@ -11,7 +11,7 @@ from rl.dynamic_sampling import fill_groups
 
 @dataclasses.dataclass
 class _Group:
-    """What fill_groups reads of a `rl.rollout.Group`: its shard, rewards and kept samples."""
+    """What fill_groups reads of a `rl.groups.Group`: its shard, rewards and kept samples."""
 
     shard: int
     rewards: np.ndarray

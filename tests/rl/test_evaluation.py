@@ -32,31 +32,33 @@ def test_masked_episodes_are_left_out_of_accuracy_and_pass_at_k():
 def test_evaluation_counts_the_episodes_caught_tampering(monkeypatch):
     """evaluate() with an env returns "tamper" (logged eval/tamper): the episodes of the greedy
     and the sampled runs whose environment caught the model changing its grading."""
-    from concurrent.futures import Future
     from types import SimpleNamespace as NS
 
     from rl import evaluation
     from rl.environment import Episode
+    from rl.groups import Group
 
-    class Sampler:  # G episodes per record, the first of each run caught
-        def __init__(self, *args):
-            pass
+    class Sampler:  # the rollout driver: G episodes per record, the first of each run caught
+        def __init__(self, engine, tokenizer, g, *args):
+            self.g = g
 
-        def run(self, params, state, records, prompts, g, seed, ids, shards=None):
-            eps = [[Episode({}) for _ in range(g)] for _ in records]
+        def round(self, params, state, records, keys, shards, seed):
+            eps = [[Episode({}) for _ in range(self.g)] for _ in records]
             eps[0][0].tamper = ["builtins.__build_class__"]
-            rewards = Future()
-            rewards.set_result(np.zeros(g))
-            return None, [(e, [NS(tokens=[1])] * g, rewards) for e in eps]
+            groups = [
+                Group({}, [1], [NS(tokens=[1])] * self.g, ["1"] * self.g, np.zeros(self.g), {}, e)
+                for e in eps
+            ]
+            return None, groups
 
         def close(self):
             pass
 
-    monkeypatch.setattr(evaluation, "EpisodeSampler", Sampler)
-    monkeypatch.setattr(evaluation, "env_prompts", lambda env, records, *a: [[1]] * len(records))
+    monkeypatch.setattr(evaluation, "EpisodeSampler", lambda *a: object())
+    monkeypatch.setattr(evaluation, "GroupSampler", Sampler)
     engine = NS(init_state=lambda: None, num_shards=1, local_shards=[0])
     cfg = NS(env=None, sampling=NS(max_prompt_len=8), data=NS(eval=NS(prompt_field="p")),
-             eval=NS(pass_n=3, pass_k=2))  # fmt: skip
+             eval=NS(pass_n=3, pass_k=2, reward="r"))  # fmt: skip
     out = evaluation.evaluate(engine, engine, None, [{}, {}], NS(decode=str), cfg, 0, env=object())
     assert out["tamper"] == 2 and out["infra_errors"] == 0 and out["accuracy"] == 0
 
@@ -69,11 +71,18 @@ def test_a_process_without_held_out_records_of_its_own_still_evaluates(monkeypat
 
     from rl import evaluation
 
-    def generate_all(engine, params, state, prompts, n, seed, request_ids, shards):
-        assert prompts == [] and list(request_ids) == [] and list(shards) == []
-        return None, []
+    class Sampler:  # the rollout driver, given this process's (empty) share
+        def __init__(self, *args):
+            pass
 
-    monkeypatch.setattr(evaluation, "generate_all", generate_all)
+        def round(self, params, state, records, keys, shards, seed):
+            assert records == [] and list(keys) == [] and list(shards) == []
+            return None, []
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(evaluation, "GroupSampler", Sampler)
     engine = NS(init_state=lambda: None, num_shards=4, local_shards=[0, 1])
     theirs = iter([[{"index": 0, "correct": True, "text": "2"}], [{"index": 0, "c": 3}]])
     monkeypatch.setattr(evaluation, "agree_json", lambda rows: [rows, next(theirs)])

@@ -188,8 +188,8 @@ def test_an_environment_error_is_masked_as_an_infrastructure_error_is():
     from types import SimpleNamespace
 
     from models.tokenizer import CharTokenizer
+    from rl.groups import episode_group
     from rl.multiturn import EpisodeSampler
-    from rl.rollout import episode_group
     from rl.summary import episode_stats, summary
     from sampling.requests import Completion
 

@@ -9,10 +9,10 @@ import pytest
 
 from models.attention import causal_mask, dense_attention
 from models.sharding import DEFAULT_RULES, flatten, init_params, make_mesh, state_shardings
+from rl.groups import Group
 from rl.learner import Learner, LearnerConfig, batch_sharding
 from rl.losses import LossConfig
 from rl.packing import build_batch
-from rl.rollout import Group
 from sampling.requests import Completion
 from tests.rl.test_learner import CFG
 

@@ -66,8 +66,8 @@ def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
     run = build(config)
     data = make_prompt_stream(config.data.train, batch_size=B, seed=0)
     rollouts = run.rollouts()
-    engine, completed, sampler = run.engines["rollout"], {}, rollouts.episodes
-    clock = lambda: rollouts.partial.loop.clock  # noqa: E731
+    engine, completed, sampler = run.engines["rollout"], {}, rollouts.sampler.episodes
+    clock = lambda: rollouts.sampler.loop.clock  # noqa: E731
     score = sampler.score
 
     def completing(key):  # a group's G episodes ended: its grading starts now on the clock
@@ -119,7 +119,7 @@ def test_an_episode_waiting_on_its_tool_is_carried_and_resumes_under_the_new_ver
     Gated.gate.clear()
     try:
         first = rollouts(0, run.state.params, data)
-        waiting = rollouts.partial.loop.waiting
+        waiting = rollouts.sampler.loop.waiting
         assert rollouts.carried > 0 and any(not f.done() for f in waiting)  # the held call
         assert all(Gated.held[0] not in (grp.episodes or []) for grp in first.groups)
         Gated.gate.set()  # the tool answers during the learner step

@@ -116,8 +116,8 @@ def _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
     run = build(config)
     data = make_prompt_stream(config.data.train, batch_size=B, seed=0)
     rollouts = run.rollouts()
-    rollouts.episodes.pool.shutdown()
-    rollouts.episodes.pool = _Inline()  # tools answer at once: one schedule on any machine
+    rollouts.sampler.episodes.pool.shutdown()
+    rollouts.sampler.episodes.pool = _Inline()  # tools answer at once: one schedule on any machine
     version = [0]
     stints = _spy(run.engines["rollout"], version)
     state, carried, midturn, at_bound, waits, utils = run.state, [], 0, 0, 0.0, []
@@ -126,7 +126,7 @@ def _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
     asked = []  # the last step: a stop requested while its rollout runs (launch.train's SIGTERM)
 
     def stop():
-        asked.append(len(rollouts.partial.done))
+        asked.append(len(rollouts.sampler.done))
         return len(asked) > 1  # no at the start of the step, yes once its batch is complete
 
     for step in range(STEPS):
@@ -170,7 +170,7 @@ def _carried_episodes_train_on_what_each_version_sampled(refresh, dynamic):
                                               np.float32(model))  # fmt: skip
                 i += 1
         waits += rollout.stats["rollout/staleness_waits"]
-        generated += rollouts.partial.generated
+        generated += rollouts.sampler.generated
         replaced += rollout.stats.get("dynamic_sampling_replacements", 0)
         trained += [c.length for grp in rollout.groups for c in grp.completions]
         assert len(rollout.groups) >= B
@@ -233,7 +233,7 @@ def test_a_stop_asked_when_every_group_ended_at_once_drains_the_step():
         rollouts, asked = run.rollouts(), []
 
         def stop():
-            asked.append(rollouts.partial.carried)  # groups in flight now
+            asked.append(rollouts.schedule.carried)  # groups in flight now
             return len(asked) > 1  # no at the start of the step, yes when asked again
 
         rollout = rollouts(0, run.state.params, data, stop=stop)
@@ -277,7 +277,7 @@ def _dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
     drawn, ids = [], []
     take, rollouts = data.take_shards, run.rollouts()
     data.take_shards = lambda n, mine: [drawn.extend(r) or r for r in take(n, mine)]
-    partial = rollouts.partial
+    partial = rollouts.schedule
     add = partial.loop.add
 
     def spy_add(prompts, request_ids=None, keys=None, shards=None):
@@ -301,7 +301,7 @@ def _dynamic_sampling_replaces_zero_variance_groups_as_they_complete(tries):
         assert stats["replacements"] <= b * (tries - 1)
         if stats["shortfall"] and step < steps - 1:  # once replacements are spent and ended
             assert stats["replacements"] == b * (tries - 1)
-            assert set().union(*partial.replacements.values()).isdisjoint(partial.groups)
+            assert set().union(*partial.replacements.values()).isdisjoint(rollouts.sampler.groups)
         totals = {k: v + stats[k] for k, v in totals.items()}
         trained += [grp.record["prompt"] for grp in rollout.groups]
     rollouts.close()

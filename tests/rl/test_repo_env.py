@@ -139,10 +139,11 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     from configs.default import get_config
     from models.sharding import make_mesh
     from rl.advantages import compute_advantages
+    from rl.groups import episode_group
     from rl.learner import batch_sharding
     from rl.multiturn import EpisodeSampler
     from rl.packing import build_batch
-    from rl.rollout import Rollouts, episode_group
+    from rl.rollout import Rollouts
     from rl.segments import count_sequences
     from sampling.requests import Completion
 
@@ -192,8 +193,11 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     rollouts = Rollouts(config, engine, TOK, None, None, batch_sharding(mesh, tuple(map(tuple, config.rules))),
                         0)  # fmt: skip
     # a multi-turn rollout's stats, with no tool call of its own
-    rollouts.episodes = SimpleNamespace(close=lambda: None, counters={})
-    rollouts._sample = lambda step, params, state, data: (state, [group], {"counters": {}})
+    rollouts.sampler.episodes = SimpleNamespace(close=lambda: None, counters={})
+    sample = lambda step, params, state, data, drain, stop: (state, [group], {"counters": {}})
+    rollouts.schedule = SimpleNamespace(
+        sample=sample, idle=True, carries=False, stats=lambda *a: {}
+    )
     rollout = rollouts(0, None, None)
     b = jax.device_get(rollout.batch)
     want, layout = build_batch([group], 2 + 6, 0, multiple=8)

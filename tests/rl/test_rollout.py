@@ -9,8 +9,8 @@ from launch.build import build
 from launch.cli import parse_args
 from models.sharding import on_devices
 from rl.data import make_prompt_stream
+from rl.groups import Group
 from rl.packing import build_batch
-from rl.rollout import Group
 from sampling.requests import Completion
 
 PAD = 0

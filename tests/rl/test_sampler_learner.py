@@ -11,10 +11,10 @@ import pytest
 
 from models.config import ModelConfig
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
+from rl.groups import Group
 from rl.learner import Learner, LearnerConfig
 from rl.losses import LossConfig
 from rl.packing import build_batch
-from rl.rollout import Group
 from sampling.distribution import SamplingParams, tempered_log_probs
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import generate_all
