@@ -135,7 +135,10 @@ def get_config():
     c.rl.is_cap = 2.0  # tis: weight = min(ratio, is_cap)
     c.rl.mis_low = 0.5  # mis, icepop: tokens (or sequences) with ratio outside [mis_low, ...
     c.rl.mis_high = 2.0  # ... mis_high] get no policy loss (icepop weighs those inside by ratio)
-    c.rl.trust_region = "none"  # DPPO token mask, pi vs pi_old: none | tv (prob.) | log (log-prob)
+    # DPPO trust region, pi vs pi_old: tv (prob.) and log (log-prob.) mask a token with A > 0 that
+    # moved up by more than high, or with A <= 0 down by more than low; abs_log (two-sided) one
+    # whose log pi - log pi_old left [-low, high] whatever A (|d| > delta when low = high = delta)
+    c.rl.trust_region = "none"  # none | tv | log | abs_log (above)
     c.rl.trust_region_low = 0.2  # masked where pi - pi_old < -low and A <= 0 (prime-rl: 0.2)
     c.rl.trust_region_high = 0.2  # masked where pi - pi_old > high and A > 0 (prime-rl: 0.2)
     c.rl.old_logp = "recompute"  # π_old: recompute (learner) | sampler (bypass)

@@ -38,8 +38,11 @@ Choices a reader may question:
   d < -trust_region_low, with d = pi - pi_old in probability ("tv", DPPO-Binary-TV) or
   log pi - log pi_old ("log"). A token beyond the region keeps the gradient that brings it back
   (A < 0 on a token that rose), as DPPO's and prime-rl's masks do; like MIS it acts on the
-  policy term only, and normalisers are not recounted. With pi_old = sg(logp) (recompute, one
-  pass, one minibatch) d = 0 and it masks nothing.
+  policy term only, and normalisers are not recounted. "abs_log" is the literal two-sided rule:
+  a token is dropped when d = log pi - log pi_old leaves [-trust_region_low, trust_region_high]
+  whatever its advantage's sign (|d| > delta with low = high = delta), so it also drops the
+  tokens that the sign-aware rules let bring themselves back. With pi_old = sg(logp)
+  (recompute, one pass, one minibatch) d = 0 and no rule masks anything.
 - GSPO's per-token form sg(s) * exp(logp - sg(logp)) makes every token carry the sequence ratio s
   with gradient s * grad(logp_t); with seq_mean_token_mean this is exactly GSPO's sequence loss,
   and the other aggregation modes choose a different weighting of sequences.
@@ -60,7 +63,7 @@ sg = jax.lax.stop_gradient
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "drgrpo_constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-TRUST_REGIONS = ("none", "tv", "log")  # LossConfig.trust_region
+TRUST_REGIONS = ("none", "tv", "log", "abs_log")  # LossConfig.trust_region
 # The metrics grpo_loss returns under "maxima": reduced with max over micro-batches and steps.
 MAXIMA = ("ratio_max", "is_weight_max", "mismatch_abs_logp_max")
 
@@ -87,9 +90,10 @@ class LossConfig:
     is_cap: float = 2.0  # TIS: weight = min(ratio, is_cap)
     mis_low: float = 0.5  # MIS and IcePop keep ratios in [mis_low, mis_high]
     mis_high: float = 2.0
-    trust_region: str = "none"  # DPPO token mask: none, tv (probability), log (log-prob)
+    trust_region: str = "none"  # DPPO token mask: none, tv (prob.), log (log-prob), abs_log
     trust_region_low: float = 0.2  # masked when pi - pi_old < -low on a token with A <= 0
     trust_region_high: float = 0.2  # masked when pi - pi_old > high on a token with A > 0
+    # (abs_log: masked when log pi - log pi_old < -low or > high, whatever the sign of A)
 
     def validate(self):
         """Raises ValueError naming the first bad field and why."""
@@ -254,14 +258,17 @@ def trust_region_keep(logp, old_logp, adv, cfg):
         return jnp.ones_like(logp)
     if cfg.trust_region == "tv":
         d = jnp.exp(logp) - jnp.exp(old_logp)  # [B, T] change of the token's probability
-    elif cfg.trust_region == "log":
+    elif cfg.trust_region in ("log", "abs_log"):
         d = logp - old_logp
     else:
         raise ValueError(
             f"unknown trust_region {cfg.trust_region!r}; valid: {', '.join(TRUST_REGIONS)}"
         )
     d = sg(d)
-    out = jnp.where(_per_token(adv) > 0, d > cfg.trust_region_high, d < -cfg.trust_region_low)
+    if cfg.trust_region == "abs_log":  # two-sided: the advantage's sign plays no part
+        out = (d > cfg.trust_region_high) | (d < -cfg.trust_region_low)
+    else:
+        out = jnp.where(_per_token(adv) > 0, d > cfg.trust_region_high, d < -cfg.trust_region_low)
     return 1.0 - out.astype(jnp.float32)
 
 

@@ -137,11 +137,15 @@ def is_weights(olp, slp, cfg):
 
 def trust_keep(lp, olp, a, cfg):
     """Per token of ONE sequence: False where DPPO's trust region drops it. The probability (tv)
-    or log-probability (log) moved beyond the region in the direction the advantage pushes."""
+    or log-probability (log) moved beyond the region in the direction the advantage pushes;
+    abs_log: the log-probability moved out of [-low, high], either way, whatever the advantage."""
     out = []
     for x, y in zip(lp, olp):
         if cfg.trust_region == "none":
             out.append(True)
+            continue
+        if cfg.trust_region == "abs_log":
+            out.append(-cfg.trust_region_low <= x - y <= cfg.trust_region_high)
             continue
         moved = math.exp(x) - math.exp(y) if cfg.trust_region == "tv" else x - y
         if a > 0:

@@ -159,9 +159,11 @@ def test_trust_region_by_hand():
     adv = np.array([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0]], np.float32)
     # tv, low = high = 0.2: moves +0.25 (A>0: out), +0.1 (in), -0.25 (A<0: out), -0.1 (in),
     # +0.05 (in), -0.03 (in). log, 0.5: +0.405 in, +0.18 in, -0.69 out, -0.22 in, +0.69 out, -0.92 out
+    # abs_log, 0.3 (|d| > 0.3): 0.405 out, 0.18 in, 0.69 out, 0.22 in, 0.69 out, 0.92 out
     for region, delta, want in [
         ("tv", 0.2, [0, 1, 0, 1, 1, 1]),
         ("log", 0.5, [1, 1, 0, 1, 0, 0]),
+        ("abs_log", 0.3, [0, 1, 0, 1, 0, 0]),
     ]:
         cfg = LossConfig(trust_region=region, trust_region_low=delta, trust_region_high=delta)
         got = np.asarray(trust_region_keep(jnp.asarray(new), jnp.asarray(old), adv, cfg))
@@ -173,6 +175,16 @@ def test_trust_region_by_hand():
     for sign, want in [(1, [0] * 6), (-1, [1] * 6)]:
         got = np.asarray(trust_region_keep(jnp.asarray(new), jnp.asarray(old), sign * adv, cfg))
         np.testing.assert_array_equal(got[0], want)
+    # Two-sided: the advantage's sign plays no part (with it reversed, 'log' at 0.3 keeps all
+    # six, 'abs_log' still drops four), and low and high bound each side.
+    for region, low, high, want in [
+        ("log", 0.3, 0.3, [1] * 6),
+        ("abs_log", 0.3, 0.3, [0, 1, 0, 1, 0, 0]),
+        ("abs_log", 0.5, 0.1, [0, 0, 0, 1, 0, 0]),  # d > 0.1 or d < -0.5
+    ]:
+        cfg = LossConfig(trust_region=region, trust_region_low=low, trust_region_high=high)
+        got = np.asarray(trust_region_keep(jnp.asarray(new), jnp.asarray(old), -adv, cfg))
+        np.testing.assert_array_equal(got[0], want, err_msg=f"{region} {low} {high}")
 
 
 RULES = [
@@ -185,6 +197,8 @@ RULES = [
     dict(is_correction="none", trust_region="log", trust_region_low=0.3, trust_region_high=0.25),
     dict(is_correction="tis", trust_region="tv", trust_region_low=0.1, trust_region_high=0.05,
          aggregation="seq_mean_token_sum", policy_loss="cispo"),
+    dict(is_correction="icepop", trust_region="abs_log", trust_region_low=0.3,
+         trust_region_high=0.5, aggregation="seq_mean_token_mean"),
 ]  # fmt: skip
 
 
@@ -334,7 +348,8 @@ def test_validate_warns_once_and_builds_the_resolved_loss(capsys):
         (dict(is_cap=-1.0), "is_cap=-1.0: must be > 0"),
         (dict(trust_region_low=-0.1), "trust_region_low=-0.1: must be >= 0"),
         (dict(trust_region_high=-1.0), "trust_region_high"),
-        (dict(trust_region="dppo"), "trust_region='dppo': must be one of none, tv, log"),
+        (dict(trust_region="dppo"), "trust_region='dppo': must be one of none, tv, log, abs_log"),
+        (dict(trust_region="abs_log", trust_region_high=-0.2), "trust_region_high=-0.2: must be"),
         (dict(is_level="geo"), "is_level='geo': must be one of token, sequence, geometric"),
         (dict(is_correction="auto"), "is_correction='auto': must be one of none, tis, mis, icepop"),
     ],
