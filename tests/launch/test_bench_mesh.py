@@ -80,7 +80,7 @@ def test_bench_mesh_json(bench):
     assert r["config"] == "configs/qwen2_5_0_5b_code_32k.py" and r["cache_dtype"] == "bfloat16"
     assert r["weights_layout"] == "tensor" and r["collisions"] == []
     assert list(rows) == ["fsdp1", "fsdp8", "fsdp4xtensor2"]
-    assert rows["fsdp4xtensor2"]["shape"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert rows["fsdp4xtensor2"]["shape"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
     # The shards: data x fsdp (tensor splits the 2 KV heads, not the pool's pages).
     assert {k: row["shards"] for k, row in rows.items()} == {"fsdp1": 1, "fsdp8": 8,
                                                              "fsdp4xtensor2": 4}  # fmt: skip

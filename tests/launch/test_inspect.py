@@ -14,7 +14,7 @@ def test_inspect_prints_shardings_and_greedy(capsys):
         main(["--hf_checkpoint", FIXTURE, "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "3"]) == 0
     )
     out = capsys.readouterr().out
-    assert "qwen3: 0." in out and "on mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out
+    assert "qwen3: 0." in out and "on mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2}" in out
     assert "blocks.0.attn.q " in out and "P('fsdp', 'tensor', None)" in out
     assert out.strip().splitlines()[-1].startswith("greedy: [5, 17, 42, 7, ")
 
@@ -41,7 +41,7 @@ def test_the_docstring_example_runs(capsys):
     assert argv[:3] == ["python", "-m", "launch.inspect"] and "--fake_devices" in argv, argv
     assert main(argv[3:]) == 0
     out = capsys.readouterr().out
-    assert "on mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out and "greedy: [5, 17, 42, 7, " in out
+    assert "on mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2}" in out and "greedy: [5, 17, 42, 7, " in out
 
 
 def test_out_of_vocabulary_prompt_ids_are_refused(capsys):
