@@ -1,16 +1,19 @@
 """The sampler's numerics with quantised KV pages and decode weights, against the f32 sampler:
-`python -m launch.bench quant [--models llama,qwen2,qwen3,small] [--num_prompts 32]
+`python -m launch.bench quant [--models arithmetic,llama,qwen2,qwen3,small] [--num_prompts 32]
 [--new_tokens 32] [--rows ...] [--output F.json]`.
 
-Models: the tiny HF checkpoints of tests/fixtures/hf (llama, qwen2, qwen3: random weights of
-std 0.1, so logits are spread and greedy decoding has no near-ties) and a registered bench shape
+Models: the CPU demo's warm start (arithmetic: configs/assets/arithmetic_sft, a trained
+character-level Llama of 4 layers, d_model 128, on held-out "a+b=" questions), the HF fixtures of
+tests/fixtures/hf (llama, qwen2, qwen3: random weights of std 0.1, so logits are spread and
+greedy decoding has no near-ties at f32, but small perturbations flip tokens, as the bf16 rows
+show; random prompts of 4 to 24 tokens) and a registered bench shape
 (`launch.bench.common.SHAPES`, e.g. small), random-initialised and scaled to the fixtures'
 statistics (projections and embedding std 0.1, norm scales 1). One device, f32 master weights.
 
 Rows (`ROWS`): a compute dtype, `sampling.weights_dtype` and `sampling.cache_dtype`, each
 quantised part alone (the rest f32) and both together (int8 / fp8 rows "both" compute in bf16,
-as a rollout on an accelerator does). Per row and model, `num_prompts` random prompts of 4 to 24
-tokens, exactly `new_tokens` new tokens each:
+as a rollout on an accelerator does). Per row and model, `num_prompts` prompts, exactly
+`new_tokens` new tokens each (no stop id):
 - greedy: the fraction of prompts whose first `new_tokens` greedy tokens are those of the f32
   sampler (f32 weights, compute and KV), and (agree) the mean number of tokens before the first
   that differs (a random model's near-ties make one flip likely, and every later token differs);
@@ -40,6 +43,8 @@ from sampling.episodes import generate_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = ("llama", "qwen2", "qwen3")  # tests/fixtures/hf/<name>
+ARITHMETIC = "arithmetic"  # the demo's trained warm start:
+ASSET = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
 
 # name -> (compute dtype, weights_dtype, cache_dtype); "" weights: the params as given.
 ROWS = {
@@ -58,10 +63,9 @@ ROWS = {
 
 def load(name: str, mesh):
     """(cfg, graphdef, params) of a fixture or a bench shape (module docstring), f32."""
-    if name in FIXTURES:
-        cfg, graphdef, params, _ = load_hf(
-            os.path.join(ROOT, "tests", "fixtures", "hf", name), mesh
-        )
+    if name in (*FIXTURES, ARITHMETIC):
+        path = ASSET if name == ARITHMETIC else os.path.join(ROOT, "tests", "fixtures", "hf", name)
+        cfg, graphdef, params, _ = load_hf(path, mesh)
         return cfg, graphdef, params
     from models.config import ModelConfig
 
@@ -125,6 +129,13 @@ def bench_model(name, rows, num_prompts, new_tokens, backend) -> list[dict]:
         [int(t) for t in rng.integers(1, cfg.vocab_size, size=rng.integers(4, 25))]
         for _ in range(num_prompts)
     ]
+    if name == ARITHMETIC:  # its held-out questions, as the demo renders them ("12+34=")
+        from models.tokenizer import load_tokenizer
+        from rl.tasks import arithmetic_records
+
+        tok = load_tokenizer(ASSET)
+        records = arithmetic_records(seed=0, num=num_prompts, split="eval")
+        prompts = [tok.encode(r["prompt"], add_bos=True) for r in records]
     args = (cfg, graphdef, params)
     greedy_f32, _ = sample(*args, "f32", prompts, new_tokens, 0.0, backend)
     out = []
@@ -153,14 +164,14 @@ def bench_model(name, rows, num_prompts, new_tokens, backend) -> list[dict]:
 
 
 HEADER = (
-    f"{'model':>7s} {'row':>13s} {'compute':>9s} {'weights':>14s} {'KV':>14s} | "
+    f"{'model':>10s} {'row':>13s} {'compute':>9s} {'weights':>14s} {'KV':>14s} | "
     f"{'greedy =':>8s} {'agree':>5s} {'KL k3':>9s} {'max|diff|':>9s}"
 )
 
 
 def table_row(x: dict) -> str:
     return (
-        f"{x['model']:>7s} {x['row']:>13s} {x['compute']:>9s} {x['weights']:>14s} "
+        f"{x['model']:>10s} {x['row']:>13s} {x['compute']:>9s} {x['weights']:>14s} "
         f"{x['kv']:>14s} | {x['greedy_identical']:8.0%} {x['greedy_agree_tokens']:5.1f} "
         f"{x['kl_k3']:9.2e} "
         f"{x['max_abs_diff']:9.2e}"
@@ -169,11 +180,11 @@ def table_row(x: dict) -> str:
 
 def main(argv) -> int:
     p = parser("quant", __doc__)
-    models = (*FIXTURES, *SHAPES)
+    models = (*FIXTURES, ARITHMETIC, *SHAPES)
     p.add_argument(
         "--models",
         type=some_of(models),
-        default="llama,qwen2,qwen3,small",
+        default="arithmetic,llama,qwen2,qwen3,small",
         help=f"comma-separated: {', '.join(models)}",
     )
     p.add_argument("--rows", type=some_of(tuple(ROWS)), default=",".join(ROWS), help="rows")

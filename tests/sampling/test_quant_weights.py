@@ -190,3 +190,22 @@ def test_real_config_decode_step_lowers_with_quantized_dots(platform):
         quantized = [a for a, _ in _dots(lowered.as_text()) if a.count(q) == 2]
         assert len(quantized) == 7 * e.cfg.num_layers
         check_pool_read_in_place(e, lowered)
+
+
+def test_mixture_keeps_router_and_experts_in_the_compute_dtype():
+    """A Qwen3-MoE model's int8 decode copy (abstract: nothing allocated) quantises its
+    attention projections (and a dense layer's MLP) only: the router [D,E] and the experts
+    [E,D,F] stay in the compute dtype (the names gate / up / down at rank 3 are not the dense
+    MLP's)."""
+    from models.sharding import abstract_model
+    from tests.models.test_moe import CFG as MOE
+
+    cfg = dataclasses.replace(MOE, num_layers=2, moe_layers=(1,), dtype="bfloat16")
+    graphdef, shapes = abstract_model(cfg)
+    ecfg = dataclasses.replace(ECFG, backend="reference", weights_dtype="int8")
+    copy = Engine(cfg, graphdef, ecfg, SamplingParams(0.0)).abstract_decode_params(shapes)
+    dense, moe = copy["blocks"][0], copy["blocks"][1]
+    assert moe["attn"]["q"].get_value().qvalue.dtype == jnp.int8
+    assert dense["mlp"]["gate"].get_value().qvalue.dtype == jnp.int8
+    for name in ("router", "gate", "up", "down"):
+        assert moe["mlp"][name].get_value().dtype == jnp.bfloat16
