@@ -278,6 +278,7 @@ def test_tensor_layout_decode_copy_keeps_the_experts_split(one):
             assert x.addressable_shards[0].data.shape[0] == CFG.num_experts // 4
 
 
+@pytest.mark.slow  # two train steps compiled for the partitioned program (~14 s each)
 @pytest.mark.parametrize("grad_reduce_dtype, dtype", [("float32", "f32"), ("bfloat16", "bf16")])
 def test_bf16_step_gathers_experts_in_bf16_and_sums_their_gradients_in_grad_reduce_dtype(
     grad_reduce_dtype, dtype
