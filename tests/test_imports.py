@@ -18,6 +18,7 @@ these directions.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sys
 
@@ -73,8 +74,10 @@ def imports(source: str, mod: str, mods, is_pkg: bool = False) -> set[str]:
     return out
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
-    """{module: the project modules it imports, anywhere in its body}."""
+    """{module: the project modules it imports, anywhere in its body} (parsed once per process;
+    callers do not mutate it)."""
     mods = modules()
     edges = {}
     for mod, path in mods.items():
