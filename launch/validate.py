@@ -25,6 +25,7 @@ from launch.resume_compat import check_resumable
 from models.config import ATTENTION
 from models.hf_config import CheckpointError, config_from_hf
 from models.hub import HubError, shadowing
+from models.lora import ATTENTION as LORA_ATTENTION
 from models.lora import TARGETS as LORA_TARGETS
 from models.sharding import MESH_AXES
 from rl.advantages import MODES as ADVANTAGE_MODES
@@ -209,6 +210,24 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
         "model.lora.targets",
         targets,
         f"expected a non-empty subset of {LORA_TARGETS}",
+    )
+
+
+def check_lora_targets(c: ml_collections.ConfigDict, model) -> None:
+    """LoRA on a mixture of experts adapts the attention projections only: the experts (and the
+    router) stay frozen, and a dense layer's gate/up/down beside them is not adapted either, so
+    that "gate", "up", "down" mean one thing. `model`: the checkpoint's ModelConfig."""
+    lo = c.model.get("lora")
+    if lo is None or not lo.rank or not model.moe_layers:
+        return
+    targets = tuple(lo.targets)
+    experts = [t for t in targets if t not in LORA_ATTENTION]
+    _need(
+        not experts,
+        "model.lora.targets",
+        targets,
+        f"{tuple(experts)} are the experts' projections in this mixture of experts "
+        f"(frozen; no adapters on experts): use attention targets {LORA_ATTENTION}",
     )
 
 
@@ -594,6 +613,7 @@ def validate(
         ) from None
     vocab = model.vocab_size
     check_expert_mesh(c, model.num_experts)
+    check_lora_targets(c, model)
     stops = c.sampling.stop_ids
     _need(
         all(isinstance(i, int) and 0 <= i < vocab for i in stops),
