@@ -21,6 +21,13 @@ Pallas GPU kernel (`k_scales_pages` [K,P,page_size]) use.
 
 The attention paths read `values` and `scales` in place and dequantise one block of pages at a
 time (`sampling.paged_attention`); nothing makes a wider copy of a pool.
+
+Stored as bits: a float8_e4m3fn pool holds its values as uint8 and every pool its bf16 scales
+as uint16 (`storage_dtype`), converted back by a bitcast of each gathered block or written row.
+XLA:CPU has no fp8 or bf16 gather or scatter: it widened a whole pool to read a block of it,
+and a bitcast of a whole pool in the decode loop became a copy of it per layer at the 32k
+config's size (6.2 GiB of temporaries per device in its --dry_run). Integer pools are gathered
+and scattered in place on every backend. int8 values are stored as they are.
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ SCALE_DTYPE = jnp.bfloat16  # one per (token, KV head): 2 bytes
 
 @struct.dataclass
 class QuantPages:
-    """One layer's quantised pool. `shape` and `dtype` are the values', so code that asks a
-    pool for its page shape or cache dtype reads a QuantPages as it reads an array."""
+    """One layer's quantised pool, stored as bits (module docstring). `shape` is the values'
+    and `dtype` the cache dtype, so code that asks a pool for its page shape or cache dtype
+    reads a QuantPages as it reads an array; `logical()` gives the arrays in their own dtypes."""
 
-    values: jax.Array  # int8 / float8_e4m3fn [K,P,page_size,H]
-    scales: jax.Array  # bf16 [K,P,page_size]: values * scales[..., None] is the KV
+    values: jax.Array  # int8, or float8_e4m3fn as uint8 bits [K,P,page_size,H]
+    scales: jax.Array  # bf16 as uint16 bits [K,P,page_size]: values * scales[..., None] is the KV
+    kind: str = struct.field(pytree_node=False, default="int8")  # the cache dtype's name
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -48,7 +57,11 @@ class QuantPages:
 
     @property
     def dtype(self):
-        return self.values.dtype
+        return jnp.dtype(self.kind)
+
+    def logical(self):
+        """(values in the cache dtype, scales in bf16): bitcasts of the stored bits."""
+        return from_bits(self.values, self.dtype), from_bits(self.scales, SCALE_DTYPE)
 
 
 def is_quantized(dtype) -> bool:
@@ -76,9 +89,11 @@ def quantize(x, dtype):
     return y.astype(dtype), scale
 
 
-def dequantize(values, scales, dtype=jnp.float32):
+def dequantize(values, scales, dtype=jnp.float32, kind=None):
     """values [..., H] and scales [...] -> values * scales in `dtype` (for a gathered block or
-    rows, never a whole pool)."""
+    rows, never a whole pool). With `kind` (the cache dtype) they may be stored bits."""
+    if kind is not None:
+        values, scales = from_bits(values, kind), from_bits(scales, SCALE_DTYPE)
     return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
 
 
@@ -90,11 +105,45 @@ def as_stored(x, dtype):
     return dequantize(*quantize(x, dtype), x.dtype)
 
 
+def storage_dtype(dtype):
+    """How values of `dtype` are stored: unsigned ints of its width for a float of 16 bits or
+    fewer (bf16, fp8), else `dtype` itself."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 2:
+        return jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
+
+
+def to_bits(x):
+    """x in its storage dtype (a bitcast; `storage_dtype`)."""
+    store = storage_dtype(x.dtype)
+    return x if store == x.dtype else jax.lax.bitcast_convert_type(x, store)
+
+
+def from_bits(x, dtype):
+    """Stored x back in `dtype` (a bitcast; x itself when already in it)."""
+    dtype = jnp.dtype(dtype)
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def widen(x, dtype):
+    """A gathered block, stored (`to_bits`) or in `dtype`, as f32."""
+    return from_bits(x, dtype).astype(jnp.float32)
+
+
+def pack(values, scales) -> QuantPages:
+    """A QuantPages of values (int8 / fp8 [K,P,page_size,H]) and bf16 scales [K,P,page_size]."""
+    kind = jnp.dtype(values.dtype).name
+    return QuantPages(to_bits(jnp.asarray(values)), to_bits(jnp.asarray(scales)), kind)
+
+
 def zeros(shape: tuple[int, ...], dtype):
     """An empty layer pool [K,P,page_size,H] of cache dtype `dtype`: a zero array, or a
     QuantPages of zero values and zero scales (reads back as zeros: finite, as kernels need)."""
     if is_quantized(dtype):
-        return QuantPages(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], SCALE_DTYPE))
+        kind = jnp.dtype(dtype).name
+        scales = jnp.zeros(shape[:-1], storage_dtype(SCALE_DTYPE))
+        return QuantPages(jnp.zeros(shape, storage_dtype(dtype)), scales, kind)
     return jnp.zeros(shape, dtype)
 
 

@@ -65,7 +65,15 @@ import jax.numpy as jnp
 
 from models.attention import dense_attention
 from sampling import cpu_attention
-from sampling.kv_quant import SCALE_DTYPE, QuantPages, dequantize, is_quantized, quantize
+from sampling.kv_quant import (
+    SCALE_DTYPE,
+    QuantPages,
+    dequantize,
+    is_quantized,
+    quantize,
+    to_bits,
+    widen,
+)
 
 # Logical axes of a layer's pool [K,P,page_size,H], named as in the parameters' rules table:
 # each device caches the heads its k/v projections produce (`sampling.state.state_shardings`).
@@ -104,10 +112,11 @@ def _put(pages, x, index):
     put = dict(mode="drop", unique_indices=True)
     if isinstance(pages, QuantPages):
         values, scales = quantize(x, pages.dtype)  # [K,B,T,H], [K,B,T]
-        # Written as their bits (fp8 values, bf16 scales): XLA:CPU has no fp8 or bf16
-        # scatter and would round trip the layer's whole pool through a wider type.
-        set_bits = lambda a, b: _from_bits(_bits(a).at[index].set(_bits(b), **put), a.dtype)
-        return QuantPages(set_bits(pages.values, values), set_bits(pages.scales, scales))
+        # The new rows as the pool stores them (bits: `sampling.kv_quant`), scattered in place.
+        return pages.replace(
+            values=pages.values.at[index].set(to_bits(values), **put),
+            scales=pages.scales.at[index].set(to_bits(scales), **put),
+        )
     return pages.at[index].set(x.astype(pages.dtype), **put)
 
 
@@ -121,7 +130,8 @@ def gather_kv(pages, page_indices):
     kh, _, page_size, h = pages.shape
     b, pages_per_seq = page_indices.shape
     if isinstance(pages, QuantPages):
-        x = dequantize(pages.values[:, page_indices], pages.scales[:, page_indices])
+        values, scales = pages.values[:, page_indices], pages.scales[:, page_indices]
+        x = dequantize(values, scales, kind=pages.dtype)
     else:
         x = pages[:, page_indices]  # [K,B,pages_per_seq,page_size,H]
     x = jnp.transpose(x, (1, 2, 3, 0, 4))  # [B,pages_per_seq,page_size,K,H]
@@ -214,13 +224,9 @@ def _page_rows(k_pages, v_pages):
     page_size], None for an unquantised pool). Reshapes and bitcasts of the pool: no copy."""
 
     def rows(pages):
-        if isinstance(pages, QuantPages):
+        if isinstance(pages, QuantPages):  # stored bits: each block widened (`widen`)
             kh, p, s, h = pages.shape
-            # Gathered as their bits (fp8 values, bf16 scales): XLA:CPU has no fp8 or bf16
-            # gather and would widen the layer's whole pool first; a bitcast is free, and only
-            # the gathered block is widened (`_widen`).
-            values, scales = _bits(pages.values), _bits(pages.scales)
-            return values.reshape(kh * p, s * h), scales.reshape(kh * p, s)
+            return pages.values.reshape(kh * p, s * h), pages.scales.reshape(kh * p, s)
         pages = jnp.asarray(pages)  # numpy can't take tracers
         kh, p, s, h = pages.shape
         return pages.reshape(kh * p, s * h), None
@@ -228,24 +234,6 @@ def _page_rows(k_pages, v_pages):
     (k, ks), (v, vs) = rows(k_pages), rows(v_pages)
     kh, num_pages = k_pages.shape[:2]
     return k, v, jnp.arange(kh) * num_pages, ks, vs, k_pages.dtype
-
-
-def _bits(x):
-    """x as unsigned ints of its width where it is a float of 16 bits or fewer (bf16, fp8): a
-    bitcast, so gathers and scatters move bits, which every backend has."""
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 2:
-        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-    return x
-
-
-def _from_bits(x, dtype):
-    """The inverse of `_bits`: x back in `dtype`."""
-    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
-
-
-def _widen(x, dtype):
-    """A gathered block (values as stored, or their bits) in f32."""
-    return _from_bits(x, dtype).astype(jnp.float32)
 
 
 def _shared_prefix(qg, pool, page_indices, shared_len, group, carry, pages_per_block):
@@ -304,11 +292,11 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
         # Table entries are pages of the pool, so in bounds: no clamping or fill per element.
         k = k_rows.at[rows].get(mode="promise_in_bounds").reshape(x, kh, s_blk, h)
         v = v_rows.at[rows].get(mode="promise_in_bounds").reshape(x, kh, s_blk, h)
-        k, v = _widen(k, dtype), _widen(v, dtype)
+        k, v = widen(k, dtype), widen(v, dtype)
         s = jnp.einsum("XKMH,XKSH->XKMS", qg, k)
         if k_scales is not None:  # key j's scale multiplies its score
             ks = k_scales.at[rows].get(mode="promise_in_bounds").reshape(x, kh, 1, s_blk)
-            s = s * _widen(ks, SCALE_DTYPE)
+            s = s * widen(ks, SCALE_DTYPE)
         pos = first[:, None] * page_size + jnp.arange(s_blk)  # [X,S]
         valid = pos[:, None, :] < stop[:, :, None]  # [X,M,S]
         s = jnp.where(valid[:, None], s, -jnp.inf)
@@ -321,7 +309,7 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block):
         pv = p
         if v_scales is not None:  # value j's scale multiplies its weight
             vs = v_scales.at[rows].get(mode="promise_in_bounds").reshape(x, kh, 1, s_blk)
-            pv = p * _widen(vs, SCALE_DTYPE)
+            pv = p * widen(vs, SCALE_DTYPE)
         acc = acc * scale[..., None] + jnp.einsum("XKMS,XKSH->XKMH", pv, v)
         return m_new, l * scale + p.sum(-1), acc
 
@@ -355,9 +343,9 @@ def _paged_attention_gpu(q, k_pages, v_pages, lengths, page_indices, interpret):
     # values' (its k_scales_pages / v_scales_pages [K,P,page_size], our layout): q stays in
     # the compute dtype.
     scales = {}
-    if isinstance(k_pages, QuantPages):
-        scales = dict(k_scales_pages=k_pages.scales, v_scales_pages=v_pages.scales)
-        k_pages, v_pages = k_pages.values, v_pages.values
+    if isinstance(k_pages, QuantPages):  # the stored bits as fp8 / bf16: bitcasts
+        (k_pages, ks), (v_pages, vs) = k_pages.logical(), v_pages.logical()
+        scales = dict(k_scales_pages=ks, v_scales_pages=vs)
         qs = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
     else:
         qs = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k_pages.dtype)

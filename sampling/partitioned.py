@@ -83,7 +83,7 @@ def pool_like(pages, pool: P, wrap=lambda spec: spec):
     on `pool` and their scales [K,P,page_size] on its first three entries: each device holds
     the scales of exactly the pages it holds."""
     if isinstance(pages, QuantPages):
-        return QuantPages(wrap(pool), wrap(P(*tuple(pool)[:3])))
+        return pages.replace(values=wrap(pool), scales=wrap(P(*tuple(pool)[:3])))
     return wrap(pool)
 
 

@@ -60,12 +60,13 @@ def _np_dequantize(values, scales):
 
 def _quant_cache(seed, n, k, lengths, dtype):
     q, kp, vp, lengths, table = _cache(seed, n, k, lengths)
-    kp, vp = (QuantPages(*map(jnp.asarray, _np_quantize(x, dtype))) for x in (kp, 3 * vp))
+    kp, vp = (kv_quant.pack(*_np_quantize(x, dtype)) for x in (kp, 3 * vp))
     return q, kp, vp, lengths, table
 
 
 def _deq(pages):
-    return _np_dequantize(np.asarray(pages.values), np.asarray(pages.scales))
+    values, scales = pages.logical()
+    return _np_dequantize(np.asarray(values), np.asarray(scales))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,7 +98,8 @@ def test_write_kv_stores_values_and_scales_at_the_positions(dtype):
     kp, vp = jax.jit(write_kv)(pool, pool, k, 2 * k, table, positions)
     want_v, want_s = _np_quantize(np.transpose(k, (2, 0, 1, 3)), dtype)  # [K,B,T,H]
     for pages, factor in ((kp, 1), (vp, 2)):
-        got_v, got_s = np.asarray(pages.values).astype(np.float32), np.asarray(pages.scales)
+        values, scales = pages.logical()
+        got_v, got_s = np.asarray(values).astype(np.float32), np.asarray(scales)
         written = np.zeros((p, s), bool)
         for i in range(b):
             for j in range(t):
@@ -204,8 +206,8 @@ def test_engine_on_a_mesh_matches_one_device_with_per_shard_scales(dtype):
     assert spec.k_pages[0].values.spec[:2] == ("tensor", ("data", "fsdp"))
     assert spec.k_pages[0].scales.spec[:2] == ("tensor", ("data", "fsdp"))
     for pages in state.k_pages + state.v_pages:
-        assert isinstance(pages, QuantPages) and pages.values.dtype == jnp.dtype(dtype)
-        assert np.count_nonzero(np.asarray(pages.scales, np.float32)) > 0
+        assert isinstance(pages, QuantPages) and pages.dtype == jnp.dtype(dtype)
+        assert np.count_nonzero(np.asarray(pages.logical()[1], np.float32)) > 0
         for x in (pages.values, pages.scales):
             blocks = [tuple((s.start, s.stop) for s in d.index) for d in x.addressable_shards]
             assert len(set(blocks)) == len(blocks) == 8  # per-shard pools: no replica
@@ -295,8 +297,9 @@ def test_quantised_decode_step_lowers_for_tpu_and_cuda(dtype, name, platform, me
     pool = (cfg.num_kv_heads, e.num_pages, e.page_size, cfg.head_dim)
     state = lowered.args_info[0][1]
     for pages in (*state.k_pages, *state.v_pages):
-        assert (pages.values.shape, pages.values.dtype) == (pool, jnp.dtype(dtype))
-        assert (pages.scales.shape, pages.scales.dtype) == (pool[:3], jnp.bfloat16)
+        stored = {"int8": jnp.int8, "float8_e4m3fn": jnp.uint8}[dtype]  # kv_quant: bits
+        assert (pages.values.shape, pages.values.dtype) == (pool, stored)
+        assert (pages.scales.shape, pages.scales.dtype) == (pool[:3], jnp.uint16)
         assert pages.values.donated and pages.scales.donated
     assert pool_copies(text, pool[1:]) == []
     assert pool_copies(text, (e.num_pages // engine.num_shards, *pool[2:])) == []
@@ -320,7 +323,7 @@ def test_page_copies_move_the_scales_with_the_values(mesh_shape):
     k = rng.integers(-127, 128, pool).astype(np.int8)
     ks = rng.uniform(0.5, 2, pool[:3]).astype(ml_dtypes.bfloat16)
     put = lambda x, like: jax.device_put(x, like.sharding)
-    layer = QuantPages(put(k, state.k_pages[0].values), put(ks, state.k_pages[0].scales))
+    layer = kv_quant.pack(put(k, state.k_pages[0].values), put(ks, state.k_pages[0].scales))
     state = state.replace(k_pages=(layer, *state.k_pages[1:]))
     s = engine.num_shards
     local = ecfg.num_pages // s
@@ -335,7 +338,6 @@ def test_page_copies_move_the_scales_with_the_values(mesh_shape):
     for i in range(s):
         want_k[:, i * local + dst[2 * i : 2 * i + 2]] = k[:, i * local + src[2 * i : 2 * i + 2]]
         want_s[:, i * local + dst[2 * i : 2 * i + 2]] = ks[:, i * local + src[2 * i : 2 * i + 2]]
-    np.testing.assert_array_equal(np.asarray(new.k_pages[0].values), want_k)
-    np.testing.assert_array_equal(
-        np.asarray(new.k_pages[0].scales, np.float32), want_s.astype(np.float32)
-    )
+    values, scales = new.k_pages[0].logical()
+    np.testing.assert_array_equal(np.asarray(values), want_k)
+    np.testing.assert_array_equal(np.asarray(scales, np.float32), want_s.astype(np.float32))
