@@ -368,3 +368,22 @@ def test_learner_grads_and_step_on_the_expert_meshes_equal_one_device(one):
         assert abs(got_loss - loss) < 1e-5
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_saved_before_the_expert_axis_resumes():
+    """launch.resume_compat: a config.json without mesh.expert and the experts' rules (saved
+    before them) resumes under the defaults (expert 1), not with an expert axis."""
+    import copy
+
+    from configs.default import get_config
+    from launch.cli import UsageError
+    from launch.resume_compat import check_resumable
+
+    new = json.loads(get_config().to_json())
+    old = copy.deepcopy(new)
+    del old["mesh"]["expert"]
+    old["rules"] = [r for r in old["rules"] if r[0] not in ("experts", "expert_mlp")]
+    check_resumable(old, new)
+    new["mesh"]["expert"] = 2
+    with pytest.raises(UsageError, match=r"mesh.expert: None -> 2"):
+        check_resumable(old, new)
