@@ -109,6 +109,24 @@ def test_call_parsing_and_cut():
     assert parse_calls('<tool_call>{"name": "submit", "arguments": "{}"}') == [("submit", {})]
     assert parse_calls("no call here") == []
     assert parse_calls('<tool_call>{"arguments": {}}</tool_call>')[0].startswith("error")
+    # Qwen3-Coder's XML calls: strings as written, other types per the tool's schema as JSON
+    coder = (
+        "<tool_call>\n<function=bash>\n<parameter=command>\nls -a\ncat x\n</parameter>\n"
+        "</function>\n</tool_call>\n<tool_call>\n<function=str_replace_editor>\n"
+        "<parameter=command>\nview\n</parameter>\n<parameter=path>\na.py\n</parameter>\n"
+        "<parameter=view_range>\n[1, 20]\n</parameter>\n</function>\n</tool_call>"
+        "<tool_call>\n<function=submit>\n</function>\n</tool_call>"
+    )
+    assert parse_calls(coder) == [
+        ("bash", {"command": "ls -a\ncat x"}),
+        ("str_replace_editor", {"command": "view", "path": "a.py", "view_range": [1, 20]}),
+        ("submit", {}),
+    ]
+    bad = "<tool_call>\n<function=str_replace_editor>\n<parameter=insert_line>\nten\n</parameter>"
+    assert parse_calls(bad) == [
+        "error: malformed tool call (parameter 'insert_line' of str_replace_editor must be a "
+        "JSON integer)"
+    ]
     assert cut("x" * 10, 10) == "x" * 10
     assert cut("a" * 5 + "b" * 10 + "c" * 5, 10) == "aaaaa\n<... 10 characters elided ...>\nccccc"
 

@@ -13,8 +13,9 @@ runs the node ids with pytest, and a command that would replace it is not run.
 Each episode gets its own writable copy of the repository as its sandbox workspace
 (`rl.envs.repo.sandbox`: at /testbed in bubblewrap mode, a tmpfs of `env.workspace_bytes` when we
 may mount), made on its first tool call and deleted when it is scored. Tools, in the chat
-template's tool-call format (Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, or
-a bare JSON object `{"name": ..., "parameters": {...}}` as Llama 3 writes it), several per turn:
+template's tool-call format (Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`,
+or a bare JSON object `{"name": ..., "parameters": {...}}` as Llama 3 writes it), several per turn:
     bash {command}               in the workspace, `env.command_timeout_s` each; output longer than
                                  `env.max_observation_chars` is cut to its head and tail
     str_replace_editor {command: view|create|str_replace|insert|undo_edit, path, file_text,

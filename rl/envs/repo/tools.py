@@ -1,6 +1,6 @@
 """The `repo` environment's tool-call format: the tools' schemas (`TOOLS`, OpenAI function
-format), the task instructions, the parsing of a turn's calls (Qwen `<tool_call>` blocks or a
-Llama 3 JSON object) and the cutting of long observations. The episodes that use them, and the
+format), the task instructions, the parsing of a turn's calls (Qwen `<tool_call>` blocks, JSON
+or Qwen3-Coder's XML, or a Llama 3 JSON object) and the cutting of long observations. The episodes that use them, and the
 tools themselves, are `rl/envs/repo/env.py`.
 """
 
@@ -73,9 +73,42 @@ NO_CALL = (
 )
 
 
+# Qwen3-Coder's template writes a call as XML inside <tool_call> (vLLM's qwen3_coder parser):
+# <function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...\n</function>
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_TYPES = {t["function"]["name"]: t["function"]["parameters"]["properties"] for t in TOOLS}
+
+
+def _xml_value(tool: str, key: str, raw: str):
+    """A parameter's text as its schema's type says: strings as written (less the newline after
+    the tag and before the close), anything else (integer, array, ...) as JSON."""
+    value = raw[1:] if raw.startswith("\n") else raw
+    value = value[:-1] if value.endswith("\n") else value
+    if _TYPES.get(tool, {}).get(key, {}).get("type", "string") == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        kind = _TYPES[tool][key]["type"]
+        raise ValueError(f"parameter {key!r} of {tool} must be a JSON {kind}") from None
+
+
+def _xml_call(block: str) -> tuple[str, dict]:
+    """(name, arguments) of a Qwen3-Coder call block; ValueError for a malformed one."""
+    found = _FUNCTION.search(block)
+    if found is None or not found.group(1).strip():
+        raise ValueError("a call is <function=NAME> with <parameter=KEY> blocks")
+    name = found.group(1).strip()
+    return name, {
+        k.strip(): _xml_value(name, k.strip(), v) for k, v in _PARAMETER.findall(found.group(2))
+    }
+
+
 def parse_calls(text: str) -> list[tuple[str, dict] | str]:
     """The tool calls of a turn in order: (name, arguments) each, or an error message for a
-    malformed one. Qwen `<tool_call>` blocks, else a turn that is one JSON object (Llama 3)."""
+    malformed one. Qwen `<tool_call>` blocks (JSON, or Qwen3-Coder's `<function=...>` XML), else a
+    turn that is one JSON object (Llama 3)."""
     blocks = _CALL.findall(text)
     if not blocks:
         s = text.strip()
@@ -85,6 +118,9 @@ def parse_calls(text: str) -> list[tuple[str, dict] | str]:
     calls = []
     for block in blocks:
         try:
+            if block.strip().startswith("<function="):
+                calls.append(_xml_call(block))
+                continue
             call = json.loads(block.strip())
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 raise ValueError('a call is a JSON object with a string "name"')
