@@ -13,7 +13,7 @@ import operator
 import numpy as np
 
 from models.quant import DTYPES as WEIGHTS_QUANTIZED  # quantised EngineConfig.weights_dtype
-from sampling.kv_quant import CACHE_DTYPES
+from sampling.kv_quant import CACHE_DTYPES, QUANT_DTYPES
 from sampling.page_allocator import group_pages
 from sampling.paged_attention import BACKENDS
 
@@ -97,6 +97,11 @@ class EngineConfig:
         if self.cache_dtype not in CACHE_DTYPES:  # int8 / fp8: quantised (`sampling.kv_quant`)
             raise ValueError(
                 f"cache_dtype={self.cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}"
+            )
+        if self.cache_dtype in QUANT_DTYPES and self.backend in ("pallas_tpu", "cpu_kernel"):
+            raise ValueError(
+                f"backend={self.backend!r} cannot read a {self.cache_dtype} KV cache "
+                "(sampling.paged_attention.resolve_backend says why): use 'auto' or 'blockwise'"
             )
         return self
 

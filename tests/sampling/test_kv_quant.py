@@ -156,6 +156,9 @@ def test_auto_routes_quantised_caches_where_kernels_read_them():
         paged_attention(q, kp, vp, lengths, table, backend="pallas_tpu")
     with pytest.raises(ValueError, match="cache_dtype='int4'"):
         EngineConfig(cache_dtype="int4").validate()
+    for backend in ("pallas_tpu", "cpu_kernel"):
+        with pytest.raises(ValueError, match=f"backend='{backend}' cannot read a int8 KV cache"):
+            EngineConfig(cache_dtype="int8", backend=backend).validate()
 
 
 CFG = ModelConfig(
