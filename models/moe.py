@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from models.grad_dtype import weight_grad_dtype
+
 EXPERT_AXIS = "expert"  # the mesh axis that splits the experts
 TENSOR_AXIS = "tensor"  # the mesh axis that splits each expert's width F
 FSDP_AXIS = "fsdp"  # the mesh axis that splits the model dimension D of the block's weights
@@ -293,8 +295,6 @@ class MoE(nnx.Module):
 
     def __call__(self, x, experts=None):
         """x [B,T,D] -> [B,T,D]; experts: recorded expert ids int [B,T,k] (routing replay)."""
-        from models.transformer import weight_grad_dtype  # (it imports this module)
-
         b, t, d = x.shape
         w = [p[...] for p in (self.router, self.gate, self.up, self.down)]
         ids = None if experts is None else experts.reshape(b * t, -1)

@@ -30,6 +30,7 @@ from flax import nnx
 from models import lora, quant
 from models.attention import apply_rope, causal_hook, rope_inv_freq
 from models.config import ModelConfig
+from models.grad_dtype import weight_grad_dtype, weight_grads_in  # noqa: F401 (re-exported)
 from models.moe import MoE
 from models.order import after
 
@@ -40,8 +41,6 @@ _INIT = nnx.initializers.normal(0.02)
 # dtypes are wanted (models.sharding.abstract_model traces the constructor under nnx.eval_shape;
 # tracing each initializer's random draw made that ~2 s for a 0.6B model, ~0.1 s without).
 _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
-# Set by `weight_grads_in()`: the dtype of the weights' gradients (None: the compute dtype).
-_GRAD_DTYPE = contextvars.ContextVar("weight_grad_dtype", default=None)
 
 
 @contextlib.contextmanager
@@ -55,17 +54,6 @@ def shapes_only():
         _SHAPES_ONLY.reset(token)
 
 
-@contextlib.contextmanager
-def weight_grads_in(dtype):
-    """Models traced within the block compute their weights' gradients, and so sum them across
-    devices, in `dtype` (see the module docstring); None: in the compute dtype."""
-    token = _GRAD_DTYPE.set(None if dtype is None else jnp.dtype(dtype))
-    try:
-        yield
-    finally:
-        _GRAD_DTYPE.reset(token)
-
-
 def _param(rngs, shape, axes, init=_INIT, dtype=jnp.float32):
     if _SHAPES_ONLY.get():
         return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
@@ -74,13 +62,6 @@ def _param(rngs, shape, axes, init=_INIT, dtype=jnp.float32):
 
 def _cast(p, dtype):
     return p[...].astype(dtype)
-
-
-def weight_grad_dtype(dtype):
-    """The weights' gradient dtype where `weight_grads_in` makes it differ from the compute dtype
-    `dtype`, else None."""
-    g = _GRAD_DTYPE.get()
-    return None if g is None or g == jnp.dtype(dtype) else g
 
 
 def _matmul(spec: str, x, p):
