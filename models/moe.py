@@ -39,7 +39,9 @@ On a device mesh (the mesh jit attaches to x, else the context mesh) the block r
 Routing replay: `experts` int [B,T,k] (recorded expert ids) replaces the top-k; the gate weights
 are then this router's probabilities at those ids (renormalised as `norm_topk_prob` says), so
 the router still gets gradients. A model passes one [B,T,k] slice of a [B,T,L_moe,k] record per
-MoE layer.
+MoE layer;
+`MoE.routed` also returns the ids it used, which `models.transformer` stacks into that record
+(int8 when E <= 127, else int16: `route_dtype`).
 """
 
 from __future__ import annotations
@@ -222,6 +224,11 @@ def _mesh(x):
     return None if mesh is None or mesh.empty else mesh
 
 
+def route_dtype(num_experts: int):
+    """The integer dtype of a routes record: int8 when the expert ids fit, else int16."""
+    return jnp.int8 if num_experts <= 127 else jnp.int16
+
+
 def check_expert_axis(num_experts: int, expert_axis: int, field: str = "mesh.expert") -> None:
     """ValueError (one line naming `field`) unless the expert axis divides the experts."""
     if expert_axis > 1 and num_experts % expert_axis:
@@ -232,16 +239,16 @@ def check_expert_axis(num_experts: int, expert_axis: int, field: str = "mesh.exp
 
 
 def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=None, grad=None):
-    """x [N,D] (compute dtype) -> [N,D]: the block on one device or, on a mesh, in a shard_map
-    (module docstring). router, gate, up, down: master weights (cast to x's dtype where used;
-    their gradients computed and summed across devices in `grad`, default x's dtype);
-    experts: recorded ids [N,k] or None."""
+    """x [N,D] (compute dtype) -> ([N,D], the expert ids used int32 [N,k]): the block on one
+    device or, on a mesh, in a shard_map (module docstring). router, gate, up, down: master
+    weights (cast to x's dtype where used; their gradients computed and summed across devices in
+    `grad`, default x's dtype); experts: recorded ids [N,k] or None (this router's top-k)."""
     grad = jnp.dtype(grad or x.dtype)
     mesh = _mesh(x)
     if mesh is None or mesh.size == 1:
         spec = Weights(x.dtype, grad)
         w, ids = route(x, router, k, norm_topk_prob, experts, spec)
-        return local_moe(x, w, ids, gate, up, down, spec)
+        return local_moe(x, w, ids, gate, up, down, spec), ids
     shape = dict(mesh.shape)
     ep = shape.get(EXPERT_AXIS, 1)
     check_expert_axis(gate.shape[0], ep)
@@ -266,17 +273,20 @@ def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=Non
             out = local_moe(x, w, ids, gate, up, down, spec)
         else:
             out = _dispatch_moe(x, w, ids, gate, up, down, ep, spec)
-        return jax.lax.psum(out, TENSOR_AXIS) if split_f else out
+        return (jax.lax.psum(out, TENSOR_AXIS) if split_f else out), ids
 
     specs = (row, P(fsdp, None), P(ex, fsdp, tp), P(ex, fsdp, tp), P(ex, tp, fsdp))
+    outs = (row, row)
     if ids is None:
         fn = lambda x, r, g, u, dn: body(x, r, g, u, dn, None)
-        out = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=row)(x, router, gate, up, down)
+        out, ids = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=outs)(
+            x, router, gate, up, down
+        )
     else:
-        out = jax.shard_map(body, mesh=mesh, in_specs=(*specs, row), out_specs=row)(
+        out, ids = jax.shard_map(body, mesh=mesh, in_specs=(*specs, row), out_specs=outs)(
             x, router, gate, up, down, ids
         )
-    return out[:n] if pad else out
+    return (out[:n], ids[:n]) if pad else (out, ids)
 
 
 class MoE(nnx.Module):
@@ -295,9 +305,14 @@ class MoE(nnx.Module):
 
     def __call__(self, x, experts=None):
         """x [B,T,D] -> [B,T,D]; experts: recorded expert ids int [B,T,k] (routing replay)."""
+        return self.routed(x, experts)[0]
+
+    def routed(self, x, experts=None):
+        """x [B,T,D] -> ([B,T,D], the expert ids used int32 [B,T,k]); experts: recorded ids
+        int [B,T,k] used in place of the top-k (routing replay), or None."""
         b, t, d = x.shape
         w = [p[...] for p in (self.router, self.gate, self.up, self.down)]
         ids = None if experts is None else experts.reshape(b * t, -1)
         grad = weight_grad_dtype(x.dtype)
-        y = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids, grad)
-        return y.reshape(b, t, d)
+        y, ids = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids, grad)
+        return y.reshape(b, t, d), ids.reshape(b, t, -1)

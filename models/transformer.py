@@ -31,7 +31,7 @@ from models import lora, quant
 from models.attention import apply_rope, causal_hook, rope_inv_freq
 from models.config import ModelConfig
 from models.grad_dtype import weight_grad_dtype, weight_grads_in  # noqa: F401 (re-exported)
-from models.moe import MoE
+from models.moe import MoE, route_dtype
 from models.order import after
 
 _INIT = nnx.initializers.normal(0.02)
@@ -220,13 +220,18 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
         self.mlp = MoE(cfg, rngs, _param) if moe else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, layer, attend):
+    def __call__(self, x, positions, inv_freq, layer, attend, routes=None):
+        """-> (x [B,T,D], attend, the expert ids used int32 [B,T,k] or None for a dense MLP);
+        routes: recorded expert ids [B,T,k] for the MoE block (routing replay) or None."""
         a, attend = self.attn(self.attn_norm(x), positions, inv_freq, layer, attend)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), attend
+        if isinstance(self.mlp, MoE):
+            y, ids = self.mlp.routed(self.mlp_norm(x), routes)
+            return x + y, attend, ids
+        return x + self.mlp(self.mlp_norm(x)), attend, None
 
 
-def _remat_block(block, x, positions, inv_freq, layer, attend, ready):
+def _remat_block(block, x, positions, inv_freq, layer, attend, ready, routes=None):
     """The block rematerialised: only its inputs are kept for the backward pass (see `remat`).
 
     The block's weights go in as plain state: nnx.remat would tie the Module to the trace it was
@@ -235,9 +240,11 @@ def _remat_block(block, x, positions, inv_freq, layer, attend, ready):
     graphdef, state = nnx.split(block)
 
     def run(state, x, rest):
-        return nnx.merge(graphdef, state)(x, *rest[:2], layer, rest[2])
+        y, attend, ids = nnx.merge(graphdef, state)(x, *rest[:2], layer, *rest[2:])
+        return y, (attend, ids)
 
-    return remat(run, state, x, (positions, inv_freq, attend), ready)
+    y, (attend, ids) = remat(run, state, x, (positions, inv_freq, attend, routes), ready)
+    return y, attend, ids
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -293,13 +300,19 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype=pd)
 
-    def hidden(self, tokens, positions, valid=None, attend=None):
+    def hidden(self, tokens, positions, valid=None, attend=None, routes=None, record=False):
         """Final-norm hidden states h [B,T,D] in the compute dtype, and the attention hook.
 
         valid bool [B,T] marks real tokens (default: all), or int [B,T] gives the segment ids of
         packed rows (0 = padding; `models.attention.causal_mask`); it is used only by the default
         hook (dense or blockwise, `cfg.attention`). `attend` replaces that hook, e.g. with the
         sampler's paged KV cache.
+
+        Routing replay (MoE models): `routes` int [B,T,L_moe,k] gives each token's experts in
+        each MoE layer (in `cfg.moe_layers` order), used in place of the routers' top-k (the
+        gate weights still come from the routers); None routes as the routers say. With
+        `record` a third value is returned: the experts used, [B,T,L_moe,k] in
+        `models.moe.route_dtype(E)` (int8 when E <= 127, else int16).
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
@@ -309,14 +322,25 @@ class Transformer(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B,T,D]
         ready = x  # the input of the layer before (see `remat`)
+        used = []  # [B,T,k] per MoE layer
         for layer, block in enumerate(self.blocks):
+            r = None
+            if routes is not None and layer in cfg.moe_layers:
+                r = routes[:, :, len(used)]
             if cfg.remat:
                 x_in = x
-                x, attend = _remat_block(block, x, positions, inv_freq, layer, attend, ready)
+                x, attend, ids = _remat_block(
+                    block, x, positions, inv_freq, layer, attend, ready, r
+                )
                 ready = x_in
             else:
-                x, attend = block(x, positions, inv_freq, layer, attend)
-        return self.final_norm(x), attend
+                x, attend, ids = block(x, positions, inv_freq, layer, attend, r)
+            if ids is not None:
+                used.append(ids)
+        if not record:
+            return self.final_norm(x), attend
+        rec = jnp.stack(used, axis=2) if used else jnp.zeros((*tokens.shape, 0, 0), jnp.int32)
+        return self.final_norm(x), attend, rec.astype(route_dtype(cfg.num_experts or 1))
 
     def unembedding(self):
         """The output projection's master weights (param_dtype) and their einsum letters: the
@@ -335,6 +359,7 @@ class Transformer(nnx.Module):
         logits = jnp.einsum("BTD,DV->BTV", h, self.unembed_matrix())
         return logits.astype(jnp.float32)
 
-    def __call__(self, tokens, positions, valid=None, attend=None):
-        h, attend = self.hidden(tokens, positions, valid, attend)
-        return self.logits(h), attend
+    def __call__(self, tokens, positions, valid=None, attend=None, routes=None, record=False):
+        """-> (f32 logits [B,T,V], attend), and the routes record with `record` (`hidden`)."""
+        out = self.hidden(tokens, positions, valid, attend, routes, record)
+        return (self.logits(out[0]), *out[1:])
