@@ -135,11 +135,15 @@ def dry_run(config) -> int:
     row_sh = batch_sharding(mesh, rules)
     base = base_graphdef(cfg) if cfg.lora_rank else None
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)
-    step = learner.lower_step(params, _batch(config, rollout_rows // config.rl.minibatches, row_sh))
-    logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
+    with estimate.grouped_matmuls():  # an MoE's ragged_dot as an accelerator holds it
+        step = learner.lower_step(
+            params, _batch(config, rollout_rows // config.rl.minibatches, row_sh)
+        )
+        logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
-    generate = lower_generate(engine, params)
+    with estimate.grouped_matmuls():
+        generate = lower_generate(engine, params)
     state_shapes = jax.eval_shape(
         lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params
     )

@@ -139,3 +139,32 @@ def test_fits_and_slices():
         ["TPU v5e (16 GiB)", "TPU v6e (32 GiB)", "H100 (80 GiB)", "TPU v5p (95 GiB)"],
     )
     assert "TPU v5e-8" in estimate.slices(8) and "TPU v5p-16" in estimate.slices(8)
+
+
+def test_grouped_matmuls_trace_as_a_loop_with_a_grouped_matmuls_buffers():
+    """Within estimate.grouped_matmuls() ragged_dot and the weight gradient's ragged_dot_general
+    (models/moe.py's forms) give jax's values, padding rows past the groups zero, and hold no
+    [G, M, K] buffer (XLA:CPU's own lowering does); outside it jax's own functions are back."""
+    import numpy as np
+
+    from models.moe import _DW
+
+    rng = np.random.default_rng(0)
+    m, k, n, g = 512, 64, 32, 16
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((g, k, n)).astype(np.float32)
+    ct = rng.standard_normal((m, n)).astype(np.float32)
+    sizes = jnp.asarray(rng.multinomial(480, np.ones(g) / g), jnp.int32)  # 32 padding rows
+    fwd = lambda x, w, s: jax.lax.ragged_dot(x, w, s)
+    dw = lambda x, c, s: jax.lax.ragged_dot_general(x, c, s, _DW)
+    want = (fwd(x, w, sizes), dw(x, ct, sizes))
+    with estimate.grouped_matmuls():
+        got = (jax.jit(fwd)(x, w, sizes), jax.jit(dw)(x, ct, sizes))
+        loop = estimate.compile(jax.jit(fwd).lower(x, w, sizes))
+    assert jax.lax.ragged_dot is estimate._RAGGED[0]  # restored
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    assert not np.asarray(got[0][480:]).any()
+    dense = estimate.compile(jax.jit(fwd).lower(x, w, sizes))
+    group_buffer = g * m * k * 4  # XLA:CPU's dense lowering's [G, M, K] operand
+    assert dense.temp >= group_buffer > 4 * loop.temp, (dense.temp, loop.temp)
