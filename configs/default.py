@@ -142,6 +142,7 @@ def get_config():
     c.rl.trust_region_low = 0.2  # masked where pi - pi_old < -low and A <= 0 (prime-rl: 0.2)
     c.rl.trust_region_high = 0.2  # masked where pi - pi_old > high and A > 0 (prime-rl: 0.2)
     c.rl.old_logp = "recompute"  # π_old: recompute (learner) | sampler (bypass)
+    c.rl.routing_replay = "none"  # MoE: none | rollout (learner uses the sampler's experts)
     c.rl.num_iterations = 1  # μ: passes over each rollout
     c.rl.minibatches = 1  # optimizer steps per pass
     c.rl.micro_batches = 1  # gradient accumulation chunks per optimizer step

@@ -65,6 +65,8 @@ REPO_ENV_DEFAULTS = {
 
 # The trust region's fields (issue 53), off in a run saved before them.
 TRUST_REGION_DEFAULTS = {"trust_region": "none", "trust_region_low": 0.2, "trust_region_high": 0.2}
+# Rollout routing replay (issue 52 item 4): the routers route in a run saved before it.
+REPLAY_DEFAULTS = {"routing_replay": "none"}
 
 
 PARTIAL_DEFAULTS = {
@@ -137,7 +139,7 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
             **new,
             "rules": [r for r in new["rules"] if r[0] in saved_names or r[0] not in MOE_RULES],
         }
-    for field, default in TRUST_REGION_DEFAULTS.items():  # no trust region before
+    for field, default in {**TRUST_REGION_DEFAULTS, **REPLAY_DEFAULTS}.items():  # not there before
         if field not in old.get("rl", {}) and new.get("rl", {}).get(field) == default:
             new = _without(new, "rl", field)
     if _correction(old) is not None and _correction(old) == _correction(new):

@@ -249,6 +249,27 @@ def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
     )
 
 
+def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None:
+    """rl.routing_replay="rollout" replays a mixture of experts' recorded routes: refused on a
+    dense model, and (until the sampler records routes, issue 52 item 4b) on any model."""
+    replay = c.rl.get("routing_replay", "none")
+    _need(
+        replay in ("none", "rollout"), "rl.routing_replay", replay, "expected 'none' or 'rollout'"
+    )
+    _need(
+        replay == "none" or num_experts > 0,
+        "rl.routing_replay",
+        replay,
+        "replays a mixture of experts' routes; the checkpoint is a dense model (use 'none')",
+    )
+    _need(
+        replay == "none",
+        "rl.routing_replay",
+        replay,
+        "the sampler does not record routes yet (issue 52 item 4b): use 'none'",
+    )
+
+
 def check_isolation(c: ml_collections.ConfigDict, probe: bool = True) -> None:
     """A run that executes model-written code (an environment that `runs_code`, or a reward of
     CODE_REWARDS without one) starts only where its sandbox works under config.env.isolation:
@@ -613,6 +634,7 @@ def validate(
         ) from None
     vocab = model.vocab_size
     check_expert_mesh(c, model.num_experts)
+    check_routing_replay(c, model.num_experts)
     check_lora_targets(c, model)
     stops = c.sampling.stop_ids
     _need(

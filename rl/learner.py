@@ -129,6 +129,9 @@ class Batch:
     old_logp: jax.Array | None = None  # f32 [B,T-1]; None: stop_gradient(logp) (exact ratio 1)
     ref_logp: jax.Array | None = None  # f32 [B,T-1] tempered full softmax; None: KL off
     stop_masked: jax.Array | None = None  # bool [B,T-1] stop ids banned (min_new_tokens)
+    # int8/int16 [B,T,L_moe,k] the sampler's experts of each token (rl.routing_replay="rollout"),
+    # used by every learner pass in place of the routers' top-k; None: the routers route
+    routes: jax.Array | None = None
 
 
 def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
@@ -284,6 +287,7 @@ class Learner:
             batch.stop_masked,
             rows,
             None if rows is None else self._unembed,
+            batch.routes,
         )
 
     def _logprobs_impl(self, params, batch: Batch, which: str, adapters: bool):

@@ -91,6 +91,7 @@ def token_logprobs(
     stop_masked=None,
     rows=None,
     unembed_sharding=None,
+    routes=None,
 ) -> TokenLogprobs:
     """Log-probs of tokens[:, 1:] given their prefixes (see the module docstring).
 
@@ -99,10 +100,11 @@ def token_logprobs(
     the sampler banned `stop_ids` (min_new_tokens), or None; rows: the Sharding of [B,...] rows
     on a mesh, or None; unembed_sharding: the Sharding of the unembedding's master weights on
     that mesh, where they are cast to the compute dtype before they are gathered (see the module
-    docstring). Values at positions whose target is padding are finite but meaningless; the
-    caller masks them.
+    docstring); routes: int [B,T,L_moe,k] each token's experts in an MoE model (routing replay,
+    `models.transformer.Transformer.hidden`), or None. Values at positions whose target is
+    padding are finite but meaningless; the caller masks them.
     """
-    h, _ = model.hidden(tokens, positions, valid)  # [B,T,D]
+    h, _ = model.hidden(tokens, positions, valid, routes=routes)  # [B,T,D]
     if rows is not None:
         h = jax.lax.with_sharding_constraint(h, rows)
     h, targets = h[:, :-1], tokens[:, 1:]  # predict t+1 from t

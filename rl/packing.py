@@ -134,7 +134,9 @@ def build_batch(
     `loss_mask` covers every completion token the model sampled, never an observation of a
     multi-turn episode (`rl.rollout.Rollouts` applies rl.mask_truncated); advantages are left at
     0 (`Rollouts` spreads them); `stop_masked` marks the first min_new_tokens completion
-    positions, where the sampler banned the stop ids (None if 0).
+    positions, where the sampler banned the stop ids (None if 0). `routes` [rows, T, L_moe, k]
+    holds each sequence's recorded experts (`Completion.routes`, prompt first) where every
+    completion has them (routing replay), else None; padding tokens get expert 0 (unscored).
     """
     seqs = [(grp.prompt, c) for grp in groups for c in grp.completions]
     lengths = [len(p) + c.length for p, c in seqs]
@@ -157,6 +159,11 @@ def build_batch(
     loss_mask = np.zeros((rows, width - 1), np.float32)
     sampler_logp = np.zeros((rows, width - 1), np.float32)
     stop_masked = np.zeros((rows, width - 1), bool)
+    recorded = bool(seqs) and all(c.routes is not None for _, c in seqs)
+    routes = None
+    if recorded:
+        first_routes = np.asarray(seqs[0][1].routes)
+        routes = np.zeros((rows, width, *first_routes.shape[1:]), first_routes.dtype)
     for i, (p, c) in enumerate(seqs):
         r, s, n = layout.row[i], layout.start[i], lengths[i]
         tokens[r, s : s + n] = p + c.tokens
@@ -167,6 +174,10 @@ def build_batch(
         loss_mask[r, first : s + n - 1] = model
         sampler_logp[r, first : s + n - 1] = c.logprobs
         stop_masked[r, first : first + min(min_new_tokens, c.length)] = True
+        if recorded:
+            if len(c.routes) != n:
+                raise ValueError(f"sequence {i}: routes for {len(c.routes)} tokens, has {n}")
+            routes[r, s : s + n] = c.routes
     batch = Batch(
         tokens=tokens,
         positions=positions,
@@ -175,5 +186,6 @@ def build_batch(
         advantages=np.zeros((rows, width - 1), np.float32),
         sampler_logp=sampler_logp,
         stop_masked=stop_masked if min_new_tokens else None,
+        routes=routes,
     )
     return batch, layout

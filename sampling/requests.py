@@ -175,6 +175,9 @@ class Completion:
     turns: int = 1
     observation: list[bool] | None = None  # None: every token is the model's
     versions: list[int] | None = None  # per token: the version of the sampler run that drew it
+    # int8/int16 [P+length, L_moe, k]: every token's experts per MoE layer, prompt's first
+    # (routing replay, `models.transformer.Transformer.hidden`); None: not recorded
+    routes: object = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass
