@@ -103,6 +103,7 @@ def test_every_field_is_documented_in_the_default_config():
         ("optim.b1=-1.0", "config.optim.b1=-1.0"),
         ("sampling.min_new_tokens=9", "config.sampling.min_new_tokens=9: must be in [0, sampling.max_new_tokens = 5]"),
         ("sampling.weights_dtype=bfloat16", "config.sampling.weights_dtype='bfloat16': a decode copy must be in model.dtype = 'float32'"),
+        ("sampling.weights_dtype=int4", "config.sampling.weights_dtype='int4': must be '', float32, bfloat16, float16, int8 or float8_e4m3fn"),
         ("optim.grad_reduce_dtype=bfloat16", "config.optim.grad_reduce_dtype='bfloat16': must be 'float32' or model.dtype = 'float32'"),
         ("optim.grad_reduce_dtype=f32", "config.optim.grad_reduce_dtype='f32': must be 'float32' or model.dtype = 'float32'"),
     ],
