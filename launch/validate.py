@@ -156,6 +156,7 @@ def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
         weights_layout=c.sampling.get("weights_layout", "training"),
         reserve=c.sampling.get("reserve", "budget"),
         kv_watermark=c.sampling.get("kv_watermark", 0.01),
+        record_routes=c.rl.get("routing_replay", "none") == "rollout",
     )
 
 

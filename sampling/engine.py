@@ -181,6 +181,7 @@ class Engine:
             e.pages_per_seq,
             e.max_new_tokens,
             jnp.dtype(e.cache_dtype),
+            e.record_routes,
         )
 
     def init_state(self) -> DecodeState:
@@ -346,7 +347,8 @@ class Engine:
         if ticket.epoch is not self.pages.epoch:
             raise ValueError("ticket was dispatched before this engine's last init_state")
         *values, steps_run = local_values(ticket.out)  # this process's slots only
-        r = Results(*values, slots=[], steps=int(steps_run))
+        routes = values.pop() if len(values) > 6 else None  # recorded (`DecodeState.routes`)
+        r = Results(*values, slots=[], steps=int(steps_run), routes=routes)
         r.slots = self.pages.settle(ticket.slots, r.lengths, r.active)
         return r
 

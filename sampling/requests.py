@@ -49,6 +49,7 @@ class EngineConfig:
     # runs out; "budget" = its whole budget's worst case reserved at admission (never preempted).
     reserve: str = "demand"
     kv_watermark: float = 0.01  # "demand": a new admission leaves this fraction of a shard free
+    record_routes: bool = False  # MoE: decode steps record each fed token's experts (replay)
 
     @property
     def demand(self) -> bool:
@@ -129,6 +130,7 @@ class Results:
     logprobs: np.ndarray  # f32 [B,M]
     slots: list[int]
     steps: int = 0  # decode steps the call ran (every slot's: slot-steps = steps x B)
+    routes: np.ndarray | None = None  # [B,M,L_moe,k] `DecodeState.routes`; None: not recorded
 
 
 @dataclasses.dataclass

@@ -174,8 +174,9 @@ def generate(
             interpret,
             layout,
         )
-        logits, hook = model(s.last_token[:, None], s.lengths[:, None], None, hook)
-        logits = logits[:, 0]  # f32 [B,V]
+        record = s.routes is not None  # routing replay: the fed token's experts
+        out = model(s.last_token[:, None], s.lengths[:, None], None, hook, record=record)
+        logits, hook = out[0][:, 0], out[1]  # f32 [B,V]
         banned = banned_stop_ids(s.num_generated < s.min_new, stop_ids, logits.shape[-1])
         keys = None
         if sampling.temperature > 0:
@@ -196,6 +197,7 @@ def generate(
             stopped=s.stopped | hit_stop,
             tokens=jax.vmap(_write_at)(s.tokens, col, tok, a),
             logprobs=jax.vmap(_write_at)(s.logprobs, col, tok_lp, a),
+            routes=jax.vmap(_write_at)(s.routes, col, out[2][:, 0], a) if record else None,
         )
         return _constrain(s, layout)
 
@@ -210,4 +212,5 @@ def generate(
     # which the host may dispatch before it reads these. `steps` (decode steps run, replicated)
     # is every process's to read: slot-steps for the utilization.
     out = (state.active, state.num_generated, state.stopped, state.lengths, state.tokens)
-    return state, (*(jnp.copy(x) for x in (*out, state.logprobs)), steps)
+    routes = () if state.routes is None else (state.routes,)
+    return state, (*(jnp.copy(x) for x in (*out, state.logprobs, *routes)), steps)

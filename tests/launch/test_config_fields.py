@@ -35,10 +35,11 @@ def _fields(cls):
     return out
 
 
-# EngineConfig.interpret runs the Pallas kernels op by op on a CPU: a test switch, not a run's.
+# EngineConfig.interpret runs the Pallas kernels op by op on a CPU: a test switch, not a run's;
+# EngineConfig.record_routes is rl.routing_replay == "rollout" (launch.validate.engine_config).
 FIELDS = sorted(
     {name for cls in (LossConfig, LearnerConfig, EngineConfig, SamplingParams)
-     for _, name in _fields(cls)} - {"interpret"}
+     for _, name in _fields(cls)} - {"interpret", "record_routes"}
 )  # fmt: skip
 
 
