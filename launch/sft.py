@@ -3,9 +3,11 @@
     python -m launch.sft --out configs/assets/arithmetic_sft              # the GRPO demo's
     python -m launch.sft --task calc --out configs/assets/calc_sft        # the tool-use demo's
     python -m launch.sft --task repo_fix --out configs/assets/repo_fix_sft  # the repository demo's
+    python -m launch.sft --moe --out configs/assets/arithmetic_moe_sft  # the MoE demo's (Qwen3-MoE)
 
 Trains a tiny Llama-family, character-level transformer with teacher forcing on one of three tasks
-(`repo_fix`, scripted episodes of the CPU repository demo, is described in launch/sft_repo_fix.py):
+(`repo_fix`, scripted episodes of the CPU repository demo, is described in launch/sft_repo_fix.py);
+with `--moe` a Qwen3-MoE of the same width and depth (every layer 8 experts, 2 per token):
 
 - `arithmetic` (default): `a+b=` -> `sum<eos>` (2-digit operands). The data teach the arithmetic
   and also a bad habit (`encode_arithmetic`): on answers ending in 1-7 a spurious "0" usually
@@ -42,6 +44,7 @@ sequence for the second turn; the RL environment instead keeps the episode's pag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -82,8 +85,10 @@ TASKS = {
 }
 
 
-def model_config(vocab_size: int, max_positions: int = 64) -> ModelConfig:
-    return ModelConfig(
+def model_config(vocab_size: int, max_positions: int = 64, moe: bool = False) -> ModelConfig:
+    """The tiny Llama of the demos, or with `moe` a Qwen3-MoE of the same width and depth whose
+    every layer has 8 experts of width 96, 2 per token (models/moe.py)."""
+    dense = ModelConfig(
         family="llama",
         vocab_size=vocab_size,
         d_model=128,
@@ -96,6 +101,18 @@ def model_config(vocab_size: int, max_positions: int = 64) -> ModelConfig:
         tie_embeddings=True,
         norm_eps=1e-5,
         max_position_embeddings=max_positions,
+    )
+    if not moe:
+        return dense
+    return dataclasses.replace(
+        dense,
+        family="qwen3_moe",
+        qk_norm=True,  # Qwen3's attention
+        num_experts=8,  # E
+        experts_per_token=2,  # k
+        expert_d_ff=96,  # each expert's width
+        norm_topk_prob=True,
+        moe_layers=tuple(range(dense.num_layers)),
     )
 
 
@@ -245,6 +262,11 @@ def main(argv=None) -> int:
     p.add_argument("--ramble_digits", default="1234567", help="arithmetic: endings with the habit")
     p.add_argument("--tool_prob", type=float, default=0.3, help="calc: share of tool-path examples")
     p.add_argument("--eval_samples", type=int, default=4, help="calc: T=1 samples per prompt")
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="a tiny Qwen3-MoE (8 experts, top-2): configs/moe_tiny.py",
+    )
     args = p.parse_args(argv)
     task = TASKS[args.task]
     steps = task["steps"] if args.steps is None else args.steps
@@ -252,7 +274,7 @@ def main(argv=None) -> int:
 
     tok = CharTokenizer(task["alphabet"])
     repo_fix = args.task == "repo_fix"
-    cfg = model_config(tok.vocab_size, sft_repo_fix.MAX_POSITIONS if repo_fix else 64)
+    cfg = model_config(tok.vocab_size, sft_repo_fix.MAX_POSITIONS if repo_fix else 64, args.moe)
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(cfg, mesh, seed=args.seed)
     if repo_fix:
