@@ -66,8 +66,9 @@ def _cast(p, dtype):
 
 def _matmul(spec: str, x, p):
     """einsum(spec, x, p) with the parameter p cast to x's dtype (see the module docstring)."""
-    if quant.quantized(p.get_value()):  # an int8 / fp8 decode copy (sampling.decode_weights)
-        return quant.einsum(spec, x, p.get_value())
+    v = p.get_value() if isinstance(p, nnx.Variable) else p  # a Param, or an array (tests)
+    if quant.quantized(v):  # an int8 / fp8 decode copy (sampling.decode_weights)
+        return quant.einsum(spec, x, v)
     g = weight_grad_dtype(x.dtype)
     if g is None:
         return jnp.einsum(spec, x, _cast(p, x.dtype))
