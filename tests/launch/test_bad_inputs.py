@@ -27,6 +27,7 @@ from models.sharding import on_devices
 from tests.conftest import ROOT, train_here  # (as a script too: the 8 fake devices)
 
 ASSET = os.path.join(ROOT, "configs", "assets", "arithmetic_sft")
+MOE_ASSET = os.path.join(ROOT, "configs", "assets", "arithmetic_moe_sft")  # a Qwen3-MoE
 DOC = os.path.join(ROOT, "docs", "bad_inputs.md")
 EIGHT = ["--config.mesh.data=8"]  # the in-process tests run on the 8 fake devices
 RUN = ["--config.num_steps=1", "--config.data.prompts_per_step=2", "--config.data.eval.num=8",
@@ -336,6 +337,7 @@ CATALOGUE = [
     Case("lora-dropout", "`--config.model.lora.rank=4 --config.model.lora.dropout=0.1`", "config.model.lora.dropout=0.1: only 0 is implemented", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.dropout=0.1"]),
     Case("lora-hf-target-names", "`--config.model.lora.rank=4 --config.model.lora.targets=\"('q_proj',)\"` (PEFT's module names)", "config.model.lora.targets=('q_proj',): expected a non-empty subset of ('q', 'k', 'v', 'o', 'gate', 'up', 'down')", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.targets=('q_proj',)"]),
     Case("lora-on-resume", "`--config.model.lora.rank=4` resuming `run` (a full fine-tune) with its other settings", "cannot resume with a changed config (model.lora.rank: 0 -> 4)", RUN + ["--config.model.lora.rank=4"], devices=1),
+    Case("lora-targets-on-experts", "`--config.model.lora.rank=4` on configs/moe_tiny.py's checkpoint (a mixture of experts; the default targets name gate, up and down)", "config.model.lora.targets=('q', 'k', 'v', 'o', 'gate', 'up', 'down'): ('gate', 'up', 'down') are the experts' projections in this mixture of experts (frozen; no adapters on experts): use attention targets ('q', 'k', 'v', 'o')", EIGHT + [f"--config.model.hf_checkpoint={MOE_ASSET}", "--config.model.lora.rank=4"]),
     Case("mesh-does-not-fit", "`--config.mesh.data=3` on 8 devices", "config.mesh={'data': 3, 'fsdp': 1, 'expert': 1, 'tensor': 1}: uses 3 devices but 8 are available (on a CPU host, JAX_NUM_CPU_DEVICES=3 makes 3)", ["--config.mesh.data=3"]),
     Case("expert-axis-for-dense-model", "`--config.mesh.data=4 --config.mesh.expert=2` (the checkpoint has no experts)", "config.mesh.expert=2: splits a mixture of experts' experts; the checkpoint is a dense model (use 1)", ["--config.mesh.data=4", "--config.mesh.expert=2"]),
     Case("mesh-does-not-divide-batch", "`--config.data.prompts_per_step=3 --config.rl.num_generations=2` on mesh data=8", "config.data.prompts_per_step=3: the global batch B*G = 6 is not divisible by the batch shards data*fsdp = 8", EIGHT + ["--config.data.prompts_per_step=3", "--config.rl.num_generations=2"]),
