@@ -12,6 +12,8 @@ plots draws PNGs from those files (--out, a directory, default docs/img).
               a decode step in the compiled HLO (nothing runs; hlo.py reads the HLO)
     quant     the sampler with int8 / fp8 KV pages and decode weights against the f32 sampler:
               greedy tokens, log-prob KL and max |diff| (quant.py)
+    replay    a tiny bf16 mixture of experts: sampler-vs-learner route mismatch and log-prob KL
+              with routing replay off and on (replay.py)
     plots     the plots of docs/performance.md, from the JSON files of the others
 
 One module per benchmark, each with `main(argv) -> int` (launch/bench/common.py holds what they
@@ -26,7 +28,8 @@ import sys
 
 from launch.cli import UsageError, fail
 
-BENCHES = ("sampler", "learn", "loop", "memory", "mesh", "quant", "plots")  # launch.bench.<x>
+# launch.bench.<x>
+BENCHES = ("sampler", "learn", "loop", "memory", "mesh", "quant", "replay", "plots")
 
 
 def main(argv=None) -> int:

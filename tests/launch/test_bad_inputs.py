@@ -400,7 +400,7 @@ CATALOGUE = [
     Case("export-adapter-of-a-full-run", "`python -m launch.export --workdir run --out out --adapter`, a full fine-tune", "--adapter: the run in run has no LoRA adapters", ["--workdir", "run", "--out", "out", "--adapter"], entry="export"),
     Case("export-out-under-a-file", "`python -m launch.export --workdir run --out afile/hf`, where afile is a file", "--out afile/hf: afile is not a directory", ["--workdir", "run", "--out", "afile/hf"], write("afile", "x"), entry="export"),
     # launch.bench: a benchmark's name and flags, before anything is built or timed.
-    Case("bench-unknown", "`python -m launch.bench nope`", "'nope': no such benchmark; expected python -m launch.bench <what> [--help], <what> one of sampler, learn, loop, memory, mesh, quant, plots", ["nope"], entry="bench"),
+    Case("bench-unknown", "`python -m launch.bench nope`", "'nope': no such benchmark; expected python -m launch.bench <what> [--help], <what> one of sampler, learn, loop, memory, mesh, quant, replay, plots", ["nope"], entry="bench"),
     Case("bench-length-not-an-int", "`python -m launch.bench memory --tokens=abc`", "--tokens=abc: 'abc' is not an integer >= 1 (expected comma-separated integers >= 1, each once)", ["memory", "--tokens=abc"], entry="bench"),
     Case("bench-length-twice", "`python -m launch.bench memory --tokens=128,128`", "--tokens=128,128: 128 is given twice (comma-separated integers >= 1, each once)", ["memory", "--tokens=128,128"], entry="bench"),
     Case("bench-unknown-shape", "`python -m launch.bench memory --shape=nope`", "--shape=nope: expected one of tiny, small, qwen2_5_0_5b, qwen2_5_7b, qwen2_5_32b, qwen3_0_6b, llama3_2_1b", ["memory", "--shape=nope"], entry="bench"),

@@ -1,0 +1,126 @@
+"""Routing replay's numerics on a tiny mixture of experts in bf16 (issue 52 must-show 3, the part
+the code supports so far): `python -m launch.bench replay [--num_prompts 32] [--new_tokens 32]
+[--seeds 0,1,2] [--output F.json]`.
+
+Model: a random tiny Qwen3-MoE (16 experts, top-4, layers 0..3 all MoE, d_model 64, vocab 128),
+weights of std 0.1 (norm scales 1) so routers are decisive but near-ties occur, compute in bf16,
+f32 master weights, one CPU device. The sampler (`sampling.engine.Engine` with
+`record_routes`) draws `new_tokens` tokens at temperature 1 after random prompts of 4..16 tokens
+and records, at each decode step, the experts of the token it feeds. The learner's pass
+(`rl.logprobs.token_logprobs`, bf16, one sequence per row, right-padded) then scores the same
+tokens:
+- replay off: its routers route every token;
+- decode replay: the experts the sampler's decode steps used replace the learner's top-k at the
+  fed positions (the prompt's last token and every sampled token); the prompt's other tokens
+  (the prefill's) are still routed by the learner, as the prefill does not record yet.
+Per setting: route mismatch = the fraction of fed tokens whose learner experts (as a set, in any
+MoE layer) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with r = log p_learner -
+log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner logs), max |r|.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from launch.bench.common import finish, integer, parse, parser
+from models.config import ModelConfig
+from models.sharding import init_params, make_mesh
+from rl.logprobs import token_logprobs
+from sampling.distribution import SamplingParams
+from sampling.engine import Engine, EngineConfig
+
+CFG = ModelConfig(
+    family="qwen3_moe", vocab_size=128, d_model=64, d_ff=128, num_layers=4, num_heads=4,
+    num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=16, experts_per_token=4,
+    expert_d_ff=32, norm_topk_prob=True, moe_layers=(0, 1, 2, 3), dtype="bfloat16",
+)  # fmt: skip
+
+
+def _scaled(params):
+    """Projections and embedding of std 0.1 (the HF fixtures' statistics), norm scales 1."""
+
+    scale = lambda path, x: x if "norm" in jax.tree_util.keystr(path) else x * 5.0  # 0.02 -> 0.1
+    return jax.tree_util.tree_map_with_path(scale, params)
+
+
+def run(seed: int, num_prompts: int, new_tokens: int) -> dict:
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, params = init_params(CFG, mesh, seed=seed)
+    params = _scaled(params)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, CFG.vocab_size, rng.integers(4, 17)).tolist()
+               for _ in range(num_prompts)]  # fmt: skip
+    plen = max(map(len, prompts))
+    per_seq = -(-(plen + new_tokens) // 8)
+    ecfg = EngineConfig(
+        num_slots=num_prompts, page_size=8, num_pages=num_prompts * per_seq + 1,
+        max_prompt_len=plen, max_new_tokens=new_tokens, steps_per_call=new_tokens,
+        record_routes=True,
+    )  # fmt: skip
+    engine = Engine(CFG, graphdef, ecfg, SamplingParams(1.0))
+    state = engine.init_state()
+    state, prefixes = engine.prefill_many(params, state, prompts)
+    for slot, prefix in enumerate(prefixes):
+        state = engine.insert(state, prefix, slot, slot, new_tokens)
+    state, ticket = engine.dispatch(params, state, jax.random.key(seed))
+    r = engine.collect(ticket)
+    assert (r.num_generated[:num_prompts] == new_tokens).all()
+    width = plen + new_tokens
+    ids = np.zeros((num_prompts, width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p) + new_tokens] = p + r.tokens[i].tolist()
+    pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
+    valid = ids != 0
+    model = nnx.merge(graphdef, params)
+    own = np.asarray(jax.jit(lambda t: model.hidden(t, pos, valid, record=True)[2])(ids))
+    fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
+    replay = own.copy()
+    replay[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
+    logp = jax.jit(
+        lambda routes: (
+            token_logprobs(model, ids, pos, valid, SamplingParams(1.0), routes=routes).logp
+        )
+    )
+    out = {}
+    for name, routes in (("off", None), ("decode replay", replay)):
+        lp = np.asarray(logp(routes), np.float64)  # [n, width-1]: position t scores token t+1
+        learner = np.take_along_axis(lp, fed, 1)
+        rr = learner - np.asarray(r.logprobs[:num_prompts], np.float64)
+        used = own if routes is None else replay
+        got = np.sort(used[np.arange(num_prompts)[:, None], fed], -1)
+        want = np.sort(r.routes[:num_prompts], -1)
+        differ = (got != want).any(-1).any(-1)  # [n, new]: any layer's expert set differs
+        out[name] = {
+            "route_mismatch": float(differ.mean()),
+            "layer_route_mismatch": float((got != want).any(-1).mean()),
+            "kl_k3": float(np.mean(np.exp(rr) - 1 - rr)),
+            "max_abs_r": float(np.abs(rr).max()),
+        }
+    return out
+
+
+HEADER = (
+    "| seed | setting | route mismatch (tokens) | (token, layer) pairs | KL k3 | max abs r |\n"
+    "|---|---|---|---|---|---|"
+)
+
+
+def main(argv) -> int:
+    p = parser("replay", __doc__)
+    p.add_argument("--num_prompts", type=integer(1), default=32)
+    p.add_argument("--new_tokens", type=integer(1), default=32)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated model / prompt seeds")
+    args = parse(p, argv)
+    rows, lines = [], [HEADER]
+    for seed in (int(s) for s in args.seeds.split(",")):
+        res = run(seed, args.num_prompts, args.new_tokens)
+        for name, m in res.items():
+            rows.append({"seed": seed, "setting": name, **m})
+            lines.append(
+                f"| {seed} | {name} | {m['route_mismatch']:.4f} | {m['layer_route_mismatch']:.4f}"
+                f" | {m['kl_k3']:.3e} | {m['max_abs_r']:.3e} |"
+            )
+    r = {"config": vars(args), "model": str(CFG), "rows": rows}
+    return finish(args, r, "\n".join(lines))
