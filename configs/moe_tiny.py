@@ -6,8 +6,10 @@ The policy is configs/default.py's adder built as a Qwen3-MoE (`Qwen3MoeForCausa
 code of Qwen3-30B-A3B: 4 layers of width 128, each with 8 experts of width 96 and 2 experts per
 token, Qwen3's q/k-normed attention), warm-started by this project in
 configs/assets/arithmetic_moe_sft (remade by `python -m launch.sft --moe --steps 1000 --out
-configs/assets/arithmetic_moe_sft`): it learned 2-digit addition and the same habit of a spurious
-trailing "0", which GRPO removes. Everything else is configs/default.py's. XLA:CPU lowers the
+configs/assets/arithmetic_moe_sft`). That warm start is undertrained: it has not learned the
+addition (held-out greedy 0.075), and GRPO does not lift it in 60 steps as it lifts the dense
+demo (README "Mixtures of experts"); remaking it with --steps 2000 is the next step. Everything
+else is configs/default.py's. XLA:CPU lowers the
 experts' grouped matmul (`jax.lax.ragged_dot`) to a dense dot over every expert, E/k = 4 times the
 experts' FLOPs, so the model is kept small. Held-out accuracy before and after: README "Mixtures
 of experts".
