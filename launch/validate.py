@@ -252,7 +252,8 @@ def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
 
 def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None:
     """rl.routing_replay="rollout" replays a mixture of experts' recorded routes: refused on a
-    dense model, and (until the sampler records routes, issue 52 item 4b) on any model."""
+    dense model, and (until the episode loop carries the sampler's routes to the learner, issue 52
+    item 4b) on any model."""
     replay = c.rl.get("routing_replay", "none")
     _need(
         replay in ("none", "rollout"), "rl.routing_replay", replay, "expected 'none' or 'rollout'"
@@ -267,7 +268,8 @@ def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None
         replay == "none",
         "rl.routing_replay",
         replay,
-        "the sampler does not record routes yet (issue 52 item 4b): use 'none'",
+        "the episode loop does not carry the sampler's recorded routes to the learner yet "
+        "(issue 52 item 4b): use 'none'",
     )
 
 

@@ -474,10 +474,19 @@ class Engine:
         (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
         one prefill batch of `phase` (`sampling.plan`)."""
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
+        e_rec = self.ecfg.record_routes
         self.plan.prefill(
             phase,
             [
-                Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages))
+                # A fresh prompt's prefill records its routes on the Prefix (`record_routes`);
+                # a resumed or refreshed sequence keeps the routes recorded when it was sampled.
+                Row(
+                    x.shard,
+                    list(t),
+                    0 if extend is None else x.cached_len,
+                    list(x.pages),
+                    x if extend is None and e_rec else None,
+                )
                 for t, x in zip(rows_in, prefixes)
             ],
         )
@@ -530,6 +539,18 @@ class Engine:
                     rows(starts) if phase in EXTENDS else None,
                     e.prefill_chunk,
                 )
+                if isinstance(state, tuple):  # record_routes: the rows' experts [s*n,T,L,k]
+                    state, rec = state
+                    owned = [
+                        (r, row)
+                        for i, chunk in enumerate(parts[j] if j < len(parts) else [])
+                        for r, row in enumerate(chunk, start=i * n)
+                        if row.owner is not None
+                    ]
+                    if owned:
+                        rec = local_values(rec)  # this process's rows (a host sync)
+                        for r, row in owned:
+                            row.owner.routes = rec[r, : len(row.tokens)].copy()
         if shapes[-2]:  # a slot changes somewhere
             state = self._update(state, plan, steps.bucket_slots(int(shapes[-1])))
         self.plan = Plan(s, e.num_slots)

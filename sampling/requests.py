@@ -146,6 +146,8 @@ class Prefix:
     consumed: bool = False
     epoch: object = dataclasses.field(default=None, repr=False, compare=False)
     shard: int = 0  # the batch shard whose pool holds its pages (`sampling.partitioned`)
+    # [cached_len, L_moe, k] the experts of tokens[:-1] in the prefill (`record_routes`), or None
+    routes: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass(eq=False)

@@ -61,20 +61,25 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
     positions = jnp.arange(m * c, dtype=jnp.int32)[None] + base[:, None]
     split = lambda x: jnp.moveaxis(x.reshape(n, m, c), 1, 0)  # [m,n,c]
 
+    record = state.routes is not None  # routing replay: also the tokens' experts
+
     def one(pages, xs):  # one chunk: tokens, valid, positions [n,c] and its first position
         tok, val, pos, first = xs
         hook = PagedPrefill(*pages, page_rows, val, first if paged else starts, paged, layout)
-        _, hook = model.hidden(tok, pos, val, hook)
-        return (hook.k_pages, hook.v_pages), None
+        out = model.hidden(tok, pos, val, hook, record=record)
+        hook = out[1]
+        return (hook.k_pages, hook.v_pages), (out[2] if record else None)
 
     firsts = base[None] + c * jnp.arange(m, dtype=jnp.int32)[:, None]  # [m,n]
     xs = (split(tokens), split(valid), split(positions), firsts)
     pages = (state.k_pages, state.v_pages)
     if m == 1:
-        pages, _ = one(pages, jax.tree.map(lambda x: x[0], xs))
+        pages, rec = one(pages, jax.tree.map(lambda x: x[0], xs))
     else:
-        pages, _ = jax.lax.scan(one, pages, xs)
-    return _constrain(state.replace(k_pages=pages[0], v_pages=pages[1]), layout)
+        pages, rec = jax.lax.scan(one, pages, xs)  # rec [m,n,c,L_moe,k]
+        rec = None if rec is None else jnp.moveaxis(rec, 0, 1).reshape(n, m * c, *rec.shape[3:])
+    state = _constrain(state.replace(k_pages=pages[0], v_pages=pages[1]), layout)
+    return state if rec is None else (state, rec[:, :t])  # rec [n,T,L_moe,k]: the rows' experts
 
 
 def bucket_slots(n: int) -> int:

@@ -1,5 +1,5 @@
-"""Routing replay's numerics on a tiny mixture of experts in bf16 (issue 52 must-show 3, the part
-the code supports so far): `python -m launch.bench replay [--num_prompts 32] [--new_tokens 32]
+"""Routing replay's numerics on a tiny mixture of experts in bf16 (issue 52 must-show 3, from the
+sampler's own record): `python -m launch.bench replay [--num_prompts 32] [--new_tokens 32]
 [--seeds 0,1,2] [--output F.json]`.
 
 Model: a random tiny Qwen3-MoE (16 experts, top-4, layers 0..3 all MoE, d_model 64, vocab 128),
@@ -12,9 +12,11 @@ tokens:
 - replay off: its routers route every token;
 - decode replay: the experts the sampler's decode steps used replace the learner's top-k at the
   fed positions (the prompt's last token and every sampled token); the prompt's other tokens
-  (the prefill's) are still routed by the learner, as the prefill does not record yet.
-Per setting: route mismatch = the fraction of fed tokens whose learner experts (as a set, in any
-MoE layer) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with r = log p_learner -
+  are routed by the learner;
+- replay: and the prefill's experts at the prompt's other tokens (`Prefix.routes`): every token
+  routed as the sampler routed it (the last sampled token, never fed, scores nothing).
+Per setting: route mismatch = the fraction of tokens (the prompt's and the fed ones) whose
+learner experts (as a set, in any MoE layer) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with r = log p_learner -
 log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner logs), max |r|.
 """
 
@@ -76,25 +78,31 @@ def run(seed: int, num_prompts: int, new_tokens: int) -> dict:
     model = nnx.merge(graphdef, params)
     own = np.asarray(jax.jit(lambda t: model.hidden(t, pos, valid, record=True)[2])(ids))
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
-    replay = own.copy()
-    replay[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
+    decode = own.copy()  # the decode steps' experts at the fed positions, the learner's elsewhere
+    decode[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
+    full = decode.copy()  # and the prefill's for the prompt's other tokens: the whole record
+    for i, x in enumerate(prefixes):
+        full[i, : len(x.routes)] = x.routes
     logp = jax.jit(
         lambda routes: (
             token_logprobs(model, ids, pos, valid, SamplingParams(1.0), routes=routes).logp
         )
     )
     out = {}
-    for name, routes in (("off", None), ("decode replay", replay)):
+    for name, routes in (("off", None), ("decode replay", decode), ("replay", full)):
         lp = np.asarray(logp(routes), np.float64)  # [n, width-1]: position t scores token t+1
         learner = np.take_along_axis(lp, fed, 1)
         rr = learner - np.asarray(r.logprobs[:num_prompts], np.float64)
-        used = own if routes is None else replay
-        got = np.sort(used[np.arange(num_prompts)[:, None], fed], -1)
-        want = np.sort(r.routes[:num_prompts], -1)
-        differ = (got != want).any(-1).any(-1)  # [n, new]: any layer's expert set differs
+        used = own if routes is None else routes
+        got, want = [], []  # every recorded token: the prompt's (prefill) and the fed ones
+        for i, x in enumerate(prefixes):
+            got.append(used[i, : len(x.routes) + new_tokens])
+            want.append(np.concatenate([x.routes, r.routes[i]]))
+        got, want = np.sort(np.concatenate(got), -1), np.sort(np.concatenate(want), -1)
+        differ = (got != want).any(-1)  # [tokens, L_moe]: the layer's expert set differs
         out[name] = {
-            "route_mismatch": float(differ.mean()),
-            "layer_route_mismatch": float((got != want).any(-1).mean()),
+            "route_mismatch": float(differ.any(-1).mean()),
+            "layer_route_mismatch": float(differ.mean()),
             "kl_k3": float(np.mean(np.exp(rr) - 1 - rr)),
             "max_abs_r": float(np.abs(rr).max()),
         }

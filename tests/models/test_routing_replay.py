@@ -109,17 +109,22 @@ def test_record_and_replay_on_the_expert_mesh_equal_one_device():
     np.testing.assert_allclose(np.asarray(ho), np.asarray(h1), atol=1e-5)
 
 
-def test_decode_steps_record_the_fed_tokens_routes():
+@pytest.mark.parametrize(
+    "chunk",
+    (512, pytest.param(4, marks=pytest.mark.slow)),  # one pass; chunks over the pages
+)
+def test_decode_steps_record_the_fed_tokens_routes(chunk):
     """The sampler's decode step j records the experts of the token it feeds (the prompt's
-    last token, then the token sampled at step j-1): in f32 those of the learner's pass over
-    the whole sequence; no record unless asked for."""
+    last token, then the token sampled at step j-1), and the prefill those of the prompt's
+    other tokens (on the Prefix): in f32 those of the learner's pass over the whole sequence;
+    no record unless asked for."""
     from sampling.distribution import SamplingParams
     from sampling.engine import Engine, EngineConfig
 
     graphdef, params = _model(CFG)
     prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33]]
     ecfg = EngineConfig(num_slots=4, page_size=8, num_pages=32, max_prompt_len=16,
-                        max_new_tokens=8, steps_per_call=8)  # fmt: skip
+                        max_new_tokens=8, steps_per_call=8, prefill_chunk=chunk)  # fmt: skip
     greedy = SamplingParams(temperature=0.0)
     assert Engine(CFG, graphdef, ecfg, greedy).zeros().routes is None
     ecfg = dataclasses.replace(ecfg, record_routes=True)
@@ -131,10 +136,12 @@ def test_decode_steps_record_the_fed_tokens_routes():
     state, ticket = engine.dispatch(params, state, jax.random.key(0))
     r = engine.collect(ticket)
     assert r.routes.shape == (4, 8, 2, 2) and r.routes.dtype == np.int8
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts):  # the prefill recorded the prompt's other tokens
+        assert prefixes[i].routes.shape == (len(p) - 1, 2, 2)
         n = r.num_generated[i]
         full = np.asarray([p + r.tokens[i, :n].tolist()], np.int32)
         pos = np.arange(full.shape[1], dtype=np.int32)[None]
         _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
         fed = len(p) - 1 + np.arange(n)  # the positions fed at steps 0..n-1
         np.testing.assert_array_equal(r.routes[i, :n], np.asarray(want)[0, fed])
+        np.testing.assert_array_equal(prefixes[i].routes, np.asarray(want)[0, : len(p) - 1])
