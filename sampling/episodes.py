@@ -95,6 +95,7 @@ import operator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import jax
+import numpy as np
 
 from sampling.engine import Engine
 from sampling.page_allocator import OutOfPagesError
@@ -261,6 +262,10 @@ class EpisodeLoop:
             self.book.drop(ep.parked)
             ep.parked = None
         ep.finish = reason or ep.finish
+        routes = None
+        if ep.routes is not None and self.respond is None:  # + the last token's (never fed)
+            prompt = ep.routes[0].routes  # the Prefix's, from its prefill
+            routes = np.concatenate([prompt, *ep.routes[1:], np.zeros_like(prompt[:1])])
         self.results[ep.i][ep.k] = done = Completion(
             ep.tokens,
             ep.logprobs,
@@ -269,6 +274,7 @@ class EpisodeLoop:
             ep.turns,
             None if self.respond is None else ep.observation,
             ep.versions,
+            routes,
         )
         if self.on_finish is not None:
             self.on_finish(ep.i, ep.k, done)
@@ -487,6 +493,8 @@ class EpisodeLoop:
         ep.observation += [False] * m
         ep.versions += [self.version] * m
         ep.turn_len += m
+        if ep.routes is not None and r.routes is not None:
+            ep.routes.append(r.routes[s, :m].copy())  # the fed tokens: the last one before, ...
 
     def _stop(self, state, inflight):
         """Reads the call in flight, then parks every episode still decoding, mid-turn. A group
@@ -613,7 +621,12 @@ class EpisodeLoop:
             state, prefix, slots, rid, turns, [budget[k] for k in ks], samples=ks, keep=k0 + n < g
         )
         self.mine.update(slots)
-        self.owner.update((s, Episode(key, k, budget[k], kv_version=kv)) for s, k in zip(slots, ks))
+        # record_routes: the prompt's experts are the Prefix's once its prefill ran (`_finish`)
+        routes = lambda: [prefix] if self.engine.ecfg.record_routes else None
+        self.owner.update(
+            (s, Episode(key, k, budget[k], kv_version=kv, routes=routes()))
+            for s, k in zip(slots, ks)
+        )
         if k0 + n < g:
             self._set_open(prefix.shard, (key, k0 + n, prefix, kv))
         return state

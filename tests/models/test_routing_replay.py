@@ -145,3 +145,31 @@ def test_decode_steps_record_the_fed_tokens_routes(chunk):
         fed = len(p) - 1 + np.arange(n)  # the positions fed at steps 0..n-1
         np.testing.assert_array_equal(r.routes[i, :n], np.asarray(want)[0, fed])
         np.testing.assert_array_equal(prefixes[i].routes, np.asarray(want)[0, : len(p) - 1])
+
+
+@pytest.mark.parametrize(  # 9: too few pages, sequences are preempted and recomputed
+    "num_pages", (pytest.param(32, marks=pytest.mark.slow), 9)
+)
+def test_completions_carry_the_sampler_routes(num_pages):
+    """`generate_all` with record_routes: each Completion's routes [P+N, L_moe, k] are the
+    prefill's and decode steps' experts of its tokens (the last one, never fed, zeros), those of
+    the learner's f32 pass over the sequence, also across preemption and recompute."""
+    from sampling.distribution import SamplingParams
+    from sampling.engine import Engine, EngineConfig
+    from sampling.episodes import generate_all
+
+    graphdef, params = _model(CFG)
+    prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]]
+    ecfg = EngineConfig(num_slots=4, page_size=4, num_pages=num_pages, max_prompt_len=8,
+                        max_new_tokens=12, steps_per_call=4, record_routes=True)  # fmt: skip
+    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
+    _, results = generate_all(engine, params, engine.init_state(), prompts, 1, 12, seed=3)
+    if num_pages == 9:
+        assert engine.preemptions > 0
+    for p, (c,) in zip(prompts, results):
+        full = np.asarray([p + c.tokens], np.int32)
+        pos = np.arange(full.shape[1], dtype=np.int32)[None]
+        _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
+        assert c.routes.shape == (len(p) + c.length, 2, 2)
+        np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
+        assert not c.routes[-1].any()
