@@ -3,7 +3,9 @@
     python -m launch.sft --out configs/assets/arithmetic_sft              # the GRPO demo's
     python -m launch.sft --task calc --out configs/assets/calc_sft        # the tool-use demo's
     python -m launch.sft --task repo_fix --out configs/assets/repo_fix_sft  # the repository demo's
-    python -m launch.sft --moe --out configs/assets/arithmetic_moe_sft  # the MoE demo's (Qwen3-MoE)
+    python -m launch.sft --moe --steps 1000 --out configs/assets/arithmetic_moe_sft  # the MoE demo's,
+    python -m launch.sft --moe --init configs/assets/arithmetic_moe_sft --steps 600 \
+        --learning_rate 2e-3 --seed 1 --out DIR    # then 600 more steps (README: Mixtures of experts)
 
 Trains a tiny Llama-family, character-level transformer with teacher forcing on one of three tasks
 (`repo_fix`, scripted episodes of the CPU repository demo, is described in launch/sft_repo_fix.py);
@@ -59,7 +61,7 @@ from flax import nnx
 from launch import sft_repo_fix
 from launch.cli import ArgumentParser
 from models.config import ModelConfig
-from models.hf import save_hf
+from models.hf import load_hf, save_hf
 from models.hf_config import GenerationIds
 from models.sharding import init_params, make_mesh
 from models.tokenizer import CHAR_TOKENIZER_FILE, CharTokenizer
@@ -262,6 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--ramble_digits", default="1234567", help="arithmetic: endings with the habit")
     p.add_argument("--tool_prob", type=float, default=0.3, help="calc: share of tool-path examples")
     p.add_argument("--eval_samples", type=int, default=4, help="calc: T=1 samples per prompt")
+    p.add_argument("--init", default="", help="start from this HF checkpoint of the same model")
     p.add_argument(
         "--moe",
         action="store_true",
@@ -277,6 +280,10 @@ def main(argv=None) -> int:
     cfg = model_config(tok.vocab_size, sft_repo_fix.MAX_POSITIONS if repo_fix else 64, args.moe)
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(cfg, mesh, seed=args.seed)
+    if args.init:  # go on from a checkpoint of this same model (e.g. more steps for an asset)
+        loaded, graphdef, params, _ = load_hf(args.init, mesh)
+        if loaded != cfg:
+            raise SystemExit(f"error: --init {args.init}: not the model this task and --moe make")
     if repo_fix:
         train = sft_repo_fix.records(args.seed, steps * args.batch_size, "train")
         held_out = sft_repo_fix.records(args.seed + 1, args.eval_size, "eval")
