@@ -252,24 +252,31 @@ def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
 
 def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None:
     """rl.routing_replay="rollout" replays a mixture of experts' recorded routes: refused on a
-    dense model, and (until the episode loop carries the sampler's routes to the learner, issue 52
-    item 4b) on any model."""
+    dense model, and for now where the rollout does not carry the record to the learner yet
+    (multi-turn episodes, partial rollouts: issue 52 item 4b)."""
     replay = c.rl.get("routing_replay", "none")
     _need(
         replay in ("none", "rollout"), "rl.routing_replay", replay, "expected 'none' or 'rollout'"
     )
+    if replay == "none":
+        return
     _need(
-        replay == "none" or num_experts > 0,
+        num_experts > 0,
         "rl.routing_replay",
         replay,
         "replays a mixture of experts' routes; the checkpoint is a dense model (use 'none')",
     )
     _need(
-        replay == "none",
+        not c.env.get("name", ""),
         "rl.routing_replay",
         replay,
-        "the episode loop does not carry the sampler's recorded routes to the learner yet "
-        "(issue 52 item 4b): use 'none'",
+        f"multi-turn episodes (env.name={c.env.name!r}) do not record routes yet: use 'none'",
+    )
+    _need(
+        not c.rl.get("partial_rollouts", False),
+        "rl.routing_replay",
+        replay,
+        "with partial rollouts is not supported yet (issue 52 item 4b): use 'none'",
     )
 
 

@@ -100,8 +100,14 @@ def test_routing_replay_config():
     c.rl.routing_replay = "rollout"
     with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': .* dense model"):
         check_routing_replay(c, 0)
-    with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': .* record"):
-        check_routing_replay(c, 8)  # until the sampler records routes
+    check_routing_replay(c, 8)  # single-turn, synchronous: the rollout carries the record
+    c.env.name = "calculator"
+    with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': multi-turn"):
+        check_routing_replay(c, 8)
+    c.env.name = ""
+    c.rl.partial_rollouts = True
+    with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': with partial"):
+        check_routing_replay(c, 8)
     c.rl.routing_replay = "sampler"
     with pytest.raises(UsageError, match=r"expected 'none' or 'rollout'"):
         check_routing_replay(c, 8)
