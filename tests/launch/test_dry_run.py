@@ -32,7 +32,9 @@ def test_repo_config_dry_run_from_a_hub_cache_holding_config_json(tmp_path, monk
 
     assert main([f"--config={ROOT}/configs/qwen3_0_6b_repo.py", "--dry_run"]) == 0
     out = capsys.readouterr().out
-    assert "qwen3: 596.0M parameters, mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in out, out
+    assert (
+        "qwen3: 596.0M parameters, mesh {'data': 1, 'fsdp': 8, 'expert': 1, 'tensor': 1}" in out
+    ), out
     assert "cpu-all-reduce-combiner, float-normalization-bf16, all-reduce-promotion off" in out
     phases = dict(re.findall(r"^(learn|rollout) phase +([\d.]+) MiB per device: fits", out, re.M))
     assert set(phases) == {"learn", "rollout"}, out

@@ -41,7 +41,10 @@ def test_the_docstring_example_runs(capsys):
     assert argv[:3] == ["python", "-m", "launch.inspect"] and "--fake_devices" in argv, argv
     assert main(argv[3:]) == 0
     out = capsys.readouterr().out
-    assert "on mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2}" in out and "greedy: [5, 17, 42, 7, " in out
+    assert (
+        "on mesh {'data': 2, 'fsdp': 2, 'expert': 1, 'tensor': 2}" in out
+        and "greedy: [5, 17, 42, 7, " in out
+    )
 
 
 def test_out_of_vocabulary_prompt_ids_are_refused(capsys):
