@@ -31,7 +31,13 @@ from tests.rl.repo_env_helpers import TOK, act, call, make_config
 pytestmark = pytest.mark.filterwarnings("ignore:sandbox without bubblewrap")
 tasks = repo_env_helpers.tasks  # the module fixture
 # configs/*.py whose environment or reward runs model-written code; the others must not probe
-CODE_CONFIGS = {"qwen2_5_0_5b_code", "qwen2_5_0_5b_code_32k", "qwen3_0_6b_code", "qwen3_0_6b_repo"}
+CODE_CONFIGS = {
+    "qwen2_5_0_5b_code",
+    "qwen2_5_0_5b_code_32k",
+    "qwen3_0_6b_code",
+    "qwen3_0_6b_repo",
+    "qwen3_coder_30b_a3b_repo",
+}
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(f"{ROOT}/configs/*.py"))
 CONFIGS.remove("__init__")
 
@@ -90,8 +96,9 @@ def test_code_configs_stop_at_start_up_without_bwrap(no_bwrap, name, tmp_path, c
     assert main([f"--config={path}", f"--workdir={workdir}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and not workdir.exists(), lines
-    iso = "bwrap" if name == "qwen3_0_6b_repo" else "auto"
-    what = "env 'repo'" if name == "qwen3_0_6b_repo" else "env 'code_tests'"
+    repo = name in ("qwen3_0_6b_repo", "qwen3_coder_30b_a3b_repo")  # isolation="bwrap" set
+    iso = "bwrap" if repo else "auto"
+    what = "env 'repo'" if repo else "env 'code_tests'"
     assert lines[0].startswith(f"error: config.env.isolation={iso!r}: {what} runs model-written "
                                "code; bubblewrap does not work here (bwrap-hidden-by-test")  # fmt: skip
     assert "apt-get install bubblewrap" in lines[0] and "--config.env.isolation=rlimits" in lines[0]
