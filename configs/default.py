@@ -139,8 +139,8 @@ def get_config():
     # moved up by more than high, or with A <= 0 down by more than low; abs_log (two-sided) one
     # whose log pi - log pi_old left [-low, high] whatever A (|d| > delta when low = high = delta)
     c.rl.trust_region = "none"  # none | tv | log | abs_log (above)
-    c.rl.trust_region_low = 0.2  # masked where pi - pi_old < -low and A <= 0 (prime-rl: 0.2)
-    c.rl.trust_region_high = 0.2  # masked where pi - pi_old > high and A > 0 (prime-rl: 0.2)
+    c.rl.trust_region_low = 0.2  # the band's lower half-width (above; prime-rl: 0.2)
+    c.rl.trust_region_high = 0.2  # the band's upper half-width (above; prime-rl: 0.2)
     c.rl.old_logp = "recompute"  # π_old: recompute (learner) | sampler (bypass)
     c.rl.routing_replay = "none"  # MoE: none | rollout (learner uses the sampler's experts)
     c.rl.num_iterations = 1  # μ: passes over each rollout

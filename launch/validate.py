@@ -252,8 +252,8 @@ def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
 
 def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None:
     """rl.routing_replay="rollout" replays a mixture of experts' recorded routes: refused on a
-    dense model, and for now where the rollout does not carry the record to the learner yet
-    (multi-turn episodes, partial rollouts: issue 52 item 4b)."""
+    dense model, and for now where the rollout does not carry the record to the learner yet:
+    multi-turn episodes (observation tokens' routes) and partial rollouts (carried routes)."""
     replay = c.rl.get("routing_replay", "none")
     _need(
         replay in ("none", "rollout"), "rl.routing_replay", replay, "expected 'none' or 'rollout'"
@@ -276,7 +276,7 @@ def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None
         not c.rl.get("partial_rollouts", False),
         "rl.routing_replay",
         replay,
-        "with partial rollouts is not supported yet (issue 52 item 4b): use 'none'",
+        "with partial rollouts is not supported yet (carried episodes keep no routes): use 'none'",
     )
 
 

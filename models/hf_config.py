@@ -156,7 +156,7 @@ def _experts(hf: dict[str, Any], path: str, layers: int) -> dict[str, Any]:
         raise CheckpointError(f"{path}: num_experts={e}: a mixture of experts needs >= 1")
     if not 1 <= k <= e:
         raise CheckpointError(f"{path}: num_experts_per_tok={k}: must be in [1, num_experts = {e}]")
-    step = int(hf.get("decoder_sparse_step") or 1)
+    step = int(hf.get("decoder_sparse_step", 1))  # 0 is refused (transformers divides by it)
     if step < 1:
         raise CheckpointError(f"{path}: decoder_sparse_step={step}: must be >= 1")
     dense = hf.get("mlp_only_layers") or []

@@ -221,6 +221,7 @@ def _moe_config(tmp_path, **fields):
         (dict(n_shared_experts=1), r"n_shared_experts=1 is not supported"),
         (dict(routed_scaling_factor=2.5), r"routed_scaling_factor=2.5 is not supported"),
         (dict(moe_intermediate_size=None), r"missing field 'moe_intermediate_size'"),
+        (dict(decoder_sparse_step=0), r"decoder_sparse_step=0: must be >= 1"),
     ],
 )  # fmt: skip
 def test_bad_moe_config_is_one_line_naming_the_field(tmp_path, fields, message):
