@@ -56,10 +56,10 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, capsys, monke
     def turns_nan(prompts, completions, **fields):
         # 4 groups per step (TINY, without dynamic sampling's replacements); before step 1 the
         # start-up check (launch.validate.check_rewards) calls it once per split and the
-        # evaluation once (pass_k=0: greedy only)
+        # evaluation once per held-out group (8 records, pass_k=0: greedy only; rl/groups.py)
         calls.append(1)
         out = exact(prompts, completions, **fields)
-        return [float("nan")] * len(out) if len(calls) > 3 + 2 * 4 else out
+        return [float("nan")] * len(out) if len(calls) > 2 + 8 + 2 * 4 else out
 
     monkeypatch.setitem(rewards.REWARDS, "arithmetic_exact", turns_nan)
     workdir = tmp_path / "run"
