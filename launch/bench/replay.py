@@ -34,10 +34,22 @@ from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 
 CFG = ModelConfig(
-    family="qwen3_moe", vocab_size=128, d_model=64, d_ff=128, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=16, experts_per_token=4,
-    expert_d_ff=32, norm_topk_prob=True, moe_layers=(0, 1, 2, 3), dtype="bfloat16",
-)  # fmt: skip
+    family="qwen3_moe",
+    vocab_size=128,
+    d_model=64,
+    d_ff=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    num_experts=16,
+    experts_per_token=4,
+    expert_d_ff=32,
+    norm_topk_prob=True,
+    moe_layers=(0, 1, 2, 3),
+    dtype="bfloat16",
+)
 
 
 def _scaled(params):
@@ -52,15 +64,20 @@ def run(seed: int, num_prompts: int, new_tokens: int) -> dict:
     graphdef, params = init_params(CFG, mesh, seed=seed)
     params = _scaled(params)
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, CFG.vocab_size, rng.integers(4, 17)).tolist()
-               for _ in range(num_prompts)]  # fmt: skip
+    prompts = [
+        rng.integers(1, CFG.vocab_size, rng.integers(4, 17)).tolist() for _ in range(num_prompts)
+    ]
     plen = max(map(len, prompts))
     per_seq = -(-(plen + new_tokens) // 8)
     ecfg = EngineConfig(
-        num_slots=num_prompts, page_size=8, num_pages=num_prompts * per_seq + 1,
-        max_prompt_len=plen, max_new_tokens=new_tokens, steps_per_call=new_tokens,
+        num_slots=num_prompts,
+        page_size=8,
+        num_pages=num_prompts * per_seq + 1,
+        max_prompt_len=plen,
+        max_new_tokens=new_tokens,
+        steps_per_call=new_tokens,
         record_routes=True,
-    )  # fmt: skip
+    )
     engine = Engine(CFG, graphdef, ecfg, SamplingParams(1.0))
     state = engine.init_state()
     state, prefixes = engine.prefill_many(params, state, prompts)

@@ -30,10 +30,21 @@ from rl.logprobs import token_logprobs
 from sampling.distribution import SamplingParams
 
 CFG = ModelConfig(
-    family="qwen3_moe", vocab_size=64, d_model=32, d_ff=40, num_layers=3, num_heads=4,
-    num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=8, experts_per_token=2,
-    expert_d_ff=24, norm_topk_prob=True, moe_layers=(0, 2),
-)  # fmt: skip
+    family="qwen3_moe",
+    vocab_size=64,
+    d_model=32,
+    d_ff=40,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    num_experts=8,
+    experts_per_token=2,
+    expert_d_ff=24,
+    norm_topk_prob=True,
+    moe_layers=(0, 2),
+)
 MESHES = {
     "expert4": {"data": 2, "expert": 4},
     "expert2_fsdp2_tensor2": {"expert": 2, "fsdp": 2, "tensor": 2},
@@ -131,8 +142,14 @@ def _greedy(graphdef, params, mesh):
     from sampling.engine import Engine, EngineConfig
     from sampling.episodes import generate_all
 
-    ecfg = EngineConfig(num_slots=8, page_size=8, num_pages=64, max_prompt_len=16,
-                        max_new_tokens=10, steps_per_call=5)  # fmt: skip
+    ecfg = EngineConfig(
+        num_slots=8,
+        page_size=8,
+        num_pages=64,
+        max_prompt_len=16,
+        max_new_tokens=10,
+        steps_per_call=5,
+    )
     engine = Engine(
         CFG, graphdef, ecfg, SamplingParams(temperature=0.0), mesh=mesh, rules=DEFAULT_RULES
     )
@@ -160,9 +177,10 @@ def _ragged_and_dense_expert_dots(text: str):
     ragged = len(re.findall(r"ragged_dot", text))
     e, d, f = CFG.num_experts, CFG.d_model, CFG.expert_d_ff
     dense = [
-        ln for ln in text.splitlines()
+        ln
+        for ln in text.splitlines()
         if "dot_general" in ln and re.search(rf"tensor<{e}x({d}x{f}|{f}x{d})x", ln)
-    ]  # fmt: skip
+    ]
     return ragged, dense
 
 
@@ -204,10 +222,21 @@ def test_decode_and_train_step_lower_with_ragged_dot(platform):
 
 
 def _moe_config(tmp_path, **fields):
-    hf = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=64,
-              hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-              moe_intermediate_size=16, eos_token_id=1)  # fmt: skip
+    hf = dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        eos_token_id=1,
+    )
     hf.update(fields)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     return str(tmp_path)
@@ -217,13 +246,16 @@ def _moe_config(tmp_path, **fields):
     "fields, message",
     [
         (dict(num_experts_per_tok=5), r"num_experts_per_tok=5: must be in \[1, num_experts = 4\]"),
-        (dict(shared_expert_intermediate_size=64), r"shared_expert_intermediate_size=64 is not supported"),
+        (
+            dict(shared_expert_intermediate_size=64),
+            r"shared_expert_intermediate_size=64 is not supported",
+        ),
         (dict(n_shared_experts=1), r"n_shared_experts=1 is not supported"),
         (dict(routed_scaling_factor=2.5), r"routed_scaling_factor=2.5 is not supported"),
         (dict(moe_intermediate_size=None), r"missing field 'moe_intermediate_size'"),
         (dict(decoder_sparse_step=0), r"decoder_sparse_step=0: must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_moe_config_is_one_line_naming_the_field(tmp_path, fields, message):
     fields = {k: v for k, v in fields.items() if v is not None}
     path = _moe_config(tmp_path, **fields)
@@ -267,10 +299,17 @@ def test_tensor_layout_decode_copy_keeps_the_experts_split(one):
 
     graphdef, params = one
     mesh = make_mesh({"data": 2, "expert": 4})
-    ecfg = EngineConfig(num_slots=8, page_size=8, num_pages=64, max_prompt_len=16,
-                        max_new_tokens=8, weights_layout="tensor")  # fmt: skip
-    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=0.0), mesh=mesh,
-                    rules=DEFAULT_RULES)  # fmt: skip
+    ecfg = EngineConfig(
+        num_slots=8,
+        page_size=8,
+        num_pages=64,
+        max_prompt_len=16,
+        max_new_tokens=8,
+        weights_layout="tensor",
+    )
+    engine = Engine(
+        CFG, graphdef, ecfg, SamplingParams(temperature=0.0), mesh=mesh, rules=DEFAULT_RULES
+    )
     sharded = _on(mesh, params)
     copy = engine.decode_params(sharded)
     for layer in CFG.moe_layers:

@@ -140,9 +140,22 @@ def test_generate_and_learner_logprobs_match_transformers(name, checkpoints, tmp
         "".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS)
     )
     out = tmp_path / "out.jsonl"
-    argv = ["--hf_checkpoint", d, "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out),
-            "--temperature", "0", "--max_new_tokens", str(NEW), "--num_slots", "4",
-            "--page_size", "8"]  # fmt: skip
+    argv = [
+        "--hf_checkpoint",
+        d,
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--output",
+        str(out),
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        str(NEW),
+        "--num_slots",
+        "4",
+        "--page_size",
+        "8",
+    ]
     assert main(argv) == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     for line, (_, greedy, lp, _) in zip(lines, ref):

@@ -21,10 +21,21 @@ from models.moe import route_dtype
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
 
 CFG = ModelConfig(
-    family="qwen3_moe", vocab_size=64, d_model=32, d_ff=40, num_layers=3, num_heads=4,
-    num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=8, experts_per_token=2,
-    expert_d_ff=24, norm_topk_prob=True, moe_layers=(0, 2),
-)  # fmt: skip
+    family="qwen3_moe",
+    vocab_size=64,
+    d_model=32,
+    d_ff=40,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    num_experts=8,
+    experts_per_token=2,
+    expert_d_ff=24,
+    norm_topk_prob=True,
+    moe_layers=(0, 2),
+)
 
 
 def _model(cfg, mesh=None):
@@ -123,8 +134,15 @@ def test_decode_steps_record_the_fed_tokens_routes(chunk):
 
     graphdef, params = _model(CFG)
     prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33]]
-    ecfg = EngineConfig(num_slots=4, page_size=8, num_pages=32, max_prompt_len=16,
-                        max_new_tokens=8, steps_per_call=8, prefill_chunk=chunk)  # fmt: skip
+    ecfg = EngineConfig(
+        num_slots=4,
+        page_size=8,
+        num_pages=32,
+        max_prompt_len=16,
+        max_new_tokens=8,
+        steps_per_call=8,
+        prefill_chunk=chunk,
+    )
     greedy = SamplingParams(temperature=0.0)
     assert Engine(CFG, graphdef, ecfg, greedy).zeros().routes is None
     ecfg = dataclasses.replace(ecfg, record_routes=True)
@@ -160,8 +178,15 @@ def test_completions_carry_the_sampler_routes(num_pages):
 
     graphdef, params = _model(CFG)
     prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]]
-    ecfg = EngineConfig(num_slots=4, page_size=4, num_pages=num_pages, max_prompt_len=8,
-                        max_new_tokens=12, steps_per_call=4, record_routes=True)  # fmt: skip
+    ecfg = EngineConfig(
+        num_slots=4,
+        page_size=4,
+        num_pages=num_pages,
+        max_prompt_len=8,
+        max_new_tokens=12,
+        steps_per_call=4,
+        record_routes=True,
+    )
     engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
     _, results = generate_all(engine, params, engine.init_state(), prompts, 1, 12, seed=3)
     if num_pages == 9:

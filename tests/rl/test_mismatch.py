@@ -195,11 +195,22 @@ RULES = [
     dict(is_correction="icepop", is_level="geometric", aggregation="seq_mean_token_mean"),
     dict(is_correction="mis", is_level="token", trust_region="tv"),
     dict(is_correction="none", trust_region="log", trust_region_low=0.3, trust_region_high=0.25),
-    dict(is_correction="tis", trust_region="tv", trust_region_low=0.1, trust_region_high=0.05,
-         aggregation="seq_mean_token_sum", policy_loss="cispo"),
-    dict(is_correction="icepop", trust_region="abs_log", trust_region_low=0.3,
-         trust_region_high=0.5, aggregation="seq_mean_token_mean"),
-]  # fmt: skip
+    dict(
+        is_correction="tis",
+        trust_region="tv",
+        trust_region_low=0.1,
+        trust_region_high=0.05,
+        aggregation="seq_mean_token_sum",
+        policy_loss="cispo",
+    ),
+    dict(
+        is_correction="icepop",
+        trust_region="abs_log",
+        trust_region_low=0.3,
+        trust_region_high=0.5,
+        aggregation="seq_mean_token_mean",
+    ),
+]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda d: "-".join(map(str, d.values())))
@@ -224,10 +235,18 @@ def test_rule_matches_numpy_on_packed_batch(rule):
         part = {k: v[sl] for k, v in BATCH.items()}
         b = {k: jnp.asarray(v) for k, v in part.items()}
         return grpo_loss(
-            b["logp"], b["old"], b["sampler"], b["ref"], b["adv"], b["mask"], cfg,
-            global_tokens=float(BATCH["mask"].sum()), global_seqs=float(len(SEQS)),
-            entropy=b["ent"], segments=b["segments"],
-        )  # fmt: skip
+            b["logp"],
+            b["old"],
+            b["sampler"],
+            b["ref"],
+            b["adv"],
+            b["mask"],
+            cfg,
+            global_tokens=float(BATCH["mask"].sum()),
+            global_seqs=float(len(SEQS)),
+            entropy=b["ent"],
+            segments=b["segments"],
+        )
 
     (l1, m1), (l2, m2) = rows(slice(0, 1)), rows(slice(1, 3))
     np.testing.assert_allclose(float(l1) + float(l2), float(loss), **TOL)

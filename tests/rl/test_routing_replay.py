@@ -80,8 +80,9 @@ def test_every_learner_pass_routes_by_the_record(setup):
     free = batch.replace(routes=None)
     other = batch.replace(routes=(batch.routes + 3) % 8)
     for which in ("logp", "full"):  # pi_old and the policy side of KL: the experts it chose
-        got, want, moved = (np.asarray(learner.logprobs(params, b, which))[mask] for b in
-                            (batch, free, other))  # fmt: skip
+        got, want, moved = (
+            np.asarray(learner.logprobs(params, b, which))[mask] for b in (batch, free, other)
+        )
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
         assert np.abs(moved - want).max() > 1e-3
     ref = jax.tree.map(lambda x: 0.9 * x, params)  # its routers choose otherwise: replay differs
