@@ -40,8 +40,10 @@ materialises (Qwen3-30B-A3B on fsdp=4 x expert=2 at 16k tokens a device: f32[64,
 kernels read the sorted rows and the [G, K, N] weights in place and write [M, N]. The programs an
 estimate is for are traced within `grouped_matmuls()`, which makes each ragged_dot a loop over
 the groups holding what a grouped matmul holds: its operands, its output and one group's product
-(the weight gradient: one group's masked rows). Its FLOPs are G times a grouped matmul's; it is
-compiled for the buffers, never run.
+(the weight gradient: one group's masked rows of the narrower operand, in the operands' dtype:
+XLA:CPU would make f32 copies of both whole operands for a bf16 dot with an f32 result, 2 GiB
+each at that shape, which a kernel that accumulates in f32 does not). Its FLOPs are G times a
+grouped matmul's; it is compiled for the buffers, never run.
 
 What the figures still do not model: the accelerator's own scheduler (the latency-hiding
 schedulers of XLA:TPU and XLA:GPU overlap collectives with compute and so keep a gathered weight
@@ -111,14 +113,25 @@ def _ragged_dot_general_loop(lhs, rhs, group_sizes, ragged_dot_dimension_numbers
         return _RAGGED[1](lhs, rhs, group_sizes, dims, **kw)
     m, g_count = lhs.shape[0], group_sizes.shape[0]
     dtype = kw.get("preferred_element_type") or jnp.result_type(lhs, rhs)
+    narrow = lhs.shape[1] <= rhs.shape[1]  # mask the narrower operand: the smaller copy
+
+    def product(g):
+        # In the operands' dtype, then cast: XLA:CPU would otherwise make f32 copies of both
+        # whole [M, .] operands for a bf16 x bf16 -> f32 dot (a grouped matmul kernel reads
+        # them as they are and accumulates in f32); this loop is never run, so its precision
+        # does not matter, only its buffers.
+        rows = _rows_of(group_sizes, m, g)[:, None]
+        a, b = (jnp.where(rows, lhs, 0), rhs) if narrow else (lhs, jnp.where(rows, rhs, 0))
+        return jnp.einsum("MK,MN->KN", a, b).astype(dtype)
 
     def body(g, out):
-        rows = jnp.where(_rows_of(group_sizes, m, g)[:, None], lhs, 0)
-        dw = jnp.einsum("MK,MN->KN", rows, rhs, preferred_element_type=dtype)
-        return out.at[g].set(dw)
+        return out.at[g].set(product(g))
 
-    zeros = jnp.zeros((g_count, lhs.shape[1], rhs.shape[1]), dtype)
-    return jax.lax.fori_loop(1, g_count, body, body(0, zeros))  # (group 0 outside: as above)
+    # Group 0's product broadcast, not zeros: a buffer made from constants may be scheduled at
+    # the start of the program, every layer's at once (models/order.py); this one waits for
+    # its operands.
+    first = product(0)
+    return jax.lax.fori_loop(1, g_count, body, jnp.broadcast_to(first, (g_count, *first.shape)))
 
 
 _RAGGED = (jax.lax.ragged_dot, jax.lax.ragged_dot_general)

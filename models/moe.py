@@ -193,27 +193,66 @@ def local_moe(x, weights, experts, gate, up, down, spec: Weights | None = None):
     return jnp.zeros_like(x).at[token].add(y)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _take(fan: int, src, idx, ok, inv, inv_ok):
+    """Rows of src [S,D]: out[i] = src[idx[i]] where ok[i], else 0 (idx, ok [M]). Each src row
+    is taken by `fan` out rows, listed in inv [S*fan] (only those where inv_ok), so the gradient
+    is a gather too (ct[inv], summed over the fan), not autodiff's scatter into a zeroed [S,D]
+    buffer: zeros made from constants, which XLA:CPU scheduled at the start of the program for
+    every layer at once (`models.order`)."""
+    return jnp.where(ok[:, None], src[idx], 0)
+
+
+def _take_fwd(fan, src, idx, ok, inv, inv_ok):
+    return _take(fan, src, idx, ok, inv, inv_ok), (inv, inv_ok, src[:0])
+
+
+def _take_bwd(fan, res, ct):
+    inv, inv_ok, like = res
+    d = jnp.where(inv_ok[:, None], ct[inv], 0)
+    d = d.reshape(-1, fan, d.shape[-1]).sum(1) if fan > 1 else d
+    return _summed(d, like).astype(like.dtype), None, None, None, None
+
+
+_take.defvjp(_take_fwd, _take_bwd)
+
+
 def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, spec: Weights):
     """Inside the shard_map: this device's rows x [n,D] with their weights/experts [n,k], its
-    experts gate/up [E/ep,D,F'] and down [E/ep,F',D] -> [n,D] (see the module docstring)."""
+    experts gate/up [E/ep,D,F'] and down [E/ep,F',D] -> [n,D] (see the module docstring).
+
+    Every move of rows is a `_take` (a gather whose gradient is a gather): the send buffer
+    [ep*m, D] (slot (j, r): the r-th pair for expert device j, zeros past its count), the
+    receiver's sort by local expert and its inverse, and each pair's row of what comes back; the
+    k rows of a token are then summed with its gate weights. No scatter into a zeroed buffer of
+    the worst-case size, in the forward pass or the backward."""
     n, d = x.shape
+    k = experts.shape[1]
     e_loc = gate.shape[0]
-    m = n * experts.shape[1]
-    order, token, expert = _sort_pairs(experts)
+    m = n * k
+    order, _, expert = _sort_pairs(experts)  # order [m]: the (token-major) pair sorted there
     dest = expert // e_loc  # [m] the expert-axis device of each sorted pair (non-decreasing)
     counts = jnp.bincount(dest, length=ep)
-    pos = jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest]  # its row in dest's slot
-    send = jnp.zeros((ep, m, d), x.dtype).at[dest, pos].set(x[token])
-    send_e = jnp.full((ep, m), e_loc, jnp.int32).at[dest, pos].set(expert % e_loc)
-    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0).reshape(ep * m, d)
-    recv_e = jax.lax.all_to_all(send_e, EXPERT_AXIS, 0, 0).reshape(ep * m)  # e_loc = padding
+    starts = jnp.cumsum(counts) - counts
+    r = jnp.arange(m)
+    ok = (r[None, :] < counts[:, None]).reshape(-1)  # [ep*m] the slots that hold a pair
+    at = jnp.minimum(starts[:, None] + r[None, :], m - 1).reshape(-1)  # [ep*m] its sorted pair
+    pair = order[at]  # [ep*m] the (token-major) pair in each slot
+    slot = jnp.zeros(m, jnp.int32).at[order].set(dest * m + r - starts[dest])  # [m] pair's slot
+    every_pair = jnp.ones(m, bool)
+    send = _take(k, x, pair // k, ok, slot, every_pair)  # [ep*m, D]
+    send_e = jnp.where(ok, expert[at] % e_loc, e_loc)  # [ep*m] local expert; e_loc = padding
+    recv = jax.lax.all_to_all(send.reshape(ep, m, d), EXPERT_AXIS, 0, 0).reshape(ep * m, d)
+    recv_e = jax.lax.all_to_all(send_e.reshape(ep, m), EXPERT_AXIS, 0, 0).reshape(ep * m)
     order2 = jnp.argsort(recv_e, stable=True)
+    inv2 = jnp.zeros(ep * m, jnp.int32).at[order2].set(jnp.arange(ep * m, dtype=jnp.int32))
     sizes = jnp.bincount(recv_e, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-    y = grouped_ffn(recv[order2], sizes, gate, up, down, spec)
-    y = jnp.zeros_like(y).at[order2].set(y).reshape(ep, m, d)
-    back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0)  # back[j]: the rows this device sent to j
-    y = back[dest, pos] * weights.reshape(-1)[order][:, None]  # [m, D] in sorted order
-    return jnp.zeros_like(x).at[token].add(y)
+    every = jnp.ones(ep * m, bool)
+    y = grouped_ffn(_take(1, recv, order2, every, inv2, every), sizes, gate, up, down, spec)
+    y = _take(1, y, inv2, every, order2, every).reshape(ep, m, d)  # back in received order
+    back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0).reshape(ep * m, d)  # as this device sent
+    rows = _take(1, back, slot, every_pair, pair, ok).reshape(n, k, d)  # each pair's result
+    return jnp.einsum("NKD,NK->ND", rows, weights)
 
 
 def _mesh(x):

@@ -41,6 +41,18 @@ _BENCH = dict(family="qwen2", qkv_bias=True, tie_embeddings=True)  # bench-small
 SHAPES = {
     "tiny": dict(_BENCH, **TINY),
     "small": dict(_BENCH, **SMALL),
+    # tiny with Qwen3-MoE's experts in every layer (the memory bench's --expert test shape)
+    "tiny_moe": dict(
+        TINY,
+        family="qwen3_moe",
+        d_model=64,
+        head_dim=16,
+        qk_norm=True,
+        num_experts=8,
+        experts_per_token=2,
+        expert_d_ff=32,
+        norm_topk_prob=True,
+    ),
     "qwen2_5_0_5b": dict(
         family="qwen2",
         vocab_size=151936,
@@ -100,6 +112,27 @@ SHAPES = {
         qk_norm=True,
         tie_embeddings=True,
         max_position_embeddings=40960,
+    ),
+    # Qwen3-30B-A3B's config.json (tests/fixtures/hub_configs/qwen3_30b_a3b.json): 48 layers, all
+    # of them experts (moe_layers: every layer, whatever --layers cuts the shape to), 128 experts
+    # of width 768, 8 per token.
+    "qwen3_30b_a3b": dict(
+        family="qwen3_moe",
+        vocab_size=151936,
+        d_model=2048,
+        d_ff=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1e6,
+        qk_norm=True,
+        tie_embeddings=False,
+        max_position_embeddings=40960,
+        num_experts=128,
+        experts_per_token=8,
+        expert_d_ff=768,
+        norm_topk_prob=True,
     ),
     "llama3_2_1b": dict(
         family="llama",

@@ -1,18 +1,20 @@
 """Memory against sequence length (and depth), compiled and never run: `python -m launch.bench
 memory --shape qwen2_5_0_5b --tokens 4096,8192,16384,32768 [--attention auto|dense|blockwise]
 [--phases learn,logprobs,prefill] [--layers 8,16] [--grad_reduce_dtype float32|bfloat16]
-[--output F.json]`.
+[--expert 2] [--output F.json]`.
 
 For each T, a registered model shape (`launch.bench.common.SHAPES`) with bf16 compute, f32
 master weights and remat on, sharded FSDP over 8 CPU devices (mesh fsdp=8, as the 0.5B config's
-`--dry_run` runs it), is lowered with abstract shapes (ShapeDtypeStructs: nothing is allocated)
+`--dry_run` runs it; a mixture of experts such as qwen3_30b_a3b with `--expert E`: mesh
+fsdp=8/E x expert=E, configs/qwen3_coder_30b_a3b_repo.py's fsdp=4 x expert=2 with E=2, its
+grouped matmuls traced as `--dry_run` traces them, `launch.estimate.grouped_matmuls`), is lowered with abstract shapes (ShapeDtypeStructs: nothing is allocated)
 and compiled as `--dry_run` compiles (`launch.estimate`: XLA:CPU's passes that no accelerator
 runs switched off for these compiles, named in the output; bf16 stays bf16), and the per-device
 temporaries are read for three jitted functions: `Estimate.accelerator_temp` (the most bytes of
 temporaries live at once, with each only-sliced all-reduce counted as the reduce-scatter an
 accelerator makes of it; `*_temp_bytes` in the JSON, the table's figures) and XLA:CPU's own
 allocation (`*_cpu_temp_bytes`):
-- learn: `Learner.step` on one packed row of T tokens per device (8 rows), KL on (the batch
+- learn: `Learner.step` on one packed row of T tokens per batch shard (8 rows on fsdp=8), KL on (the batch
   carries reference log-probs), π_old recomputed, one micro-batch, the weights' gradients summed
   across devices in --grad_reduce_dtype;
 - logprobs: the reference / π_old log-prob pass over the same batch;
@@ -44,7 +46,17 @@ import time
 import jax
 
 from launch import estimate
-from launch.bench.common import SHAPES, finish, integers, one_of, parse, parser, some_of
+from launch.bench.common import (
+    SHAPES,
+    finish,
+    integer,
+    integers,
+    one_of,
+    parse,
+    parser,
+    some_of,
+)
+from launch.cli import UsageError
 from launch.dry_run import abstract_batch
 from models.config import ModelConfig
 from models.sharding import (
@@ -98,6 +110,12 @@ def _compile(lowered, row: dict, phase: str) -> estimate.Estimate:
 def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES, grad_reduce_dtype="float32") -> dict:
     """Per-device temp bytes (and compile seconds, the large buffers at the peak) of each phase
     at T = t."""
+    with estimate.grouped_matmuls():  # a mixture of experts' ragged_dot as an accelerator's
+        return _measure(cfg, t, mesh, phases, grad_reduce_dtype)
+
+
+def _measure(cfg: ModelConfig, t: int, mesh, phases, grad_reduce_dtype) -> dict:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]  # batch shards (the rows' sharding)
     graphdef, shapes = abstract_model(cfg)
     shardings = state_shardings(shapes, mesh, DEFAULT_RULES)
     params = with_shardings(shapes, shardings)
@@ -105,7 +123,7 @@ def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES, grad_reduce_dtype="fl
     if {"learn", "logprobs"} & set(phases):
         lcfg = LearnerConfig(loss=LossConfig(kl_coef=0.04), grad_reduce_dtype=grad_reduce_dtype)
         learner = Learner(lcfg, graphdef, shardings)
-        batch = abstract_batch(mesh.size, t, batch_sharding(mesh, DEFAULT_RULES), ref_logp=True)
+        batch = abstract_batch(shards, t, batch_sharding(mesh, DEFAULT_RULES), ref_logp=True)
         if "learn" in phases:
             est = _compile(learner.lower_step(params, batch), row, "learn")
             dims = {tuple(x.shape) for x in jax.tree.leaves(params)}
@@ -116,12 +134,12 @@ def measure(cfg: ModelConfig, t: int, mesh, phases=PHASES, grad_reduce_dtype="fl
             _compile(learner.lower_logprobs(params, batch), row, "logprobs")
     if "prefill" in phases:
         ecfg = EngineConfig(
-            num_slots=mesh.size,
+            num_slots=shards,
             page_size=PAGE_SIZE,
             max_prompt_len=t + 1,
             max_new_tokens=1,
             # A pool per batch shard, each with its null page: one prompt's pages on each.
-            num_pages=mesh.size * (-(-(t + 2) // PAGE_SIZE) + 1),
+            num_pages=shards * (-(-(t + 2) // PAGE_SIZE) + 1),
             cache_dtype=cfg.dtype,
             prefill_chunk=0 if cfg.attention == "dense" else PREFILL_CHUNK,
         )
@@ -154,21 +172,28 @@ def per_layer(rows: list[dict], key: str) -> dict[int, float]:
 
 
 def bench_memory(args) -> dict:
-    mesh = make_mesh({"fsdp": DEVICES}, devices=cpu_devices())
+    if DEVICES % args.expert or (args.expert > 1 and not SHAPES[args.shape].get("num_experts")):
+        raise UsageError(
+            f"--expert={args.expert}: needs a mixture-of-experts --shape and to divide {DEVICES}"
+        )
+    axes = {"fsdp": DEVICES // args.expert, "expert": args.expert}
+    mesh = make_mesh(axes, devices=cpu_devices())
     shape = dict(SHAPES[args.shape])
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), *args.tokens)
     r = {
         "shape": args.shape,
         "attention": args.attention,
         "devices": DEVICES,
+        "mesh": axes,
         "grad_reduce_dtype": args.grad_reduce_dtype,
         "disabled_passes": list(estimate.CPU_ONLY_PASSES),
         "rows": [],
     }
     print(header(r), flush=True)
     for layers in args.layers or [shape["num_layers"]]:
+        moe = {"moe_layers": tuple(range(layers))} if shape.get("num_experts") else {}
         cfg = ModelConfig(
-            **{**shape, "num_layers": layers},
+            **{**shape, "num_layers": layers, **moe},
             dtype="bfloat16",
             remat=True,
             attention=args.attention,
@@ -184,7 +209,8 @@ def bench_memory(args) -> dict:
 
 def header(r: dict) -> str:
     return (
-        f"{r['shape']}, attention {r['attention']}, mesh fsdp={r['devices']}, bf16 compute, "
+        f"{r['shape']}, attention {r['attention']}, mesh "
+        f"{' x '.join(f'{a}={n}' for a, n in r['mesh'].items() if n > 1)}, bf16 compute, "
         f"gradients summed in {r['grad_reduce_dtype']}; XLA:CPU passes off for these "
         f"compiles: {', '.join(r['disabled_passes'])}\n{HEADER}"
     )
@@ -269,6 +295,12 @@ def main(argv) -> int:
         type=one_of(GRAD_REDUCE_DTYPES[:2]),
         default="float32",
         help="the learner's optim.grad_reduce_dtype",
+    )
+    p.add_argument(
+        "--expert",
+        type=integer(),
+        default=1,
+        help="the expert mesh axis (a mixture-of-experts shape): mesh fsdp=8/E x expert=E",
     )
     args = parse(p, argv)
     r = bench_memory(args)
