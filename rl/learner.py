@@ -46,6 +46,7 @@ from models.sharding import DEFAULT_RULES, flatten, with_shardings
 from models.transformer import weight_grads_in
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import MAXIMA, LossConfig, combine_metrics, grpo_loss
+from rl.optimizer import make_optimizer
 from rl.segments import count_sequences, sequence_totals
 from sampling.distribution import SamplingParams
 
@@ -132,22 +133,6 @@ class Batch:
     # int8/int16 [B,T,L_moe,k] the sampler's experts of each token (rl.routing_replay="rollout"),
     # used by every learner pass in place of the routers' top-k; None: the routers route
     routes: jax.Array | None = None
-
-
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-    lr = cfg.learning_rate
-    if cfg.decay_steps:
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, lr, cfg.warmup_steps, cfg.warmup_steps + cfg.decay_steps, lr * cfg.end_lr_fraction
-        )
-    elif cfg.warmup_steps:
-        schedule = optax.linear_schedule(0.0, lr, cfg.warmup_steps)
-    else:
-        schedule = lr
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-    adamw = optax.adamw(schedule, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
-    clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity()
-    return optax.chain(clip, adamw)
 
 
 def batch_sharding(mesh, rules) -> NamedSharding:
@@ -369,13 +354,19 @@ class Learner:
     def _step_impl(self, state: TrainState, batch: Batch):
         grads, metrics = self._grads_impl(state.params, batch)
         trainable, frozen = self.split(state.params)
-        updates, opt_state = self.tx.update(grads, state.opt_state, trainable)
-        new = (optax.apply_updates(trainable, updates), opt_state, state.step + 1)
         # A non-finite loss or gradient skips the update: parameters, optimizer state and step
         # stay as they were (selected in place, no copy), and the step is counted as skipped.
+        # Adam's moments are selected inside the optimizer, before the update is computed from
+        # them (rl/optimizer.py: selected here they would need a copy of the old ones).
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        updates, opt_state = self.tx.update(grads, state.opt_state, trainable, finite=finite)
+        new = (optax.apply_updates(trainable, updates), opt_state, state.step + 1)
         old = (trainable, state.opt_state, state.step)
-        trainable, opt_state, step = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+        keep = lambda n, o: (
+            n if adam(n) else jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
+        )
+        trainable, opt_state, step = jax.tree.map(keep, new, old, is_leaf=adam)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         return TrainState(self.merge(trainable, frozen), opt_state, step), metrics
 

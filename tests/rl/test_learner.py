@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -21,6 +22,7 @@ from models.sharding import (
 from rl.learner import Batch, Learner, LearnerConfig, batch_sharding
 from rl.logprobs import token_logprobs
 from rl.losses import AGGREGATIONS, LossConfig
+from rl.optimizer import clip_by_global_norm, make_optimizer
 from sampling.distribution import SamplingParams, log_probs
 
 CFG = ModelConfig(
@@ -317,3 +319,54 @@ def test_bypass_ratio_with_the_paged_sampler(model):
     assert abs(float(metrics["ratio_mean"]) - 1) < 1e-4
     assert abs(float(metrics["ratio_max"]) - 1) < 1e-4
     assert float(metrics["mismatch_abs_logp"]) < 1e-5
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_global_norm_clipping_is_one_scalar_factor(max_norm):
+    """The learner's clip equals numpy's g * min(1, max_norm / ||g||) (to f32 rounding when it
+    clips, exactly when it does not) and optax's clip_by_global_norm."""
+    rng = np.random.default_rng(0)
+    grads = {
+        "a": rng.normal(size=(7, 5)).astype(np.float32),
+        "b": rng.normal(size=3).astype(np.float32),
+    }
+    norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads.values()))
+    factor = min(1.0, max_norm / norm)
+    ours, _ = clip_by_global_norm(max_norm).update(jax.tree.map(jnp.asarray, grads), None)
+    theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    for k, g in grads.items():
+        if factor == 1.0:
+            np.testing.assert_array_equal(np.asarray(ours[k]), g)
+        else:
+            np.testing.assert_allclose(np.asarray(ours[k]), g * factor, rtol=2e-7, atol=0)
+        np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(theirs[k]), rtol=2e-7, atol=0)
+    clipped = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in ours.values()))
+    assert clipped == pytest.approx(min(norm, max_norm), rel=1e-6)
+
+
+def test_optimizer_is_optax_adamw_with_its_state():
+    """rl.optimizer's AdamW (moments fenced off from the direction) gives optax.adamw's updates and
+    state bitwise over several steps, with optax's state tree (checkpoints unchanged); with
+    finite=False Adam's moments and count stay as they were."""
+    cfg = LearnerConfig(learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, max_grad_norm=0)
+    ours = make_optimizer(cfg)
+    schedule = optax.linear_schedule(0.0, 1e-2, 2)
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    theirs = optax.chain(optax.identity(), optax.adamw(schedule, weight_decay=0.1, mask=mask))
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros(3)}
+    s1, s2 = ours.init(params), theirs.init(params)
+    assert jax.tree.structure(s1) == jax.tree.structure(s2)
+    for _ in range(4):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+        u1, s1 = jax.jit(ours.update)(grads, s1, params)
+        u2, s2 = jax.jit(theirs.update)(grads, s2, params)
+        jax.tree.map(np.testing.assert_array_equal, (u1, s1), (u2, s2))
+        params = optax.apply_updates(params, u1)
+    _, kept = jax.jit(lambda g, s, p: ours.update(g, s, p, finite=jnp.bool_(False)))(
+        grads, s1, params
+    )
+    adam = lambda state: state[1][
+        0
+    ]  # (clip, (Adam, decay, schedule)): the learner selects the rest
+    jax.tree.map(np.testing.assert_array_equal, adam(kept), adam(s1))
