@@ -3,8 +3,8 @@ google's qwix (`qwix.quantize`, `qwix.einsum`, its `QArray`).
 
 The sampler's per-rollout decode copy (`sampling.decode_weights`) holds every block projection
 (attention q, k, v, o; MLP gate, up, down) as a `QArray`: the weight in int8 or float8_e4m3fn
-with an f32 scale per output channel (absmax over the contracting axes: a q [D,N,H] weight has
-a scale [1,N,H], o [N,H,D] one [1,1,D]). Everything else (embedding, norms, biases, the logits
+with an f32 scale per output channel (absmax over the contracting axes, / 127 for int8, / 448
+for fp8: `CALIBRATION`; a q [D,N,H] weight has a scale [1,N,H], o [N,H,D] one [1,1,D]). Everything else (embedding, norms, biases, the logits
 projection, LoRA adapters, a mixture's router and experts) stays in the compute dtype. The
 model's `_matmul` sees a `QArray` where it expects a weight and calls `einsum` here: the
 activations are quantised per token, dynamically (absmax over the contracted axes), and the
@@ -30,6 +30,14 @@ import numpy as np
 from flax import nnx
 
 DTYPES = ("int8", "float8_e4m3fn")  # the quantised sampling.weights_dtype values
+# qwix's calibration of each type: plain absmax maps a row's absmax to qwix's symmetric bound
+# (448 for fp8, a finite e4m3 value: exact); for int8 that bound is 127.5, where the absmax
+# entry lands on a rounding tie and is stored as 127 or -128 as the f32 division falls: half a
+# step of error on the row's largest entry. Scaled by 127.5 / 127 it maps to 127 (values in
+# [-127, 127], the scheme of vLLM's and SmoothQuant's per-token int8), stored exactly: on the
+# demo's trained model the int8 weights' log-prob KL against f32 fell 2.3x (5.3e-4 -> 2.3e-4,
+# float64 fake-quant reference, 32 prompts), 5-8 % on the random fixtures.
+CALIBRATION = {"int8": f"absmax,{127.5 / 127}", "float8_e4m3fn": "absmax"}
 
 # Projections quantised: name -> (ndim, leading contracting axes) of its weight. A weight of
 # another rank under the same name (a mixture's stacked experts [E,D,F]) is left alone.
@@ -65,6 +73,7 @@ def quantize(w, dtype: str, contract: int):
         w.astype(jnp.float32),
         jnp.dtype(dtype),
         channelwise_axes=tuple(range(contract, w.ndim)),
+        calibration_method=CALIBRATION[jnp.dtype(dtype).name],
         scale_dtype=jnp.float32,
     )
 
@@ -122,6 +131,10 @@ def einsum(spec: str, x, w):
     lhs, out = spec.split("->")[0].split(",")[0], spec.split("->")[1]
     keep = tuple(i for i, a in enumerate(lhs) if a in out)
     qx = qwix.quantize(
-        x.astype(jnp.float32), w.qtype, channelwise_axes=keep, scale_dtype=jnp.float32
+        x.astype(jnp.float32),
+        w.qtype,
+        channelwise_axes=keep,
+        calibration_method=CALIBRATION[jnp.dtype(w.qtype).name],
+        scale_dtype=jnp.float32,
     )
     return qwix.einsum(spec, qx, w, preferred_element_type=jnp.float32).astype(x.dtype)

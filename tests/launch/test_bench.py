@@ -133,7 +133,7 @@ def test_bench_sampler_shape_tiny(roofline):
 def test_bench_quant_qwen2_fixture(tmp_path):
     """launch.bench quant on the qwen2 fixture, 4 prompts of 8 tokens: the f32 row is the f32
     sampler (same greedy tokens, its log-probs the teacher-forced ones to f32 rounding); int8
-    weights move them a little, not more."""
+    weights move them a little, not more, and by what the float64 fake-quant reference says."""
     path = tmp_path / "quant.json"
     argv = ["quant", "--models", "qwen2", "--rows", "f32,weights_int8", "--num_prompts", "4"]
     assert main([*argv, "--new_tokens", "8", "--output", str(path)]) == 0
@@ -142,6 +142,12 @@ def test_bench_quant_qwen2_fixture(tmp_path):
     assert f32["kl_k3"] < 1e-10 and f32["max_abs_diff"] < 1e-4
     assert (int8["weights"], int8["kv"]) == ("int8", "float32")
     assert 0 < int8["kl_k3"] < 1e-2 and 0 < int8["max_abs_diff"] < 0.5
+    assert f32["ref_max_abs_diff"] < 1e-4 and f32["ref_kl_k3"] < 1e-10
+    assert int8["ref_median_abs_diff"] < 1e-5
+    assert int8["ref_kl_k3"] == pytest.approx(int8["kl_k3"], rel=0.1)
+    # No stop ids on a fixture: the columns through the stop are the 32-token ones.
+    assert int8["greedy_identical_stop"] == int8["greedy_identical"]
+    assert int8["kl_k3_stop"] == int8["kl_k3"]
 
 
 def test_roofline_counts_the_quantized_projections():
