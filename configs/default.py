@@ -143,6 +143,9 @@ def get_config():
     c.rl.trust_region_high = 0.2  # the band's upper half-width (above; prime-rl: 0.2)
     c.rl.old_logp = "recompute"  # π_old: recompute (learner) | sampler (bypass)
     c.rl.routing_replay = "none"  # MoE: none | rollout (learner uses the sampler's experts)
+    # MoE load-balancing loss in the GRPO loss (rl/router.py): off by default, as verl's Megatron
+    # bridge sets for RL and transformers does unless output_router_logits
+    c.rl.router_aux_loss_coef = 0.0  # its coefficient; None = config.json's router_aux_loss_coef
     c.rl.num_iterations = 1  # μ: passes over each rollout
     c.rl.minibatches = 1  # optimizer steps per pass
     c.rl.micro_batches = 1  # gradient accumulation chunks per optimizer step

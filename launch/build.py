@@ -99,7 +99,9 @@ def build(config, with_reference: bool = True, with_env: bool = True) -> Run:
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)
     env = make_env(config.env.name, tokenizer, config) if config.env.name and with_env else None
     # A turn also ends on the environment's stop ids (a tool-call close).
-    ecfg = engine_config(config, ids.eos_ids + (env.stop_ids() if env else ()))
+    ecfg = engine_config(
+        config, ids.eos_ids + (env.stop_ids() if env else ()), model_cfg.num_experts
+    )
     engine = lambda sampling: Engine(model_cfg, graphdef, ecfg, sampling, mesh=mesh, rules=rules)
     engines = {
         "rollout": engine(sampling_params(config)),

@@ -140,7 +140,7 @@ def dry_run(config) -> int:
             params, _batch(config, rollout_rows // config.rl.minibatches, row_sh)
         )
         logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
-    ecfg = engine_config(config, ids.eos_ids)
+    ecfg = engine_config(config, ids.eos_ids, cfg.num_experts)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     with estimate.grouped_matmuls():
         generate = lower_generate(engine, params)

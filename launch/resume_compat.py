@@ -65,8 +65,9 @@ REPO_ENV_DEFAULTS = {
 
 # The trust region's fields (issue 53), off in a run saved before them.
 TRUST_REGION_DEFAULTS = {"trust_region": "none", "trust_region_low": 0.2, "trust_region_high": 0.2}
-# Rollout routing replay (issue 52 item 4): the routers route in a run saved before it.
-REPLAY_DEFAULTS = {"routing_replay": "none"}
+# Rollout routing replay (issue 52 item 4): the routers route in a run saved before it, and no
+# load-balancing loss was in its loss.
+REPLAY_DEFAULTS = {"routing_replay": "none", "router_aux_loss_coef": 0.0}
 
 
 PARTIAL_DEFAULTS = {

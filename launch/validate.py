@@ -139,7 +139,19 @@ def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*eos_ids, *c.sampling.stop_ids]))
 
 
-def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
+def records_routes(c: ml_collections.ConfigDict, num_experts: int) -> bool:
+    """Whether the sampler records each token's experts: with routing replay, and on a mixture
+    of experts in a single-turn synchronous run for rollout/route_mismatch (rl/router.py; int8
+    [slots, max_new_tokens, L_moe, k] on the device and each episode's [T, L_moe, k] on the
+    host). Multi-turn and partial rollouts carry no record yet (`check_routing_replay`)."""
+    if c.rl.get("routing_replay", "none") == "rollout":
+        return True
+    single = not c.env.get("name", "") and not c.rl.get("partial_rollouts", False)
+    return bool(num_experts) and single
+
+
+def engine_config(c: ml_collections.ConfigDict, eos_ids, num_experts: int = 0) -> EngineConfig:
+    """The sampler's EngineConfig; num_experts: the checkpoint's (`records_routes`)."""
     dtype = c.sampling.cache_dtype or c.model.dtype
     # interpret (Pallas kernels run op by op on a CPU) is for tests, not a run's config. A run
     # saved before sampling.prefill_chunk existed prefilled unchunked (0), and one saved before
@@ -156,7 +168,7 @@ def engine_config(c: ml_collections.ConfigDict, eos_ids) -> EngineConfig:
         weights_layout=c.sampling.get("weights_layout", "training"),
         reserve=c.sampling.get("reserve", "budget"),
         kv_watermark=c.sampling.get("kv_watermark", 0.01),
-        record_routes=c.rl.get("routing_replay", "none") == "rollout",
+        record_routes=records_routes(c, num_experts),
     )
 
 

@@ -78,6 +78,9 @@ class ModelConfig:
     expert_d_ff: int = 0  # the width of each expert's feed-forward block (HF moe_intermediate_size)
     norm_topk_prob: bool = False  # the k gate weights renormalised to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers whose feed-forward block is the experts
+    # config.json's load-balancing loss coefficient (a training setting, not the architecture):
+    # the learner's when rl.router_aux_loss_coef is None (rl/router.py)
+    router_aux_loss_coef: float = 0.0
 
     @property
     def num_moe_layers(self) -> int:  # L_moe

@@ -170,6 +170,8 @@ def _experts(hf: dict[str, Any], path: str, layers: int) -> dict[str, Any]:
         expert_d_ff=int(need("moe_intermediate_size")),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        # transformers' Qwen3MoeConfig default where config.json has none
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
     )
 
 
@@ -207,6 +209,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
             norm_topk_prob=cfg.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(cfg.num_layers) if i not in cfg.moe_layers],
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
     if cfg.family == "llama":
         hf["mlp_bias"] = False

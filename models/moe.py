@@ -149,20 +149,51 @@ def _grouped_bwd(spec, axis, res, ct):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def route(x, router, k: int, norm_topk_prob: bool, experts=None, spec: Weights | None = None):
+class RouterStats(NamedTuple):
+    """One MoE layer's router over the tokens a mask marks, as sums over them (so micro-batches
+    and devices add up): what the load-balancing loss and the router's logs read (rl/router.py).
+    Stacked over the MoE layers by `models.transformer` ([L_moe, E] and [L_moe])."""
+
+    probs: jax.Array  # f32 [E] the router's softmax summed (with its gradient: the loss's P)
+    chosen: jax.Array  # f32 [E] tokens whose router's own top-k holds the expert (the loss's f)
+    load: jax.Array  # f32 [E] tokens sent to the expert (the ids used: replayed, else chosen)
+    entropy: jax.Array  # f32 [] the router's softmax entropy (nats) summed, no gradient
+
+
+def route(
+    x, router, k: int, norm_topk_prob: bool, experts=None, spec: Weights | None = None, mask=None
+):
     """x [N,D] (compute dtype), router [D,E] (master) -> (gate weights [N,k] in x's dtype,
     expert ids int32 [N,k]). `experts` [N,k]: use these ids (routing replay), weights from this
-    router."""
+    router. mask f32 [N]: also the RouterStats of the tokens it marks (a third value)."""
     spec = spec or Weights(x.dtype, x.dtype)
     logits = _router_logits(spec, x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if experts is None:
+    own = experts is None
+    if own:
         top, experts = jax.lax.top_k(probs, k)
     else:
         top = jnp.take_along_axis(probs, experts.astype(jnp.int32), axis=-1)
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return top.astype(x.dtype), experts.astype(jnp.int32)
+    out = (top.astype(x.dtype), experts.astype(jnp.int32))
+    if mask is None:
+        return out
+    chosen = out[1] if own else jax.lax.top_k(jax.lax.stop_gradient(probs), k)[1]
+    return (*out, _router_stats(logits, probs, chosen, out[1], mask))
+
+
+def _router_stats(logits, probs, chosen, used, mask) -> RouterStats:
+    """logits [N,E], probs f32 [N,E], chosen / used int32 [N,k], mask f32 [N] -> RouterStats."""
+    e = probs.shape[-1]
+
+    def count(ids):  # f32 [E]: the marked tokens whose ids hold each expert
+        w = jnp.broadcast_to(mask[:, None], ids.shape).reshape(-1)
+        return jnp.zeros((e,), jnp.float32).at[ids.reshape(-1)].add(w)
+
+    logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [N]
+    return RouterStats(mask @ probs, count(chosen), count(used), mask @ entropy)
 
 
 def grouped_ffn(x, sizes, gate, up, down, spec: Weights | None = None):
@@ -277,17 +308,21 @@ def check_expert_axis(num_experts: int, expert_axis: int, field: str = "mesh.exp
         )
 
 
-def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=None, grad=None):
+def moe_ffn(
+    x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=None, grad=None, mask=None
+):
     """x [N,D] (compute dtype) -> ([N,D], the expert ids used int32 [N,k]): the block on one
     device or, on a mesh, in a shard_map (module docstring). router, gate, up, down: master
     weights (cast to x's dtype where used; their gradients computed and summed across devices in
-    `grad`, default x's dtype); experts: recorded ids [N,k] or None (this router's top-k)."""
+    `grad`, default x's dtype); experts: recorded ids [N,k] or None (this router's top-k);
+    mask f32 [N]: also the RouterStats of the tokens it marks, summed over every device's rows
+    (a third value)."""
     grad = jnp.dtype(grad or x.dtype)
     mesh = _mesh(x)
     if mesh is None or mesh.size == 1:
         spec = Weights(x.dtype, grad)
-        w, ids = route(x, router, k, norm_topk_prob, experts, spec)
-        return local_moe(x, w, ids, gate, up, down, spec), ids
+        w, ids, *stats = route(x, router, k, norm_topk_prob, experts, spec, mask)
+        return (local_moe(x, w, ids, gate, up, down, spec), ids, *stats)
     shape = dict(mesh.shape)
     ep = shape.get(EXPERT_AXIS, 1)
     check_expert_axis(gate.shape[0], ep)
@@ -302,30 +337,33 @@ def moe_ffn(x, router, gate, up, down, k: int, norm_topk_prob: bool, experts=Non
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
         ids = None if ids is None else jnp.pad(ids, ((0, pad), (0, 0)))
+        mask = None if mask is None else jnp.pad(mask, (0, pad))  # padding rows: not counted
     tp = TENSOR_AXIS if split_f else None
     ex = EXPERT_AXIS if ep > 1 else None
     row = P(rows if rows else None, None)
+    given = {"ids": ids, "mask": mask}  # the optional inputs, split over the rows as x is
+    given = {name: a for name, a in given.items() if a is not None}
 
-    def body(x, router, gate, up, down, ids):
-        w, ids = route(x, router, k, norm_topk_prob, ids, spec)
+    def body(x, router, gate, up, down, *rest):
+        rest = dict(zip(given, rest))
+        w, ids, *stats = route(
+            x, router, k, norm_topk_prob, rest.get("ids"), spec, rest.get("mask")
+        )
         if ep == 1:
             out = local_moe(x, w, ids, gate, up, down, spec)
         else:
             out = _dispatch_moe(x, w, ids, gate, up, down, ep, spec)
-        return (jax.lax.psum(out, TENSOR_AXIS) if split_f else out), ids
+        if stats and rows:  # each device's rows' sums -> the whole batch's, on every device
+            stats = [jax.lax.psum(stats[0], rows)]
+        return ((jax.lax.psum(out, TENSOR_AXIS) if split_f else out), ids, *stats)
 
     specs = (row, P(fsdp, None), P(ex, fsdp, tp), P(ex, fsdp, tp), P(ex, tp, fsdp))
-    outs = (row, row)
-    if ids is None:
-        fn = lambda x, r, g, u, dn: body(x, r, g, u, dn, None)
-        out, ids = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=outs)(
-            x, router, gate, up, down
-        )
-    else:
-        out, ids = jax.shard_map(body, mesh=mesh, in_specs=(*specs, row), out_specs=outs)(
-            x, router, gate, up, down, ids
-        )
-    return (out[:n], ids[:n]) if pad else (out, ids)
+    given_specs = tuple(row if name == "ids" else P(row[0]) for name in given)
+    outs = (row, row) + ((RouterStats(P(), P(), P(), P()),) if mask is not None else ())
+    out, ids, *stats = jax.shard_map(
+        body, mesh=mesh, in_specs=(*specs, *given_specs), out_specs=outs
+    )(x, router, gate, up, down, *given.values())
+    return ((out[:n], ids[:n]) if pad else (out, ids)) + tuple(stats)
 
 
 class MoE(nnx.Module):
@@ -346,12 +384,14 @@ class MoE(nnx.Module):
         """x [B,T,D] -> [B,T,D]; experts: recorded expert ids int [B,T,k] (routing replay)."""
         return self.routed(x, experts)[0]
 
-    def routed(self, x, experts=None):
+    def routed(self, x, experts=None, mask=None):
         """x [B,T,D] -> ([B,T,D], the expert ids used int32 [B,T,k]); experts: recorded ids
-        int [B,T,k] used in place of the top-k (routing replay), or None."""
+        int [B,T,k] used in place of the top-k (routing replay), or None; mask [B,T] (tokens to
+        count): also this layer's RouterStats over them (a third value)."""
         b, t, d = x.shape
         w = [p[...] for p in (self.router, self.gate, self.up, self.down)]
         ids = None if experts is None else experts.reshape(b * t, -1)
         grad = weight_grad_dtype(x.dtype)
-        y, ids = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids, grad)
-        return y.reshape(b, t, d), ids.reshape(b, t, -1)
+        m = None if mask is None else mask.reshape(b * t).astype(jnp.float32)
+        y, ids, *stats = moe_ffn(x.reshape(b * t, d), *w, self.k, self.norm_topk_prob, ids, grad, m)
+        return (y.reshape(b, t, d), ids.reshape(b, t, -1), *stats)

@@ -221,18 +221,19 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, rngs, pd)
         self.mlp = MoE(cfg, rngs, _param) if moe else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, inv_freq, layer, attend, routes=None):
-        """-> (x [B,T,D], attend, the expert ids used int32 [B,T,k] or None for a dense MLP);
-        routes: recorded expert ids [B,T,k] for the MoE block (routing replay) or None."""
+    def __call__(self, x, positions, inv_freq, layer, attend, routes=None, mask=None):
+        """-> (x [B,T,D], attend, the expert ids used int32 [B,T,k] or None for a dense MLP,
+        the MoE router's `models.moe.RouterStats` over `mask` [B,T] or None); routes: recorded
+        expert ids [B,T,k] for the MoE block (routing replay) or None."""
         a, attend = self.attn(self.attn_norm(x), positions, inv_freq, layer, attend)
         x = x + a
         if isinstance(self.mlp, MoE):
-            y, ids = self.mlp.routed(self.mlp_norm(x), routes)
-            return x + y, attend, ids
-        return x + self.mlp(self.mlp_norm(x)), attend, None
+            y, ids, *stats = self.mlp.routed(self.mlp_norm(x), routes, mask)
+            return x + y, attend, ids, (stats[0] if stats else None)
+        return x + self.mlp(self.mlp_norm(x)), attend, None, None
 
 
-def _remat_block(block, x, positions, inv_freq, layer, attend, ready, routes=None):
+def _remat_block(block, x, positions, inv_freq, layer, attend, ready, routes=None, mask=None):
     """The block rematerialised: only its inputs are kept for the backward pass (see `remat`).
 
     The block's weights go in as plain state: nnx.remat would tie the Module to the trace it was
@@ -241,11 +242,11 @@ def _remat_block(block, x, positions, inv_freq, layer, attend, ready, routes=Non
     graphdef, state = nnx.split(block)
 
     def run(state, x, rest):
-        y, attend, ids = nnx.merge(graphdef, state)(x, *rest[:2], layer, *rest[2:])
-        return y, (attend, ids)
+        y, *aux = nnx.merge(graphdef, state)(x, *rest[:2], layer, *rest[2:])
+        return y, tuple(aux)
 
-    y, (attend, ids) = remat(run, state, x, (positions, inv_freq, attend, routes), ready)
-    return y, attend, ids
+    y, aux = remat(run, state, x, (positions, inv_freq, attend, routes, mask), ready)
+    return (y, *aux)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -301,7 +302,9 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype=pd)
 
-    def hidden(self, tokens, positions, valid=None, attend=None, routes=None, record=False):
+    def hidden(
+        self, tokens, positions, valid=None, attend=None, routes=None, record=False, stats=False
+    ):
         """Final-norm hidden states h [B,T,D] in the compute dtype, and the attention hook.
 
         valid bool [B,T] marks real tokens (default: all), or int [B,T] gives the segment ids of
@@ -313,7 +316,9 @@ class Transformer(nnx.Module):
         each MoE layer (in `cfg.moe_layers` order), used in place of the routers' top-k (the
         gate weights still come from the routers); None routes as the routers say. With
         `record` a third value is returned: the experts used, [B,T,L_moe,k] in
-        `models.moe.route_dtype(E)` (int8 when E <= 127, else int16).
+        `models.moe.route_dtype(E)` (int8 when E <= 127, else int16). With `stats` one more:
+        the routers' `models.moe.RouterStats` over the real tokens (`valid` != 0, or all),
+        stacked over the MoE layers ([L_moe, E] and [L_moe] sums), None for a dense model.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
@@ -323,25 +328,33 @@ class Transformer(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B,T,D]
         ready = x  # the input of the layer before (see `remat`)
-        used = []  # [B,T,k] per MoE layer
+        used, counted = [], []  # [B,T,k] and RouterStats per MoE layer
+        mask = None
+        if stats and cfg.num_moe_layers:  # the tokens the routers' statistics count
+            mask = jnp.ones(tokens.shape, bool) if valid is None else valid != 0
         for layer, block in enumerate(self.blocks):
             r = None
             if routes is not None and layer in cfg.moe_layers:
                 r = routes[:, :, len(used)]
             if cfg.remat:
                 x_in = x
-                x, attend, ids = _remat_block(
-                    block, x, positions, inv_freq, layer, attend, ready, r
+                x, attend, ids, st = _remat_block(
+                    block, x, positions, inv_freq, layer, attend, ready, r, mask
                 )
                 ready = x_in
             else:
-                x, attend, ids = block(x, positions, inv_freq, layer, attend, r)
+                x, attend, ids, st = block(x, positions, inv_freq, layer, attend, r, mask)
             if ids is not None:
                 used.append(ids)
-        if not record:
-            return self.final_norm(x), attend
-        rec = jnp.stack(used, axis=2) if used else jnp.zeros((*tokens.shape, 0, 0), jnp.int32)
-        return self.final_norm(x), attend, rec.astype(route_dtype(cfg.num_experts or 1))
+            if st is not None:
+                counted.append(st)
+        out = (self.final_norm(x), attend)
+        if record:
+            rec = jnp.stack(used, axis=2) if used else jnp.zeros((*tokens.shape, 0, 0), jnp.int32)
+            out += (rec.astype(route_dtype(cfg.num_experts or 1)),)
+        if stats:
+            out += (jax.tree.map(lambda *a: jnp.stack(a), *counted) if counted else None,)
+        return out
 
     def unembedding(self):
         """The output projection's master weights (param_dtype) and their einsum letters: the

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 
@@ -44,6 +45,7 @@ from models import lora
 from models.attention import lowering_for
 from models.sharding import DEFAULT_RULES, flatten, with_shardings
 from models.transformer import weight_grads_in
+from rl import router
 from rl.logprobs import TokenLogprobs, token_logprobs
 from rl.losses import MAXIMA, LossConfig, combine_metrics, grpo_loss
 from rl.optimizer import make_optimizer
@@ -51,6 +53,7 @@ from rl.segments import count_sequences, sequence_totals
 from sampling.distribution import SamplingParams
 
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # LearnerConfig.grad_reduce_dtype
+ROUTING_REPLAY = ("none", "rollout")  # LearnerConfig.routing_replay
 # A step's metrics that are maxima: over micro-batches and devices the step takes their max, and
 # so does `rollout_metrics` over a rollout's optimizer steps (the other metrics: the mean).
 MAX_METRICS = (*MAXIMA, "response_length_max")
@@ -81,6 +84,12 @@ class LearnerConfig:
     sampling: SamplingParams = SamplingParams()  # the distribution the sampler drew from
     stop_ids: tuple[int, ...] = ()  # banned where Batch.stop_masked (the sampler's min_new_tokens)
     grad_reduce_dtype: str = "float32"  # weight gradients summed across devices in this dtype
+    # MoE: "rollout" routes every learner pass by Batch.routes (the sampler's experts); "none"
+    # lets the routers route and only compares them with Batch.routes (rollout/route_mismatch)
+    routing_replay: str = "none"
+    # MoE: the load-balancing loss's coefficient in the loss (rl/router.py); None: the
+    # checkpoint's config.json router_aux_loss_coef (ModelConfig.router_aux_loss_coef); 0 = off
+    router_aux_loss_coef: float | None = 0.0
     loss: LossConfig = LossConfig()
 
     def validate(self):
@@ -103,6 +112,15 @@ class LearnerConfig:
             raise ValueError(
                 f"grad_reduce_dtype={self.grad_reduce_dtype!r}: expected one of "
                 f"{', '.join(GRAD_REDUCE_DTYPES)}"
+            )
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(
+                f"routing_replay={self.routing_replay!r}: expected one of {', '.join(ROUTING_REPLAY)}"
+            )
+        coef = self.router_aux_loss_coef
+        if coef is not None and not (isinstance(coef, int | float) and coef >= 0):
+            raise ValueError(
+                f"router_aux_loss_coef={coef!r}: must be >= 0 (0 = off) or None (the checkpoint's)"
             )
         if not all(isinstance(i, int) and i >= 0 for i in self.stop_ids):
             raise ValueError(f"stop_ids={self.stop_ids}: must be token ids (ints >= 0)")
@@ -252,7 +270,11 @@ class Learner:
 
     # --- jitted pieces ----------------------------------------------------------------------
 
-    def _token_logprobs(self, params, batch: Batch, adapters: bool = True) -> TokenLogprobs:
+    def _token_logprobs(
+        self, params, batch: Batch, adapters: bool = True, stats: bool = False
+    ) -> TokenLogprobs:
+        """The batch's log-probs; with `stats` on an MoE model also the experts used and the
+        routers' statistics (rl.router). Batch.routes route the pass with routing_replay."""
         c = self.cfg
         model = (
             nnx.merge(self.graphdef, params)
@@ -261,6 +283,7 @@ class Learner:
         )
         # A micro-batch whose rows do not split evenly is left to GSPMD.
         rows = None if batch.tokens.shape[0] % self._row_shards else self._rows
+        replay = batch.routes if c.routing_replay == "rollout" else None
         return token_logprobs(
             model,
             batch.tokens,
@@ -272,7 +295,8 @@ class Learner:
             batch.stop_masked,
             rows,
             None if rows is None else self._unembed,
-            batch.routes,
+            replay,
+            stats and model.cfg.num_moe_layers > 0,
         )
 
     def _logprobs_impl(self, params, batch: Batch, which: str, adapters: bool):
@@ -285,11 +309,35 @@ class Learner:
         out = jax.lax.map(fn, micro)
         return out.swapaxes(0, 1).reshape(rows, -1)  # [M, B/M, T-1] -> [B, T-1], rows in order
 
-    def _loss(self, trainable, frozen, mb: Batch, global_tokens, global_seqs):
-        tl = self._token_logprobs(self.merge(trainable, frozen), mb)
-        return self._objective(tl, mb, global_tokens, global_seqs)
+    def _loss(self, trainable, frozen, mb: Batch, global_tokens, global_seqs, totals, aux_coef):
+        tl = self._token_logprobs(self.merge(trainable, frozen), mb, stats=True)
+        return self._objective(tl, mb, global_tokens, global_seqs, totals, aux_coef)
 
-    def _objective(self, tl: TokenLogprobs, mb: Batch, global_tokens, global_seqs):
+    def _objective(
+        self, tl: TokenLogprobs, mb: Batch, global_tokens, global_seqs, totals=None, aux_coef=0.0
+    ):
+        """The GRPO loss and metrics of one micro-batch; on an MoE model (tl.router) plus
+        aux_coef x the routers' load-balancing loss and the routers' metrics (rl.router), with
+        `totals` the step's (real, recorded) token counts."""
+        loss, metrics = self._grpo(tl, mb, global_tokens, global_seqs)
+        if tl.router is None:
+            return loss, metrics
+        real, recorded = totals
+        compare = mb.routes is not None and self.cfg.routing_replay == "none"
+        aux, more = router.step_terms(
+            tl.router,
+            mb.segment_ids,
+            real,
+            tl.routes if compare else None,
+            mb.routes if compare else None,
+            recorded,
+        )
+        if aux_coef:  # a Python float: 0 leaves the loss's graph as it was
+            loss = loss + aux_coef * aux
+            metrics["loss"] = metrics["loss"] + aux_coef * jax.lax.stop_gradient(aux)
+        return loss, {**metrics, **more}
+
+    def _grpo(self, tl: TokenLogprobs, mb: Batch, global_tokens, global_seqs):
         old = jax.lax.stop_gradient(tl.logp) if mb.old_logp is None else mb.old_logp
         ent = tl.entropy if self.cfg.loss.entropy_coef > 0 else jax.lax.stop_gradient(tl.entropy)
         return grpo_loss(
@@ -323,7 +371,19 @@ class Learner:
         global_tokens = jnp.sum(batch.loss_mask)
         global_seqs = count_sequences(batch.loss_mask, segments)
         micro = jax.tree.map(lambda x: _strided_split(x, m), batch)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        model_cfg = nnx.merge(self.graphdef, params).cfg
+        moe = model_cfg.num_moe_layers > 0
+        coef = self.cfg.router_aux_loss_coef
+        coef = float(model_cfg.router_aux_loss_coef if coef is None else coef) if moe else 0.0
+        totals = None
+        if moe:  # the step's real tokens and, to compare, those the sampler's record covers
+            compare = batch.routes is not None and self.cfg.routing_replay == "none"
+            totals = (
+                jnp.sum(batch.segment_ids != 0),
+                jnp.sum(router.recorded(batch.segment_ids)) if compare else None,
+            )
+        loss_fn = functools.partial(self._loss, totals=totals, aux_coef=coef)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         trainable, frozen = self.split(params)
 
         def body(carry, mb):
@@ -339,11 +399,17 @@ class Learner:
         # metrics' structure comes from the objective alone, without tracing the model again.
         first = jax.tree.map(lambda x: x[0], micro)
         tl = TokenLogprobs(first.loss_mask, first.loss_mask, first.loss_mask)
-        shapes = jax.eval_shape(self._objective, tl, first, global_tokens, global_seqs)
+        if moe:
+            shape = (*first.tokens.shape, model_cfg.num_moe_layers, model_cfg.experts_per_token)
+            stats = router.placeholder(model_cfg.num_moe_layers, model_cfg.num_experts)
+            tl = tl._replace(routes=jnp.zeros(shape, jnp.int32), router=stats)
+        objective = functools.partial(self._objective, totals=totals, aux_coef=coef)
+        shapes = jax.eval_shape(objective, tl, first, global_tokens, global_seqs)
         zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
         init = (jax.tree.map(jnp.zeros_like, trainable), zeros(shapes[1]))
         (grads, metrics), _ = jax.lax.scan(body, init, micro)
         metrics = {**{k: v for k, v in metrics.items() if k != "maxima"}, **metrics["maxima"]}
+        metrics = router.finish(metrics)  # MoE: the experts' load summed over the micro-batches
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = global_tokens
         lengths = sequence_totals(batch.loss_mask, segments)  # [B,T] tokens per sequence

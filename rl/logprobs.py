@@ -78,6 +78,10 @@ class TokenLogprobs(NamedTuple):
     logp: jax.Array  # f32 [B,T-1] sampling-distribution log-prob of tokens[:, 1:]
     full: jax.Array  # f32 [B,T-1] tempered full-softmax log-prob of tokens[:, 1:]
     entropy: jax.Array  # f32 [B,T-1] entropy of the tempered full softmax
+    # With `stats` on an MoE model: the experts each token used int [B,T,L_moe,k], and the
+    # routers' models.moe.RouterStats over the real tokens ([L_moe, E], [L_moe] sums; rl.router)
+    routes: jax.Array | None = None
+    router: object = None
 
 
 def token_logprobs(
@@ -92,6 +96,7 @@ def token_logprobs(
     rows=None,
     unembed_sharding=None,
     routes=None,
+    stats: bool = False,
 ) -> TokenLogprobs:
     """Log-probs of tokens[:, 1:] given their prefixes (see the module docstring).
 
@@ -101,10 +106,14 @@ def token_logprobs(
     on a mesh, or None; unembed_sharding: the Sharding of the unembedding's master weights on
     that mesh, where they are cast to the compute dtype before they are gathered (see the module
     docstring); routes: int [B,T,L_moe,k] each token's experts in an MoE model (routing replay,
-    `models.transformer.Transformer.hidden`), or None. Values at positions whose target is
-    padding are finite but meaningless; the caller masks them.
+    `models.transformer.Transformer.hidden`), or None; stats: also the experts used and the
+    routers' statistics (`TokenLogprobs.routes`, `.router`; an MoE model). Values at positions
+    whose target is padding are finite but meaningless; the caller masks them.
     """
-    h, _ = model.hidden(tokens, positions, valid, routes=routes)  # [B,T,D]
+    h, _, *routing = model.hidden(
+        tokens, positions, valid, routes=routes, record=stats, stats=stats
+    )
+
     if rows is not None:
         h = jax.lax.with_sharding_constraint(h, rows)
     h, targets = h[:, :-1], tokens[:, 1:]  # predict t+1 from t
@@ -134,7 +143,7 @@ def token_logprobs(
     project = _chunked_projection(scores, letters, h.dtype, rows, unembed_sharding)
     out = project(to_chunks(h), w, to_chunks(targets), to_chunks(early))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-    return TokenLogprobs(*(unchunk(x) for x in out))
+    return TokenLogprobs(*(unchunk(x) for x in out), *routing)
 
 
 def _chunked_projection(scores, letters: str, dtype, rows, w_sharding=None):

@@ -21,7 +21,7 @@ CHOICES = {
     "aggregation": "seq_mean_token_sum", "is_correction": "tis", "is_level": "sequence",
     "old_logp": "sampler", "backend": "blockwise", "cache_dtype": "bfloat16", "stop_ids": (61, 62),
     "weights_dtype": "float32", "weights_layout": "training", "reserve": "budget",
-    "grad_reduce_dtype": "bfloat16", "trust_region": "tv",
+    "grad_reduce_dtype": "bfloat16", "trust_region": "tv", "routing_replay": "rollout",
 }  # fmt: skip
 
 
@@ -36,7 +36,7 @@ def _fields(cls):
 
 
 # EngineConfig.interpret runs the Pallas kernels op by op on a CPU: a test switch, not a run's;
-# EngineConfig.record_routes is rl.routing_replay == "rollout" (launch.validate.engine_config).
+# EngineConfig.record_routes follows rl.routing_replay and the model (launch.validate.records_routes).
 FIELDS = sorted(
     {name for cls in (LossConfig, LearnerConfig, EngineConfig, SamplingParams)
      for _, name in _fields(cls)} - {"interpret", "record_routes"}

@@ -49,7 +49,8 @@ def setup():
         Group({}, p, cs[2 * i : 2 * i + 2], [], np.zeros(2), {}) for i, p in enumerate(prompts)
     ]
     batch, layout = build_batch(groups, WIDTH, 0, pack=True)
-    learner = Learner(LearnerConfig(), graphdef, state_shardings(params, mesh, DEFAULT_RULES))
+    cfg = LearnerConfig(routing_replay="rollout")
+    learner = Learner(cfg, graphdef, state_shardings(params, mesh, DEFAULT_RULES))
     return groups, batch, layout, learner, params
 
 

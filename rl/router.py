@@ -1,0 +1,114 @@
+"""A mixture of experts' routers in the GRPO step: the load-balancing loss and the routers' logs.
+
+The learner's loss pass asks the model for each MoE layer's `models.moe.RouterStats` (sums over
+the micro-batch's real tokens: the router's softmax, the experts its own top-k chose, the experts
+the tokens were sent to, the softmax entropy), stacked over the MoE layers ([L_moe, E], [L_moe]),
+and for the experts each token used ([B,T,L_moe,k]). From them, per micro-batch:
+
+- the load-balancing loss of Switch / Qwen3-MoE as transformers' `load_balancing_loss_func`
+  computes it for `Qwen3MoeForCausalLM`: the MoE layers' tokens pooled (their router logits are
+  concatenated), f_e = the fraction of (token, layer) pairs whose top-k holds expert e (summed over
+  the k slots, so the f_e sum to k), P_e = the mean router probability of e over the same pairs,
+  loss = E * sum_e f_e * P_e (k when perfectly balanced), over the real tokens (the attention
+  mask: prompt and completion, not padding). Its gradient reaches the routers through P only (f
+  counts choices). With a replayed route the f still counts the router's own top-k, as
+  transformers does from the logits. The step adds coef x loss per micro-batch weighted by the
+  micro-batch's share of the step's real tokens: one micro-batch on any mesh is exactly
+  transformers' loss (the sums run over every device's rows); several are their token-weighted
+  mean, as gradient accumulation averages per-forward losses;
+- the logs, as contributions that add up over micro-batches (`finish` completes them):
+  `router/aux_loss` (that loss, logged whether or not it is in the GRPO loss),
+  `router/entropy` (the routers' softmax entropy in nats, mean over real tokens and MoE layers;
+  log E = uniform), `router/load_max_over_mean` (per MoE layer, the busiest expert's tokens over
+  the mean tokens per expert, N k / E: 1 = balanced, E / k = all on k experts; mean over the
+  layers) and `router/load_max_over_mean_worst` (the worst layer), and, where the rollout
+  recorded the sampler's experts and the learner does not replay them,
+  `rollout/route_mismatch`: the fraction of recorded tokens whose experts (as a set) differ
+  between the sampler and this pass in at least one MoE layer (launch.bench replay's measure),
+  and `rollout/route_mismatch_layers`: the fraction of (token, MoE layer) pairs that differ. A
+  recorded token is a real one other than its sequence's last (never fed to the sampler: its
+  record is zeros). The pass is the optimizer step's own: with one minibatch and one pass
+  (mu = 1) the parameters the sampler used, else the step's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.moe import RouterStats
+
+LOAD = "router_load"  # the [L_moe, E] sums `finish` turns into the load metrics
+
+
+def balance_loss(stats: RouterStats, num_tokens) -> jax.Array:
+    """f32 []: transformers' load-balancing loss over `num_tokens` real tokens (module
+    docstring) from the MoE layers' stats ([L_moe, E] sums)."""
+    layers, experts = stats.probs.shape
+    pairs = jnp.maximum(layers * num_tokens, 1).astype(jnp.float32)
+    f = jax.lax.stop_gradient(stats.chosen.sum(0)) / pairs  # [E]
+    p = stats.probs.sum(0) / pairs  # [E]
+    return experts * jnp.sum(f * p)
+
+
+def recorded(segment_ids) -> jax.Array:
+    """bool [B,T]: the tokens a sampler's record covers, real and not their sequence's last."""
+    real = segment_ids != 0
+    same_next = segment_ids[:, 1:] == segment_ids[:, :-1]  # [B,T-1]
+    return real & jnp.pad(same_next, ((0, 0), (0, 1)))
+
+
+def mismatch(used, sampler, where) -> tuple[jax.Array, jax.Array]:
+    """used, sampler int [B,T,L,k] (the experts of each token's MoE layers), where bool [B,T] ->
+    (tokens whose expert sets differ in some layer, (token, layer) pairs that differ): f32 []."""
+    sort = lambda r: jnp.sort(r.astype(jnp.int32), axis=-1)
+    differ = jnp.any(sort(used) != sort(sampler), axis=-1) & where[..., None]  # [B,T,L]
+    return jnp.sum(jnp.any(differ, -1), dtype=jnp.float32), jnp.sum(differ, dtype=jnp.float32)
+
+
+def step_terms(
+    stats: RouterStats,
+    segment_ids,
+    global_real,
+    used=None,
+    sampler=None,
+    global_recorded=None,
+) -> tuple[jax.Array, dict]:
+    """One micro-batch's (balance loss weighted by its share of the step's real tokens, metric
+    contributions), from its stats, segment ids [B,T], the step's real-token count and, for the
+    mismatch, the experts this pass used and the sampler's [B,T,L,k] with the step's count of
+    recorded tokens (`recorded`)."""
+    layers = stats.probs.shape[0]
+    real = jnp.sum(segment_ids != 0, dtype=jnp.float32)
+    total = jnp.maximum(global_real, 1).astype(jnp.float32)
+    aux = balance_loss(stats, real) * real / total
+    metrics = {
+        "router/aux_loss": jax.lax.stop_gradient(aux),
+        "router/entropy": jnp.sum(stats.entropy) / (total * layers),
+        LOAD: stats.load,
+    }
+    if sampler is not None:
+        tokens, pairs = mismatch(used, sampler, recorded(segment_ids))
+        n = jnp.maximum(global_recorded, 1).astype(jnp.float32)
+        metrics["rollout/route_mismatch"] = tokens / n
+        metrics["rollout/route_mismatch_layers"] = pairs / (n * layers)
+    return aux, metrics
+
+
+def finish(metrics: dict) -> dict:
+    """The step's summed metrics with the experts' load [L_moe, E] turned into its two ratios
+    (module docstring); metrics without it are returned as they are."""
+    if LOAD not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    load = metrics.pop(LOAD)
+    ratio = jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9)  # [L_moe]
+    metrics["router/load_max_over_mean"] = jnp.mean(ratio)
+    metrics["router/load_max_over_mean_worst"] = jnp.max(ratio)
+    return metrics
+
+
+def placeholder(num_layers: int, num_experts: int) -> RouterStats:
+    """Zero stats of the MoE layers' shapes (the learner's metric structure, traced once)."""
+    zeros = jnp.zeros((num_layers, num_experts), jnp.float32)
+    return RouterStats(zeros, zeros, zeros, jnp.zeros((num_layers,), jnp.float32))
