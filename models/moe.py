@@ -252,6 +252,34 @@ def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, spec: Weights):
     """Inside the shard_map: this device's rows x [n,D] with their weights/experts [n,k], its
     experts gate/up [E/ep,D,F'] and down [E/ep,F',D] -> [n,D] (see the module docstring).
 
+    In chunks of at most CHUNK rows (`_chunks`), one after the other, each rematerialised: the
+    dispatch's buffers are sized by the chunk (ep x CHUNK x k rows of D), not by the device's
+    rows, so a 32k-token row's layer holds a chunk's, not the row's (Qwen3-30B-A3B on fsdp=4 x
+    expert=2: 256 MiB a buffer, not 1 GiB). The price: the experts' weights are gathered over
+    fsdp (and their gradients reduce-scattered) once per chunk."""
+    n = x.shape[0]
+    c = _chunks(n)
+    if c == 1:
+        return _dispatch_chunk(x, weights, experts, gate, up, down, ep, spec)
+    one = jax.checkpoint(lambda a: _dispatch_chunk(*a, gate, up, down, ep, spec))
+    split = lambda a: a.reshape(c, n // c, *a.shape[1:])
+    return jax.lax.map(one, (split(x), split(weights), split(experts))).reshape(x.shape)
+
+
+CHUNK = 4096  # the most rows (tokens) a device sends through its experts at once
+
+
+def _chunks(n: int) -> int:
+    """How many equal chunks of at most CHUNK rows n rows make (the fewest that divide n)."""
+    c = -(-n // CHUNK)
+    while n % c:
+        c += 1
+    return c
+
+
+def _dispatch_chunk(x, weights, experts, gate, up, down, ep: int, spec: Weights):
+    """`_dispatch_moe` for one chunk of rows, x [n,D] with weights/experts [n,k].
+
     Every move of rows is a `_take` (a gather whose gradient is a gather): the send buffer
     [ep*m, D] (slot (j, r): the r-th pair for expert device j, zeros past its count), the
     receiver's sort by local expert and its inverse, and each pair's row of what comes back; the
