@@ -86,11 +86,11 @@ def test_multi_turn_equals_reprefill_and_prefills_only_new_tokens(tiny, temperat
     assert engine.allocator.num_used == 0 and not engine.pages.parked
 
 
-def _timed_rollout(graphdef, params, tool_seconds, slow=None):
-    """64 episodes (8 prompts x 8), two tool calls each through 8 tool workers; returns the
-    wall time and each episode's finish time. `slow`: an episode (i, k) whose first tool call
-    returns only once every other episode has finished (`waited` says whether it did, within
-    300 s: the first run compiles)."""
+def _timed_rollout(graphdef, params, tool_seconds, slow=None, runs=3):
+    """64 episodes (8 prompts x 8), two tool calls each through 8 tool workers, `runs` times;
+    returns the best wall time of the runs after the first (which compiles) and each episode's
+    finish time. `slow`: an episode (i, k) whose first tool call returns only once every other
+    episode has finished (`waited` says whether it did, within 300 s: the first run compiles)."""
     engine = Engine(CFG, graphdef, MCFG, SamplingParams(1.0))
     prompts = random_prompts([6] * 8, seed=5)
     pool = ThreadPoolExecutor(8)
@@ -121,7 +121,7 @@ def _timed_rollout(graphdef, params, tool_seconds, slow=None):
             rest_done.set()
 
     walls = []
-    for _ in range(3):  # the first run compiles; the best of the other two (a shared machine)
+    for _ in range(runs):  # the first run compiles; the best of the others (a shared machine)
         calls.clear()
         finished.clear()
         rest_done.clear()
@@ -131,7 +131,7 @@ def _timed_rollout(graphdef, params, tool_seconds, slow=None):
             on_finish=on_finish,
         )  # fmt: skip
         walls.append(time.perf_counter() - start[0])
-    wall = min(walls[1:])
+    wall = min(walls[1:] or walls)
     pool.shutdown()
     assert all(c.turns == 3 for grp in results for c in grp)
     return wall, finished, waited
@@ -152,9 +152,10 @@ def test_tool_latency_is_hidden_behind_decoding(tiny):
 def test_a_slow_tool_does_not_delay_the_other_episodes(tiny):
     graphdef, params = tiny
     # The slow episode's first tool call returns only once the 63 others have ended: the
-    # loop must go on decoding them meanwhile (it would otherwise wait the 60 s out).
-    _, finished, waited = _timed_rollout(graphdef, params, 0.0, slow=(3, 2))
-    assert waited == [True, True, True]  # in each of the three runs
+    # loop must go on decoding them meanwhile (it would otherwise wait the 300 s out). One
+    # run: nothing here is timed (three ran the same episodes three times: 15.5 s of CPU).
+    _, finished, waited = _timed_rollout(graphdef, params, 0.0, slow=(3, 2), runs=1)
+    assert waited == [True]
     assert max(finished, key=finished.get) == (3, 2)
 
 
