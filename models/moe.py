@@ -38,10 +38,16 @@ On a device mesh (the mesh jit attaches to x, else the context mesh) the block r
 
 Routing replay: `experts` int [B,T,k] (recorded expert ids) replaces the top-k; the gate weights
 are then this router's probabilities at those ids (renormalised as `norm_topk_prob` says), so
-the router still gets gradients. A model passes one [B,T,k] slice of a [B,T,L_moe,k] record per
-MoE layer;
+the router still gets gradients; a token whose ids are -1 (not recorded: the learner marks each
+sequence's last token so, `rl.router.recorded`) is routed by the router's own top-k. A model
+passes one [B,T,k] slice of a [B,T,L_moe,k] record per MoE layer;
 `MoE.routed` also returns the ids it used, which `models.transformer` stacks into that record
 (int8 when E <= 127, else int16: `route_dtype`).
+
+Router statistics: given a token mask, the block also returns `RouterStats`, sums over the
+marked tokens of the router's softmax, its own top-k choices, the experts used and the softmax
+entropy, summed over every device's rows (rl/router.py reads them: the load-balancing loss and
+the routers' logs).
 """
 
 from __future__ import annotations
@@ -164,22 +170,25 @@ def route(
     x, router, k: int, norm_topk_prob: bool, experts=None, spec: Weights | None = None, mask=None
 ):
     """x [N,D] (compute dtype), router [D,E] (master) -> (gate weights [N,k] in x's dtype,
-    expert ids int32 [N,k]). `experts` [N,k]: use these ids (routing replay), weights from this
-    router. mask f32 [N]: also the RouterStats of the tokens it marks (a third value)."""
+    expert ids int32 [N,k]). `experts` [N,k]: use these ids (routing replay; a token's -1s:
+    not recorded, routed by this router), weights from this router. mask f32 [N]: also the
+    RouterStats of the tokens it marks (a third value)."""
     spec = spec or Weights(x.dtype, x.dtype)
     logits = _router_logits(spec, x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    own = experts is None
-    if own:
+    if experts is None:
         top, experts = jax.lax.top_k(probs, k)
-    else:
-        top = jnp.take_along_axis(probs, experts.astype(jnp.int32), axis=-1)
+        chosen = experts
+    else:  # a token whose ids are negative has no record: this router's top-k routes it
+        chosen = jax.lax.top_k(jax.lax.stop_gradient(probs), k)[1]
+        experts = experts.astype(jnp.int32)
+        experts = jnp.where(experts < 0, chosen, experts)
+        top = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     out = (top.astype(x.dtype), experts.astype(jnp.int32))
     if mask is None:
         return out
-    chosen = out[1] if own else jax.lax.top_k(jax.lax.stop_gradient(probs), k)[1]
     return (*out, _router_stats(logits, probs, chosen, out[1], mask))
 
 

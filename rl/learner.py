@@ -283,7 +283,11 @@ class Learner:
         )
         # A micro-batch whose rows do not split evenly is left to GSPMD.
         rows = None if batch.tokens.shape[0] % self._row_shards else self._rows
-        replay = batch.routes if c.routing_replay == "rollout" else None
+        replay = None
+        if c.routing_replay == "rollout" and batch.routes is not None:  # each sequence's last
+            # token has no record (zeros): -1, its router routes it
+            here = router.recorded(batch.segment_ids)[..., None, None]
+            replay = jnp.where(here, batch.routes, jnp.asarray(-1, batch.routes.dtype))
         return token_logprobs(
             model,
             batch.tokens,
