@@ -1,6 +1,7 @@
 """A training run that records, per process, what it did with its own episodes, for
 tests/launch/test_hosts.py: `python -m tests.launch.host_tools OUT [--jitter MS] [--host_tool]
-[launch.train flags]` (one process of a multi-process run, or `record(...)` in the test process).
+[launch.train flags] [--then OUT ...]` (one process of a multi-process run, its runs one after the
+other, or `record(...)` in the test process).
 
 - `--jitter MS`: the calculator answers after a random 0..MS ms (unseeded,
   tests/launch/jittered_tools.py).
@@ -135,15 +136,20 @@ def _check(rollout, produced) -> int:
 
 
 if __name__ == "__main__":
-    from launch.train import main
+    from tests.launch.train_runs import run, segments
 
-    args = sys.argv[1:]
-    out, args = args[0], args[1:]
-    ms = 0.0
-    if args and args[0] == "--jitter":
-        ms, args = float(args[1]), args[2:]
-    host = bool(args) and args[0] == "--host_tool"
-    args = args[1:] if host else args
-    with record(out, host), jittered(ms) if ms else contextlib.nullcontext():
-        code = main(args)
+    # Several runs, one after the other in this process (`OUT ... --then OUT ...`:
+    # tests/launch/train_runs.py), each recorded to its own OUT.
+    code = 0
+    for i, args in enumerate(segments(sys.argv[1:])):
+        out, args = args[0], args[1:]
+        ms = 0.0
+        if args and args[0] == "--jitter":
+            ms, args = float(args[1]), args[2:]
+        host = bool(args) and args[0] == "--host_tool"
+        args = args[1:] if host else args
+        with record(out, host), jittered(ms) if ms else contextlib.nullcontext():
+            code = run(args, first=i == 0)
+        if code:
+            break
     sys.exit(code)

@@ -55,20 +55,26 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _pair(workdir, out, *flags, args=ARGS, module="tests.launch.host_tools", kill_after=None):
+def _pair(
+    workdir, out, *flags, args=ARGS, module="tests.launch.host_tools", kill_after=None, then=()
+):
     """Two processes of 4 CPU devices each running `module` with out, flags and the run's args;
     with kill_after, process 1 is killed (SIGKILL) once that step's checkpoint is committed, and
-    process 0 must stop on its own. Returns process 0's stderr. Each process's output goes to a
-    file (OUT.p<i>.log), not a pipe: a pipe read after its peer's could fill and block a process
+    process 0 must stop on its own. `then`: more runs (workdir, out, flags, args) of
+    tests.launch.host_tools, one after the other in the same two processes (one start and one
+    compile for all). Returns process 0's stderr. Each process's output goes to a file
+    (OUT.p<i>.log), not a pipe: a pipe read after its peer's could fill and block a process
     that its peer then waits for in a collective."""
     port, procs, logs = _free_port(), [], [f"{out}.p{i}.log" for i in range(2)]
+    runs = [(workdir, out, flags, args), *then]
     for i in range(2):
         env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                    JAX_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                    JAX_COMPILATION_CACHE_DIR=process_cache(i))  # fmt: skip
-        run = [f"--workdir={workdir}"] if workdir else []
-        cmd = [sys.executable, "-m", module, str(out), *flags, *run, *args]
+        cmd = [sys.executable, "-m", module]
+        for k, (w, o, f, a) in enumerate(runs):
+            cmd += ["--then"] * (k > 0) + [str(o), *f, *([f"--workdir={w}"] if w else []), *a]
         with open(logs[i], "w") as log:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))  # fmt: skip
@@ -104,12 +110,15 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
         assert train_here([f"--workdir={one}", *ARGS], devices=8) == 0
     (single,) = steps(tmp_path / "one_out")
     _pair(two, tmp_path / "two_out", "--jitter", "60", kill_after=2)
+    # The restart, then in the same two processes the instant tool's straight run (compared
+    # below: bitwise; one start and one compile of two processes fewer).
     err = _pair(
         two,
         tmp_path / "two_out",
         "--jitter",
         "60",
         args=[*ARGS, "--config.heartbeat_timeout_s=300"],
+        then=[(instant, tmp_path / "instant_out", (), ARGS)],
     )
     assert "resumed from step 2" in err, err[-3000:]
     p0, p1 = steps(tmp_path / "two_out")
@@ -142,40 +151,52 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
     for name in pa:
         np.testing.assert_allclose(np.asarray(pb[name]), np.asarray(pa[name]), atol=1e-5,
                                    err_msg=name)  # fmt: skip
-    _pair(instant, tmp_path / "instant_out")  # 2 x 4, instant tool, straight
+    # 2 x 4, instant tool, straight (run after the restart, above)
     assert steps(tmp_path / "instant_out") == [p0, p1]  # reads, tool calls, trained ids
     pi = flatten(load_run(str(instant))[0].state.params)
     for name in pa:
         np.testing.assert_array_equal(np.asarray(pb[name]), np.asarray(pi[name]), err_msg=name)
 
 
-def test_tools_may_differ_between_hosts(tmp_path):
+# The calculator demo without partial rollouts (the synchronous multi-turn loop), 2 steps: it
+# carries nothing across steps, so a third would repeat the second's checks.
+SYNC = [
+    a for a in ARGS if not any(k in a for k in ("partial_rollouts", "is_correction", "num_steps"))
+]
+SYNC += ["--config.num_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def sync_pair(tmp_path_factory):
+    """One start of two processes for two synchronous runs, one after the other: the instant
+    calculator's (`two`), then the calculator whose answers differ between the hosts (`host`,
+    --host_tool), which reuses the first run's compiled programs."""
+    top = tmp_path_factory.mktemp("sync")
+    host = (top / "host", top / "host_out", ("--host_tool",), SYNC)
+    _pair(top / "two", top / "two_out", args=SYNC, then=[host])
+    return top
+
+
+def test_tools_may_differ_between_hosts(sync_pair):
     """Each process appends its index and a random digit to the calculator's answers: a
     synchronous multi-turn run trains 2 steps with no agreement error, and each process's groups
     hold exactly its own tool's observations in the learner rows it holds (checked in the run:
-    host_tools._check). (2 steps, not 3: the synchronous loop carries nothing across steps, so a
-    third step repeats the second's checks.)"""
-    sync = [a for a in ARGS if "partial_rollouts" not in a and "is_correction" not in a]
-    sync = [a for a in sync if "num_steps" not in a] + ["--config.num_steps=2"]
-    _pair(tmp_path / "run", tmp_path / "out", "--host_tool", args=sync)
-    p0, p1 = steps(tmp_path / "out")
+    host_tools._check)."""
+    p0, p1 = steps(sync_pair / "host_out")
     assert sorted(p0) == sorted(p1) == [1, 2]
     # 8 groups a step on 4 shards: each process checked its 2 shards' 4 groups every step, and
     # observations of its own tool in them
     assert all(p[s]["groups"] == 4 and p[s]["checked"] > 0 for p in (p0, p1) for s in p)
-    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    assert [r["step"] for r in _rows(sync_pair / "host")] == [1, 2]
 
 
-def test_a_synchronous_multi_turn_run_trains_as_one_host(tmp_path):
+def test_a_synchronous_multi_turn_run_trains_as_one_host(sync_pair, tmp_path):
     """The calculator demo without partial rollouts, 2 steps: two processes train the sequences
     the one process trains (ids, per step) and alike within 1e-5."""
-    sync = [a for a in ARGS if "partial_rollouts" not in a and "is_correction" not in a]
-    sync = [a for a in sync if "num_steps" not in a] + ["--config.num_steps=2"]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two = tmp_path / "one", sync_pair / "two"
     with record(str(tmp_path / "one_out")):
-        assert train_here([f"--workdir={one}", *sync], devices=8) == 0
-    _pair(two, tmp_path / "two_out", args=sync)
-    (single,), (p0, p1) = steps(tmp_path / "one_out"), steps(tmp_path / "two_out")
+        assert train_here([f"--workdir={one}", *SYNC], devices=8) == 0
+    (single,), (p0, p1) = steps(tmp_path / "one_out"), steps(sync_pair / "two_out")
     for s in (1, 2):
         assert sorted(p0[s]["trained"] + p1[s]["trained"]) == single[s]["trained"], s
         assert p0[s]["tool_calls"] + p1[s]["tool_calls"] == single[s]["tool_calls"] > 0, s
