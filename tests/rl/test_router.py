@@ -183,7 +183,7 @@ def _perturbed(batch, rng):
     return routes, picked
 
 
-@pytest.mark.slow  # three learner compiles, ~15 s
+@pytest.mark.slow  # three learner compiles: 45 s on the loaded shared host
 def test_learner_logs_and_adds_the_routers_terms(setup):  # noqa: F811
     _, batch, _, replaying, params = setup
     batch = batch.replace(advantages=np.ones_like(batch.advantages))
@@ -259,7 +259,7 @@ def _dense_batch(tokens, positions, seg):
 
 
 @pytest.mark.hf
-@pytest.mark.slow  # torch and transformers imported: ~15 s
+@pytest.mark.slow  # torch, transformers and a jitted gradient: 90 s on the loaded shared host
 def test_balance_loss_and_its_gradient_match_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -294,7 +294,7 @@ def test_balance_loss_and_its_gradient_match_transformers(tmp_path):
         np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.slow  # two meshes' compiles, ~20 s
+@pytest.mark.slow  # three compiles on two meshes: 32 s on the loaded shared host
 def test_router_stats_on_the_expert_mesh_equal_one_device():
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 12)).astype(np.int32))
     positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), tokens.shape)
