@@ -22,7 +22,7 @@ from launch.train import main
 from models.sharding import flatten
 from tests.conftest import ROOT, process_cache, train_metrics
 
-pytestmark = pytest.mark.slow  # three multi-process training runs
+pytestmark = pytest.mark.slow  # three multi-process training runs (two starts of two processes)
 
 TINY = [
     "--config.num_steps=4", "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
@@ -43,9 +43,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(workdir, devices, process_id=None, num_processes=None, port=None, extra=()):
+def _launch(workdir, devices, process_id=None, num_processes=None, port=None, extra=(), then=()):
     """The run as a subprocess, its output to a file beside workdir (`_err`): a pipe read after
-    its peer's could fill and block a process that its peer then waits for in a collective."""
+    its peer's could fill and block a process that its peer then waits for in a collective.
+    `then`: more runs (workdir, extra) after it in the same process (tests/launch/train_runs.py:
+    one start and one compile for all)."""
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
     if num_processes:
         env.update(
@@ -53,7 +55,9 @@ def _launch(workdir, devices, process_id=None, num_processes=None, port=None, ex
             JAX_PROCESS_ID=str(process_id), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
             JAX_COMPILATION_CACHE_DIR=process_cache(process_id),  # the twin compiles alike
         )  # fmt: skip
-    cmd = [sys.executable, "-m", "launch.train", f"--workdir={workdir}", *TINY, *extra]
+    cmd = [sys.executable, "-m", "tests.launch.train_runs" if then else "launch.train"]
+    for k, (w, e) in enumerate([(workdir, extra), *then]):
+        cmd += ["--then"] * (k > 0) + [f"--workdir={w}", *TINY, *e]
     with open(f"{workdir}.p{process_id}.log", "a") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log.name
@@ -74,13 +78,24 @@ def _wait(procs) -> list[str]:
     return errs
 
 
-def test_two_processes_equal_one_even_after_one_dies(tmp_path):
-    """Process 1 is killed (SIGKILL) in step 3, once step 2's checkpoint is committed: process 0
-    stops within 60 s with a message that says what to do, and restarting both resumes and ends
-    within 1e-5 of the 1-process run."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    # The 1-process reference runs in this process, on its 8 fake devices (no process boundary
-    # is under test there): one interpreter start and its imports fewer.
+# The synchronous loop (no partial rollouts) with dynamic sampling, 2 steps (over TINY's)
+SYNC = [
+    "--config.rl.partial_rollouts=False",
+    "--config.rl.extra_groups=0",
+    "--config.rl.is_correction=none",
+    "--config.num_steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 1-process run (in this process: no process boundary is under test there, and one
+    interpreter start and its imports fewer); the 2-process run, process 1 killed (SIGKILL) in
+    step 3, once step 2's checkpoint is committed; both restarted, and in the same two processes
+    after the restart the synchronous run (`sync_multi`, for the test below: one start and one
+    compile of two processes fewer)."""
+    top = tmp_path_factory.mktemp("runs")
+    single, multi = top / "single", top / "multi"
     assert main([f"--workdir={single}", *TINY]) == 0
     port = _free_port()
     procs = [_launch(multi, 4, i, 2, port) for i in range(2)]
@@ -93,16 +108,33 @@ def test_two_processes_equal_one_even_after_one_dies(tmp_path):
     err = _err(procs[0])
     waited = time.monotonic() - killed_at
     procs[1].wait()
-    assert procs[0].returncode != 0 and waited < 60, (procs[0].returncode, waited, err[-3000:])
+    # The resumed run tests no death detection: a long heartbeat timeout (a field a resume may
+    # change) keeps a pause of the whole machine (a VM snapshot, seen once in CI) from failing it.
+    port, slack = _free_port(), ["--config.heartbeat_timeout_s=300"]
+    then = [(top / "sync_multi", SYNC)]
+    errs = _wait([_launch(multi, 4, i, 2, port, slack, then) for i in range(2)])
+    killed = (procs[0].returncode, waited, err)
+    return {
+        "single": single,
+        "multi": multi,
+        "sync_multi": top / "sync_multi",
+        "killed": killed,
+        "resumed": errs[0],
+    }
+
+
+def test_two_processes_equal_one_even_after_one_dies(runs):
+    """Process 1 is killed (SIGKILL) in step 3, once step 2's checkpoint is committed: process 0
+    stops within 60 s with a message that says what to do, and restarting both resumes and ends
+    within 1e-5 of the 1-process run."""
+    single, multi = runs["single"], runs["multi"]
+    returncode, waited, err = runs["killed"]
+    assert returncode != 0 and waited < 60, (returncode, waited, err[-3000:])
     # ours (a collective failed) or jax.distributed's (a heartbeat was missed), whichever came first
     said = ("If another process died, restart all of them", "This most likely indicates that "
             "another task died")  # fmt: skip
     assert any(s in err for s in said), err[-3000:]
-    # The resumed run tests no death detection: a long heartbeat timeout (a field a resume may
-    # change) keeps a pause of the whole machine (a VM snapshot, seen once in CI) from failing it.
-    port, slack = _free_port(), ["--config.heartbeat_timeout_s=300"]
-    errs = _wait([_launch(multi, 4, i, 2, port, slack) for i in range(2)])
-    assert "resumed from step" in errs[0], errs[0][-3000:]
+    assert "resumed from step" in runs["resumed"], runs["resumed"][-3000:]
     a, b = train_metrics(single), train_metrics(multi)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     rows = [json.loads(x) for x in open(single / "metrics.jsonl") if '"loss"' in x]
@@ -120,19 +152,12 @@ def test_two_processes_equal_one_even_after_one_dies(tmp_path):
     print(f"process 0 stopped {waited:.1f} s after process 1 was killed")
 
 
-def test_two_processes_equal_one_synchronously(tmp_path):
+def test_two_processes_equal_one_synchronously(runs, tmp_path):
     """The synchronous loop (no partial rollouts) with dynamic sampling, 2 steps: 2 x 4 trains
-    as 1 x 8 within 1e-5 (each process refills its own shards' zero-variance groups)."""
-    sync = [
-        "--config.rl.partial_rollouts=False",
-        "--config.rl.extra_groups=0",
-        "--config.rl.is_correction=none",
-        "--config.num_steps=2",
-    ]  # over TINY's
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    assert main([f"--workdir={single}", *TINY, *sync]) == 0
-    port = _free_port()
-    _wait([_launch(multi, 4, i, 2, port, sync) for i in range(2)])
+    as 1 x 8 within 1e-5 (each process refills its own shards' zero-variance groups). The
+    2-process run ran after the restart above, in the same processes."""
+    single, multi = tmp_path / "single", runs["sync_multi"]
+    assert main([f"--workdir={single}", *TINY, *SYNC]) == 0
     a, b = train_metrics(single), train_metrics(multi)
     assert sorted(a) == sorted(b) == [1, 2]
     rows = [json.loads(x) for x in open(single / "metrics.jsonl") if '"loss"' in x]
