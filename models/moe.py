@@ -270,9 +270,23 @@ def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, spec: Weights):
     c = _chunks(n)
     if c == 1:
         return _dispatch_chunk(x, weights, experts, gate, up, down, ep, spec)
-    one = jax.checkpoint(lambda a: _dispatch_chunk(*a, gate, up, down, ep, spec))
-    split = lambda a: a.reshape(c, n // c, *a.shape[1:])
-    return jax.lax.map(one, (split(x), split(weights), split(experts))).reshape(x.shape)
+    size = n // c
+    one = jax.checkpoint(lambda *a: _dispatch_chunk(*a, gate, up, down, ep, spec))
+
+    def chunk(i, out):
+        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i * size, size)
+        y = one(rows(x), rows(weights), rows(experts))
+        return jax.lax.dynamic_update_slice_in_dim(out, y, i * size, 0)
+
+    # The output starts as x (every row is written over): a loop's output made from zeros, as
+    # lax.map's, depends on constants only, and XLA:CPU made every layer's at the start of the
+    # program (models/order.py), 1 GiB a layer in a 32k log-prob pass of 8 rows a device. It
+    # varies over the mesh axes the chunks' outputs do (tensor: partial sums over a split F).
+    first = jax.eval_shape(one, x[:size], weights[:size], experts[:size])
+    mat = getattr(first, "manual_axis_type", None)  # jax 0.10; `vma` before
+    axes = frozenset(mat.varying if mat is not None else getattr(first, "vma", ()))
+    axes = tuple(sorted(axes - _varying(x)))
+    return jax.lax.fori_loop(0, c, chunk, jax.lax.pcast(x, axes, to="varying") if axes else x)
 
 
 CHUNK = 4096  # the most rows (tokens) a device sends through its experts at once
