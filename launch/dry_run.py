@@ -164,7 +164,8 @@ def dry_run(config) -> int:
     sample = _report("rollout", estimate.compile(generate))
     # Upper bounds: the learn phase holds the reference; the log-prob pass runs beside the train
     # state; the rollout beside the optimizer state (and the KV cache stays when not released).
-    learn_phase = ref + max(learn, state + logprobs)
+    # (The log-prob pass's arguments hold the very parameter arrays the state holds: once.)
+    learn_phase = ref + max(learn, state + logprobs - _per_device_bytes(params))
     # The rollout's compiled arguments hold the weights it decodes from: the params themselves,
     # or (sampling.weights_layout="tensor", weights_dtype) a copy made for the rollout, beside
     # the resident params and optimizer state.
