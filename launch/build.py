@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from launch.cli import UsageError
 from launch.distributed import init_distributed
 from launch.pin import model_dir
+from launch.resume_compat import with_saved_defaults
 from launch.validate import (
     check_isolation,
     engine_config,
@@ -260,7 +261,7 @@ def load_run(
     if not os.path.exists(path):
         raise UsageError(f"{flag} {workdir}: no config.json (not a training run)")
     with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+        config = ml_collections.ConfigDict(with_saved_defaults(json.load(f)))
     init_distributed(config)
     count = len(run_devices())
     if math.prod(config.mesh.values()) != count:

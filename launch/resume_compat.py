@@ -78,6 +78,22 @@ PARTIAL_DEFAULTS = {
 }
 
 
+def with_saved_defaults(saved: dict) -> dict:
+    """A saved run's config.json with the fields it predates filled in with the values that run
+    had (the defaults above; optim.grad_reduce_dtype: its model.dtype), so that it can be built
+    again by this code (`launch.build.load_run`: launch.eval, launch.export, launch.generate)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    fills = [("rl", {**TRUST_REGION_DEFAULTS, **REPLAY_DEFAULTS, **PARTIAL_DEFAULTS})]
+    fills += [("env", REPO_ENV_DEFAULTS)] if "env" in out else []
+    fills += [(section, {field: default}) for section, field, default in HUB_DEFAULTS]
+    dtype = out.get("model", {}).get("dtype", "float32")
+    fills += [("optim", {"grad_reduce_dtype": dtype})]  # summed in the compute dtype before
+    for section, defaults in fills:
+        if section in out:
+            out[section] = {**defaults, **out[section]}
+    return out
+
+
 def changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     """Dotted names of the fields that differ between two config dicts."""
     out = []

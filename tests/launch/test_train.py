@@ -79,6 +79,21 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path, capsys, monke
         run, step = load_run(str(workdir))
         good = fingerprint(run.state.params)
         assert step == 3 and good == fingerprint(load_run(str(workdir), 2)[0].state.params)
+        # a run saved before this round's fields (routing replay, the router's loss, the trust
+        # region, partial rollouts, the gradients' reduce dtype) is still read by launch.eval
+        config = json.loads((workdir / "config.json").read_text())
+        for section, fields in OLDER_RUN.items():
+            for name in fields:
+                del config[section][name]
+        (workdir / "config.json").write_text(json.dumps(config))
+        assert fingerprint(load_run(str(workdir))[0].state.params) == good
+
+
+# Fields a run saved before this round lacks (launch.resume_compat.with_saved_defaults).
+OLDER_RUN = {
+    "rl": ("routing_replay", "router_aux_loss_coef", "trust_region", "partial_rollouts"),
+    "optim": ("grad_reduce_dtype",),
+}
 
 
 # A step takes ~0.3 s once compiled. Five kills advance the killed run by about one committed step
