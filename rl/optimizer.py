@@ -41,7 +41,7 @@ def make_optimizer(cfg) -> optax.GradientTransformationExtraArgs:
         schedule = optax.linear_schedule(0.0, lr, cfg.warmup_steps)
     else:
         schedule = lr
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(decayed, params)
     # optax.adamw's chain, nested as it nests it: the state tree is optax's
     adamw = optax.chain(
         scale_by_adam(cfg.b1, cfg.b2),
@@ -50,6 +50,13 @@ def make_optimizer(cfg) -> optax.GradientTransformationExtraArgs:
     )
     clip = clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity()
     return optax.chain(clip, adamw)
+
+
+def decayed(path, x) -> bool:
+    """Whether weight decay applies to a parameter: matrices (and the experts' stacked ones), not
+    norms' scales nor biases (Qwen2's q/k/v biases are [heads, head_dim]: named, not 1-D)."""
+    names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
+    return x.ndim >= 2 and not any(str(n).endswith("bias") for n in names)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

@@ -24,7 +24,7 @@ from models.sharding import (
 from rl.learner import Batch, Learner, LearnerConfig, batch_sharding
 from rl.logprobs import token_logprobs
 from rl.losses import AGGREGATIONS, LossConfig
-from rl.optimizer import clip_by_global_norm, make_optimizer
+from rl.optimizer import clip_by_global_norm, decayed, make_optimizer
 from sampling.distribution import SamplingParams, log_probs
 
 CFG = ModelConfig(
@@ -400,3 +400,20 @@ def test_the_update_holds_no_copy_of_the_gradients_or_moments():
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     assert temp < 1.3 * params, temp / params
+
+
+def test_weight_decay_spares_norms_and_biases():
+    """The decay mask of a Qwen2 model (2-D q/k/v biases): matrices and the embedding decay; the
+    norms' scales and the biases do not."""
+    cfg = dataclasses.replace(CFG, qkv_bias=True)
+    _, shapes = abstract_model(cfg)
+    mask = {
+        jax.tree_util.keystr(p): decayed(p, x)
+        for p, x in jax.tree_util.tree_leaves_with_path(shapes)
+    }
+    biases = [k for k in mask if "bias" in k]
+    assert biases and not any(mask[k] for k in biases), mask
+    assert not any(mask[k] for k in mask if "norm" in k), mask
+    assert all(
+        mask[k] for k in mask if k.endswith(("['q'].value", "['down'].value", "['embed'].value"))
+    )
