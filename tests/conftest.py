@@ -35,9 +35,22 @@ jax.config.update(
 )
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
-_CACHE = os.environ.get(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jax_grpo_tests")
+# One cache directory per pytest-xdist worker (and "main" without xdist), under the user's
+# JAX_COMPILATION_CACHE_DIR or ~/.cache/jax_grpo_tests: a process reads only entries that it, the
+# tests before it in the same worker, or the subprocesses those tests started wrote. With one
+# directory for both workers, a worker twice segfaulted in XLA:CPU's deserialize_executable
+# (jax._src.compilation_cache.get_executable_and_time) on an entry written by the other worker or
+# its training subprocesses (CI at e49b647 and at 8b3434d; cause not found: JAX's zlib framing
+# rejects a torn file before XLA sees it). The base travels to the workers in TESTS_JAX_CACHE_BASE,
+# since the controller process sets JAX_COMPILATION_CACHE_DIR below before it starts them.
+_BASE = os.environ.setdefault(
+    "TESTS_JAX_CACHE_BASE",
+    os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR",
+        os.path.join(os.path.expanduser("~"), ".cache", "jax_grpo_tests"),
+    ),
 )
+_CACHE = os.path.join(_BASE, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by subprocesses
 # Every compile is cached, in subprocesses (training runs) and in the test processes: at -O0
 # most take under JAX's default 1 s threshold, so each run recompiled what the runs before it had
@@ -49,10 +62,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 def _atomic_put(self, key: str, value: bytes) -> None:
     """jax's LRUCache.put (no size limit), the entry written under a temporary name and renamed:
-    JAX writes it in place, and a process reading it meanwhile (the other xdist worker compiling
-    the same program) deserialised half a file and crashed (seen once: a segfault in
-    compilation_cache.get_executable_and_time). Multi-process runs' processes, which compile the
-    same programs at the same moment, each get their own cache directory (`process_cache`)."""
+    JAX writes it in place, and a test process shares its directory with the training
+    subprocesses its tests start (a reader of a torn entry gets a zlib error and recompiles, but
+    a whole file is the simpler contract). Multi-process runs' processes, which compile the same
+    programs at the same moment, each get their own cache directory (`process_cache`)."""
     path = self.path / f"{key}-cache"
     if path.exists():
         return
