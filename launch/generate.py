@@ -22,6 +22,12 @@ sampled with the run's tokenizer, mesh and sharding rules; nothing is exported.
         --output out.jsonl
 
 `python -m launch.export --workdir W --out DIR` makes an HF checkpoint of it for other tools.
+
+--cache_dtype and --weights_dtype choose the KV pages' dtype and the decode copy of the weights
+(float32 / bfloat16 / float16, or quantised: int8 / float8_e4m3fn, `sampling.kv_quant`,
+`models.quant`). A training run's default is its own sampler's (`sampling.cache_dtype`,
+`sampling.weights_dtype`, `sampling.weights_layout`), so its completions are drawn as its
+rollouts were; an HF checkpoint's is float32 KV and its parameters as loaded.
 """
 
 from __future__ import annotations
@@ -74,15 +80,26 @@ def is_training_run(path: str) -> bool:
 
 
 def from_run(workdir: str, step: int | None):
-    """(model config, graphdef, params, generation ids, tokenizer, engine layout) of a training
-    run's checkpoint at `step` (default: the latest), restored as launch.eval restores it: on
-    the devices at hand, without the reference copy; the engine on the run's mesh and rules."""
+    """(model config, graphdef, params, generation ids, tokenizer, engine layout, sampler
+    settings) of a training run's checkpoint at `step` (default: the latest), restored as
+    launch.eval restores it: on the devices at hand, without the reference copy; the engine on
+    the run's mesh and rules, its KV pages and decode weights as the run's rollouts had them."""
     from launch.build import load_run  # (the RL parts: only for a run)
+    from launch.validate import engine_config
 
     run, step = load_run(workdir, step, runs_code=False, flag="--hf_checkpoint")
     print(f"sampling from step {step} of the run in {workdir}", file=sys.stderr)
     layout = {"mesh": run.mesh, "rules": tuple(tuple(r) for r in run.config.rules)}
-    return run.model_cfg, run.learner.graphdef, run.state.params, run.ids, run.tokenizer, layout
+    ecfg = engine_config(run.config, run.ids.eos_ids)
+    sampler = {k: getattr(ecfg, k) for k in ("cache_dtype", "weights_dtype", "weights_layout")}
+    model = (run.model_cfg, run.learner.graphdef, run.state.params)
+    return *model, run.ids, run.tokenizer, layout, sampler
+
+
+def flags(args) -> dict:
+    """The EngineConfig fields set on the command line (--cache_dtype, --weights_dtype)."""
+    names = ("cache_dtype", "weights_dtype")
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
 
 
 def main(argv=None) -> int:
@@ -112,15 +129,30 @@ def main(argv=None) -> int:
     p.add_argument("--num_slots", type=int, default=32, help="sequences decoded together")
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--num_pages", type=int, default=1024, help="KV pages in the pool")
+    p.add_argument(
+        "--cache_dtype",
+        default=None,
+        help="KV pages: float32, bfloat16, float16, int8, float8_e4m3fn "
+        "(default: a run's sampling.cache_dtype, else float32)",
+    )
+    p.add_argument(
+        "--weights_dtype",
+        default=None,
+        help="decode copy of the weights: '' (none), float32, bfloat16, float16, int8, "
+        "float8_e4m3fn (default: a run's sampling.weights_dtype, else '')",
+    )
     args = p.parse_args(argv)
     if not os.path.exists(args.prompts):
         return fail(f"--prompts: {args.prompts} does not exist")
     layout = {}  # the engine's mesh and rules: a training run's own
+    sampler = {"cache_dtype": "float32"}  # the KV and decode-copy settings: a run's own
     if is_training_run(args.hf_checkpoint):  # its checkpoint, restored as launch.eval does
         try:
             if args.revision:
                 raise UsageError("--revision: a Hub id's; --hf_checkpoint is a training run")
-            cfg, graphdef, params, ids, tokenizer, layout = from_run(args.hf_checkpoint, args.step)
+            cfg, graphdef, params, ids, tokenizer, layout, sampler = from_run(
+                args.hf_checkpoint, args.step
+            )
             prompts = read_prompts(args.prompts, tokenizer)
         except (UsageError, ValueError) as e:
             return fail(str(e))
@@ -155,6 +187,7 @@ def main(argv=None) -> int:
             min_new_tokens=args.min_new_tokens,
             steps_per_call=min(16, args.max_new_tokens),
             stop_ids=ids.eos_ids,
+            **{**sampler, **flags(args)},
         )
         engine = Engine(cfg, graphdef, ecfg, sampling, **layout)
     except ValueError as e:

@@ -33,6 +33,31 @@ def test_greedy_generate_writes_the_hf_continuations(tmp_path, capsys):
     assert "sequences: 100%" in capsys.readouterr().err  # the progress bar
 
 
+def test_quantised_generate_reads_its_flags(tmp_path, capsys):
+    """--cache_dtype / --weights_dtype int8: the greedy draw runs on int8 KV pages and an int8
+    decode copy (log-probs off the float32 run's, within quantisation error, while the tokens
+    agree); a dtype the engine does not know fails in one line naming the field."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": [5, 9, 17, 3]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["--hf_checkpoint", FIXTURE, "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out),
+            "--temperature", "0", "--max_new_tokens", "8", "--num_slots", "1", "--page_size", "8"]  # fmt: skip
+    runs = {}
+    for name, flags in (
+        ("f32", []),
+        ("int8", ["--cache_dtype", "int8", "--weights_dtype", "int8"]),
+    ):
+        assert main(argv + flags) == 0
+        runs[name] = json.loads(out.read_text())
+    a, b = runs["f32"], runs["int8"]
+    same = next((i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), 8)
+    assert same > 0  # the first token agrees, so there is a log-prob to compare
+    diff = np.abs(np.subtract(a["logprobs"][:same], b["logprobs"][:same]))
+    assert 1e-6 < diff.max() < 0.5, diff
+    capsys.readouterr()
+    assert main(argv + ["--cache_dtype", "int4"]) == 2
+    assert "cache_dtype='int4': must be one of" in capsys.readouterr().err
+
+
 def test_bad_prompts_file_names_the_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_ids": [1, 2]}\n{"text": "no prompt field"}\n')
@@ -46,8 +71,9 @@ def test_bad_prompts_file_names_the_line(tmp_path, capsys):
 @pytest.mark.slow  # a one-step training run, its export and three generations (~30 s of CPU)
 def test_generate_from_a_training_workdir_samples_its_checkpoint(tmp_path, capsys):
     """--hf_checkpoint a launch.train workdir: its latest checkpoint restored as launch.eval
-    restores it, sampled on the run's mesh with its tokenizer: greedy, the same completions as
-    from its export (launch.export), and not the starting checkpoint's log-probs."""
+    restores it, sampled on the run's mesh with its tokenizer and its sampler's int8 KV pages:
+    greedy, the same completions as from its export (launch.export) with --cache_dtype int8, not
+    the float32 pages' log-probs, and not the starting checkpoint's."""
     workdir = tmp_path / "run"
     run = [
         "--config.num_steps=1",
@@ -56,6 +82,7 @@ def test_generate_from_a_training_workdir_samples_its_checkpoint(tmp_path, capsy
         "--config.eval.pass_k=0",
         "--config.optim.warmup_steps=0",  # (warmup: lr 0 at step 0)
         "--config.optim.learning_rate=1e-3",
+        "--config.sampling.cache_dtype=int8",
         f"--workdir={workdir}",
     ]
     assert train_here(run) == 0
@@ -83,7 +110,10 @@ def test_generate_from_a_training_workdir_samples_its_checkpoint(tmp_path, capsy
 
     from_run = generate(workdir)
     assert f"sampling from step 1 of the run in {workdir}\n" in capsys.readouterr().err
-    exported, start = generate(tmp_path / "hf"), generate(ASSET)
+    exported, start = generate(tmp_path / "hf", "--cache_dtype", "int8"), generate(ASSET)
+    wide = generate(workdir, "--cache_dtype", "float32")  # not the run's own pages
+    diff = [np.subtract(a["logprobs"], w["logprobs"]) for a, w in zip(from_run, wide)]
+    assert max(np.max(np.abs(d)) for d in diff) > 1e-6
     assert [r["text"] for r in from_run] == [r["text"] for r in exported]
     assert all(r["text"] for r in from_run)  # the run's tokenizer decodes them
     for a, b, s in zip(from_run, exported, start):
