@@ -143,13 +143,18 @@ class LossConfig:
             bad("entropy_coef", "must be >= 0 (it is a bonus)")
         if self.aggregation == "drgrpo_constant" and self.max_new_tokens <= 0:
             bad("max_new_tokens", "must be > 0 with aggregation='drgrpo_constant'")
-        if self.is_cap <= 0.0:
-            bad("is_cap", "must be > 0")
+        if not self.is_cap >= 1.0:
+            bad("is_cap", "must be >= 1 (a cap below 1 down-weights on-policy tokens, ratio 1)")
         if not 0.0 <= self.mis_low < self.mis_high:
             bad("mis_low", f"must satisfy 0 <= mis_low < mis_high ({self.mis_high})")
+        for field, ok in (("mis_low", self.mis_low <= 1.0), ("mis_high", self.mis_high >= 1.0)):
+            if not ok:
+                bad(field, "the band [mis_low, mis_high] must hold 1, an on-policy token's ratio")
         for field in ("trust_region_low", "trust_region_high"):
             if not getattr(self, field) >= 0.0:
                 bad(field, "must be >= 0 (the trust region's half-width)")
+            if self.trust_region == "tv" and getattr(self, field) >= 1.0:
+                bad(field, "must be < 1 with trust_region='tv' (a probability moves by at most 1)")
         return self
 
 
