@@ -264,7 +264,7 @@ class EpisodeLoop:
         ep.finish = reason or ep.finish
         routes = None
         if ep.routes is not None and self.respond is None:  # + the last token's (never fed)
-            prompt = ep.routes[0].routes  # the Prefix's, from its prefill
+            prompt = ep.routes[0]  # the Prefix's, from its prefill (`_take`)
             routes = np.concatenate([prompt, *ep.routes[1:], np.zeros_like(prompt[:1])])
         self.results[ep.i][ep.k] = done = Completion(
             ep.tokens,
@@ -494,6 +494,10 @@ class EpisodeLoop:
         ep.versions += [self.version] * m
         ep.turn_len += m
         if ep.routes is not None and r.routes is not None:
+            if len(ep.routes) == 1:  # the first stint: the prompt's experts from now on are
+                # those its prefill recorded for this episode, not a later refresh's (a group
+                # partly inserted at a stop has its Prefix recomputed under the new parameters)
+                ep.routes[0] = ep.routes[0].routes
             ep.routes.append(r.routes[s, :m].copy())  # the fed tokens: the last one before, ...
 
     def _stop(self, state, inflight):

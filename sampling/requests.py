@@ -201,8 +201,9 @@ class Episode:
     kv_version: int = 0  # the version whose parameters computed the cached KV (refresh)
     finish: str = "stop"
     parked: Parked | None = None
-    # record_routes, single-turn: the Prefix (its routes: the prompt's but the last token's),
-    # then [n, L_moe, k] pieces of each decode stint's fed tokens' experts; else None
+    # record_routes, single-turn: the Prefix until the first decode stint is read, then its
+    # routes (the prompt's but the last token's, [P-1, L_moe, k]), then [n, L_moe, k] pieces of
+    # each decode stint's fed tokens' experts; else None
     routes: list | None = None
 
     @property

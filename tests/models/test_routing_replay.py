@@ -198,3 +198,55 @@ def test_completions_carry_the_sampler_routes(num_pages):
         assert c.routes.shape == (len(p) + c.length, 2, 2)
         np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
         assert not c.routes[-1].any()
+
+
+def test_carried_episodes_keep_the_routes_they_were_fed_with():
+    """Partial rollouts with record_routes (`EpisodeLoop`): run 0 under params A stops after two
+    decode calls with every episode parked mid-turn and a group partly inserted, run 1 under
+    params B (another model) resumes them with refresh, on a pool small enough that sequences are
+    preempted and recomputed. Each completion's routes at a position are those of the f32 pass
+    over its tokens under the params of the run that fed that position: a decode step j feeds
+    position P-1+j and draws token j (`Completion.versions[j]`), and the prompt's others were
+    prefilled before token 0. So a sample inserted in run 0 keeps the prompt's experts under A
+    even after its group's Prefix is recomputed under B for the samples inserted in run 1."""
+    from sampling.distribution import SamplingParams
+    from sampling.engine import Engine, EngineConfig
+    from sampling.episodes import EpisodeLoop
+
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    graphdef, a = init_params(CFG, mesh, DEFAULT_RULES, seed=3)
+    _, b = init_params(CFG, mesh, DEFAULT_RULES, seed=4)
+    prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]]
+    ecfg = EngineConfig(
+        num_slots=3,
+        page_size=2,
+        num_pages=18,
+        max_prompt_len=8,
+        max_new_tokens=10,
+        steps_per_call=2,
+        record_routes=True,
+    )
+    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
+    loop = EpisodeLoop(engine, 2)
+    loop.add(prompts)
+    state = loop.run(a, engine.init_state(), 3, version=0, until=lambda: loop.clock >= 2)
+    assert loop.open_groups() and len(loop.ready) == 3  # a group partly in, 3 parked mid-turn
+    loop.run(b, state, 3, version=1, refresh=True)
+    assert engine.preemptions > 0 and engine.recomputed_tokens > 0
+    passes = {}
+    for key, p in enumerate(prompts):
+        for c in loop.results[key]:
+            full = np.asarray([p + c.tokens], np.int32)
+            pos = np.arange(full.shape[1], dtype=np.int32)[None]
+            under_a, under_b = (
+                np.asarray(_run(graphdef, x, jnp.asarray(full), jnp.asarray(pos))[1])[0, :-1]
+                for x in (a, b)
+            )
+            fed = np.asarray([c.versions[0]] * (len(p) - 1) + c.versions)  # version per position
+            passes[tuple(c.versions[:1])] = passes.get(tuple(c.versions[:1]), 0) + 1
+            assert c.routes.shape == (len(p) + c.length, 2, 2) and not c.routes[-1].any()
+            np.testing.assert_array_equal(
+                c.routes[:-1], np.where(fed[:, None, None], under_b, under_a)
+            )
+    assert passes == {(0,): 3, (1,): 5}  # samples drawn first under A, and under B
+    assert any(0 in c.versions and 1 in c.versions for r in loop.results.values() for c in r)

@@ -107,9 +107,8 @@ def test_routing_replay_config():
     with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': multi-turn"):
         check_routing_replay(c, 8)
     c.env.name = ""
-    c.rl.partial_rollouts = True
-    with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': with partial"):
-        check_routing_replay(c, 8)
+    c.rl.partial_rollouts = True  # carried episodes keep their record (sampling.episodes)
+    check_routing_replay(c, 8)
     c.rl.routing_replay = "sampler"
     with pytest.raises(UsageError, match=r"expected 'none' or 'rollout'"):
         check_routing_replay(c, 8)
