@@ -232,7 +232,10 @@ def train_here(argv, devices: int = 1) -> int:
     the imports and the retracing of every jitted function that a subprocess pays (~8 s of CPU
     for the tiny model; a second run of the same shapes here ~1.5 s). Returns main's exit code.
     A run that a test kills, or that needs its own environment variables at import time, still
-    runs in a subprocess."""
+    runs in a subprocess. Not bitwise for every model: XLA:CPU's matmuls can round otherwise in
+    a process of 8 CPU devices than in one of one (an f32 [256,128]^T @ [256,96] does), and a
+    mixture of experts' run shows it from step 2 on (tests/launch/test_partial_resume.py runs
+    its MoE runs as subprocesses)."""
     from launch.train import main
     from models.sharding import on_devices
 

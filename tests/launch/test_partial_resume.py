@@ -121,7 +121,8 @@ def test_moe_routing_replay_partial_rollouts_kill9_then_resume_is_exact(tmp_path
     carried across steps and recomputes (sampling.episodes) into the learner's rows, and the run
     killed after its step-3 checkpoint and resumed ends bitwise as the uninterrupted one. Every
     run is a one-device subprocess: an MoE run in this process (8 fake CPU devices, one used)
-    differs from it in the last bits of the experts' gradients from step 2 on, in f32 too."""
+    differs from it in the last bits of the experts' gradients from step 2 on, in f32 too
+    (XLA:CPU's matmuls round otherwise in a process of 8 CPU devices: README, routing replay)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _train_sub(straight, MOE_ARGS)
     rows = [json.loads(x) for x in open(straight / "metrics.jsonl") if '"loss"' in x]
