@@ -143,8 +143,8 @@ def records_routes(c: ml_collections.ConfigDict, num_experts: int) -> bool:
     """Whether the sampler records each token's experts: with routing replay, and on a mixture
     of experts in a single-turn synchronous run for rollout/route_mismatch (rl/router.py; int8
     [slots, max_new_tokens, L_moe, k] on the device and each episode's [T, L_moe, k] on the
-    host). Multi-turn episodes carry no record yet (`check_routing_replay`); with replay off,
-    neither do partial rollouts (route_mismatch is measured on synchronous runs)."""
+    host). With replay off, multi-turn and partial-rollout runs record nothing (route_mismatch
+    is measured on single-turn synchronous runs)."""
     if c.rl.get("routing_replay", "none") == "rollout":
         return True
     single = not c.env.get("name", "") and not c.rl.get("partial_rollouts", False)
@@ -265,9 +265,9 @@ def check_expert_mesh(c: ml_collections.ConfigDict, num_experts: int) -> None:
 
 def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None:
     """rl.routing_replay="rollout" replays a mixture of experts' recorded routes: refused on a
-    dense model, and for now where the rollout does not carry the record to the learner yet:
-    multi-turn episodes (observation tokens' routes). Partial rollouts carry each episode's
-    record across steps, preemption and refresh (`sampling.episodes`)."""
+    dense model. Every episode carries its record (`sampling.episodes`): multi-turn ones their
+    observations' (prefilled on resume), partial rollouts across steps, preemption and
+    refresh."""
     replay = c.rl.get("routing_replay", "none")
     _need(
         replay in ("none", "rollout"), "rl.routing_replay", replay, "expected 'none' or 'rollout'"
@@ -279,12 +279,6 @@ def check_routing_replay(c: ml_collections.ConfigDict, num_experts: int) -> None
         "rl.routing_replay",
         replay,
         "replays a mixture of experts' routes; the checkpoint is a dense model (use 'none')",
-    )
-    _need(
-        not c.env.get("name", ""),
-        "rl.routing_replay",
-        replay,
-        f"multi-turn episodes (env.name={c.env.name!r}) do not record routes yet: use 'none'",
     )
 
 

@@ -443,13 +443,15 @@ class Engine:
         )
         return state
 
-    def resume(self, params, state, items, min_new=None) -> DecodeState:
+    def resume(self, params, state, items, min_new=None, owners=None) -> DecodeState:
         """Continues parked sequences: items are (parked, new_tokens, slot, max_new); min_new
         per item (default the config's min_new_tokens): stop ids banned for its first min_new
         tokens (a turn resumed mid-way bans only what is left of its count). The
         parked last token and new_tokens[:-1] are prefilled onto the sequence's own pages after
         its cached history (one batched call), and new_tokens[-1] is fed by the next decode
-        step; only these tokens are computed, never the history. The slots must be idle."""
+        step; only these tokens are computed, never the history. The slots must be idle.
+        owners: None, or per item an object (or None) whose `routes` the prefill sets to those
+        tokens' experts, [len(new_tokens), L_moe, k] (`record_routes`; items with new tokens)."""
         seqs = self.pages.grow_parked(items)
         state = self._prefill_pages(
             params,
@@ -458,6 +460,7 @@ class Engine:
             [p for p, *_ in items],
             extend=seqs,
             phase="resume",
+            owners=owners,
         )
         if min_new is None:
             min_new = [self.ecfg.min_new_tokens] * len(items)
@@ -469,25 +472,26 @@ class Engine:
 
     # --- rounds (`sampling.plan`) ------------------------------------------------------------
 
-    def _prefill_pages(self, params, state, prompts, prefixes, extend=None, phase="admit"):
+    def _prefill_pages(
+        self, params, state, prompts, prefixes, extend=None, phase="admit", owners=None
+    ):
         """Queues caching prompt[:-1] of each prompt into its prefix's pages; with `extend`
         (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
-        one prefill batch of `phase` (`sampling.plan`)."""
+        one prefill batch of `phase` (`sampling.plan`). owners: with `extend`, per row the
+        object its recorded routes go to, or None (`resume`)."""
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
         e_rec = self.ecfg.record_routes
+        if extend is None:
+            owners = prefixes
+        owners = [None] * len(rows_in) if owners is None or not e_rec else owners
         self.plan.prefill(
             phase,
             [
-                # A fresh prompt's prefill records its routes on the Prefix (`record_routes`);
-                # a resumed or refreshed sequence keeps the routes recorded when it was sampled.
-                Row(
-                    x.shard,
-                    list(t),
-                    0 if extend is None else x.cached_len,
-                    list(x.pages),
-                    x if extend is None and e_rec else None,
-                )
-                for t, x in zip(rows_in, prefixes)
+                # A fresh prompt's prefill records its routes on the Prefix (`record_routes`),
+                # a resume's on its owner (the tokens it feeds: observations); a refreshed or
+                # recomputed sequence keeps the routes recorded when it was sampled.
+                Row(x.shard, list(t), 0 if extend is None else x.cached_len, list(x.pages), o)
+                for t, x, o in zip(rows_in, prefixes, owners, strict=True)
             ],
         )
         return self._now(state, params)

@@ -100,7 +100,7 @@ import numpy as np
 from sampling.engine import Engine
 from sampling.page_allocator import OutOfPagesError
 from sampling.pages import PageBook
-from sampling.requests import Completion, Episode, Parked, check_requests
+from sampling.requests import Completion, Episode, Parked, Recorded, check_requests
 
 IDLE = "idle"  # what `until` returns when nothing is left to decode on any process
 NEVER = 2**31 - 1  # no tool answer due (the clock's agreed minimum)
@@ -263,7 +263,7 @@ class EpisodeLoop:
             ep.parked = None
         ep.finish = reason or ep.finish
         routes = None
-        if ep.routes is not None and self.respond is None:  # + the last token's (never fed)
+        if ep.routes is not None:  # + the last token's (never fed)
             prompt = ep.routes[0]  # the Prefix's, from its prefill (`_take`)
             routes = np.concatenate([prompt, *ep.routes[1:], np.zeros_like(prompt[:1])])
         self.results[ep.i][ep.k] = done = Completion(
@@ -381,7 +381,7 @@ class EpisodeLoop:
         shard has the pages of its new tokens and first call; where nothing decodes on the shard
         to free pages, the newest other parked sequences there are preempted for them."""
         engine, book = self.engine, self.book
-        items, stale, lost, wait = [], [], [], collections.deque()
+        items, stale, lost, wait, owners = [], [], [], collections.deque(), []
         taken: set[int] = set()
         planned = collections.Counter()  # pages of the resumes below, by shard
         while self.ready:
@@ -418,6 +418,9 @@ class EpisodeLoop:
             ep.versions += [self.version] * len(obs)
             max_new = min(self._turn_caps[ep.i][ep.k] - ep.turn_len, ep.left)
             items.append((ep.parked, obs, free[0], max_new))
+            if ep.routes is not None and obs:  # its last token and obs[:-1], prefilled
+                ep.routes.append(Recorded())
+            owners.append(ep.routes[-1] if ep.routes is not None and obs else None)
             self.owner[free[0]] = ep
             ep.parked, ep.seen = None, 0
         self.ready = wait
@@ -431,7 +434,7 @@ class EpisodeLoop:
             left = [
                 max(0, engine.ecfg.min_new_tokens - self.owner[s].turn_len) for *_, s, _ in items
             ]
-            state = engine.resume(params, state, items, left)
+            state = engine.resume(params, state, items, left, owners)
             self.mine.update(it[2] for it in items)
         return state
 
@@ -494,10 +497,10 @@ class EpisodeLoop:
         ep.versions += [self.version] * m
         ep.turn_len += m
         if ep.routes is not None and r.routes is not None:
-            if len(ep.routes) == 1:  # the first stint: the prompt's experts from now on are
-                # those its prefill recorded for this episode, not a later refresh's (a group
-                # partly inserted at a stop has its Prefix recomputed under the new parameters)
-                ep.routes[0] = ep.routes[0].routes
+            # The prefills' records, read now that they ran: at the first stint the prompt's
+            # experts become those its prefill recorded for this episode, not a later refresh's
+            # (a group partly inserted at a stop has its Prefix recomputed under new parameters)
+            ep.routes = [x if isinstance(x, np.ndarray) else x.routes for x in ep.routes]
             ep.routes.append(r.routes[s, :m].copy())  # the fed tokens: the last one before, ...
 
     def _stop(self, state, inflight):

@@ -46,7 +46,7 @@ class Row:
     tokens: list[int]
     start: int  # cache position of tokens[0] (0: a fresh prompt)
     pages: list[int]  # the sequence's page row, shard-local ids
-    owner: object = None  # the Prefix that keeps the routes this row's prefill records, if any
+    owner: object = None  # what keeps the routes this row's prefill records (`.routes`), if any
 
 
 @dataclasses.dataclass

@@ -201,14 +201,22 @@ class Episode:
     kv_version: int = 0  # the version whose parameters computed the cached KV (refresh)
     finish: str = "stop"
     parked: Parked | None = None
-    # record_routes, single-turn: the Prefix until the first decode stint is read, then its
-    # routes (the prompt's but the last token's, [P-1, L_moe, k]), then [n, L_moe, k] pieces of
-    # each decode stint's fed tokens' experts; else None
+    # record_routes: the prompt's experts but the last token's [P-1, L_moe, k] (its Prefix's
+    # until the first decode stint is read), then in order [n, L_moe, k] pieces: each decode
+    # stint's fed tokens' and each resume's prefilled ones' (a turn's last token and the
+    # observation but its last: a `Recorded` until the next stint is read); else None
     routes: list | None = None
 
     @property
     def left(self) -> int:
         return self.budget - len(self.tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class Recorded:
+    """Where the routes a resume's prefill records land (`Engine.resume`'s owners)."""
+
+    routes: object = None
 
 
 def check_slots(num_slots: int, slots, unique: bool = True) -> list[int]:

@@ -250,3 +250,46 @@ def test_carried_episodes_keep_the_routes_they_were_fed_with():
             )
     assert passes == {(0,): 3, (1,): 5}  # samples drawn first under A, and under B
     assert any(0 in c.versions and 1 in c.versions for r in loop.results.values() for c in r)
+
+
+def test_multi_turn_episodes_record_their_observations_routes():
+    """Multi-turn episodes with record_routes: a resume prefills the turn's last token and the
+    observation but its last (`Engine.resume`'s owners record them) and the decode steps feed
+    the rest, so each Completion's routes [P+N, L_moe, k] are those of the f32 pass over prompt,
+    turns and observations, also where sequences are preempted and recomputed (9 pages)."""
+    from sampling.distribution import SamplingParams
+    from sampling.engine import Engine, EngineConfig
+    from sampling.episodes import generate_all
+
+    graphdef, params = _model(CFG)
+    prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]]
+    obs = {0: [60, 61, 62], 1: [63]}  # after turn 1: three tokens, after turn 2: one
+
+    answered = {}  # (request, sample) -> turns answered
+
+    def respond(i, k, turn, left):
+        n = answered[i, k] = answered.get((i, k), -1) + 1
+        return obs.get(n)  # None after turn 3: the episode ends
+
+    ecfg = EngineConfig(
+        num_slots=4,
+        page_size=4,
+        num_pages=9,
+        max_prompt_len=8,
+        max_new_tokens=16,
+        steps_per_call=4,
+        record_routes=True,
+    )
+    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
+    _, results = generate_all(
+        engine, params, engine.init_state(), prompts, 1, 16, 3, respond=respond, max_turn_tokens=3
+    )
+    assert engine.preemptions > 0
+    for p, (c,) in zip(prompts, results):
+        assert c.turns == 3 and sum(c.observation) == 4
+        full = np.asarray([p + c.tokens], np.int32)
+        pos = np.arange(full.shape[1], dtype=np.int32)[None]
+        _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
+        assert c.routes.shape == (len(p) + c.length, 2, 2)
+        np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
+        assert not c.routes[-1].any()

@@ -103,10 +103,8 @@ def test_routing_replay_config():
     with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': .* dense model"):
         check_routing_replay(c, 0)
     check_routing_replay(c, 8)  # single-turn, synchronous: the rollout carries the record
-    c.env.name = "calculator"
-    with pytest.raises(UsageError, match=r"^config.rl.routing_replay='rollout': multi-turn"):
-        check_routing_replay(c, 8)
-    c.env.name = ""
+    c.env.name = "calculator"  # observations' routes recorded on resume (sampling.episodes)
+    check_routing_replay(c, 8)
     c.rl.partial_rollouts = True  # carried episodes keep their record (sampling.episodes)
     check_routing_replay(c, 8)
     c.rl.routing_replay = "sampler"
