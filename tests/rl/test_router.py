@@ -345,10 +345,12 @@ def test_router_aux_loss_coef_config(tmp_path):
     c = get_config()  # which runs record the sampler's routes
     assert records_routes(c, 8) and not records_routes(c, 0)
     c.env.name = "calculator"
-    assert not records_routes(c, 8)  # multi-turn: not carried yet, nothing to compare
+    assert not records_routes(c, 8)  # replay off: route_mismatch on single-turn synchronous runs
     c.env.name, c.rl.partial_rollouts = "", True
     assert not records_routes(c, 8)
-    c.rl.partial_rollouts, c.rl.routing_replay = False, "rollout"
+    c.rl.routing_replay = "rollout"  # replay: every run records (partial, multi-turn too)
+    assert records_routes(c, 8)
+    c.env.name = "calculator"
     assert records_routes(c, 8)
 
 
