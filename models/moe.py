@@ -86,7 +86,17 @@ class Weights(NamedTuple):
 def _gather(w, spec: Weights, axis: int):
     """A master weight shard -> the compute-dtype weight the block uses (cast, then gathered)."""
     w = w.astype(spec.dtype)
-    return w if spec.fsdp is None else jax.lax.all_gather(w, spec.fsdp, axis=axis, tiled=True)
+    if spec.fsdp is None:
+        return w
+    if axis == 0:
+        return jax.lax.all_gather(w, spec.fsdp, axis=0, tiled=True)
+    # Gathered along a new leading axis, then moved into place (the same values). Gathered along
+    # D in place, XLA:CPU laid the f32 master shard out with D major first, and in the sampler's
+    # decode loop (the weights loop-invariant) it made that copy of every layer's shard before
+    # the loop, all live through it: 288 MiB a layer of Qwen3-30B-A3B's experts on fsdp=4 x
+    # expert=2 (docs/performance.md). Now the copy is the gathered bf16 weight's, in its turn.
+    g = jax.lax.all_gather(w, spec.fsdp, axis=0)  # [S, ...w.shape]
+    return jnp.moveaxis(g, 0, axis).reshape(*w.shape[:axis], -1, *w.shape[axis + 1 :])
 
 
 def _summed(ct, like):

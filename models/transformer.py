@@ -268,9 +268,14 @@ def remat(fn, state, x, rest, ready):
     of the train step (`launch.bench memory`): 11.18 -> 3.04 GiB at 4096 tokens, 70.92 -> 10.43
     GiB at 32,768. (Loop buffers that the attention initialises from constants are outside this
     order: XLA:CPU still makes every layer's at the start.)
+
+    A decode step (one token per row) is ordered too: in the sampler's decode loop the weights
+    are loop-invariant, and XLA:CPU's while-loop-invariant code motion hoisted every layer's
+    gathered weights out of it, all live for the whole call (Qwen3-30B-A3B on fsdp=4 x
+    expert=2: a layer's experts in bf16, 0.56 GiB, 27 GiB at 48 layers; docs/performance.md).
+    The price on XLA:CPU is `after`'s read-through, one elementwise pass over each layer's
+    weights a step (fused into their cast when they are cast); elsewhere it is a barrier.
     """
-    if x.shape[1] == 1:  # a decode step: one token per row, no activations worth ordering
-        return fn(state, x, rest)
     return fn(after(state, ready), x, rest)
 
 

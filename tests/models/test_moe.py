@@ -13,6 +13,7 @@ grad_reduce_dtype.
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 
@@ -202,6 +203,46 @@ def test_sharded_sampler_greedy_equals_one_device(one):
             np.testing.assert_allclose(l1, l2, atol=1e-5)
 
 
+def test_decode_loop_holds_one_layers_gathered_experts_at_a_time():
+    """The sampler's decode loop on expert=2 x fsdp=4 (bf16 compute, f32 master weights, remat,
+    as configs/qwen3_coder_30b_a3b_repo.py): the temporaries live at its peak hold at most two
+    layers' experts gathered over fsdp (one layer and the next one's prefetch), and no layer's
+    f32 master shard relaid out. Before (models.transformer.remat skipped decode steps), XLA:CPU
+    hoisted every layer's gathered experts out of the loop, the weights being loop-invariant:
+    18 such buffers here at 6 layers (docs/performance.md, "Qwen3-30B-A3B's rollout memory").
+    The f32 relayout copies that the 30B shape then showed (models/moe.py `_gather`) XLA:CPU
+    does not make at this size: measured there, not here."""
+    from launch import estimate
+    from models.sharding import abstract_model, with_shardings
+    from sampling.engine import Engine, EngineConfig
+    from sampling.lowering import lower_generate
+
+    layers = 6
+    cfg = dataclasses.replace(
+        CFG, dtype="bfloat16", d_model=64, num_layers=layers, moe_layers=tuple(range(layers))
+    )
+    cfg = dataclasses.replace(cfg, remat=True)
+    mesh = make_mesh({"expert": 2, "fsdp": 4})
+    graphdef, shapes = abstract_model(cfg)
+    params = with_shardings(shapes, state_shardings(shapes, mesh, DEFAULT_RULES))
+    ecfg = EngineConfig(
+        num_slots=8, page_size=8, num_pages=64, max_prompt_len=16, max_new_tokens=16
+    )
+    engine = Engine(cfg, graphdef, ecfg, SamplingParams(), mesh=mesh, rules=DEFAULT_RULES)
+    with estimate.grouped_matmuls():
+        est = estimate.compile(lower_generate(engine, params))
+    e, d, f = cfg.num_experts // 2, cfg.d_model, cfg.expert_d_ff  # an expert device's experts
+    gathered = [b for b in est.peak if b.type.startswith("bf16[") and _elements(b) == e * d * f]
+    shards = [b for b in est.peak if b.type.startswith("f32[") and _elements(b) == e * d * f // 4]
+    assert len(gathered) <= 2 * 3 * 2, [b.describe() for b in gathered]  # gather + its layout
+    assert not shards, [b.describe() for b in shards]
+
+
+def _elements(buffer) -> int:
+    dims = re.fullmatch(r"\w+\[([\d,]*)\]", buffer.type)
+    return math.prod(int(x) for x in dims.group(1).split(",") if x) if dims else -1
+
+
 def _ragged_and_dense_expert_dots(text: str):
     """(ragged_dot ops, dot_generals whose operand has the expert count E leading a [E,D,F]
     or [E,F,D] weight) in a StableHLO module."""
@@ -383,8 +424,11 @@ def test_bf16_step_gathers_experts_in_bf16_and_sums_their_gradients_in_grad_redu
         if n.endswith(("mlp.gate", "mlp.up", "mlp.down")) and x.ndim == 3
     }
     local = {(cfg.num_experts // 2, *s[1:]) for s in experts}  # an expert device's experts
+    # gathered along a new leading axis of the 4 fsdp shards (models/moe.py `_gather`): D split
+    # into [4, D/4] where it lies (gate, up: axis 1 of [E,D,F]; down: axis 2 of [E,F,D])
+    stacked = {(4, e, a // 4, b) for e, a, b in local} | {(4, e, a, b // 4) for e, a, b in local}
     items = hlo.collectives(est.partitioned)
-    gathers = [c for c in items if c.kind == "all-gather" and c.shapes[0][1] in local]
+    gathers = [c for c in items if c.kind == "all-gather" and c.shapes[0][1] in stacked]
     assert gathers and {c.shapes[0][0] for c in gathers} == {"bf16"}, [
         (c.name, c.shapes) for c in gathers
     ]
