@@ -274,7 +274,7 @@ def remat(fn, state, x, rest, ready):
     gathered weights out of it, all live for the whole call (Qwen3-30B-A3B on fsdp=4 x
     expert=2: a layer's experts in bf16, 0.56 GiB, 27 GiB at 48 layers; docs/performance.md).
     The price on XLA:CPU is `after`'s read-through, one elementwise pass over each layer's
-    weights a step (fused into their cast when they are cast); elsewhere it is a barrier.
+    weights a step; elsewhere it is a barrier.
     """
     return fn(after(state, ready), x, rest)
 
