@@ -1,6 +1,10 @@
 """Routing replay's numerics on a tiny mixture of experts in bf16 (issue 52 must-show 3, from the
 sampler's own record): `python -m launch.bench replay [--num_prompts 32] [--new_tokens 32]
-[--seeds 0,1,2] [--output F.json]`.
+[--seeds 0,1,2] [--hf_checkpoint DIR] [--output F.json]`.
+
+With --hf_checkpoint an HF mixture-of-experts checkpoint with a tokenizer (e.g. the MoE demo's
+warm start, configs/assets/arithmetic_moe_sft) is measured instead, in bf16, on
+configs/default.py's arithmetic prompts ("a+b=", seeded by each seed).
 
 Model: a random tiny Qwen3-MoE (16 experts, top-4, layers 0..3 all MoE, d_model 64, vocab 128),
 weights of std 0.1 (norm scales 1) so routers are decisive but near-ties occur, compute in bf16,
@@ -28,8 +32,11 @@ from flax import nnx
 
 from launch.bench.common import finish, integer, parse, parser
 from models.config import ModelConfig
+from models.hf import load_hf
 from models.sharding import init_params, make_mesh
+from models.tokenizer import load_tokenizer
 from rl.logprobs import token_logprobs
+from rl.tasks import arithmetic_records
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 
@@ -59,14 +66,35 @@ def _scaled(params):
     return jax.tree_util.tree_map_with_path(scale, params)
 
 
-def run(seed: int, num_prompts: int, new_tokens: int) -> dict:
+def random_model(seed: int, num_prompts: int):
+    """(config, graphdef, params, prompts): the random tiny MoE above and random prompts of 4..16
+    tokens."""
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(CFG, mesh, seed=seed)
-    params = _scaled(params)
     rng = np.random.default_rng(seed)
     prompts = [
         rng.integers(1, CFG.vocab_size, rng.integers(4, 17)).tolist() for _ in range(num_prompts)
     ]
+    return CFG, graphdef, _scaled(params), prompts
+
+
+def trained_model(path: str, seed: int, num_prompts: int):
+    """(config, graphdef, params, prompts): an HF mixture-of-experts checkpoint with its
+    tokenizer in bf16, and `num_prompts` of configs/default.py's arithmetic prompts ("a+b=",
+    the task configs/moe_tiny.py's warm start learned)."""
+    mesh = make_mesh({}, devices=jax.devices()[:1])
+    cfg, graphdef, params, _ = load_hf(path, mesh, dtype="bfloat16")
+    if not cfg.num_experts:
+        raise SystemExit(f"error: --hf_checkpoint {path}: a dense model (no experts to replay)")
+    tokenizer = load_tokenizer(path)
+    records = arithmetic_records(seed, num_prompts)
+    return cfg, graphdef, params, [tokenizer.encode(r["prompt"]) for r in records]
+
+
+def run(model, seed: int, new_tokens: int) -> dict:
+    """The three settings' route mismatch and KL for `model` (`random_model`, `trained_model`)."""
+    cfg, graphdef, params, prompts = model
+    num_prompts = len(prompts)
     plen = max(map(len, prompts))
     per_seq = -(-(plen + new_tokens) // 8)
     ecfg = EngineConfig(
@@ -78,7 +106,7 @@ def run(seed: int, num_prompts: int, new_tokens: int) -> dict:
         steps_per_call=new_tokens,
         record_routes=True,
     )
-    engine = Engine(CFG, graphdef, ecfg, SamplingParams(1.0))
+    engine = Engine(cfg, graphdef, ecfg, SamplingParams(1.0))
     state = engine.init_state()
     state, prefixes = engine.prefill_many(params, state, prompts)
     for slot, prefix in enumerate(prefixes):
@@ -91,7 +119,7 @@ def run(seed: int, num_prompts: int, new_tokens: int) -> dict:
     for i, p in enumerate(prompts):
         ids[i, : len(p) + new_tokens] = p + r.tokens[i].tolist()
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
-    valid = ids != 0
+    valid = np.arange(width) < np.array([len(p) + new_tokens for p in prompts])[:, None]
     model = nnx.merge(graphdef, params)
     own = np.asarray(jax.jit(lambda t: model.hidden(t, pos, valid, record=True)[2])(ids))
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
@@ -137,15 +165,25 @@ def main(argv) -> int:
     p.add_argument("--num_prompts", type=integer(1), default=32)
     p.add_argument("--new_tokens", type=integer(1), default=32)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated model / prompt seeds")
+    p.add_argument(
+        "--hf_checkpoint",
+        default="",
+        help="an HF MoE checkpoint with a tokenizer, prompted with arithmetic "
+        "(e.g. configs/assets/arithmetic_moe_sft); default: the random tiny MoE",
+    )
     args = parse(p, argv)
     rows, lines = [], [HEADER]
     for seed in (int(s) for s in args.seeds.split(",")):
-        res = run(seed, args.num_prompts, args.new_tokens)
+        if args.hf_checkpoint:
+            model = trained_model(args.hf_checkpoint, seed, args.num_prompts)
+        else:
+            model = random_model(seed, args.num_prompts)
+        res = run(model, seed, args.new_tokens)
         for name, m in res.items():
             rows.append({"seed": seed, "setting": name, **m})
             lines.append(
                 f"| {seed} | {name} | {m['route_mismatch']:.4f} | {m['layer_route_mismatch']:.4f}"
                 f" | {m['kl_k3']:.3e} | {m['max_abs_r']:.3e} |"
             )
-    r = {"config": vars(args), "model": str(CFG), "rows": rows}
+    r = {"config": vars(args), "model": str(model[0]), "rows": rows}
     return finish(args, r, "\n".join(lines))

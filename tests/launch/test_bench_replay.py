@@ -1,0 +1,30 @@
+"""`python -m launch.bench replay` on a checkpoint: the MoE demo's warm start in bf16."""
+
+import json
+import os
+
+import pytest
+
+from launch.bench.replay import main
+from tests.conftest import ROOT
+
+ASSETS = os.path.join(ROOT, "configs", "assets")
+
+
+@pytest.mark.slow  # a sampler and three learner passes compiled (~9 s of CPU)
+def test_replay_bench_on_a_trained_checkpoint(tmp_path, capsys):
+    """With replay every recorded token's experts are the sampler's (no mismatch), decode replay
+    leaves at most the prompt's, and a dense checkpoint is refused in one line."""
+    out = tmp_path / "r.json"
+    argv = ["--hf_checkpoint", os.path.join(ASSETS, "arithmetic_moe_sft"), "--num_prompts", "8",
+            "--new_tokens", "4", "--seeds", "0", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"off", "decode replay", "replay"}
+    assert rows["replay"]["route_mismatch"] == 0.0
+    assert rows["decode replay"]["route_mismatch"] <= rows["off"]["route_mismatch"]
+    assert all(r["kl_k3"] >= 0 and r["max_abs_r"] < 20 for r in rows.values())
+    assert "| 0 | replay | 0.0000 | 0.0000 |" in capsys.readouterr().out
+    dense = os.path.join(ASSETS, "arithmetic_sft")
+    with pytest.raises(SystemExit, match="a dense model"):
+        main(["--hf_checkpoint", dense, "--seeds", "0", "--output", str(out)])
