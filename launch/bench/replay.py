@@ -67,33 +67,36 @@ def _scaled(params):
 
 
 def random_model(seed: int, num_prompts: int):
-    """(config, graphdef, params, prompts): the random tiny MoE above and random prompts of 4..16
-    tokens."""
+    """(config, graphdef, params, prompts, stop ids): the random tiny MoE above and random prompts
+    of 4..16 tokens; no stop ids (every sample draws --new_tokens tokens)."""
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, params = init_params(CFG, mesh, seed=seed)
     rng = np.random.default_rng(seed)
     prompts = [
         rng.integers(1, CFG.vocab_size, rng.integers(4, 17)).tolist() for _ in range(num_prompts)
     ]
-    return CFG, graphdef, _scaled(params), prompts
+    return CFG, graphdef, _scaled(params), prompts, ()
 
 
 def trained_model(path: str, seed: int, num_prompts: int):
-    """(config, graphdef, params, prompts): an HF mixture-of-experts checkpoint with its
-    tokenizer in bf16, and `num_prompts` of configs/default.py's arithmetic prompts ("a+b=",
-    the task configs/moe_tiny.py's warm start learned)."""
+    """(config, graphdef, params, prompts, stop ids): an HF mixture-of-experts checkpoint with its
+    tokenizer in bf16, `num_prompts` of configs/default.py's arithmetic prompts ("a+b=", the task
+    configs/moe_tiny.py's warm start learned), and its end-of-sequence ids: a sample ends there,
+    as a rollout's does (the tokens a trained model draws past its end are off its distribution,
+    where a flipped route moves a log-prob by nats, and no rollout trains on them)."""
     mesh = make_mesh({}, devices=jax.devices()[:1])
-    cfg, graphdef, params, _ = load_hf(path, mesh, dtype="bfloat16")
+    cfg, graphdef, params, ids = load_hf(path, mesh, dtype="bfloat16")
     if not cfg.num_experts:
         raise SystemExit(f"error: --hf_checkpoint {path}: a dense model (no experts to replay)")
     tokenizer = load_tokenizer(path)
     records = arithmetic_records(seed, num_prompts)
-    return cfg, graphdef, params, [tokenizer.encode(r["prompt"]) for r in records]
+    prompts = [tokenizer.encode(r["prompt"]) for r in records]
+    return cfg, graphdef, params, prompts, tuple(ids.eos_ids)
 
 
 def run(model, seed: int, new_tokens: int) -> dict:
     """The three settings' route mismatch and KL for `model` (`random_model`, `trained_model`)."""
-    cfg, graphdef, params, prompts = model
+    cfg, graphdef, params, prompts, stop_ids = model
     num_prompts = len(prompts)
     plen = max(map(len, prompts))
     per_seq = -(-(plen + new_tokens) // 8)
@@ -105,6 +108,7 @@ def run(model, seed: int, new_tokens: int) -> dict:
         max_new_tokens=new_tokens,
         steps_per_call=new_tokens,
         record_routes=True,
+        stop_ids=stop_ids,
     )
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(1.0))
     state = engine.init_state()
@@ -113,13 +117,15 @@ def run(model, seed: int, new_tokens: int) -> dict:
         state = engine.insert(state, prefix, slot, slot, new_tokens)
     state, ticket = engine.dispatch(params, state, jax.random.key(seed))
     r = engine.collect(ticket)
-    assert (r.num_generated[:num_prompts] == new_tokens).all()
+    g = np.asarray(r.num_generated[:num_prompts])  # [n] tokens drawn (fewer at a stop id)
+    assert stop_ids or (g == new_tokens).all()
+    live = np.arange(new_tokens) < g[:, None]  # [n, new]: the drawn tokens
     width = plen + new_tokens
     ids = np.zeros((num_prompts, width), np.int32)
     for i, p in enumerate(prompts):
-        ids[i, : len(p) + new_tokens] = p + r.tokens[i].tolist()
+        ids[i, : len(p) + g[i]] = p + r.tokens[i][: g[i]].tolist()
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
-    valid = np.arange(width) < np.array([len(p) + new_tokens for p in prompts])[:, None]
+    valid = np.arange(width) < np.array([len(p) for p in prompts])[:, None] + g[:, None]
     model = nnx.merge(graphdef, params)
     own = np.asarray(jax.jit(lambda t: model.hidden(t, pos, valid, record=True)[2])(ids))
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
@@ -137,12 +143,12 @@ def run(model, seed: int, new_tokens: int) -> dict:
     for name, routes in (("off", None), ("decode replay", decode), ("replay", full)):
         lp = np.asarray(logp(routes), np.float64)  # [n, width-1]: position t scores token t+1
         learner = np.take_along_axis(lp, fed, 1)
-        rr = learner - np.asarray(r.logprobs[:num_prompts], np.float64)
+        rr = (learner - np.asarray(r.logprobs[:num_prompts], np.float64))[live]
         used = own if routes is None else routes
         got, want = [], []  # every recorded token: the prompt's (prefill) and the fed ones
         for i, x in enumerate(prefixes):
-            got.append(used[i, : len(x.routes) + new_tokens])
-            want.append(np.concatenate([x.routes, r.routes[i]]))
+            got.append(used[i, : len(x.routes) + g[i]])
+            want.append(np.concatenate([x.routes, r.routes[i][: g[i]]]))
         got, want = np.sort(np.concatenate(got), -1), np.sort(np.concatenate(want), -1)
         differ = (got != want).any(-1)  # [tokens, L_moe]: the layer's expert set differs
         out[name] = {
