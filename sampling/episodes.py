@@ -97,6 +97,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import jax
 import numpy as np
 
+from models.moe import route_dtype
 from sampling.engine import Engine
 from sampling.page_allocator import OutOfPagesError
 from sampling.pages import PageBook
@@ -264,8 +265,9 @@ class EpisodeLoop:
         ep.finish = reason or ep.finish
         routes = None
         if ep.routes is not None:  # + the last token's (never fed)
-            prompt = ep.routes[0]  # the Prefix's, from its prefill (`_take`)
-            routes = np.concatenate([prompt, *ep.routes[1:], np.zeros_like(prompt[:1])])
+            parts = [self._recorded(x) for x in ep.routes]  # the Prefix's first (`_take`)
+            last = np.zeros((1, *parts[0].shape[1:]), parts[0].dtype)
+            routes = np.concatenate([*parts, last])
         self.results[ep.i][ep.k] = done = Completion(
             ep.tokens,
             ep.logprobs,
@@ -500,8 +502,20 @@ class EpisodeLoop:
             # The prefills' records, read now that they ran: at the first stint the prompt's
             # experts become those its prefill recorded for this episode, not a later refresh's
             # (a group partly inserted at a stop has its Prefix recomputed under new parameters)
-            ep.routes = [x if isinstance(x, np.ndarray) else x.routes for x in ep.routes]
+            ep.routes = [self._recorded(x) for x in ep.routes]
             ep.routes.append(r.routes[s, :m].copy())  # the fed tokens: the last one before, ...
+
+    def _recorded(self, part) -> np.ndarray:
+        """[n, L_moe, k] experts of one part of an episode's record: an array, or what a prefill
+        recorded on its owner (a Prefix, a resume's `Recorded`); none ([0, L_moe, k]) where that
+        prefill had no tokens (a one-token prompt: its only token is fed by decode)."""
+        if isinstance(part, np.ndarray):
+            return part
+        if part.routes is not None:
+            return part.routes
+        c = self.engine.cfg
+        shape = (0, c.num_moe_layers, c.experts_per_token)
+        return np.zeros(shape, route_dtype(c.num_experts))
 
     def _stop(self, state, inflight):
         """Reads the call in flight, then parks every episode still decoding, mid-turn. A group

@@ -293,3 +293,41 @@ def test_multi_turn_episodes_record_their_observations_routes():
         assert c.routes.shape == (len(p) + c.length, 2, 2)
         np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
         assert not c.routes[-1].any()
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_a_one_token_prompt_records_its_routes(turns):
+    """A one-token prompt has nothing to prefill (its token is fed by the first decode step),
+    so its Prefix records no routes: the episode's record starts empty there and still covers
+    every token, single-turn and multi-turn (before, None reached np.concatenate)."""
+    from sampling.distribution import SamplingParams
+    from sampling.engine import Engine, EngineConfig
+    from sampling.episodes import generate_all
+
+    graphdef, params = _model(CFG)
+    prompts = [[5], [3, 17, 42]]
+    answered = {}  # (request, sample) -> turns answered
+
+    def respond(i, k, turn, left):
+        n = answered[i, k] = answered.get((i, k), -1) + 1
+        return [60, 61] if n + 1 < turns else None  # then the episode ends
+
+    ecfg = EngineConfig(
+        num_slots=2,
+        page_size=4,
+        num_pages=16,
+        max_prompt_len=4,
+        max_new_tokens=12,
+        steps_per_call=4,
+        record_routes=True,
+    )
+    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
+    kw = {"respond": respond, "max_turn_tokens": 3} if turns > 1 else {}
+    _, results = generate_all(engine, params, engine.init_state(), prompts, 1, 12, 0, **kw)
+    for p, (c,) in zip(prompts, results):
+        assert c.turns == turns
+        full = np.asarray([p + c.tokens], np.int32)
+        pos = np.arange(full.shape[1], dtype=np.int32)[None]
+        _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
+        assert c.routes.shape == (len(p) + c.length, 2, 2)
+        np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
