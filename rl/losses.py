@@ -143,12 +143,16 @@ class LossConfig:
             bad("entropy_coef", "must be >= 0 (it is a bonus)")
         if self.aggregation == "drgrpo_constant" and self.max_new_tokens <= 0:
             bad("max_new_tokens", "must be > 0 with aggregation='drgrpo_constant'")
-        if not self.is_cap >= 1.0:
+        # The bounds below that exclude on-policy tokens (ratio 1) are checked where the rule is
+        # in use, so a run saved with another rule and such a value still loads.
+        if not self.is_cap > 0.0:
+            bad("is_cap", "must be > 0")
+        if self.is_correction == "tis" and self.is_cap < 1.0:
             bad("is_cap", "must be >= 1 (a cap below 1 down-weights on-policy tokens, ratio 1)")
         if not 0.0 <= self.mis_low < self.mis_high:
             bad("mis_low", f"must satisfy 0 <= mis_low < mis_high ({self.mis_high})")
         for field, ok in (("mis_low", self.mis_low <= 1.0), ("mis_high", self.mis_high >= 1.0)):
-            if not ok:
+            if self.is_correction in ("mis", "icepop") and not ok:
                 bad(field, "the band [mis_low, mis_high] must hold 1, an on-policy token's ratio")
         for field in ("trust_region_low", "trust_region_high"):
             if not getattr(self, field) >= 0.0:

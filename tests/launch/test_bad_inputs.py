@@ -320,7 +320,7 @@ CATALOGUE = [
     Case("minibatches-do-not-divide", "`--config.rl.minibatches=3`", "config.rl.minibatches=3: B*G = 128 is not divisible", EIGHT + ["--config.rl.minibatches=3"]),
     Case("tis-with-sampler-logp", "`--config.rl.is_correction=tis --config.rl.old_logp=sampler`", "config.rl.is_correction='tis': corrects pi_old against the sampler", EIGHT + ["--config.rl.is_correction=tis", "--config.rl.old_logp=sampler"]),
     Case("mis-band-reversed", "`--config.rl.is_correction=mis --config.rl.mis_low=3.0` (above mis_high = 2.0)", "config.rl.mis_low=3.0: must satisfy 0 <= mis_low < mis_high (2.0)", EIGHT + ["--config.rl.is_correction=mis", "--config.rl.mis_low=3.0"]),
-    Case("negative-is-cap", "`--config.rl.is_correction=tis --config.rl.is_cap=-1.0`", "config.rl.is_cap=-1.0: must be >= 1 (a cap below 1 down-weights on-policy tokens, ratio 1)", EIGHT + ["--config.rl.is_correction=tis", "--config.rl.is_cap=-1.0"]),
+    Case("negative-is-cap", "`--config.rl.is_correction=tis --config.rl.is_cap=-1.0`", "config.rl.is_cap=-1.0: must be > 0", EIGHT + ["--config.rl.is_correction=tis", "--config.rl.is_cap=-1.0"]),
     Case("negative-trust-region", "`--config.rl.trust_region=tv --config.rl.trust_region_low=-0.1`", "config.rl.trust_region_low=-0.1: must be >= 0 (the trust region's half-width)", EIGHT + ["--config.rl.trust_region=tv", "--config.rl.trust_region_low=-0.1"]),
     Case("unknown-is-correction", "`--config.rl.is_correction=tls` (a typo)", "config.rl.is_correction='tls': must be one of none, tis, mis, icepop, auto", EIGHT + ["--config.rl.is_correction=tls"]),
     Case("unknown-backend", "`--config.sampling.backend=nope`", "config.sampling.backend='nope': must be one of", EIGHT + ["--config.sampling.backend=nope"]),

@@ -364,13 +364,13 @@ def test_validate_warns_once_and_builds_the_resolved_loss(capsys):
     [
         (dict(mis_low=2.5, mis_high=2.0), "mis_low=2.5: must satisfy 0 <= mis_low < mis_high"),
         (dict(mis_low=-0.1), "mis_low"),
-        (dict(is_cap=-1.0), "is_cap=-1.0: must be >= 1"),
-        (dict(is_cap=0.5), "is_cap=0.5: must be >= 1 \\(a cap below 1"),
+        (dict(is_cap=-1.0), "is_cap=-1.0: must be > 0"),
+        (dict(is_correction="tis", is_cap=0.5), "is_cap=0.5: must be >= 1 \\(a cap below 1"),
         (
-            dict(mis_low=1.2, mis_high=2.0),
+            dict(is_correction="mis", mis_low=1.2, mis_high=2.0),
             "mis_low=1.2: the band \\[mis_low, mis_high\\] must hold 1",
         ),
-        (dict(mis_low=0.2, mis_high=0.8), "mis_high=0.8: the band"),
+        (dict(is_correction="icepop", mis_low=0.2, mis_high=0.8), "mis_high=0.8: the band"),
         (dict(trust_region="tv", trust_region_high=1.5), "trust_region_high=1.5: must be < 1 with"),
         (dict(trust_region_low=-0.1), "trust_region_low=-0.1: must be >= 0"),
         (dict(trust_region_high=-1.0), "trust_region_high"),
@@ -383,3 +383,11 @@ def test_validate_warns_once_and_builds_the_resolved_loss(capsys):
 def test_bad_values_fail_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=f"^LossConfig.{field}"):
         LossConfig(**bad).validate()
+
+
+def test_bounds_of_an_unused_rule_are_not_checked():
+    """A cap below 1 or a band without 1 is refused only where its rule is in use: a run saved
+    with another rule (before these checks) still loads."""
+    LossConfig(is_correction="none", is_cap=0.5, mis_low=1.2, mis_high=2.0).validate()
+    LossConfig(is_correction="mis", is_cap=0.5).validate()
+    LossConfig(is_correction="tis", mis_low=0.2, mis_high=0.8).validate()
