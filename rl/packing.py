@@ -127,6 +127,7 @@ def build_batch(
     multiple: int = 1,
     minibatches: int = 1,
     rows: int | None = None,
+    replay: bool = False,
 ) -> tuple[Batch, Layout]:
     """The learner Batch (numpy) of the groups' sequences (prompt + completion), and its Layout;
     with `rows` (>= what they need: a batch shard's rows, the same on every shard) padded to it.
@@ -137,6 +138,8 @@ def build_batch(
     positions, where the sampler banned the stop ids (None if 0). `routes` [rows, T, L_moe, k]
     holds each sequence's recorded experts (`Completion.routes`, prompt first) where every
     completion has them (routing replay), else None; padding tokens get expert 0 (unscored).
+    With `replay` (rl.routing_replay="rollout") a completion without them is an error: the
+    learner would route it itself.
     """
     seqs = [(grp.prompt, c) for grp in groups for c in grp.completions]
     lengths = [len(p) + c.length for p, c in seqs]
@@ -160,6 +163,9 @@ def build_batch(
     sampler_logp = np.zeros((rows, width - 1), np.float32)
     stop_masked = np.zeros((rows, width - 1), bool)
     recorded = bool(seqs) and all(c.routes is not None for _, c in seqs)
+    if replay and seqs and not recorded:
+        i = next(i for i, (_, c) in enumerate(seqs) if c.routes is None)
+        raise ValueError(f"sequence {i}: no recorded routes (Completion.routes) to replay")
     routes = None
     if recorded:
         first_routes = np.asarray(seqs[0][1].routes)

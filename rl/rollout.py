@@ -206,7 +206,15 @@ class Rollouts:
         rows, idle = int(everyone[:, 0].max()), bool(everyone[:, 1].all())
         parts = {
             i: build_batch(
-                gs, width, self.pad_id, s.min_new_tokens, c.rl.pack, self.row_multiple, m, rows=rows
+                gs,
+                width,
+                self.pad_id,
+                s.min_new_tokens,
+                c.rl.pack,
+                self.row_multiple,
+                m,
+                rows=rows,
+                replay=c.rl.get("routing_replay", "none") == "rollout",
             )
             for i, gs in by.items()
         }

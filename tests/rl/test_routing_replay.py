@@ -73,6 +73,9 @@ def test_routes_are_packed_with_their_sequences(setup):
     plain = Completion([5, 6], [-1.0, -1.0], "stop", 2)  # one without a record: no routes
     mixed = [Group({}, groups[0].prompt, [groups[0].completions[0], plain], [], np.zeros(2), {})]
     assert build_batch(mixed, WIDTH, 0)[0].routes is None
+    with pytest.raises(ValueError, match="sequence 1: no recorded routes"):
+        build_batch(mixed, WIDTH, 0, replay=True)  # routing replay never routes one itself
+    assert build_batch(groups, WIDTH, 0, replay=True)[0].routes is not None
 
 
 def test_every_learner_pass_routes_by_the_record(setup):
