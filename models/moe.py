@@ -280,23 +280,78 @@ def _dispatch_moe(x, weights, experts, gate, up, down, ep: int, spec: Weights):
     c = _chunks(n)
     if c == 1:
         return _dispatch_chunk(x, weights, experts, gate, up, down, ep, spec)
-    size = n // c
-    one = jax.checkpoint(lambda *a: _dispatch_chunk(*a, gate, up, down, ep, spec))
+    return _chunked(c, ep, spec, x, weights, experts, gate, up, down)
+
+
+def _chunk_loop(c: int, ep: int, spec: Weights, x, weights, experts, gate, up, down):
+    """`_dispatch_moe` in c chunks of rows, one after the other: each chunk's output rows are
+    written into a loop carry that starts as x (every row is written over). Not lax.map: its
+    stacked output is zeros made from constants, and XLA:CPU made every layer's at the start of
+    the program (`models.order`), 1 GiB a layer in a 32k log-prob pass of 8 rows a device. The
+    carry varies over the mesh axes the chunks' outputs do (tensor: partial sums over a split F)."""
+    size = x.shape[0] // c
+    one = lambda *a: _dispatch_chunk(*a, gate, up, down, ep, spec)
 
     def chunk(i, out):
         rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i * size, size)
         y = one(rows(x), rows(weights), rows(experts))
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * size, 0)
 
-    # The output starts as x (every row is written over): a loop's output made from zeros, as
-    # lax.map's, depends on constants only, and XLA:CPU made every layer's at the start of the
-    # program (models/order.py), 1 GiB a layer in a 32k log-prob pass of 8 rows a device. It
-    # varies over the mesh axes the chunks' outputs do (tensor: partial sums over a split F).
     first = jax.eval_shape(one, x[:size], weights[:size], experts[:size])
     mat = getattr(first, "manual_axis_type", None)  # jax 0.10; `vma` before
     axes = frozenset(mat.varying if mat is not None else getattr(first, "vma", ()))
     axes = tuple(sorted(axes - _varying(x)))
     return jax.lax.fori_loop(0, c, chunk, jax.lax.pcast(x, axes, to="varying") if axes else x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked(c: int, ep: int, spec: Weights, x, weights, experts, gate, up, down):
+    """`_chunk_loop`, with a backward pass of the same chunks (`_chunked_bwd`) that keeps only
+    its inputs and allocates nothing from constants."""
+    return _chunk_loop(c, ep, spec, x, weights, experts, gate, up, down)
+
+
+def _chunked_fwd(c, ep, spec, x, weights, experts, gate, up, down):
+    out = _chunk_loop(c, ep, spec, x, weights, experts, gate, up, down)
+    return out, (x, weights, experts, gate, up, down)
+
+
+def _chunked_bwd(c, ep, spec, saved, ct):
+    """Each chunk recomputed and differentiated on its own, last chunk first (the order, and so
+    the weight gradients' sums, of autodiff's transposed loop). Autodiff's loop (a jax.checkpoint
+    per chunk in a fori_loop) accumulated into zeros made from constants: the rows' cotangent
+    [n,D], each weight's f32 gradient, and the forward's stacked chunk inputs [c,n/c,D], which
+    XLA:CPU made for every layer at the start of the learner step (Qwen3-30B-A3B on fsdp=4 x
+    expert=2, 16k rows a device: 416 MiB a layer). Here the carries start from data: the last
+    chunk's gradients, and x / weights for the rows' cotangents (every row is written over)."""
+    x, weights, experts, gate, up, down = saved
+    size = x.shape[0] // c
+
+    def grads(i):
+        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, i * size, size)
+        e = rows(experts)
+        f = lambda xr, wr, g, u, d: _dispatch_chunk(xr, wr, e, g, u, d, ep, spec)
+        _, vjp = jax.vjp(f, rows(x), rows(weights), gate, up, down)
+        return vjp(rows(ct))
+
+    def put(i, full, part):
+        return jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), i * size, 0)
+
+    dx, dw, *dwts = grads(c - 1)
+    carry = (put(c - 1, x, dx), put(c - 1, weights, dw), *dwts)
+
+    def step(j, carry):
+        i = c - 2 - j
+        dx, dw, *dwts = grads(i)
+        full_x, full_w, *acc = carry
+        acc = [a + b for a, b in zip(acc, dwts, strict=True)]
+        return (put(i, full_x, dx), put(i, full_w, dw), *acc)
+
+    dx, dw, dg, du, dd = jax.lax.fori_loop(0, c - 1, step, carry)
+    return dx, dw, None, dg, du, dd
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 CHUNK = 4096  # the most rows (tokens) a device sends through its experts at once
