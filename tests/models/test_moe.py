@@ -18,6 +18,7 @@ import re
 import shutil
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -139,6 +140,27 @@ def test_sharded_logprobs_and_gradients_equal_one_device(name, one):
     assert any(float(np.abs(np.asarray(g)).max()) > 1e-3 for g in jax.tree.leaves(got_g))
 
 
+def _loops_started_from_constants(jaxpr) -> int:
+    """How many scan / while carries in jaxpr (and the jaxprs inside it) start as a value made
+    from literals alone (zeros, pvary'd or cast: what XLA:CPU may make at the program's start)."""
+    made, n = set(), 0
+    const = lambda v: isinstance(v, jcore.Literal) or v in made
+    for eqn in jaxpr.eqns:
+        subs = list(jcore.jaxprs_in_params(eqn.params))
+        if not subs and all(const(v) for v in eqn.invars):
+            made.update(eqn.outvars)
+        if eqn.primitive.name == "scan":
+            first = eqn.params["num_consts"]
+            inits = eqn.invars[first : first + eqn.params["num_carry"]]
+        elif eqn.primitive.name == "while":
+            inits = eqn.invars[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"] :]
+        else:
+            inits = []
+        n += sum(v in made for v in inits if not isinstance(v, jcore.Literal))
+        n += sum(_loops_started_from_constants(sub) for sub in subs)
+    return n
+
+
 def test_dispatch_in_chunks_equals_one_device(one, monkeypatch):
     """models.moe.CHUNK = 4: on expert=2 x fsdp=2 x tensor=2 each device's 24 rows go through its
     experts in 6 rematerialised chunks (a loop in the program); log-probs and gradients still
@@ -151,15 +173,20 @@ def test_dispatch_in_chunks_equals_one_device(one, monkeypatch):
     mesh = make_mesh(MESHES["expert2_fsdp2_tensor2"])
     sharded = _on(mesh, params)
     args = (graphdef, sharded, tokens, positions, valid, weights)
-    loops = {}
+    loops, zero_inits = {}, {}
     for chunk in (4096, 4):
         monkeypatch.setattr(moe, "CHUNK", chunk)
         # a function of its own each time: jit's trace cache is keyed on it, CHUNK is read there
         step = jax.jit(lambda *a: _logp_and_grad(*a), static_argnums=0)
         with jax.set_mesh(mesh):
             loops[chunk] = step.lower(*args).as_text().count("stablehlo.while")
+            zero_inits[chunk] = _loops_started_from_constants(jax.make_jaxpr(step)(*args).jaxpr)
     assert moe._chunks(24) == 6 and moe._chunks(4) == 1 and moe._chunks(10) == 5
     assert loops[4] > loops[4096], loops  # the chunks' loops (forward, backward)
+    # and those loops start from data: autodiff's backward of the chunk loop carried zeros made
+    # from constants (the rows' cotangent, the weight gradients' sums), which XLA:CPU made for
+    # every layer at the start of the step (docs/performance.md)
+    assert zero_inits[4] == zero_inits[4096], zero_inits
     with jax.set_mesh(mesh):
         got_lp, got_g = step(*args)
     np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), atol=1e-5, rtol=0)
