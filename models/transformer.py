@@ -245,7 +245,11 @@ def _remat_block(block, x, positions, inv_freq, layer, attend, ready, routes=Non
         y, *aux = nnx.merge(graphdef, state)(x, *rest[:2], layer, *rest[2:])
         return y, tuple(aux)
 
-    y, aux = remat(run, state, x, (positions, inv_freq, attend, routes, mask), ready)
+    rest = (positions, inv_freq, attend, routes, mask)
+    if x.shape[1] == 1 and not isinstance(block.mlp, MoE):  # a dense decode step: unordered
+        y, aux = run(state, x, rest)  # (`remat`'s docstring says why)
+    else:
+        y, aux = remat(run, state, x, rest, ready)
     return (y, *aux)
 
 
@@ -269,12 +273,16 @@ def remat(fn, state, x, rest, ready):
     GiB at 32,768. (Loop buffers that the attention initialises from constants are outside this
     order: XLA:CPU still makes every layer's at the start.)
 
-    A decode step (one token per row) is ordered too: in the sampler's decode loop the weights
-    are loop-invariant, and XLA:CPU's while-loop-invariant code motion hoisted every layer's
-    gathered weights out of it, all live for the whole call (Qwen3-30B-A3B on fsdp=4 x
-    expert=2: a layer's experts in bf16, 0.56 GiB, 27 GiB at 48 layers; docs/performance.md).
-    The price on XLA:CPU is `after`'s read-through, one elementwise pass over each layer's
-    weights a step; elsewhere it is a barrier.
+    A mixture of experts' decode step (one token per row) is ordered too: in the sampler's
+    decode loop the weights are loop-invariant, and XLA:CPU's while-loop-invariant code motion
+    hoisted every layer's gathered experts out of it, all live for the whole call (Qwen3-30B-A3B
+    on fsdp=4 x expert=2: a layer's experts in bf16, 0.56 GiB, 27 GiB at 48 layers;
+    docs/performance.md). The price on XLA:CPU is `after`'s read-through, one elementwise pass
+    over each layer's weights a step and an all-reduce of one scalar per layer on a mesh;
+    elsewhere it is a barrier. A dense block's decode step is not ordered (`_remat_block`): its
+    weights come gathered in the decode copy (`sampling.weights_layout="tensor"`), and the
+    ordering would add that all-reduce to every decode step of the XLA:CPU programs that
+    `launch.bench mesh` counts as the accelerators' (1 collective a step, 1 byte, without it).
     """
     return fn(after(state, ready), x, rest)
 
