@@ -502,7 +502,12 @@ class EpisodeLoop:
             # The prefills' records, read now that they ran: at the first stint the prompt's
             # experts become those its prefill recorded for this episode, not a later refresh's
             # (a group partly inserted at a stop has its Prefix recomputed under new parameters)
-            ep.routes = [self._recorded(x) for x in ep.routes]
+            # Only the tail can still be an owner (the Prefix before the first stint, a resume's
+            # Recorded before the next): read it, not the whole record, every stint.
+            i = len(ep.routes)
+            while i and not isinstance(ep.routes[i - 1], np.ndarray):
+                i -= 1
+            ep.routes[i:] = [self._recorded(x) for x in ep.routes[i:]]
             ep.routes.append(r.routes[s, :m].copy())  # the fed tokens: the last one before, ...
 
     def _recorded(self, part) -> np.ndarray:
