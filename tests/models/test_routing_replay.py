@@ -59,6 +59,25 @@ def _hidden(graphdef, params, tokens, positions, routes=None):
 _run = jax.jit(_hidden, static_argnums=0)
 
 
+def _check_routes(graphdef, params, prompt, c):
+    """A Completion's routes [P+N, L_moe, k] are the f32 pass's over prompt + tokens (the last
+    token's row, never fed, aside)."""
+    full = np.asarray([prompt + c.tokens], np.int32)
+    pos = np.arange(full.shape[1], dtype=np.int32)[None]
+    _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
+    assert c.routes.shape == (len(prompt) + c.length, 2, 2)
+    np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
+
+
+def _sampler(graphdef, **fields):
+    """An engine of the tiny MoE that records routes, sampling at temperature 1."""
+    from sampling.distribution import SamplingParams
+    from sampling.engine import Engine, EngineConfig
+
+    ecfg = EngineConfig(record_routes=True, **fields)
+    return Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
+
+
 def test_route_dtype():
     assert route_dtype(8) == jnp.int8 and route_dtype(127) == jnp.int8
     assert route_dtype(128) == jnp.int16
@@ -172,31 +191,24 @@ def test_completions_carry_the_sampler_routes(num_pages):
     """`generate_all` with record_routes: each Completion's routes [P+N, L_moe, k] are the
     prefill's and decode steps' experts of its tokens (the last one, never fed, zeros), those of
     the learner's f32 pass over the sequence, also across preemption and recompute."""
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
     from sampling.episodes import generate_all
 
     graphdef, params = _model(CFG)
     prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]]
-    ecfg = EngineConfig(
+    engine = _sampler(
+        graphdef,
         num_slots=4,
         page_size=4,
         num_pages=num_pages,
         max_prompt_len=8,
         max_new_tokens=12,
         steps_per_call=4,
-        record_routes=True,
     )
-    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
     _, results = generate_all(engine, params, engine.init_state(), prompts, 1, 12, seed=3)
     if num_pages == 9:
         assert engine.preemptions > 0
     for p, (c,) in zip(prompts, results):
-        full = np.asarray([p + c.tokens], np.int32)
-        pos = np.arange(full.shape[1], dtype=np.int32)[None]
-        _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
-        assert c.routes.shape == (len(p) + c.length, 2, 2)
-        np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
+        _check_routes(graphdef, params, p, c)
         assert not c.routes[-1].any()
 
 
@@ -209,24 +221,21 @@ def test_carried_episodes_keep_the_routes_they_were_fed_with():
     position P-1+j and draws token j (`Completion.versions[j]`), and the prompt's others were
     prefilled before token 0. So a sample inserted in run 0 keeps the prompt's experts under A
     even after its group's Prefix is recomputed under B for the samples inserted in run 1."""
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
     from sampling.episodes import EpisodeLoop
 
     mesh = make_mesh({}, devices=jax.devices()[:1])
     graphdef, a = init_params(CFG, mesh, DEFAULT_RULES, seed=3)
     _, b = init_params(CFG, mesh, DEFAULT_RULES, seed=4)
     prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]]
-    ecfg = EngineConfig(
+    engine = _sampler(
+        graphdef,
         num_slots=3,
         page_size=2,
         num_pages=18,
         max_prompt_len=8,
         max_new_tokens=10,
         steps_per_call=2,
-        record_routes=True,
     )
-    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
     loop = EpisodeLoop(engine, 2)
     loop.add(prompts)
     state = loop.run(a, engine.init_state(), 3, version=0, until=lambda: loop.clock >= 2)
@@ -257,8 +266,6 @@ def test_multi_turn_episodes_record_their_observations_routes():
     observation but its last (`Engine.resume`'s owners record them) and the decode steps feed
     the rest, so each Completion's routes [P+N, L_moe, k] are those of the f32 pass over prompt,
     turns and observations, also where sequences are preempted and recomputed (9 pages)."""
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
     from sampling.episodes import generate_all
 
     graphdef, params = _model(CFG)
@@ -271,27 +278,22 @@ def test_multi_turn_episodes_record_their_observations_routes():
         n = answered[i, k] = answered.get((i, k), -1) + 1
         return obs.get(n)  # None after turn 3: the episode ends
 
-    ecfg = EngineConfig(
+    engine = _sampler(
+        graphdef,
         num_slots=4,
         page_size=4,
         num_pages=9,
         max_prompt_len=8,
         max_new_tokens=16,
         steps_per_call=4,
-        record_routes=True,
     )
-    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
     _, results = generate_all(
         engine, params, engine.init_state(), prompts, 1, 16, 3, respond=respond, max_turn_tokens=3
     )
     assert engine.preemptions > 0
     for p, (c,) in zip(prompts, results):
         assert c.turns == 3 and sum(c.observation) == 4
-        full = np.asarray([p + c.tokens], np.int32)
-        pos = np.arange(full.shape[1], dtype=np.int32)[None]
-        _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
-        assert c.routes.shape == (len(p) + c.length, 2, 2)
-        np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
+        _check_routes(graphdef, params, p, c)
         assert not c.routes[-1].any()
 
 
@@ -300,8 +302,6 @@ def test_a_one_token_prompt_records_its_routes(turns):
     """A one-token prompt has nothing to prefill (its token is fed by the first decode step),
     so its Prefix records no routes: the episode's record starts empty there and still covers
     every token, single-turn and multi-turn (before, None reached np.concatenate)."""
-    from sampling.distribution import SamplingParams
-    from sampling.engine import Engine, EngineConfig
     from sampling.episodes import generate_all
 
     graphdef, params = _model(CFG)
@@ -312,22 +312,17 @@ def test_a_one_token_prompt_records_its_routes(turns):
         n = answered[i, k] = answered.get((i, k), -1) + 1
         return [60, 61] if n + 1 < turns else None  # then the episode ends
 
-    ecfg = EngineConfig(
+    engine = _sampler(
+        graphdef,
         num_slots=2,
         page_size=4,
         num_pages=16,
         max_prompt_len=4,
         max_new_tokens=12,
         steps_per_call=4,
-        record_routes=True,
     )
-    engine = Engine(CFG, graphdef, ecfg, SamplingParams(temperature=1.0))
     kw = {"respond": respond, "max_turn_tokens": 3} if turns > 1 else {}
     _, results = generate_all(engine, params, engine.init_state(), prompts, 1, 12, 0, **kw)
     for p, (c,) in zip(prompts, results):
         assert c.turns == turns
-        full = np.asarray([p + c.tokens], np.int32)
-        pos = np.arange(full.shape[1], dtype=np.int32)[None]
-        _, want = _run(graphdef, params, jnp.asarray(full), jnp.asarray(pos))
-        assert c.routes.shape == (len(p) + c.length, 2, 2)
-        np.testing.assert_array_equal(c.routes[:-1], np.asarray(want)[0, :-1])
+        _check_routes(graphdef, params, p, c)
