@@ -5,6 +5,7 @@ The device count must be set before JAX initialises its backends, hence at impor
 
 import contextlib
 import os
+import sys
 
 import jax
 from jax._src import lru_cache as _lru_cache
@@ -170,6 +171,18 @@ def _optimized_test(request):
     optimized = request.node.get_closest_marker("optimized") is not None
     with xla_optimized() if optimized else contextlib.nullcontext():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_wandb_service_left():
+    """A test that runs W&B in this process (test_hub's README commands) leaves W&B's service
+    running and its address in WANDB_SERVICE, which every training subprocess a later test of
+    this worker starts inherits: they then all share this process's wandb-core, and a run killed
+    there (test_workdir_faults' kill -9) keeps its run id held until this worker exits. Each
+    test ends with the service stopped and the variable gone."""
+    yield
+    if os.environ.pop("WANDB_SERVICE", None) is not None and "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root

@@ -373,6 +373,34 @@ def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
     )
 
 
+def test_a_run_id_held_by_an_inherited_wandb_service_stops_at_once(tmp_path, monkeypatch):
+    """Resuming a run whose W&B run id is held by the W&B service this process inherited
+    (WANDB_SERVICE: the parent uses W&B and started the killed run too) stops at once with a
+    line that names WANDB_SERVICE; no wait for a process that will not go away."""
+    import wandb
+
+    from launch.cli import UsageError, parse_args
+    from launch.logger import RunLogger
+
+    calls = []
+
+    def held(**_):
+        calls.append(1)
+        raise wandb.errors.CommError("run ID s53jl06i is in use")
+
+    (tmp_path / "wandb_run_id").write_text("s53jl06i")
+    monkeypatch.setattr(wandb, "init", held)
+    monkeypatch.setenv("WANDB_SERVICE", "3-1-unix-/tmp/wandb-1-2-3/socket")
+    config = parse_args(["--config.log.wandb=True"], {})[0]
+    with pytest.raises(UsageError) as e:
+        RunLogger(str(tmp_path), config=config)
+    assert len(calls) == 1
+    assert str(e.value).startswith(
+        "config.log.wandb=True: W&B run s53jl06i is still in use by the W&B service this "
+        "process inherited (WANDB_SERVICE is set"
+    )
+
+
 def readme_commands() -> list[list[str]]:
     """The README's real-model quick start (the block after `<!-- hub quick start -->`), one
     argv per command, `python -m` and line continuations removed, comments dropped."""
