@@ -1,14 +1,16 @@
 """Routing replay's numerics on a tiny mixture of experts in bf16 (issue 52 must-show 3, from the
 sampler's own record): `python -m launch.bench replay [--num_prompts 32] [--new_tokens 32]
-[--seeds 0,1,2] [--hf_checkpoint DIR] [--output F.json]`.
+[--seeds 0,1,2] [--num_experts 16 --experts_per_token 4 --num_layers 4] [--hf_checkpoint DIR]
+[--output F.json]`.
 
 With --hf_checkpoint an HF mixture-of-experts checkpoint with a tokenizer (e.g. the MoE demo's
 warm start, configs/assets/arithmetic_moe_sft) is measured instead, in bf16, on
 configs/default.py's arithmetic prompts ("a+b=", seeded by each seed).
 
-Model: a random tiny Qwen3-MoE (16 experts, top-4, layers 0..3 all MoE, d_model 64, vocab 128),
-weights of std 0.1 (norm scales 1) so routers are decisive but near-ties occur, compute in bf16,
-f32 master weights, one CPU device. The sampler (`sampling.engine.Engine` with
+Model: a random tiny Qwen3-MoE (16 experts, top-4, layers 0..3 all MoE, d_model 64, vocab 128;
+--num_experts, --experts_per_token and --num_layers change its routing and depth, e.g. 128 and
+8 for Qwen3-30B-A3B's routing), weights of std 0.1 (norm scales 1) so routers are decisive
+but near-ties occur, compute in bf16, f32 master weights, one CPU device. The sampler (`sampling.engine.Engine` with
 `record_routes`) draws `new_tokens` tokens at temperature 1 after random prompts of 4..16 tokens
 and records, at each decode step, the experts of the token it feeds. The learner's pass
 (`rl.logprobs.token_logprobs`, bf16, one sequence per row, right-padded) then scores the same
@@ -25,6 +27,8 @@ log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner log
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -66,16 +70,30 @@ def _scaled(params):
     return jax.tree_util.tree_map_with_path(scale, params)
 
 
-def random_model(seed: int, num_prompts: int):
-    """(config, graphdef, params, prompts, stop ids): the random tiny MoE above and random prompts
-    of 4..16 tokens; no stop ids (every sample draws --new_tokens tokens)."""
+def random_model(seed: int, num_prompts: int, cfg: ModelConfig = CFG):
+    """(config, graphdef, params, prompts, stop ids): the random tiny MoE `cfg` (CFG above, or
+    its expert count, top-k and depth changed by `shaped`) and random prompts of 4..16 tokens;
+    no stop ids (every sample draws --new_tokens tokens)."""
     mesh = make_mesh({}, devices=jax.devices()[:1])
-    graphdef, params = init_params(CFG, mesh, seed=seed)
+    graphdef, params = init_params(cfg, mesh, seed=seed)
     rng = np.random.default_rng(seed)
     prompts = [
-        rng.integers(1, CFG.vocab_size, rng.integers(4, 17)).tolist() for _ in range(num_prompts)
+        rng.integers(1, cfg.vocab_size, rng.integers(4, 17)).tolist() for _ in range(num_prompts)
     ]
-    return CFG, graphdef, _scaled(params), prompts, ()
+    return cfg, graphdef, _scaled(params), prompts, ()
+
+
+def shaped(num_experts: int, experts_per_token: int, num_layers: int) -> ModelConfig:
+    """CFG with another routing shape (every layer MoE), e.g. 128 experts, top-8 as in
+    Qwen3-30B-A3B: more experts and more chosen per token make near-ties, hence flips, more
+    frequent."""
+    return dataclasses.replace(
+        CFG,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        num_layers=num_layers,
+        moe_layers=tuple(range(num_layers)),
+    )
 
 
 def trained_model(path: str, seed: int, num_prompts: int):
@@ -177,13 +195,19 @@ def main(argv) -> int:
         help="an HF MoE checkpoint with a tokenizer, prompted with arithmetic "
         "(e.g. configs/assets/arithmetic_moe_sft); default: the random tiny MoE",
     )
+    p.add_argument("--num_experts", type=integer(2), default=CFG.num_experts, help="random MoE")
+    p.add_argument("--experts_per_token", type=integer(1), default=CFG.experts_per_token)
+    p.add_argument("--num_layers", type=integer(1), default=CFG.num_layers, help="all MoE")
     args = parse(p, argv)
+    if args.experts_per_token > args.num_experts:
+        p.error(f"--experts_per_token {args.experts_per_token} > --num_experts {args.num_experts}")
+    cfg = shaped(args.num_experts, args.experts_per_token, args.num_layers)
     rows, lines = [], [HEADER]
     for seed in (int(s) for s in args.seeds.split(",")):
         if args.hf_checkpoint:
             model = trained_model(args.hf_checkpoint, seed, args.num_prompts)
         else:
-            model = random_model(seed, args.num_prompts)
+            model = random_model(seed, args.num_prompts, cfg)
         res = run(model, seed, args.new_tokens)
         for name, m in res.items():
             rows.append({"seed": seed, "setting": name, **m})
@@ -191,5 +215,19 @@ def main(argv) -> int:
                 f"| {seed} | {name} | {m['route_mismatch']:.4f} | {m['layer_route_mismatch']:.4f}"
                 f" | {m['kl_k3']:.3e} | {m['max_abs_r']:.3e} |"
             )
-    r = {"config": vars(args), "model": str(model[0]), "rows": rows}
+    kl = {(x["seed"], x["setting"]): x["kl_k3"] for x in rows}
+    seeds = sorted({x["seed"] for x in rows})
+    falls = [kl[s, "off"] / kl[s, "replay"] for s in seeds]  # how many times replay cuts the KL
+    lines.append(
+        "KL off / replay: "
+        + ", ".join(f"{f:.1f}x" for f in falls)
+        + f" (median {np.median(falls):.1f}x over {len(seeds)} seeds)"
+    )
+    r = {
+        "config": vars(args),
+        "model": str(model[0]),
+        "rows": rows,
+        "kl_falls": dict(zip(seeds, falls)),
+        "kl_falls_median": float(np.median(falls)),
+    }
     return finish(args, r, "\n".join(lines))

@@ -19,7 +19,9 @@ def test_replay_bench_on_a_trained_checkpoint(tmp_path, capsys):
     argv = ["--hf_checkpoint", os.path.join(ASSETS, "arithmetic_moe_sft"), "--num_prompts", "8",
             "--new_tokens", "4", "--seeds", "0", "--output", str(out)]  # fmt: skip
     assert main(argv) == 0
-    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    result = json.loads(out.read_text())
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert result["kl_falls"] == {"0": rows["off"]["kl_k3"] / rows["replay"]["kl_k3"]}
     assert set(rows) == {"off", "decode replay", "replay"}
     assert rows["replay"]["route_mismatch"] == 0.0
     assert rows["decode replay"]["route_mismatch"] <= rows["off"]["route_mismatch"]
@@ -28,3 +30,11 @@ def test_replay_bench_on_a_trained_checkpoint(tmp_path, capsys):
     dense = os.path.join(ASSETS, "arithmetic_sft")
     with pytest.raises(SystemExit, match="a dense model"):
         main(["--hf_checkpoint", dense, "--seeds", "0", "--output", str(out)])
+
+
+def test_replay_bench_refuses_a_top_k_above_the_experts():
+    """The random model's routing shape is checked, in one line, before anything is built."""
+    from launch.cli import UsageError
+
+    with pytest.raises(UsageError, match="^--experts_per_token 8 > --num_experts 4$"):
+        main(["--num_experts", "4", "--experts_per_token", "8"])
