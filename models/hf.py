@@ -152,6 +152,7 @@ def _load_base(ckpt_dir: str, cfg: ModelConfig, mesh, rules):
     shardings = state_shardings(abstract, mesh, rules)
     files = _tensor_files(ckpt_dir)
     mapping = _mapping(cfg)
+    _refuse_unread(ckpt_dir, cfg, files, mapping)
     target = _DTYPES[cfg.param_dtype]
     handles: dict[str, Any] = {}
 
@@ -191,6 +192,31 @@ def _load_base(ckpt_dir: str, cfg: ModelConfig, mesh, rules):
     flat_sh = jax.tree.leaves(shardings, is_leaf=is_var)
     leaves = [read(path, var, sh) for (path, var), sh in zip(flat, flat_sh)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _refuse_unread(ckpt_dir: str, cfg: ModelConfig, files: dict[str, str], mapping) -> None:
+    """A tensor of the computed model that the mapping would not read (a shared expert, a
+    router bias, a projection's bias the config does not announce) means the checkpoint is a
+    model this one would compute otherwise: refused, named, before anything is read. Names
+    outside the blocks the model runs (layers past num_hidden_layers, other heads), rotary
+    tables (`rotary_emb.inv_freq`) and a tied model's own lm_head.weight are left alone."""
+    read = {
+        n
+        for names, *_ in mapping.values()
+        for n in (names if isinstance(names, tuple) else (names,))
+    }
+    ours = ("model.norm.", "model.embed_tokens.", "lm_head.")
+    ours += tuple(f"model.layers.{i}." for i in range(cfg.num_layers))
+    for name in sorted(files):
+        if name in read or not name.startswith(ours) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if cfg.tie_embeddings and name == "lm_head.weight":
+            continue
+        raise CheckpointError(
+            f"{files[name]}: tensor {name!r} is not a weight of the {cfg.family} model its "
+            "config.json describes (models/hf.py would not read it): the checkpoint holds a part "
+            "this model does not compute"
+        )
 
 
 def save_hf(

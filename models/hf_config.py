@@ -32,6 +32,22 @@ UNSUPPORTED_MOE_FIELDS = (
     "moe_layer_freq",
     "use_sliding_window",
 )
+# The mixture-of-experts fields of Qwen3MoeConfig this reader uses or that do not change the
+# forward pass (output_router_logits: transformers returns the router logits). Any other field
+# of a Qwen3-MoE config.json whose name speaks of experts or routing (MOE_WORDS) is a part this
+# block does not have, refused with its name, as UNSUPPORTED_MOE_FIELDS are.
+KNOWN_MOE_FIELDS = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+    "output_router_logits",
+)
+MOE_WORDS = ("expert", "router", "moe", "topk", "top_k", "routed", "routing")
 
 
 class CheckpointError(ValueError):
@@ -142,6 +158,13 @@ def _experts(hf: dict[str, Any], path: str, layers: int) -> dict[str, Any]:
         if hf.get(key):
             raise CheckpointError(
                 f"{path}: {key}={hf[key]!r} is not supported (models/moe.py's Qwen3-MoE block has no such part)"
+            )
+    for key in hf:
+        known = key in KNOWN_MOE_FIELDS or key in UNSUPPORTED_MOE_FIELDS  # checked above
+        if not known and any(w in key.lower() for w in MOE_WORDS):
+            raise CheckpointError(
+                f"{path}: {key}={hf[key]!r} is not a Qwen3-MoE field this reader knows "
+                f"(models/moe.py's block reads {', '.join(KNOWN_MOE_FIELDS[:7])})"
             )
 
     def need(key, *aliases):

@@ -16,14 +16,19 @@ and records, at each decode step, the experts of the token it feeds. The learner
 (`rl.logprobs.token_logprobs`, bf16, one sequence per row, right-padded) then scores the same
 tokens:
 - replay off: its routers route every token;
+- own routes (a control): the experts the learner's routers chose in a pass of their own, given
+  back as replayed routes: the same routing as off through the replay path's program, which in
+  bf16 rounds otherwise (a difference that is not the sampler's routing);
 - decode replay: the experts the sampler's decode steps used replace the learner's top-k at the
   fed positions (the prompt's last token and every sampled token); the prompt's other tokens
   are routed by the learner;
 - replay: and the prefill's experts at the prompt's other tokens (`Prefix.routes`): every token
   routed as the sampler routed it (the last sampled token, never fed, scores nothing).
 Per setting: route mismatch = the fraction of tokens (the prompt's and the fed ones) whose
-learner experts (as a set, in any MoE layer) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with r = log p_learner -
-log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner logs), max |r|.
+experts in the learner's pass (as a set, in any MoE layer; read from the model's own record of
+a pass given the same routes) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with
+r = log p_learner - log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner
+logs), max |r|.
 """
 
 from __future__ import annotations
@@ -145,7 +150,9 @@ def run(model, seed: int, new_tokens: int) -> dict:
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
     valid = np.arange(width) < np.array([len(p) for p in prompts])[:, None] + g[:, None]
     model = nnx.merge(graphdef, params)
-    own = np.asarray(jax.jit(lambda t: model.hidden(t, pos, valid, record=True)[2])(ids))
+    # the experts each pass of the learner's model used, from its own record of the pass
+    experts = jax.jit(lambda routes: model.hidden(ids, pos, valid, routes=routes, record=True)[2])
+    own = np.asarray(experts(None))  # [n, width, L_moe, k]: the learner's routers' choice
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
     decode = own.copy()  # the decode steps' experts at the fed positions, the learner's elsewhere
     decode[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
@@ -158,11 +165,17 @@ def run(model, seed: int, new_tokens: int) -> dict:
         )
     )
     out = {}
-    for name, routes in (("off", None), ("decode replay", decode), ("replay", full)):
+    settings = (
+        ("off", None),
+        ("own routes", own),  # control: the off pass's routes through the replay path
+        ("decode replay", decode),
+        ("replay", full),
+    )
+    for name, routes in settings:
         lp = np.asarray(logp(routes), np.float64)  # [n, width-1]: position t scores token t+1
         learner = np.take_along_axis(lp, fed, 1)
         rr = (learner - np.asarray(r.logprobs[:num_prompts], np.float64))[live]
-        used = own if routes is None else routes
+        used = own if routes is None else np.asarray(experts(routes))  # what the pass used
         got, want = [], []  # every recorded token: the prompt's (prefill) and the fed ones
         for i, x in enumerate(prefixes):
             got.append(used[i, : len(x.routes) + g[i]])
@@ -195,10 +208,20 @@ def main(argv) -> int:
         help="an HF MoE checkpoint with a tokenizer, prompted with arithmetic "
         "(e.g. configs/assets/arithmetic_moe_sft); default: the random tiny MoE",
     )
-    p.add_argument("--num_experts", type=integer(2), default=CFG.num_experts, help="random MoE")
-    p.add_argument("--experts_per_token", type=integer(1), default=CFG.experts_per_token)
-    p.add_argument("--num_layers", type=integer(1), default=CFG.num_layers, help="all MoE")
+    shape = ("num_experts", "experts_per_token", "num_layers")
+    p.add_argument("--num_experts", type=integer(2), help=f"random MoE (default {CFG.num_experts})")
+    p.add_argument(
+        "--experts_per_token", type=integer(1), help=f"random MoE ({CFG.experts_per_token})"
+    )
+    p.add_argument("--num_layers", type=integer(1), help=f"random MoE, all MoE ({CFG.num_layers})")
     args = parse(p, argv)
+    given = [f"--{k}" for k in shape if getattr(args, k) is not None]
+    if args.hf_checkpoint and given:
+        p.error(
+            f"{'/'.join(given)}: shape the random model; --hf_checkpoint's config.json is its own"
+        )
+    for k in shape:
+        setattr(args, k, getattr(CFG, k) if getattr(args, k) is None else getattr(args, k))
     if args.experts_per_token > args.num_experts:
         p.error(f"--experts_per_token {args.experts_per_token} > --num_experts {args.num_experts}")
     cfg = shaped(args.num_experts, args.experts_per_token, args.num_layers)

@@ -18,6 +18,7 @@ import sys
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import pytest
 
 from launch import bench, export, generate, images, make_repo_tasks, train
@@ -56,14 +57,15 @@ def write(name: str, data: str | bytes):
     return setup
 
 
-def ckpt(drop: str = "", files: dict | None = None):
-    """ckpt/: configs/assets/arithmetic_sft (linked) without `drop` and with `files` written."""
+def ckpt(drop: str = "", files: dict | None = None, source: str = ASSET):
+    """ckpt/: `source` (configs/assets/arithmetic_sft; linked) without `drop` and with `files`
+    written."""
     files = files or {}
 
     def setup(_):
         os.mkdir("ckpt")
-        for name in sorted(set(os.listdir(ASSET)) - {drop, *files}):
-            os.symlink(os.path.join(ASSET, name), os.path.join("ckpt", name))
+        for name in sorted(set(os.listdir(source)) - {drop, *files}):
+            os.symlink(os.path.join(source, name), os.path.join("ckpt", name))
         for name, data in files.items():
             write(os.path.join("ckpt", name), data(name) if callable(data) else data)(None)
 
@@ -114,12 +116,24 @@ def not_an_image(_):
         t.addfile(tarfile.TarInfo("readme"))
 
 
-def hf_config(**changes):
-    """The asset's config.json with `changes`."""
+def hf_config(source: str = ASSET, **changes):
+    """The asset's (`source`'s) config.json with `changes`."""
 
     def make(name):
-        with open(os.path.join(ASSET, name)) as f:
+        with open(os.path.join(source, name)) as f:
             return json.dumps(dict(json.load(f), **changes))
+
+    return make
+
+
+def moe_tensors(**extra):
+    """The MoE asset's model.safetensors with the `extra` tensors (name: shape) added."""
+
+    def make(name):
+        from safetensors.numpy import load_file, save
+
+        tensors = load_file(os.path.join(MOE_ASSET, name))
+        return save({**tensors, **{k: np.zeros(v, np.float32) for k, v in extra.items()}})
 
     return make
 
@@ -338,6 +352,11 @@ CATALOGUE = [
     Case("lora-hf-target-names", "`--config.model.lora.rank=4 --config.model.lora.targets=\"('q_proj',)\"` (PEFT's module names)", "config.model.lora.targets=('q_proj',): expected a non-empty subset of ('q', 'k', 'v', 'o', 'gate', 'up', 'down')", EIGHT + ["--config.model.lora.rank=4", "--config.model.lora.targets=('q_proj',)"]),
     Case("lora-on-resume", "`--config.model.lora.rank=4` resuming `run` (a full fine-tune) with its other settings", "cannot resume with a changed config (model.lora.rank: 0 -> 4)", RUN + ["--config.model.lora.rank=4"], devices=1),
     Case("lora-targets-on-experts", "`--config.model.lora.rank=4` on configs/moe_tiny.py's checkpoint (a mixture of experts; the default targets name gate, up and down)", "config.model.lora.targets=('q', 'k', 'v', 'o', 'gate', 'up', 'down'): ('gate', 'up', 'down') are the experts' projections in this mixture of experts (frozen; no adapters on experts): use attention targets ('q', 'k', 'v', 'o')", EIGHT + [f"--config.model.hf_checkpoint={MOE_ASSET}", "--config.model.lora.rank=4"]),
+    Case("moe-expert-axis-not-dividing", "`--config.mesh.expert=3` (on 6 devices) with configs/moe_tiny.py's checkpoint (8 experts)", "config.mesh.expert=3: does not divide the checkpoint's num_experts = 8", [f"--config.model.hf_checkpoint={MOE_ASSET}", "--config.mesh.data=2", "--config.mesh.expert=3"], devices=6),
+    Case("moe-top-k-above-experts", "`--config.model.hf_checkpoint=ckpt`, a Qwen3-MoE config.json with `num_experts_per_tok` 9 of 8 experts", "config.model.hf_checkpoint='ckpt': ckpt/config.json: num_experts_per_tok=9: must be in [1, num_experts = 8]", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(MOE_ASSET, num_experts_per_tok=9)}, source=MOE_ASSET)),
+    Case("moe-shared-experts", "`--config.model.hf_checkpoint=ckpt`, a Qwen3-MoE config.json with shared experts (`shared_expert_intermediate_size` 64)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: shared_expert_intermediate_size=64 is not supported", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(MOE_ASSET, shared_expert_intermediate_size=64)}, source=MOE_ASSET)),
+    Case("moe-unknown-field", "`--config.model.hf_checkpoint=ckpt`, a Qwen3-MoE config.json with a routing field the block does not have (`moe_router_bias`)", "config.model.hf_checkpoint='ckpt': ckpt/config.json: moe_router_bias=True is not a Qwen3-MoE field this reader knows", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"config.json": hf_config(MOE_ASSET, moe_router_bias=True)}, source=MOE_ASSET)),
+    Case("moe-unread-tensor", "`--config.model.hf_checkpoint=ckpt`, a Qwen3-MoE checkpoint holding a shared expert's weight that its config.json does not announce", "ckpt/model.safetensors: tensor 'model.layers.0.mlp.shared_expert.up_proj.weight' is not a weight of the qwen3_moe model its config.json describes", EIGHT + ["--config.model.hf_checkpoint=ckpt"], ckpt(files={"model.safetensors": moe_tensors(**{"model.layers.0.mlp.shared_expert.up_proj.weight": (64, 128)})}, source=MOE_ASSET), workdir="new"),
     Case("mesh-does-not-fit", "`--config.mesh.data=3` on 8 devices", "config.mesh={'data': 3, 'fsdp': 1, 'expert': 1, 'tensor': 1}: uses 3 devices but 8 are available (on a CPU host, JAX_NUM_CPU_DEVICES=3 makes 3)", ["--config.mesh.data=3"]),
     Case("expert-axis-for-dense-model", "`--config.mesh.data=4 --config.mesh.expert=2` (the checkpoint has no experts)", "config.mesh.expert=2: splits a mixture of experts' experts; the checkpoint is a dense model (use 1)", ["--config.mesh.data=4", "--config.mesh.expert=2"]),
     Case("mesh-does-not-divide-batch", "`--config.data.prompts_per_step=3 --config.rl.num_generations=2` on mesh data=8", "config.data.prompts_per_step=3: the global batch B*G = 6 is not divisible by the batch shards data*fsdp = 8", EIGHT + ["--config.data.prompts_per_step=3", "--config.rl.num_generations=2"]),

@@ -6,6 +6,7 @@ The recorded HF logits and greedy continuations make the parity checks run witho
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -148,6 +149,31 @@ def test_missing_tensor(mesh, tmp_path):
         CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"
     ):
         load_hf(str(d), mesh)
+
+
+@pytest.mark.parametrize(
+    "name, extra, refused",
+    [
+        # a part of a block the model would leave out: refused, named
+        ("qwen3", "model.layers.1.mlp.shared_expert.gate_proj.weight", True),
+        ("qwen3", "model.layers.0.self_attn.q_proj.bias", True),  # a bias config.json omits
+        ("qwen2", "model.norm.bias", True),
+        # not computed by the model: read past
+        ("qwen3", "model.layers.0.self_attn.rotary_emb.inv_freq", False),
+        ("qwen3", "model.layers.7.mlp.up_proj.weight", False),  # past num_hidden_layers
+        ("qwen2", "mtp.head.weight", False),
+    ],
+)
+def test_a_tensor_the_model_would_not_read(mesh, tmp_path, name, extra, refused):
+    d = _copy(name, tmp_path)
+    _rewrite(d / "model.safetensors", lambda t: t.update({extra: np.ones(4, np.float32)}))
+    if refused:
+        with pytest.raises(
+            CheckpointError, match=rf"tensor '{re.escape(extra)}' is not a weight of"
+        ):
+            load_hf(str(d), mesh)
+    else:
+        assert load_hf(str(d), mesh)[0].family == name
 
 
 def test_wrong_shape(mesh, tmp_path):
