@@ -309,8 +309,6 @@ def _wandb_run(workdir: str, config):
             from launch.cli import UsageError
             from launch.pin import wandb_error
 
-            # A run killed a moment ago (kill -9) leaves its W&B service process behind for a
-            # few seconds, holding the run id: wait for it rather than fail the resume.
             if run_id and "in use" in str(e) and os.environ.get("WANDB_SERVICE"):
                 # not a dying process: the W&B service of the process that started this one
                 # (its WANDB_SERVICE) still holds the run of a killed run it also started
@@ -320,6 +318,8 @@ def _wandb_run(workdir: str, config):
                     "uses W&B itself and also started the killed run): unset WANDB_SERVICE or "
                     "restart that process, and run the same command"
                 ) from None
+            # A run killed a moment ago (kill -9) leaves its W&B service process behind for a
+            # few seconds, holding the run id: wait for it rather than fail the resume.
             now = time.monotonic()
             if run_id and "in use" in str(e) and now - (waited_since or now) < WANDB_IN_USE_S:
                 if waited_since is None:

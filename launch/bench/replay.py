@@ -10,11 +10,11 @@ configs/default.py's arithmetic prompts ("a+b=", seeded by each seed).
 Model: a random tiny Qwen3-MoE (16 experts, top-4, layers 0..3 all MoE, d_model 64, vocab 128;
 --num_experts, --experts_per_token and --num_layers change its routing and depth, e.g. 128 and
 8 for Qwen3-30B-A3B's routing), weights of std 0.1 (norm scales 1) so routers are decisive
-but near-ties occur, compute in bf16, f32 master weights, one CPU device. The sampler (`sampling.engine.Engine` with
-`record_routes`) draws `new_tokens` tokens at temperature 1 after random prompts of 4..16 tokens
-and records, at each decode step, the experts of the token it feeds. The learner's pass
-(`rl.logprobs.token_logprobs`, bf16, one sequence per row, right-padded) then scores the same
-tokens:
+but near-ties occur, compute in bf16, f32 master weights, one CPU device. The sampler
+(`sampling.engine.Engine` with `record_routes`) draws `new_tokens` tokens at temperature 1
+after random prompts of 4..16 tokens and records, at each decode step, the experts of the
+token it feeds. The learner's pass (`rl.logprobs.token_logprobs`, bf16, one sequence per row,
+right-padded) then scores the same tokens:
 - replay off: its routers route every token;
 - own routes (a control): the experts the learner's routers chose in a pass of their own, given
   back as replayed routes: the same routing as off through the replay path's program, which in
@@ -118,7 +118,7 @@ def trained_model(path: str, seed: int, num_prompts: int):
 
 
 def run(model, seed: int, new_tokens: int) -> dict:
-    """The three settings' route mismatch and KL for `model` (`random_model`, `trained_model`)."""
+    """The four settings' route mismatch and KL for `model` (`random_model`, `trained_model`)."""
     cfg, graphdef, params, prompts, stop_ids = model
     num_prompts = len(prompts)
     plen = max(map(len, prompts))

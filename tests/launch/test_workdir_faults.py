@@ -8,7 +8,6 @@ with a ballast file so that one checkpoint fits and the next does not."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -241,22 +240,6 @@ def _wandb_counts(workdir) -> tuple[Counter, dict]:
     return counts, values
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (by parent id, from /proc), whatever their session."""
-    parents = {}
-    for d in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{d}/stat") as f:
-                parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        kids = [p for p, pp in parents.items() if pp == parent]
-        out += kids
-        todo += kids
-    return out
-
-
 def test_kill9_then_resume_logs_every_step_once(tmp_path, straight):
     """kill -9 after step 4 is logged (checkpoint 3 committed), then the same command: the
     resumed run computes steps 4.. again; metrics.jsonl, the TensorBoard files and the W&B
@@ -281,11 +264,7 @@ def test_kill9_then_resume_logs_every_step_once(tmp_path, straight):
     try:
         _wait_for(lambda: _logged_steps(workdir) >= 5, proc, "step 5")
     finally:
-        tree = _descendants(proc.pid)  # wandb-core may have left the session (seen in CI)
         os.killpg(proc.pid, signal.SIGKILL)
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
         proc.wait()
     logged = _logged_steps(workdir)
     assert logged < STEPS
