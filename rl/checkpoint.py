@@ -395,28 +395,36 @@ def _mix(h):
 
 
 @jax.jit
-def _leaf_sums(leaves):  # uint32 [n, 2]
-    out = []
-    for x in leaves:
-        w = _words(x)
-        i, stride = jnp.zeros(w.shape, jnp.uint32), 1  # each word's flat index, mod 2**32
-        for d in reversed(range(w.ndim)):
-            i = i + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
-            stride *= w.shape[d]
-        a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)  # odd weights: any one word changes it
-        b = jnp.sum(_mix(w ^ _mix(i)), dtype=jnp.uint32)
-        out.append(jnp.stack([a, b]))
-    return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+def _leaf_sum(x):  # uint32 [2]
+    """One leaf's two sums: compiled once per (shape, dtype, sharding), which the layers of a
+    model share."""
+    w = _words(x)
+    i, stride = jnp.zeros(w.shape, jnp.uint32), 1  # each word's flat index, mod 2**32
+    for d in reversed(range(w.ndim)):
+        i = i + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= w.shape[d]
+    a = jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)  # odd weights: any one word changes it
+    b = jnp.sum(_mix(w ^ _mix(i)), dtype=jnp.uint32)
+    return jnp.stack([a, b])
 
 
 def checksums(state) -> dict[str, str]:
     """{leaf path: 16 hex digits} of every array in `state`, the same on every process and for
-    any sharding of it: the integrity record of a checkpoint."""
+    any sharding of it: the integrity record of a checkpoint.
+
+    One small program per leaf signature, dispatched per leaf: a single program over every leaf
+    compiled in time linear in the leaves (a Qwen3-0.6B state of params and Adam moments, 1,008
+    leaves on fsdp=8: 158 s of XLA:CPU compile at its default level, against 1.5 s for its 8
+    signatures; a Qwen2.5-7B state 273 s against 2.8 s), and a run paid it at its first save and
+    again at each resume."""
     named = jax.tree_util.tree_flatten_with_path(state)[0]
-    sums = host_values(_leaf_sums([x for _, x in named]))
+    # Each leaf's sums read before the next leaf's program starts: on XLA:CPU's devices of one
+    # host, a hundred of these programs in flight, each with its all-reduce, deadlocked the
+    # devices' rendezvous (7 of 8 arrived; the process aborts after 40 s).
+    sums = [host_values(_leaf_sum(x)) for _, x in named]
     return {
         jax.tree_util.keystr(p, simple=True, separator="/"): f"{int(a):08x}{int(b):08x}"
-        for (p, _), (a, b) in zip(named, np.asarray(sums))
+        for (p, _), (a, b) in zip(named, sums)
     }
 
 
