@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rl.checkpoint import Checkpointer, CheckpointError, checksums
+from rl.checkpoint import Checkpointer, CheckpointError, _leaf_sum, checksums
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_checksums_equal_numpy_and_compile_once_per_leaf_signature(mesh, caplog)
     rng = np.random.default_rng(5)
     rows = NamedSharding(mesh, P("data"))
     state = {}
-    for layer in range(4):  # shapes no other test uses, so that each signature compiles here
+    for layer in range(4):  # three signatures, repeated as layers repeat theirs
         state[f"{layer}/q"] = rng.standard_normal((40, 24)).astype(np.float32)
         state[f"{layer}/norm"] = rng.standard_normal(23).astype(jnp.bfloat16)
         state[f"{layer}/mask"] = rng.integers(0, 2, (7, 3)).astype(bool)
@@ -211,6 +211,7 @@ def test_checksums_equal_numpy_and_compile_once_per_leaf_signature(mesh, caplog)
         )
         for k, v in state.items()
     }
+    _leaf_sum.clear_cache()  # compiled here, whatever this worker's earlier tests compiled
     with caplog.at_level("WARNING"), jax.log_compiles(True):
         got = checksums(on_mesh)
     compiled = [
