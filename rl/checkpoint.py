@@ -24,9 +24,10 @@ Why checksums: a garbled OCDBT b-tree node fails to decode, but array chunks are
 zstd-compressed, and a garbled byte in one usually still decodes, to wrong numbers, without an
 error (tests/rl/test_checkpoint.py does exactly that). The record is computed on the device, one
 small jitted program per leaf signature (two uint32 sums per leaf: sum of word * (2i + 1), which
-changes with any single word, and a sum of mixed words): no host copy of the parameters (what `fingerprint`
-would need, at every save), independent of the sharding (integer sums), and it covers the
-optimizer state too. Checkpoints without the record (older saves) are checked by 1 and 2 only.
+changes with any single word, and a sum of mixed words): no host copy of the parameters (what
+`fingerprint` would need, at every save), independent of the sharding (integer sums), and it
+covers the optimizer state too. Checkpoints without the record (older saves) are checked by 1
+and 2 only.
 Restoring deletes and rewrites nothing: with `set_aside` (training), unusable steps newer than
 the one restored are renamed to `<step>.unusable`, kept for inspection until someone deletes them
 (orbax would otherwise skip saving those steps again); with no usable step, nothing is touched.
@@ -61,6 +62,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from models.processes import local_values
 from models.sharding import flatten, with_shardings
 
 TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a save that did not finish
@@ -411,9 +413,7 @@ def _leaf_sum(x):  # uint32 [2]
 def _read(sums: jax.Array) -> np.ndarray:
     """A leaf's sums on the host: replicated (a full reduction's result), every process reads
     its own copy, with no collective; otherwise gathered."""
-    if sums.is_fully_replicated:
-        return np.asarray(sums.addressable_data(0))
-    return host_values(sums)
+    return local_values(sums) if sums.is_fully_replicated else host_values(sums)
 
 
 def checksums(state) -> dict[str, str]:
