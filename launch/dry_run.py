@@ -33,9 +33,17 @@ from jax.sharding import PartitionSpec as P
 
 from launch import estimate
 from launch.pin import model_dir
-from launch.validate import engine_config, learner_config, model_overrides, sampling_params
+from launch.validate import (
+    engine_config,
+    learner_config,
+    model_overrides,
+    records_routes,
+    sampling_params,
+)
 from models import lora
+from models.config import ModelConfig
 from models.hf_config import config_from_hf, generation_ids
+from models.moe import route_dtype
 from models.sharding import (
     abstract_model,
     base_graphdef,
@@ -89,9 +97,11 @@ def abstract_batch(
     old_logp: bool = False,
     ref_logp: bool = False,
     stop_masked: bool = False,
+    routes: tuple | None = None,
 ) -> Batch:
     """A learner Batch of `rows` rows of t tokens as sharded ShapeDtypeStructs (nothing allocated);
-    the optional per-token fields are present when asked for."""
+    the optional per-token fields are present when asked for, `routes` as (L_moe, k, dtype): the
+    sampler's recorded experts [rows, t, L_moe, k]."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     per_token = lambda dtype="float32": spec((rows, t - 1), dtype)
     return Batch(
@@ -104,11 +114,16 @@ def abstract_batch(
         old_logp=per_token() if old_logp else None,
         ref_logp=per_token() if ref_logp else None,
         stop_masked=per_token("bool") if stop_masked else None,
+        routes=None if routes is None else spec((rows, t, *routes[:2]), routes[2]),
     )
 
 
-def _batch(config, rows, sharding) -> Batch:
+def _batch(config, cfg: ModelConfig, rows, sharding) -> Batch:
+    """The learner's batch of `rows` rows as the run makes it: with the sampler's routes on a
+    mixture of experts (`launch.validate.records_routes`: replayed, or compared for
+    rollout/route_mismatch)."""
     s = config.sampling
+    recorded = records_routes(config, cfg.num_experts) and cfg.num_moe_layers
     return abstract_batch(
         rows,
         s.max_prompt_len + s.max_new_tokens,
@@ -116,6 +131,11 @@ def _batch(config, rows, sharding) -> Batch:
         old_logp=config.rl.old_logp != "recompute",
         ref_logp=config.rl.kl_coef > 0,
         stop_masked=bool(s.min_new_tokens),
+        routes=(
+            (cfg.num_moe_layers, cfg.experts_per_token, route_dtype(cfg.num_experts))
+            if recorded
+            else None
+        ),
     )
 
 
@@ -137,9 +157,9 @@ def dry_run(config) -> int:
     learner = Learner(learner_config(config, ids.eos_ids), graphdef, shardings, base, rules)
     with estimate.grouped_matmuls():  # an MoE's ragged_dot as an accelerator holds it
         step = learner.lower_step(
-            params, _batch(config, rollout_rows // config.rl.minibatches, row_sh)
+            params, _batch(config, cfg, rollout_rows // config.rl.minibatches, row_sh)
         )
-        logp = learner.lower_logprobs(params, _batch(config, rollout_rows, row_sh))
+        logp = learner.lower_logprobs(params, _batch(config, cfg, rollout_rows, row_sh))
     ecfg = engine_config(config, ids.eos_ids, cfg.num_experts)
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     with estimate.grouped_matmuls():

@@ -140,15 +140,12 @@ def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
 
 
 def records_routes(c: ml_collections.ConfigDict, num_experts: int) -> bool:
-    """Whether the sampler records each token's experts: with routing replay, and on a mixture
-    of experts in a single-turn synchronous run for rollout/route_mismatch (rl/router.py; int8
-    [slots, max_new_tokens, L_moe, k] on the device and each episode's [T, L_moe, k] on the
-    host). With replay off, multi-turn and partial-rollout runs record nothing (route_mismatch
-    is measured on single-turn synchronous runs)."""
-    if c.rl.get("routing_replay", "none") == "rollout":
-        return True
-    single = not c.env.get("name", "") and not c.rl.get("partial_rollouts", False)
-    return bool(num_experts) and single
+    """Whether the sampler records each token's experts: on every mixture of experts' run, for
+    routing replay or, with replay off, for rollout/route_mismatch (rl/router.py): [slots,
+    max_new_tokens, L_moe, k] on the device and each episode's [T, L_moe, k] on the host, int8
+    up to 128 experts (`models.moe.route_dtype`), in single-turn, multi-turn and
+    partial-rollout runs alike."""
+    return bool(num_experts) or c.rl.get("routing_replay", "none") == "rollout"
 
 
 def engine_config(c: ml_collections.ConfigDict, eos_ids, num_experts: int = 0) -> EngineConfig:

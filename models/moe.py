@@ -42,7 +42,7 @@ the router still gets gradients; a token whose ids are -1 (not recorded: the lea
 sequence's last token so, `rl.router.recorded`) is routed by the router's own top-k. A model
 passes one [B,T,k] slice of a [B,T,L_moe,k] record per MoE layer;
 `MoE.routed` also returns the ids it used, which `models.transformer` stacks into that record
-(int8 when E <= 127, else int16: `route_dtype`).
+(int8 when E <= 128, else int16: `route_dtype`).
 
 Router statistics: given a token mask, the block also returns `RouterStats`, sums over the
 marked tokens of the router's softmax, its own top-k choices, the experts used and the softmax
@@ -411,8 +411,9 @@ def _mesh(x):
 
 
 def route_dtype(num_experts: int):
-    """The integer dtype of a routes record: int8 when the expert ids fit, else int16."""
-    return jnp.int8 if num_experts <= 127 else jnp.int16
+    """The integer dtype of a routes record: int8 when the expert ids (0..E-1, and the -1 the
+    learner marks an unrecorded token with) fit, as Qwen3-30B-A3B's 128 do, else int16."""
+    return jnp.int8 if num_experts <= 128 else jnp.int16
 
 
 def check_expert_axis(num_experts: int, expert_axis: int, field: str = "mesh.expert") -> None:

@@ -329,7 +329,7 @@ class Transformer(nnx.Module):
         each MoE layer (in `cfg.moe_layers` order), used in place of the routers' top-k (the
         gate weights still come from the routers); None routes as the routers say. With
         `record` a third value is returned: the experts used, [B,T,L_moe,k] in
-        `models.moe.route_dtype(E)` (int8 when E <= 127, else int16). With `stats` one more:
+        `models.moe.route_dtype(E)` (int8 when E <= 128, else int16). With `stats` one more:
         the routers' `models.moe.RouterStats` over the real tokens (`valid` != 0, or all),
         stacked over the MoE layers ([L_moe, E] and [L_moe] sums), None for a dense model.
         """

@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.moe import route_dtype
 from models.processes import agree, local_values, shard_blocks
 from rl import summary as S
 from rl.advantages import compute_advantages
@@ -202,8 +203,15 @@ class Rollouts:
             for i, gs in by.items()
         }
         need = [place(n, width, c.rl.pack, self.row_multiple, m).rows for n in lengths.values()]
-        everyone = agree([max(need, default=0), idle])
+        # The sampler's routes (an MoE run) go to the learner only where every sequence of every
+        # process has them, agreed: a sequence carried from a run saved before its episodes
+        # recorded them has none, and the batch must have one structure on every process.
+        recorded = all(
+            cp.routes is not None for gs in by.values() for g in gs for cp in g.completions
+        )
+        everyone = agree([max(need, default=0), idle, recorded])
         rows, idle = int(everyone[:, 0].max()), bool(everyone[:, 1].all())
+        recorded = self.engine.ecfg.record_routes and bool(everyone[:, 2].all())
         parts = {
             i: build_batch(
                 gs,
@@ -218,6 +226,7 @@ class Rollouts:
             )
             for i, gs in by.items()
         }
+        parts = {i: (self._routes(b, rows, recorded), lay) for i, (b, lay) in parts.items()}
         zero = jax.tree.map(np.zeros_like, next(iter(parts.values()))[0])
         blocks = [parts[i][0] if i in parts else zero for i in range(self.num_shards)]
         batch = jax.tree.map(lambda *xs: np.concatenate(xs), *blocks)
@@ -239,6 +248,17 @@ class Rollouts:
             rows,
             idle,
         )
+
+    def _routes(self, batch: Batch, rows: int, recorded: bool) -> Batch:
+        """A shard's packed batch with the sampler's routes if `recorded` (a shard with no
+        sequence: zeros, unscored), else without."""
+        if not recorded:
+            return batch.replace(routes=None)
+        if batch.routes is not None:
+            return batch
+        cfg = self.engine.cfg
+        shape = (rows, self.width, cfg.num_moe_layers, cfg.experts_per_token)
+        return batch.replace(routes=np.zeros(shape, route_dtype(cfg.num_experts)))
 
     def _kl_in_reward(self, params, batch, sampled, groups, layouts, rows, summaries):
         """With rl.kl_in="reward" (and kl_coef > 0): each sample's KL penalty put into its

@@ -169,6 +169,12 @@ class Engine:
         self.plan = Plan(self.num_shards, self.ecfg.num_slots)
         self._uploaded = None  # the page table as last uploaded; None: upload at next call
 
+    @property
+    def records_routes(self) -> bool:
+        """Whether prefill and decode record each token's experts (`EngineConfig.record_routes`
+        on a mixture of experts)."""
+        return self.ecfg.record_routes and self.cfg.num_moe_layers > 0
+
     def zeros(self) -> DecodeState:
         """An empty DecodeState, unplaced (`init_state` places it; `jax.eval_shape` of it is
         the state's shapes)."""
@@ -181,7 +187,6 @@ class Engine:
             e.pages_per_seq,
             e.max_new_tokens,
             jnp.dtype(e.cache_dtype),
-            e.record_routes,
         )
 
     def init_state(self) -> DecodeState:
@@ -333,6 +338,7 @@ class Engine:
             self.layout,
             self.cascade_group(),
             e.interpret,
+            self.records_routes,
         )
         self._uploaded = uploaded  # only once the call took the table
         for x in out:  # this process's part, ready for `collect` as soon as the call ends
@@ -347,7 +353,7 @@ class Engine:
         if ticket.epoch is not self.pages.epoch:
             raise ValueError("ticket was dispatched before this engine's last init_state")
         *values, steps_run = local_values(ticket.out)  # this process's slots only
-        routes = values.pop() if len(values) > 6 else None  # recorded (`DecodeState.routes`)
+        routes = values.pop() if len(values) > 6 else None  # this call's experts (`records_routes`)
         r = Results(*values, slots=[], steps=int(steps_run), routes=routes)
         r.slots = self.pages.settle(ticket.slots, r.lengths, r.active)
         return r
@@ -480,7 +486,7 @@ class Engine:
         one prefill batch of `phase` (`sampling.plan`). owners: with `extend`, per row the
         object its recorded routes go to, or None (`resume`)."""
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
-        e_rec = self.ecfg.record_routes
+        e_rec = self.records_routes
         if extend is None:
             owners = prefixes
         owners = [None] * len(rows_in) if owners is None or not e_rec else owners
@@ -542,8 +548,9 @@ class Engine:
                     self.layout,
                     rows(starts) if phase in EXTENDS else None,
                     e.prefill_chunk,
+                    self.records_routes,
                 )
-                if isinstance(state, tuple):  # record_routes: the rows' experts [s*n,T,L,k]
+                if self.records_routes:  # the rows' experts [s*n,T,L,k]
                     state, rec = state
                     owned = [
                         (r, row)

@@ -453,7 +453,8 @@ class EpisodeLoop:
         steps = [int(r.num_generated[s]) - owners[s].seen for s in mine]
         # Tokens decoded here, slot-steps run everywhere: utilization.
         engine.count_decoded(sum(steps), r.steps * engine.ecfg.num_slots)
-        for s in mine:
+        for s, n in zip(mine, steps):
+            self._record(owners[s], r, s, n)
             owners[s].seen = int(r.num_generated[s])
         to_free, to_park = [], []
         for s in (s for s in mine if not r.active[s]):
@@ -498,17 +499,23 @@ class EpisodeLoop:
         ep.observation += [False] * m
         ep.versions += [self.version] * m
         ep.turn_len += m
-        if ep.routes is not None and r.routes is not None:
-            # The prefills' records, read now that they ran: at the first stint the prompt's
-            # experts become those its prefill recorded for this episode, not a later refresh's
-            # (a group partly inserted at a stop has its Prefix recomputed under new parameters)
-            # Only the tail can still be an owner (the Prefix before the first stint, a resume's
-            # Recorded before the next): read it, not the whole record, every stint.
-            i = len(ep.routes)
-            while i and not isinstance(ep.routes[i - 1], np.ndarray):
-                i -= 1
-            ep.routes[i:] = [self._recorded(x) for x in ep.routes[i:]]
-            ep.routes.append(r.routes[s, :m].copy())  # the fed tokens: the last one before, ...
+
+    def _record(self, ep: Episode, r, s: int, n: int) -> None:
+        """Appends the experts of the n tokens slot s fed in the call of `r` (the last token
+        before them, then the ones it drew) to its episode's record."""
+        if ep.routes is None or r.routes is None:
+            return
+        # The prefills' records, read now that they ran: at the first call of a stint the
+        # prompt's experts become those its prefill recorded for this episode, not a later
+        # refresh's (a group partly inserted at a stop has its Prefix recomputed under new
+        # parameters). Only the tail can still be an owner (the Prefix before the first call,
+        # a resume's Recorded before the next stint's): read it, not the whole record.
+        i = len(ep.routes)
+        while i and not isinstance(ep.routes[i - 1], np.ndarray):
+            i -= 1
+        ep.routes[i:] = [self._recorded(x) for x in ep.routes[i:]]
+        if n:
+            ep.routes.append(r.routes[s, :n].copy())
 
     def _recorded(self, part) -> np.ndarray:
         """[n, L_moe, k] experts of one part of an episode's record: an array, or what a prefill
@@ -648,7 +655,7 @@ class EpisodeLoop:
         )
         self.mine.update(slots)
         # record_routes: the prompt's experts are the Prefix's once its prefill ran (`_finish`)
-        routes = lambda: [prefix] if self.engine.ecfg.record_routes else None
+        routes = lambda: [prefix] if self.engine.records_routes else None
         self.owner.update(
             (s, Episode(key, k, budget[k], kv_version=kv, routes=routes()))
             for s, k in zip(slots, ks)

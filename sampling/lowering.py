@@ -41,6 +41,7 @@ def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] |
             engine.layout,
             engine.cascade_group(),
             e.interpret,
+            engine.records_routes,
         ).lower(lowering_platforms=platforms)
 
 
@@ -72,4 +73,5 @@ def lower_prefill(
             engine.layout,
             i32(n) if resume else None,
             e.prefill_chunk,
+            engine.records_routes,
         ).lower(lowering_platforms=platforms)

@@ -130,7 +130,10 @@ class Results:
     logprobs: np.ndarray  # f32 [B,M]
     slots: list[int]
     steps: int = 0  # decode steps the call ran (every slot's: slot-steps = steps x B)
-    routes: np.ndarray | None = None  # [B,M,L_moe,k] `DecodeState.routes`; None: not recorded
+    # [B,num_steps,L_moe,k] the experts of the token each slot fed at each step of this call (its
+    # first num_generated - (its count before the call) columns: `steps.generate`); None: not
+    # recorded (`Engine.records_routes`)
+    routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -202,9 +205,9 @@ class Episode:
     finish: str = "stop"
     parked: Parked | None = None
     # record_routes: the prompt's experts but the last token's [P-1, L_moe, k] (its Prefix's
-    # until the first decode stint is read), then in order [n, L_moe, k] pieces: each decode
-    # stint's fed tokens' and each resume's prefilled ones' (a turn's last token and the
-    # observation but its last: a `Recorded` until the next stint is read); else None
+    # until its first decode call is read), then in order [n, L_moe, k] pieces: each decode
+    # call's fed tokens' and each resume's prefilled ones' (a turn's last token and the
+    # observation but its last: a `Recorded` until the next decode call is read); else None
     routes: list | None = None
 
     @property

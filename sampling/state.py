@@ -40,7 +40,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.attention import causal_mask, dense_attention
 from models.config import ModelConfig
-from models.moe import route_dtype
 from models.sharding import DEFAULT_RULES
 from sampling import kv_quant, partitioned
 from sampling.kv_quant import QuantPages
@@ -73,9 +72,6 @@ class DecodeState:
     stopped: jax.Array  # bool [B] finished on a stop id (else by length, once inactive)
     tokens: jax.Array  # int32 [B,M] generated tokens
     logprobs: jax.Array  # f32 [B,M] sampler log-probs of `tokens`
-    # int8/int16 [B,M,L_moe,k] (routing replay): routes[:, j] are the experts of the token fed
-    # at decode step j (the prompt's last token, then tokens[:, j-1]); None: not recorded
-    routes: jax.Array | None = None
 
     @classmethod
     def zeros(
@@ -87,7 +83,6 @@ class DecodeState:
         pages_per_seq,
         max_new,
         dtype,
-        record_routes: bool = False,
     ):
         pages = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         layers = lambda: tuple(kv_quant.zeros(pages, dtype) for _ in range(cfg.num_layers))
@@ -109,14 +104,6 @@ class DecodeState:
             stopped=jnp.zeros((b,), bool),
             tokens=i32(b, max_new),
             logprobs=jnp.zeros((b, max_new), jnp.float32),
-            routes=(
-                jnp.zeros(
-                    (b, max_new, cfg.num_moe_layers, cfg.experts_per_token),
-                    route_dtype(cfg.num_experts),
-                )
-                if record_routes and cfg.num_moe_layers
-                else None
-            ),
         )
 
 

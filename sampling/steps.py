@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.moe import route_dtype
 from sampling import partitioned
 from sampling.distribution import banned_stop_ids, sample
 from sampling.state import DecodeState, PagedDecode, PagedPrefill, state_shardings
@@ -28,8 +29,10 @@ def _constrain(state: DecodeState, layout) -> DecodeState:
     return jax.lax.with_sharding_constraint(state, state_shardings(state, *layout))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 8), donate_argnums=2)
-def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=None, chunk=0):
+@functools.partial(jax.jit, static_argnums=(0, 6, 8, 9), donate_argnums=2)
+def prefill(
+    graphdef, params, state, tokens, lengths, page_rows, layout, starts=None, chunk=0, record=False
+):
     """tokens int32[n,T] (n and T buckets), lengths int32[n] real tokens per row (0: padding),
     page_rows int32[n,pages_per_seq]. starts int32[n]: the cache position of each row's first
     token, whose earlier positions are already cached and attended to (a multi-turn episode's
@@ -41,6 +44,9 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
     scores a chunk by a block of pages, whatever T is. A fresh prompt that fits one chunk keeps
     the dense path (the same function; faster for short prompts). chunk = 0: one pass over
     all T tokens, the reference.
+
+    record (`EngineConfig.record_routes`, an MoE model): also returns the rows' experts,
+    [n,T,L_moe,k] (`Engine.flush` reads them: a Prefix's or a resume's `Recorded`).
     """
     model = nnx.merge(graphdef, params)
     if layout is not None and layout[0].size > 1:  # rows laid out by shard (`Engine`)
@@ -60,8 +66,6 @@ def prefill(graphdef, params, state, tokens, lengths, page_rows, layout, starts=
     valid = jnp.arange(m * c)[None] < lengths[:, None]
     positions = jnp.arange(m * c, dtype=jnp.int32)[None] + base[:, None]
     split = lambda x: jnp.moveaxis(x.reshape(n, m, c), 1, 0)  # [m,n,c]
-
-    record = state.routes is not None  # routing replay: also the tokens' experts
 
     def one(pages, xs):  # one chunk: tokens, valid, positions [n,c] and its first position
         tok, val, pos, first = xs
@@ -145,7 +149,7 @@ def _write_at(row, col, value, write):
     return jax.lax.dynamic_update_index_in_dim(row, jnp.where(write, value, old), col, 0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9, 10), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 8, 9, 10, 11), donate_argnums=2)
 def generate(
     graphdef,
     params,
@@ -158,7 +162,14 @@ def generate(
     layout,
     group,
     interpret=False,
+    record=False,
 ):
+    """Up to `num_steps` decode steps of every active slot. Returns the state and what the host
+    reads: active, num_generated, stopped, lengths, tokens, logprobs, with `record` (an MoE
+    model's `EngineConfig.record_routes`) the experts of the token each slot fed at each step
+    of this call ([B,num_steps,L_moe,k]: a slot's first num_generated - (its count before the
+    call) columns; this call's only, so the state holds no record of whole episodes), and the
+    steps run."""
     model = nnx.merge(graphdef, params)
     is_stop_id = banned_stop_ids(jnp.array(True), stop_ids, model.cfg.vocab_size)  # [V]
     m = state.tokens.shape[1]
@@ -166,7 +177,7 @@ def generate(
     def key_of(req, g, pos):
         return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, req), g), pos)
 
-    def step(_, s: DecodeState):
+    def step(i, s: DecodeState, rec):
         hook = PagedDecode(
             s.k_pages,
             s.v_pages,
@@ -179,7 +190,6 @@ def generate(
             interpret,
             layout,
         )
-        record = s.routes is not None  # routing replay: the fed token's experts
         out = model(s.last_token[:, None], s.lengths[:, None], None, hook, record=record)
         logits, hook = out[0][:, 0], out[1]  # f32 [B,V]
         banned = banned_stop_ids(s.num_generated < s.min_new, stop_ids, logits.shape[-1])
@@ -202,20 +212,35 @@ def generate(
             stopped=s.stopped | hit_stop,
             tokens=jax.vmap(_write_at)(s.tokens, col, tok, a),
             logprobs=jax.vmap(_write_at)(s.logprobs, col, tok_lp, a),
-            routes=jax.vmap(_write_at)(s.routes, col, out[2][:, 0], a) if record else None,
         )
-        return _constrain(s, layout)
+        if record:  # the fed token's experts, at this call's step i
+            fed = jnp.where(a[:, None, None], out[2][:, 0], 0).astype(rec.dtype)  # [B,L_moe,k]
+            rec = jax.lax.dynamic_update_index_in_dim(rec, fed, i, 1)
+        return _constrain(s, layout), _slots(rec, layout, s)
 
     def more(carry):  # stop early once no slot is active (the tail of a rollout)
-        i, s = carry
+        i, s, _ = carry
         return (i < num_steps) & s.active.any()
 
-    steps, state = jax.lax.while_loop(
-        more, lambda c: (c[0] + 1, step(c[0], c[1])), (0, _constrain(state, layout))
+    rec = None
+    if record:
+        c = model.cfg
+        shape = (state.active.shape[0], num_steps, c.num_moe_layers, c.experts_per_token)
+        rec = _slots(jnp.zeros(shape, route_dtype(c.num_experts)), layout, state)
+    steps, state, rec = jax.lax.while_loop(
+        more, lambda c: (c[0] + 1, *step(*c)), (0, _constrain(state, layout), rec)
     )
     # What the host reads, as arrays of their own: the state itself is donated to the next call,
     # which the host may dispatch before it reads these. `steps` (decode steps run, replicated)
     # is every process's to read: slot-steps for the utilization.
     out = (state.active, state.num_generated, state.stopped, state.lengths, state.tokens)
-    routes = () if state.routes is None else (state.routes,)
-    return state, (*(jnp.copy(x) for x in (*out, state.logprobs, *routes)), steps)
+    routes = () if rec is None else (rec,)
+    return state, (*(jnp.copy(x) for x in (*out, state.logprobs)), *routes, steps)
+
+
+def _slots(x, layout, state: DecodeState):
+    """x [B,...] (None passes) split over the slots as the state's slot buffers are."""
+    if x is None or layout is None:
+        return x
+    slots = partitioned.specs(*layout, state.k_pages[0].shape[0])[1]
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(layout[0], slots))

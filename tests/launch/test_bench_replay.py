@@ -45,7 +45,7 @@ def test_replay_bench_refuses_a_top_k_above_the_experts():
 
 @pytest.mark.slow  # a sampler and four learner passes compiled
 def test_replay_bench_with_qwen3_30b_a3b_routing(tmp_path):
-    """128 experts, top-8 (int16 route records): without replay some tokens' experts in the
+    """128 experts, top-8 (int8 route records, ids up to 127): without replay some tokens' experts in the
     learner's pass differ from the sampler's, with it none (read from the pass's own record, so
     a replay that did not reach the routers would show), and the KL falls."""
     out = tmp_path / "r.json"

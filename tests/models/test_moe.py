@@ -208,13 +208,14 @@ def _greedy(graphdef, params, mesh):
         max_prompt_len=16,
         max_new_tokens=10,
         steps_per_call=5,
+        record_routes=True,  # and each token's experts, a decode call's window at a time
     )
     engine = Engine(
         CFG, graphdef, ecfg, SamplingParams(temperature=0.0), mesh=mesh, rules=DEFAULT_RULES
     )
     prompts = [[3, 17, 42, 8, 5], [11, 2, 9, 30, 44, 12, 7], [50, 1, 33], [7, 7, 8, 9]] * 2
     _, results = generate_all(engine, params, engine.init_state(), prompts)
-    return [(r[0].tokens, r[0].logprobs) for r in results]
+    return [(r[0].tokens, r[0].logprobs, r[0].routes) for r in results]
 
 
 @pytest.mark.slow  # three samplers compiled (~20 s)
@@ -225,9 +226,10 @@ def test_sharded_sampler_greedy_equals_one_device(one):
     for shape in MESHES.values():
         mesh = make_mesh(shape)
         got = _greedy(graphdef, _on(mesh, params), mesh)
-        for (t1, l1), (t2, l2) in zip(got, want):
+        for (t1, l1, r1), (t2, l2, r2) in zip(got, want):
             assert list(t1) == list(t2)
             np.testing.assert_allclose(l1, l2, atol=1e-5)
+            np.testing.assert_array_equal(r1, r2)
 
 
 def test_decode_loop_holds_one_layers_gathered_experts_at_a_time():

@@ -79,8 +79,8 @@ def _sampler(graphdef, **fields):
 
 
 def test_route_dtype():
-    assert route_dtype(8) == jnp.int8 and route_dtype(127) == jnp.int8
-    assert route_dtype(128) == jnp.int16
+    assert route_dtype(8) == jnp.int8 and route_dtype(128) == jnp.int8  # ids 0..127 and -1
+    assert route_dtype(129) == jnp.int16
 
 
 @pytest.mark.parametrize("remat", (False, True))
@@ -163,7 +163,7 @@ def test_decode_steps_record_the_fed_tokens_routes(chunk):
         prefill_chunk=chunk,
     )
     greedy = SamplingParams(temperature=0.0)
-    assert Engine(CFG, graphdef, ecfg, greedy).zeros().routes is None
+    assert not Engine(CFG, graphdef, ecfg, greedy).records_routes  # asked for only
     ecfg = dataclasses.replace(ecfg, record_routes=True)
     engine = Engine(CFG, graphdef, ecfg, greedy)
     state = engine.init_state()

@@ -342,13 +342,13 @@ def test_router_aux_loss_coef_config(tmp_path):
     new["rl"]["router_aux_loss_coef"] = 0.01
     with pytest.raises(UsageError, match="router_aux_loss_coef"):
         check_resumable(old, new)
-    c = get_config()  # which runs record the sampler's routes
+    c = get_config()  # which runs record the sampler's routes: every MoE run's
     assert records_routes(c, 8) and not records_routes(c, 0)
     c.env.name = "calculator"
-    assert not records_routes(c, 8)  # replay off: route_mismatch on single-turn synchronous runs
+    assert records_routes(c, 8)  # replay off: for route_mismatch, multi-turn too
     c.env.name, c.rl.partial_rollouts = "", True
-    assert not records_routes(c, 8)
-    c.rl.routing_replay = "rollout"  # replay: every run records (partial, multi-turn too)
+    assert records_routes(c, 8)  # and partial rollouts
+    c.rl.routing_replay = "rollout"  # replay: every run records
     assert records_routes(c, 8)
     c.env.name = "calculator"
     assert records_routes(c, 8)
