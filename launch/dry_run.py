@@ -98,10 +98,12 @@ def abstract_batch(
     ref_logp: bool = False,
     stop_masked: bool = False,
     routes: tuple | None = None,
+    digest_layers: int = 0,
 ) -> Batch:
     """A learner Batch of `rows` rows of t tokens as sharded ShapeDtypeStructs (nothing allocated);
     the optional per-token fields are present when asked for, `routes` as (L_moe, k, dtype): the
-    sampler's recorded experts [rows, t, L_moe, k]."""
+    sampler's recorded experts [rows, t, L_moe, k] (replayed), `digest_layers` L_moe > 0: their
+    digests [rows, t, L_moe] (compared)."""
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     per_token = lambda dtype="float32": spec((rows, t - 1), dtype)
     return Batch(
@@ -115,15 +117,17 @@ def abstract_batch(
         ref_logp=per_token() if ref_logp else None,
         stop_masked=per_token("bool") if stop_masked else None,
         routes=None if routes is None else spec((rows, t, *routes[:2]), routes[2]),
+        route_digest=spec((rows, t, digest_layers), "uint16") if digest_layers else None,
     )
 
 
 def _batch(config, cfg: ModelConfig, rows, sharding) -> Batch:
-    """The learner's batch of `rows` rows as the run makes it: with the sampler's routes on a
-    mixture of experts (`launch.validate.records_routes`: replayed, or compared for
-    rollout/route_mismatch)."""
+    """The learner's batch of `rows` rows as the run makes it: with the sampler's record of the
+    experts on a mixture of experts (`launch.validate.records_routes`: the ids replayed, or their
+    digests compared for rollout/route_mismatch)."""
     s = config.sampling
     recorded = records_routes(config, cfg.num_experts) and cfg.num_moe_layers
+    replay = recorded and config.rl.get("routing_replay", "none") == "rollout"
     return abstract_batch(
         rows,
         s.max_prompt_len + s.max_new_tokens,
@@ -133,9 +137,10 @@ def _batch(config, cfg: ModelConfig, rows, sharding) -> Batch:
         stop_masked=bool(s.min_new_tokens),
         routes=(
             (cfg.num_moe_layers, cfg.experts_per_token, route_dtype(cfg.num_experts))
-            if recorded
+            if replay
             else None
         ),
+        digest_layers=cfg.num_moe_layers if recorded and not replay else 0,
     )
 
 

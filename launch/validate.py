@@ -141,10 +141,11 @@ def stop_ids(c: ml_collections.ConfigDict, eos_ids) -> tuple[int, ...]:
 
 def records_routes(c: ml_collections.ConfigDict, num_experts: int) -> bool:
     """Whether the sampler records each token's experts: on every mixture of experts' run, for
-    routing replay or, with replay off, for rollout/route_mismatch (rl/router.py): [slots,
-    max_new_tokens, L_moe, k] on the device and each episode's [T, L_moe, k] on the host, int8
-    up to 128 experts (`models.moe.route_dtype`), in single-turn, multi-turn and
-    partial-rollout runs alike."""
+    routing replay or, with replay off, for rollout/route_mismatch (rl/router.py): a decode
+    call's [slots, steps_per_call, L_moe, k] on the device and each episode's [T, L_moe, k] on
+    the host, int8 up to 128 experts (`models.moe.route_dtype`), in single-turn, multi-turn and
+    partial-rollout runs alike; the learner gets the ids (replay) or their 16-bit digests
+    (`rl.router.digest`)."""
     return bool(num_experts) or c.rl.get("routing_replay", "none") == "rollout"
 
 

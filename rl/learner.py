@@ -85,7 +85,7 @@ class LearnerConfig:
     stop_ids: tuple[int, ...] = ()  # banned where Batch.stop_masked (the sampler's min_new_tokens)
     grad_reduce_dtype: str = "float32"  # weight gradients summed across devices in this dtype
     # MoE: "rollout" routes every learner pass by Batch.routes (the sampler's experts); "none"
-    # lets the routers route and only compares them with Batch.routes (rollout/route_mismatch)
+    # lets the routers route and only compares them with Batch.route_digest (route_mismatch)
     routing_replay: str = "none"
     # MoE: the load-balancing loss's coefficient in the loss (rl/router.py); None: the
     # checkpoint's config.json router_aux_loss_coef (ModelConfig.router_aux_loss_coef); 0 = off
@@ -151,6 +151,9 @@ class Batch:
     # int8/int16 [B,T,L_moe,k] the sampler's experts of each token (rl.routing_replay="rollout"),
     # used by every learner pass in place of the routers' top-k; None: the routers route
     routes: jax.Array | None = None
+    # uint16 [B,T,L_moe] the sampler's expert sets as `rl.router.digest`s (replay off, an MoE
+    # run): compared with the loss pass's own for rollout/route_mismatch; None: not compared
+    route_digest: jax.Array | None = None
 
 
 def batch_sharding(mesh, rules) -> NamedSharding:
@@ -327,13 +330,13 @@ class Learner:
         if tl.router is None:
             return loss, metrics
         real, recorded = totals
-        compare = mb.routes is not None and self.cfg.routing_replay == "none"
+        compare = mb.route_digest is not None and self.cfg.routing_replay == "none"
         aux, more = router.step_terms(
             tl.router,
             mb.segment_ids,
             real,
             tl.routes if compare else None,
-            mb.routes if compare else None,
+            mb.route_digest if compare else None,
             recorded,
         )
         if aux_coef:  # a Python float: 0 leaves the loss's graph as it was
@@ -381,7 +384,7 @@ class Learner:
         coef = float(model_cfg.router_aux_loss_coef if coef is None else coef) if moe else 0.0
         totals = None
         if moe:  # the step's real tokens and, to compare, those the sampler's record covers
-            compare = batch.routes is not None and self.cfg.routing_replay == "none"
+            compare = batch.route_digest is not None and self.cfg.routing_replay == "none"
             totals = (
                 jnp.sum(batch.segment_ids != 0),
                 jnp.sum(router.recorded(batch.segment_ids)) if compare else None,

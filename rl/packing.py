@@ -31,6 +31,7 @@ import dataclasses
 
 import numpy as np
 
+from rl import router
 from rl.learner import Batch
 
 
@@ -127,7 +128,7 @@ def build_batch(
     multiple: int = 1,
     minibatches: int = 1,
     rows: int | None = None,
-    replay: bool = False,
+    routes: str | None = None,
 ) -> tuple[Batch, Layout]:
     """The learner Batch (numpy) of the groups' sequences (prompt + completion), and its Layout;
     with `rows` (>= what they need: a batch shard's rows, the same on every shard) padded to it.
@@ -135,12 +136,15 @@ def build_batch(
     `loss_mask` covers every completion token the model sampled, never an observation of a
     multi-turn episode (`rl.rollout.Rollouts` applies rl.mask_truncated); advantages are left at
     0 (`Rollouts` spreads them); `stop_masked` marks the first min_new_tokens completion
-    positions, where the sampler banned the stop ids (None if 0). `routes` [rows, T, L_moe, k]
-    holds each sequence's recorded experts (`Completion.routes`, prompt first) where every
-    completion has them (routing replay), else None; padding tokens get expert 0 (unscored).
-    With `replay` (rl.routing_replay="rollout") a completion without them is an error: the
-    learner would route it itself.
+    positions, where the sampler banned the stop ids (None if 0). The sampler's record of each
+    sequence's experts (`Completion.routes`, prompt first; a completion without one is an
+    error): with `routes="replay"` (rl.routing_replay="rollout") as `Batch.routes` [rows, T,
+    L_moe, k], with "compare" (replay off, for rollout/route_mismatch) as
+    `Batch.route_digest` [rows, T, L_moe] (`rl.router.digest`), padding 0 (unscored); None:
+    neither.
     """
+    if routes not in (None, "replay", "compare"):
+        raise ValueError(f"routes={routes!r}: one of None, 'replay', 'compare'")
     seqs = [(grp.prompt, c) for grp in groups for c in grp.completions]
     lengths = [len(p) + c.length for p, c in seqs]
     if max(lengths, default=0) > width:
@@ -162,14 +166,17 @@ def build_batch(
     loss_mask = np.zeros((rows, width - 1), np.float32)
     sampler_logp = np.zeros((rows, width - 1), np.float32)
     stop_masked = np.zeros((rows, width - 1), bool)
-    recorded = bool(seqs) and all(c.routes is not None for _, c in seqs)
-    if replay and seqs and not recorded:
-        i = next(i for i, (_, c) in enumerate(seqs) if c.routes is None)
-        raise ValueError(f"sequence {i}: no recorded routes (Completion.routes) to replay")
-    routes = None
-    if recorded:
-        first_routes = np.asarray(seqs[0][1].routes)
-        routes = np.zeros((rows, width, *first_routes.shape[1:]), first_routes.dtype)
+    missing = [i for i, (_, c) in enumerate(seqs) if c.routes is None]
+    if routes and missing:
+        raise ValueError(f"sequence {missing[0]}: no recorded routes (Completion.routes)")
+    record = None
+    if routes and seqs:
+        first = np.asarray(seqs[0][1].routes)
+        record = (
+            np.zeros((rows, width, *first.shape[1:]), first.dtype)
+            if routes == "replay"
+            else np.zeros((rows, width, first.shape[1]), np.uint16)
+        )
     for i, (p, c) in enumerate(seqs):
         r, s, n = layout.row[i], layout.start[i], lengths[i]
         tokens[r, s : s + n] = p + c.tokens
@@ -180,10 +187,10 @@ def build_batch(
         loss_mask[r, first : s + n - 1] = model
         sampler_logp[r, first : s + n - 1] = c.logprobs
         stop_masked[r, first : first + min(min_new_tokens, c.length)] = True
-        if recorded:
+        if record is not None:
             if len(c.routes) != n:
                 raise ValueError(f"sequence {i}: routes for {len(c.routes)} tokens, has {n}")
-            routes[r, s : s + n] = c.routes
+            record[r, s : s + n] = c.routes if routes == "replay" else router.digest(c.routes, np)
     batch = Batch(
         tokens=tokens,
         positions=positions,
@@ -192,6 +199,7 @@ def build_batch(
         advantages=np.zeros((rows, width - 1), np.float32),
         sampler_logp=sampler_logp,
         stop_masked=stop_masked if min_new_tokens else None,
-        routes=routes,
+        routes=record if routes == "replay" else None,
+        route_digest=record if routes == "compare" else None,
     )
     return batch, layout

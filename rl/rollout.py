@@ -203,15 +203,11 @@ class Rollouts:
             for i, gs in by.items()
         }
         need = [place(n, width, c.rl.pack, self.row_multiple, m).rows for n in lengths.values()]
-        # The sampler's routes (an MoE run) go to the learner only where every sequence of every
-        # process has them, agreed: a sequence carried from a run saved before its episodes
-        # recorded them has none, and the batch must have one structure on every process.
-        recorded = all(
-            cp.routes is not None for gs in by.values() for g in gs for cp in g.completions
-        )
-        everyone = agree([max(need, default=0), idle, recorded])
+        everyone = agree([max(need, default=0), idle])
         rows, idle = int(everyone[:, 0].max()), bool(everyone[:, 1].all())
-        recorded = self.engine.ecfg.record_routes and bool(everyone[:, 2].all())
+        # An MoE run's sampler records every sequence's experts: replayed, or compared
+        routes = "compare" if self.engine.records_routes else None
+        routes = "replay" if c.rl.get("routing_replay", "none") == "rollout" else routes
         parts = {
             i: build_batch(
                 gs,
@@ -222,11 +218,11 @@ class Rollouts:
                 self.row_multiple,
                 m,
                 rows=rows,
-                replay=c.rl.get("routing_replay", "none") == "rollout",
+                routes=routes,
             )
             for i, gs in by.items()
         }
-        parts = {i: (self._routes(b, rows, recorded), lay) for i, (b, lay) in parts.items()}
+        parts = {i: (self._no_sequences(b, rows, routes), lay) for i, (b, lay) in parts.items()}
         zero = jax.tree.map(np.zeros_like, next(iter(parts.values()))[0])
         blocks = [parts[i][0] if i in parts else zero for i in range(self.num_shards)]
         batch = jax.tree.map(lambda *xs: np.concatenate(xs), *blocks)
@@ -249,16 +245,17 @@ class Rollouts:
             idle,
         )
 
-    def _routes(self, batch: Batch, rows: int, recorded: bool) -> Batch:
-        """A shard's packed batch with the sampler's routes if `recorded` (a shard with no
-        sequence: zeros, unscored), else without."""
-        if not recorded:
-            return batch.replace(routes=None)
-        if batch.routes is not None:
+    def _no_sequences(self, batch: Batch, rows: int, routes: str | None) -> Batch:
+        """A shard's packed batch, with zero routes (`build_batch`'s `routes`) where it packed
+        no sequence, as the shards that did have them (the learner's batch has one structure)."""
+        if routes is None or batch.routes is not None or batch.route_digest is not None:
             return batch
         cfg = self.engine.cfg
-        shape = (rows, self.width, cfg.num_moe_layers, cfg.experts_per_token)
-        return batch.replace(routes=np.zeros(shape, route_dtype(cfg.num_experts)))
+        shape = (rows, self.width, cfg.num_moe_layers)
+        if routes == "replay":
+            ids = (cfg.experts_per_token,)
+            return batch.replace(routes=np.zeros(shape + ids, route_dtype(cfg.num_experts)))
+        return batch.replace(route_digest=np.zeros(shape, np.uint16))
 
     def _kl_in_reward(self, params, batch, sampled, groups, layouts, rows, summaries):
         """With rl.kl_in="reward" (and kl_coef > 0): each sample's KL penalty put into its

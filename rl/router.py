@@ -58,11 +58,32 @@ def recorded(segment_ids) -> jax.Array:
     return real & jnp.pad(same_next, ((0, 0), (0, 1)))
 
 
+# A bijection of 16-bit ids: multiplications by odd numbers and xor-shifts, each invertible
+# mod 2^16, so that distinct experts get distinct codes and a set's sum of codes is no linear
+# function of its ids (whose sums often agree).
+_MIX = ((0x9E37, 0x79B9, 7), (0xA3B5, 0, 8), (0x2C1B, 0, 7))
+
+
+def digest(experts, xp=jnp):
+    """uint16 [..., L]: a digest of each expert set, experts int [..., L, k] (ids below 2^15, in
+    any order), with xp numpy on the host (`rl.packing`) or jax.numpy in the learner, alike: the
+    sum over the set of each id's code (`_MIX`, a bijection of 16-bit values) mod 2^16. The
+    sampler's record goes to the learner as this, 2 bytes a (token, layer) instead of k ids
+    (Qwen3-30B-A3B: 8), for rollout/route_mismatch. Sets that differ in one expert (the usual
+    flip) never share a digest (distinct codes); sets that differ in more share one with
+    probability about 2^-16, which `mismatch` then counts as alike."""
+    x = xp.asarray(experts).astype(xp.uint32) & 0xFFFF
+    for mul, add, shift in _MIX:
+        x = (x * xp.uint32(mul) + xp.uint32(add)) & 0xFFFF
+        x = x ^ (x >> shift)
+    return (xp.sum(x, axis=-1, dtype=xp.uint32) & 0xFFFF).astype(xp.uint16)
+
+
 def mismatch(used, sampler, where) -> tuple[jax.Array, jax.Array]:
-    """used, sampler int [B,T,L,k] (the experts of each token's MoE layers), where bool [B,T] ->
-    (tokens whose expert sets differ in some layer, (token, layer) pairs that differ): f32 []."""
-    sort = lambda r: jnp.sort(r.astype(jnp.int32), axis=-1)
-    differ = jnp.any(sort(used) != sort(sampler), axis=-1) & where[..., None]  # [B,T,L]
+    """used int [B,T,L,k] (the experts this pass used in each token's MoE layers), sampler
+    uint16 [B,T,L] (the sampler's, as `digest`s), where bool [B,T] -> (tokens whose expert sets
+    differ in some layer, (token, layer) pairs that differ): f32 []."""
+    differ = (digest(used) != sampler) & where[..., None]  # [B,T,L]
     return jnp.sum(jnp.any(differ, -1), dtype=jnp.float32), jnp.sum(differ, dtype=jnp.float32)
 
 
@@ -76,8 +97,8 @@ def step_terms(
 ) -> tuple[jax.Array, dict]:
     """One micro-batch's (balance loss weighted by its share of the step's real tokens, metric
     contributions), from its stats, segment ids [B,T], the step's real-token count and, for the
-    mismatch, the experts this pass used and the sampler's [B,T,L,k] with the step's count of
-    recorded tokens (`recorded`)."""
+    mismatch, the experts this pass used [B,T,L,k] and the sampler's digests [B,T,L]
+    (`Batch.route_digest`) with the step's count of recorded tokens (`recorded`)."""
     layers = stats.probs.shape[0]
     real = jnp.sum(segment_ids != 0, dtype=jnp.float32)
     total = jnp.maximum(global_real, 1).astype(jnp.float32)

@@ -265,7 +265,7 @@ class EpisodeLoop:
         ep.finish = reason or ep.finish
         routes = None
         if ep.routes is not None:  # + the last token's (never fed)
-            parts = [self._recorded(x) for x in ep.routes]  # the Prefix's first (`_take`)
+            parts = [self._recorded(x) for x in ep.routes]  # the Prefix's first (`_record`)
             last = np.zeros((1, *parts[0].shape[1:]), parts[0].dtype)
             routes = np.concatenate([*parts, last])
         self.results[ep.i][ep.k] = done = Completion(
@@ -505,6 +505,8 @@ class EpisodeLoop:
         before them, then the ones it drew) to its episode's record."""
         if ep.routes is None or r.routes is None:
             return
+        if n > r.routes.shape[1]:
+            raise ValueError(f"slot {s}: {n} tokens read from a call of {r.routes.shape[1]} steps")
         # The prefills' records, read now that they ran: at the first call of a stint the
         # prompt's experts become those its prefill recorded for this episode, not a later
         # refresh's (a group partly inserted at a stop has its Prefix recomputed under new
@@ -654,7 +656,7 @@ class EpisodeLoop:
             state, prefix, slots, rid, turns, [budget[k] for k in ks], samples=ks, keep=k0 + n < g
         )
         self.mine.update(slots)
-        # record_routes: the prompt's experts are the Prefix's once its prefill ran (`_finish`)
+        # record_routes: the prompt's experts are the Prefix's once its prefill ran (`_record`)
         routes = lambda: [prefix] if self.engine.records_routes else None
         self.owner.update(
             (s, Episode(key, k, budget[k], kv_version=kv, routes=routes()))

@@ -200,7 +200,7 @@ class Episode:
     versions: list[int] = dataclasses.field(default_factory=list)  # run version of each token
     turns: int = 0
     turn_len: int = 0  # model tokens of the turn in progress (parked mid-turn: > 0)
-    seen: int = 0  # tokens of this slot stint already read (for slot utilization)
+    seen: int = 0  # tokens of this slot stint already read (utilization; each call's routes)
     kv_version: int = 0  # the version whose parameters computed the cached KV (refresh)
     finish: str = "stop"
     parked: Parked | None = None

@@ -60,8 +60,10 @@ def test_tool_episodes_log_route_mismatch_without_replay(moe, tmp_path, partial)
     assert sum(r["episode/tool_calls"] for r in rows) > 0  # observations were fed and recorded
     for r in rows:
         assert 0.0 <= r["rollout/route_mismatch_layers"] <= r["rollout/route_mismatch"] <= 1.0
-    if not partial:  # the learner's parameters are the sampler's (mu = 1): the same experts
-        assert all(r["rollout/route_mismatch"] == 0.0 for r in rows), rows
+    # The learner's parameters are the sampler's (mu = 1): the same experts. With partial
+    # rollouts later steps also train episodes sampled under earlier parameters.
+    checked = rows if not partial else rows[:1]
+    assert all(r["rollout/route_mismatch"] == 0.0 for r in checked), rows
 
 
 def test_tool_episodes_train_on_the_replayed_routes(moe, tmp_path):

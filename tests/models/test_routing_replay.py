@@ -1,5 +1,5 @@
 """Routing replay in the model (issue 52 item 4): `Transformer.hidden(..., record=True)` returns
-the experts each token used in each MoE layer, [B,T,L_moe,k] int8 (int16 past 127 experts), and
+the experts each token used in each MoE layer, [B,T,L_moe,k] int8 (int16 past 128 experts), and
 `hidden(..., routes=record)` uses exactly those experts with gate weights from the routers.
 
 A tiny Qwen3-MoE (8 experts, top-2, layers 0 and 2 of 3 with experts), f32, one device and the

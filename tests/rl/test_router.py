@@ -190,7 +190,7 @@ def test_learner_logs_and_adds_the_routers_terms(setup):  # noqa: F811
     mesh = make_mesh({}, devices=jax.devices()[:1])
     sh = state_shardings(params, mesh, DEFAULT_RULES)
     routes, picked = _perturbed(batch, np.random.default_rng(0))
-    batch = batch.replace(routes=routes)
+    batch = batch.replace(routes=None, route_digest=router.digest(routes, np))  # replay off
     learner = lambda **kw: Learner(LearnerConfig(loss=NO_KL, **kw), replaying.graphdef, sh)
     grads0, m0 = learner().grads(params, batch)  # replay off, coefficient 0 (the default)
     logits = _router_logits(replaying.graphdef, params, batch)
@@ -225,11 +225,31 @@ def test_learner_logs_and_adds_the_routers_terms(setup):  # noqa: F811
     # fed); the learner routes those by its routers, so with the routers' own experts elsewhere
     # everything is the unreplayed pass's (zeros there would send them to expert 0)
     record = np.where(recorded[..., None, None], setup[1].routes, 0).astype(np.int8)
-    _, m_replay = learner(routing_replay="rollout").grads(params, batch.replace(routes=record))
+    replayed = batch.replace(routes=record, route_digest=None)
+    _, m_replay = learner(routing_replay="rollout").grads(params, replayed)
     assert "rollout/route_mismatch" not in m_replay  # the learner routes by the record
     for name in ("router/load_max_over_mean", "router/load_max_over_mean_worst"):
         np.testing.assert_allclose(m_replay[name], m0[name], rtol=1e-6)
     np.testing.assert_allclose(m_replay["router/aux_loss"], m0["router/aux_loss"], rtol=1e-6)
+
+
+def test_route_digest_tells_expert_sets_apart():
+    """rl.router.digest: the same on the host (numpy) and in the learner (jnp), free of the ids'
+    order, distinct for every pair of sets that differ in one expert (any E up to 2^15: the
+    codes are a bijection), and for random sets that differ, alike about 2^-16 of the time."""
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((4096, 128)), -1)[:, :8].astype(np.int16)  # top-8 of 128
+    host = router.digest(ids, np)
+    assert host.dtype == np.uint16 and host.shape == (4096,)
+    np.testing.assert_array_equal(np.asarray(router.digest(jnp.asarray(ids))), host)
+    np.testing.assert_array_equal(router.digest(ids[:, ::-1], np), host)  # any order
+    codes = router.digest(np.arange(2**15)[:, None], np)  # a set of one: the id's code
+    assert len(np.unique(codes)) == 2**15
+    other = np.argsort(rng.random((4096, 128)), -1)[:, :8]
+    differ = (np.sort(ids, -1) != np.sort(other, -1)).any(-1)
+    assert ((router.digest(other, np) == host) & differ).sum() <= 2  # ~4096 / 2^16 expected
+    sets = [(a, b) for a in range(8) for b in range(a + 1, 8)]  # every top-2 of 8 experts
+    assert len(set(router.digest(np.array(sets), np).tolist())) == len(sets)
 
 
 def test_a_dense_model_logs_no_router_metrics():

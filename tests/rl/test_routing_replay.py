@@ -18,6 +18,7 @@ from launch.cli import UsageError
 from launch.resume_compat import check_resumable
 from launch.validate import check_routing_replay
 from models.sharding import DEFAULT_RULES, init_params, make_mesh, state_shardings
+from rl import router
 from rl.groups import Group
 from rl.learner import Learner, LearnerConfig
 from rl.packing import build_batch
@@ -48,7 +49,7 @@ def setup():
     groups = [
         Group({}, p, cs[2 * i : 2 * i + 2], [], np.zeros(2), {}) for i, p in enumerate(prompts)
     ]
-    batch, layout = build_batch(groups, WIDTH, 0, pack=True)
+    batch, layout = build_batch(groups, WIDTH, 0, pack=True, routes="replay")
     cfg = LearnerConfig(routing_replay="rollout")
     learner = Learner(cfg, graphdef, state_shardings(params, mesh, DEFAULT_RULES))
     return groups, batch, layout, learner, params
@@ -65,17 +66,27 @@ def test_routes_are_packed_with_their_sequences(setup):
         np.testing.assert_array_equal(batch.routes[r, s : s + n], c.routes)
         covered[r, s : s + n] = True
     assert not batch.routes[~covered].any()  # padding: expert 0
+    # replay off: the record's digests (rl.router.digest) in the same places, padding 0
+    compared = build_batch(groups, WIDTH, 0, pack=True, routes="compare")[0]
+    assert compared.routes is None and compared.route_digest.dtype == np.uint16
+    np.testing.assert_array_equal(
+        compared.route_digest, np.where(covered[..., None], router.digest(batch.routes, np), 0)
+    )
     bad = [Group({}, groups[0].prompt, [groups[0].completions[0]], [], np.zeros(1), {})]
     short = Completion([5, 6], [-1.0, -1.0], "stop", 2, routes=np.zeros((1, 2, 2), np.int8))
     bad[0].completions.append(short)
-    with pytest.raises(ValueError, match="sequence 1: routes for"):
-        build_batch(bad, WIDTH, 0)
-    plain = Completion([5, 6], [-1.0, -1.0], "stop", 2)  # one without a record: no routes
+    for routes in ("replay", "compare"):
+        with pytest.raises(ValueError, match="sequence 1: routes for"):
+            build_batch(bad, WIDTH, 0, routes=routes)
+    plain = Completion([5, 6], [-1.0, -1.0], "stop", 2)  # one without a record
     mixed = [Group({}, groups[0].prompt, [groups[0].completions[0], plain], [], np.zeros(2), {})]
-    assert build_batch(mixed, WIDTH, 0)[0].routes is None
-    with pytest.raises(ValueError, match="sequence 1: no recorded routes"):
-        build_batch(mixed, WIDTH, 0, replay=True)  # routing replay never routes one itself
-    assert build_batch(groups, WIDTH, 0, replay=True)[0].routes is not None
+    none = build_batch(mixed, WIDTH, 0)[0]  # a dense model's run: no record asked for
+    assert none.routes is None and none.route_digest is None
+    for routes in ("replay", "compare"):  # the learner would route or compare it wrongly
+        with pytest.raises(ValueError, match="sequence 1: no recorded routes"):
+            build_batch(mixed, WIDTH, 0, routes=routes)
+    with pytest.raises(ValueError, match="routes='ids': one of None, 'replay', 'compare'"):
+        build_batch(groups, WIDTH, 0, routes="ids")
 
 
 def test_every_learner_pass_routes_by_the_record(setup):
