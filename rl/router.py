@@ -24,8 +24,10 @@ and for the experts each token used ([B,T,L_moe,k]). From them, per micro-batch:
   layers) and `router/load_max_over_mean_worst` (the worst layer), and, where the rollout
   recorded the sampler's experts and the learner does not replay them,
   `rollout/route_mismatch`: the fraction of recorded tokens whose experts (as a set) differ
-  between the sampler and this pass in at least one MoE layer (launch.bench replay's measure),
-  and `rollout/route_mismatch_layers`: the fraction of (token, MoE layer) pairs that differ. A
+  between the sampler and this pass in at least one MoE layer (launch.bench replay's measure;
+  the sets compared by their 16-bit `digest`s, so that two sets that differ in more than one
+  expert count as alike about 2^-16 of the time), and `rollout/route_mismatch_layers`: the
+  fraction of (token, MoE layer) pairs that differ. A
   recorded token is a real one other than its sequence's last (never fed to the sampler: its
   record is zeros). The pass is the optimizer step's own: with one minibatch and one pass
   (mu = 1) the parameters the sampler used, else the step's.
@@ -33,8 +35,11 @@ and for the experts each token used ([B,T,L_moe,k]). From them, per micro-batch:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.moe import RouterStats
 
@@ -72,11 +77,24 @@ def digest(experts, xp=jnp):
     (Qwen3-30B-A3B: 8), for rollout/route_mismatch. Sets that differ in one expert (the usual
     flip) never share a digest (distinct codes); sets that differ in more share one with
     probability about 2^-16, which `mismatch` then counts as alike."""
-    x = xp.asarray(experts).astype(xp.uint32) & 0xFFFF
+    if xp is np:  # the codes looked up: 6x faster than computing them (2.5 us a 30B token)
+        return np.take(_codes(), np.asarray(experts).astype(np.uint16)).sum(-1, dtype=np.uint16)
+    x = _mixed(jnp.asarray(experts).astype(jnp.uint32) & 0xFFFF, jnp)
+    return (jnp.sum(x, axis=-1, dtype=jnp.uint32) & 0xFFFF).astype(jnp.uint16)
+
+
+def _mixed(x, xp):
+    """uint32 x < 2^16 -> its code (`_MIX`), < 2^16."""
     for mul, add, shift in _MIX:
         x = (x * xp.uint32(mul) + xp.uint32(add)) & 0xFFFF
         x = x ^ (x >> shift)
-    return (xp.sum(x, axis=-1, dtype=xp.uint32) & 0xFFFF).astype(xp.uint16)
+    return x
+
+
+@functools.cache
+def _codes() -> np.ndarray:
+    """uint16 [2^16]: every 16-bit value's code, the host's lookup table."""
+    return _mixed(np.arange(2**16, dtype=np.uint32), np).astype(np.uint16)
 
 
 def mismatch(used, sampler, where) -> tuple[jax.Array, jax.Array]:
