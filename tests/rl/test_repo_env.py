@@ -207,6 +207,7 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
         recomputed_tokens=0,
         prefill_tokens=0,
         slot_steps=[0, 0],
+        records_routes=False,  # a dense model's
     )  # one batch shard: all the rollout reads of it
     rollouts = Rollouts(config, engine, TOK, None, None, batch_sharding(mesh, tuple(map(tuple, config.rules))),
                         0)  # fmt: skip
