@@ -45,9 +45,9 @@ def test_replay_bench_refuses_a_top_k_above_the_experts():
 
 @pytest.mark.slow  # a sampler and four learner passes compiled
 def test_replay_bench_with_qwen3_30b_a3b_routing(tmp_path):
-    """128 experts, top-8 (int8 route records, ids up to 127): without replay some tokens' experts in the
-    learner's pass differ from the sampler's, with it none (read from the pass's own record, so
-    a replay that did not reach the routers would show), and the KL falls."""
+    """128 experts, top-8 (int8 route records, ids up to 127): without replay some tokens'
+    experts in the learner's pass differ from the sampler's, with it none (read from the pass's
+    own record, so a replay that did not reach the routers would show), and the KL falls."""
     out = tmp_path / "r.json"
     argv = ["--num_experts", "128", "--experts_per_token", "8", "--num_prompts", "4",
             "--new_tokens", "8", "--seeds", "0", "--output", str(out)]  # fmt: skip
