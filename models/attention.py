@@ -100,7 +100,7 @@ def attention_weights_to_output(scores, v, mask):
     """softmax(scores masked) @ v, in f32. scores [B,K,R,T,S], v [B,S,K,H], mask bool [B,1,1,T,S]."""
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("BKRTS,BSKH->BTKRH", probs.astype(v.dtype), v)
+    return jnp.einsum("BKRTS,BSKH->BTKRH", probs, v.astype(jnp.float32))
 
 
 def dense_attention(q, k, v, mask):
@@ -111,9 +111,9 @@ def dense_attention(q, k, v, mask):
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)  # [B,T,K,R,H]
-    scores = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k) * (h**-0.5)
-    out = attention_weights_to_output(scores, v, mask[:, None, None])
-    return out.reshape(b, t, n, h)
+    scores = jnp.einsum("BTKRH,BSKH->BKRTS", qg, k, preferred_element_type=jnp.float32)
+    out = attention_weights_to_output(scores * h**-0.5, v, mask[:, None, None])
+    return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 def causal_mask(segments):
