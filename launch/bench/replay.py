@@ -150,8 +150,12 @@ def run(model, seed: int, new_tokens: int) -> dict:
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
     valid = np.arange(width) < np.array([len(p) for p in prompts])[:, None] + g[:, None]
     model = nnx.merge(graphdef, params)
+    # The learner's passes take the rows as arguments, as the learner's step does: closed over,
+    # they are constants that XLA:CPU folds into the program, which then rounds otherwise in bf16.
+    rows = (ids, pos, valid)
     # the experts each pass of the learner's model used, from its own record of the pass
-    experts = jax.jit(lambda routes: model.hidden(ids, pos, valid, routes=routes, record=True)[2])
+    record = jax.jit(lambda rows, routes: model.hidden(*rows, routes=routes, record=True)[2])
+    experts = lambda routes: record(rows, routes)
     own = np.asarray(experts(None))  # [n, width, L_moe, k]: the learner's routers' choice
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
     decode = own.copy()  # the decode steps' experts at the fed positions, the learner's elsewhere
@@ -159,11 +163,10 @@ def run(model, seed: int, new_tokens: int) -> dict:
     full = decode.copy()  # and the prefill's for the prompt's other tokens: the whole record
     for i, x in enumerate(prefixes):
         full[i, : len(x.routes)] = x.routes
-    logp = jax.jit(
-        lambda routes: (
-            token_logprobs(model, ids, pos, valid, SamplingParams(1.0), routes=routes).logp
-        )
+    scores = jax.jit(
+        lambda rows, routes: token_logprobs(model, *rows, SamplingParams(1.0), routes=routes).logp
     )
+    logp = lambda routes: scores(rows, routes)
     out = {}
     settings = (
         ("off", None),
