@@ -8,6 +8,7 @@ run's config; a field that can change the trajectory and differs refuses the res
 from __future__ import annotations
 
 import json
+import os
 
 from launch.cli import UsageError
 from rl.mismatch import resolve_correction
@@ -182,6 +183,8 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
         train = {**train, "revision": old_train.get("revision")}
     if "data" in new:
         new = {**new, "data": {**new["data"], "train": train}}
+    for where in PATH_FIELDS:
+        new = _same_path(old, new, where)
     _check_commit(old, new)
     _check_commit(old, new, "data", "train", "path")
     # data.eval may change on resume (another held-out set), but the same Hub dataset at another
@@ -198,6 +201,33 @@ def check_resumable(old: dict, new: dict, hint: bool = True) -> None:
             f"cannot resume with a changed config ({details}); use a new --workdir"
             + (f", or resume with the saved values: {flags}" if flags else "")
         )
+
+
+# Local paths a resumed run may spell otherwise while they name the same file or directory.
+PATH_FIELDS = ("model.hf_checkpoint", "data.train.path")
+
+
+def _same_path(old: dict, new: dict, dotted: str) -> dict:
+    """new with the path at `dotted` spelled as in old when both name the same existing file or
+    directory (a relative one resolved from the working directory, as the run reads it): a run
+    started as `--config configs/default.py` resumes as `--config /abs/.../configs/default.py`,
+    whose config derives its checkpoint's path from its own (`ASSETS`). A path that no longer
+    exists, or another copy of the same files, is still a change."""
+    was, now = _get(old, dotted), _get(new, dotted)
+    if not (isinstance(was, str) and isinstance(now, str) and was and now) or was == now:
+        return new
+    try:
+        if not os.path.samefile(was, now):
+            return new
+    except OSError:  # either is missing (a Hub id, a glob, a moved checkout)
+        return new
+    *sections, field = dotted.split(".")
+    out = json.loads(json.dumps(new))
+    d = out
+    for part in sections:
+        d = d[part]
+    d[field] = was
+    return out
 
 
 def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:

@@ -250,3 +250,32 @@ def test_unpacked_rows_of_a_batch_shard_must_divide_by_the_minibatches():
     validate(parse_args([*run, "--config.rl.minibatches=2"], {})[0], 8)
     validate(parse_args([*run, "--config.rl.minibatches=4", "--config.data.prompts_per_step=8"],
                         {})[0], 8)  # fmt: skip
+
+
+def test_a_path_spelled_otherwise_resumes_when_it_names_the_same_files(tmp_path, monkeypatch):
+    """model.hf_checkpoint and data.train.path may be spelled otherwise on resume (relative and
+    absolute, through a symlink) while they name the same existing directory or file; another
+    directory, a copy of the same files, or a path that is gone is still refused, named."""
+    from launch.resume_compat import check_resumable
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+
+    def config(ckpt, data="train.jsonl"):
+        flags = [f"--config.model.hf_checkpoint={ckpt}", f"--config.data.train.path={data}"]
+        return config_json(parse_args(flags, {})[0])
+
+    old = config("ckpt")
+    for same in (str(tmp_path / "ckpt"), "link", "./ckpt/", str(tmp_path / "link")):
+        check_resumable(old, config(same, str(tmp_path / "train.jsonl")))
+    for other in ("copy", str(tmp_path / "gone")):
+        with pytest.raises(UsageError, match="model.hf_checkpoint: 'ckpt' -> "):
+            check_resumable(old, config(other))
+    with pytest.raises(UsageError, match="data.train.path"):
+        check_resumable(old, config("ckpt", "other.jsonl"))
+    gone = config(str(tmp_path / "moved_away"))  # saved under a path that no longer exists
+    with pytest.raises(UsageError, match="model.hf_checkpoint"):
+        check_resumable(gone, config("ckpt"))
