@@ -104,7 +104,9 @@ def attention_weights_to_output(scores, v, mask):
 
 
 def dense_attention(q, k, v, mask):
-    """Grouped-query attention. q [B,T,N,H], k/v [B,S,K,H], mask bool [B,T,S] -> [B,T,N,H].
+    """Grouped-query attention. q [B,T,N,H], k/v [B,S,K,H], mask bool [B,T,S] -> [B,T,N,H] in
+    q's dtype. Scores, softmax and P @ V are f32 whatever the inputs' dtype, as in the blockwise
+    path, the paged decode and the kernels (bf16 scores would round |s| ~ 30 by 0.125).
 
     R = N / K query heads share each KV head.
     """
