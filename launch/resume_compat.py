@@ -7,6 +7,7 @@ run's config; a field that can change the trajectory and differs refuses the res
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -215,6 +216,8 @@ def _same_path(old: dict, new: dict, dotted: str) -> dict:
     exists, or another copy of the same files, is still a change."""
     was, now = _get(old, dotted), _get(new, dotted)
     if not (isinstance(was, str) and isinstance(now, str) and was and now) or was == now:
+        return new
+    if glob.has_magic(was) or glob.has_magic(now):  # a data glob: compared as written
         return new
     try:
         if not os.path.samefile(was, now):

@@ -105,8 +105,12 @@ def attention_weights_to_output(scores, v, mask):
 
 def dense_attention(q, k, v, mask):
     """Grouped-query attention. q [B,T,N,H], k/v [B,S,K,H], mask bool [B,T,S] -> [B,T,N,H] in
-    q's dtype. Scores, softmax and P @ V are f32 whatever the inputs' dtype, as in the blockwise
-    path, the paged decode and the kernels (bf16 scores would round |s| ~ 30 by 0.125).
+    q's dtype (a cache of another dtype, sampling/state.py's continued prefill, no longer sets
+    it). Scores and softmax are f32 whatever the inputs' dtype, as in the blockwise path, the
+    paged decode and the kernels (bf16 scores would round |s| ~ 30 by 0.125), and P @ V takes
+    f32 operands (at the platform's default matmul precision), as the blockwise path and the
+    paged decode do. Its f32 scores and probabilities [B,K,R,T,S] are twice bf16's: this path is
+    for short rows (CPU's "auto" up to AUTO_DENSE_MAX_T, the sampler's prefill chunks).
 
     R = N / K query heads share each KV head.
     """

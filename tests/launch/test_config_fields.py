@@ -276,6 +276,11 @@ def test_a_path_spelled_otherwise_resumes_when_it_names_the_same_files(tmp_path,
             check_resumable(old, config(other))
     with pytest.raises(UsageError, match="data.train.path"):
         check_resumable(old, config("ckpt", "other.jsonl"))
+    (tmp_path / "train*.jsonl").write_text("{}\n")  # a glob is compared as written
+    with pytest.raises(UsageError, match="data.train.path"):
+        check_resumable(
+            config("ckpt", "train*.jsonl"), config("ckpt", str(tmp_path / "train*.jsonl"))
+        )
     gone = config(str(tmp_path / "moved_away"))  # saved under a path that no longer exists
     with pytest.raises(UsageError, match="model.hf_checkpoint"):
         check_resumable(gone, config("ckpt"))

@@ -183,19 +183,21 @@ def test_long_row_has_no_t_by_t_array():
     assert temp(block) * 10 < temp(dense)
 
 
-def test_bf16_scores_stay_f32_in_every_path():
+def test_bf16_scores_stay_f32_in_dense_and_blockwise():
     """With bf16 q, k, v the dense path's scores and its P @ V are f32 inside, as the blockwise
-    path's, the paged decode's and the kernels' are: large scores (|s| ~ 30, where bf16's step is
-    0.125, a 13 % change of a probability) are not rounded before the softmax. The learner's
-    attention on CPU and the sampler's prefill (sampling/state.py) are this dense path; the
-    decode step that continues that prefill is f32 inside (sampling/paged_attention.py)."""
+    path's and the paged decode's are: large scores (|s| ~ 30, where bf16's step is 0.125, a 13 %
+    change of a probability) are not rounded before the softmax. The learner's attention on CPU
+    and the sampler's prefill (sampling/state.py) are this dense path; the decode step that
+    continues that prefill is f32 inside (sampling/paged_attention.py)."""
     seg, q, kk, v, _, real = _inputs([[1] * 24 + [2] * 9, [1] * 33], 4, 2, seed=3)
     q, kk, v = (x.astype(jnp.bfloat16) for x in (q * 6.0, kk * 3.0, v))
-    exact = dense_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), causal_mask(seg))
-    assert float(jnp.abs(jnp.einsum("BTNH,BSNH->BNTS", q[:, :, ::2], kk)).max()) > 30
+    mask = causal_mask(seg)  # [B,T,S]
+    exact = dense_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), mask)
+    seen = jnp.einsum("BTNH,BSNH->BNTS", q[:, :, ::2], kk) * H**-0.5 * mask[:, None]
+    assert float(jnp.abs(seen).max()) > 30  # scaled scores a query attends to
     ulp = lambda x: jnp.abs(x.astype(jnp.float32)) * 2.0**-7 + 1e-6  # one bf16 step, at least
     for name, out in (
-        ("dense", dense_attention(q, kk, v, causal_mask(seg))),
+        ("dense", dense_attention(q, kk, v, mask)),
         ("blockwise", blockwise_attention(q, kk, v, seg, 8, 8)),
     ):
         assert out.dtype == jnp.bfloat16, name
