@@ -25,8 +25,8 @@ right-padded) then scores the same tokens:
 - replay: and the prefill's experts at the prompt's other tokens (`Prefix.routes`): every token
   routed as the sampler routed it (the last sampled token, never fed, scores nothing).
 Per setting: route mismatch = the fraction of tokens (the prompt's and the fed ones) whose
-experts in the learner's pass (as a set, in any MoE layer; read from the model's own record of
-a pass given the same routes) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with
+experts in the learner's pass (as a set, in any MoE layer; the record of the same pass that
+gave the row's log-probs, `token_logprobs(stats=True)`) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with
 r = log p_learner - log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner
 logs), max |r|.
 """
@@ -149,24 +149,25 @@ def run(model, seed: int, new_tokens: int) -> dict:
         ids[i, : len(p) + g[i]] = p + r.tokens[i][: g[i]].tolist()
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
     valid = np.arange(width) < np.array([len(p) for p in prompts])[:, None] + g[:, None]
-    model = nnx.merge(graphdef, params)
-    # The learner's passes take the rows as arguments, as the learner's step does: closed over,
-    # they are constants that XLA:CPU folds into the program, which then rounds otherwise in bf16.
     rows = (ids, pos, valid)
-    # the experts each pass of the learner's model used, from its own record of the pass
-    record = jax.jit(lambda rows, routes: model.hidden(*rows, routes=routes, record=True)[2])
-    experts = lambda routes: record(rows, routes)
-    own = np.asarray(experts(None))  # [n, width, L_moe, k]: the learner's routers' choice
+
+    @jax.jit
+    def learner(params, rows, routes):
+        """The learner's pass: log-probs [n, width-1] (position t scores token t+1) and the
+        experts it used [n, width, L_moe, k], from one program, as the learner's loss pass has
+        them. The params and rows are arguments, as in the learner's step: closed over, they
+        are constants that XLA:CPU folds into the program, which then rounds otherwise in bf16."""
+        model = nnx.merge(graphdef, params)
+        out = token_logprobs(model, *rows, SamplingParams(1.0), routes=routes, stats=True)
+        return out.logp, out.routes
+
+    own = np.asarray(learner(params, rows, None)[1])  # the learner's routers' own choice
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
     decode = own.copy()  # the decode steps' experts at the fed positions, the learner's elsewhere
     decode[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
     full = decode.copy()  # and the prefill's for the prompt's other tokens: the whole record
     for i, x in enumerate(prefixes):
         full[i, : len(x.routes)] = x.routes
-    scores = jax.jit(
-        lambda rows, routes: token_logprobs(model, *rows, SamplingParams(1.0), routes=routes).logp
-    )
-    logp = lambda routes: scores(rows, routes)
     out = {}
     settings = (
         ("off", None),
@@ -175,10 +176,10 @@ def run(model, seed: int, new_tokens: int) -> dict:
         ("replay", full),
     )
     for name, routes in settings:
-        lp = np.asarray(logp(routes), np.float64)  # [n, width-1]: position t scores token t+1
-        learner = np.take_along_axis(lp, fed, 1)
-        rr = (learner - np.asarray(r.logprobs[:num_prompts], np.float64))[live]
-        used = own if routes is None else np.asarray(experts(routes))  # what the pass used
+        lp, used = learner(params, rows, routes)  # what the pass gave and the experts it used
+        scored = np.take_along_axis(np.asarray(lp, np.float64), fed, 1)
+        rr = (scored - np.asarray(r.logprobs[:num_prompts], np.float64))[live]
+        used = np.asarray(used)
         got, want = [], []  # every recorded token: the prompt's (prefill) and the fed ones
         for i, x in enumerate(prefixes):
             got.append(used[i, : len(x.routes) + g[i]])
