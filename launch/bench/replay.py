@@ -244,17 +244,21 @@ def main(argv) -> int:
             )
     kl = {(x["seed"], x["setting"]): x["kl_k3"] for x in rows}
     seeds = sorted({x["seed"] for x in rows})
-    falls = [kl[s, "off"] / kl[s, "replay"] for s in seeds]  # how many times replay cuts the KL
+    # How many times replay cuts the KL; inf where the replayed learner's log-probs are the
+    # sampler's exactly (KL 0), written as null in the JSON.
+    falls = [kl[s, "off"] / kl[s, "replay"] if kl[s, "replay"] > 0 else np.inf for s in seeds]
+    median = float(np.median(falls))
+    shown = lambda f: f"{f:.1f}x" if np.isfinite(f) else "exact (replay's KL is 0)"
     lines.append(
-        "KL off / replay: "
-        + ", ".join(f"{f:.1f}x" for f in falls)
-        + f" (median {np.median(falls):.1f}x over {len(seeds)} seeds)"
+        f"KL off / replay: {', '.join(map(shown, falls))} (median {shown(median)} over "
+        f"{len(seeds)} seeds)"
     )
+    finite = lambda f: f if np.isfinite(f) else None
     r = {
         "config": vars(args),
         "model": str(model[0]),
         "rows": rows,
-        "kl_falls": dict(zip(seeds, falls)),
-        "kl_falls_median": float(np.median(falls)),
+        "kl_falls": {s: finite(f) for s, f in zip(seeds, falls)},
+        "kl_falls_median": finite(median),
     }
     return finish(args, r, "\n".join(lines))
