@@ -140,3 +140,30 @@ def test_chunked_prefill_memory_is_flat_in_the_prompt_length(resume):
     assert dense > 4 * 2048**2 * 4
     assert long < 1.5 * short
     assert long * 20 < dense
+
+
+@pytest.mark.parametrize("compute, cache", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_prefill_returns_the_compute_dtype_over_a_cache_of_another(compute, cache):
+    """A prompt, then an observation continuing it (`starts`), through the prefill hook with a
+    cache of another dtype than the model computes in: every path returns q's dtype (the dense
+    paths returned the cache's, and a bf16 model's o-projection and residual then ran in f32
+    over an f32 cache), and the continued dense path (prefill_chunk = 0) equals the paged one."""
+    from sampling.state import PagedPrefill
+
+    b, t, t2, n, kh, h, page_size, pages_per_seq = 2, 8, 5, 4, 2, 16, 4, 4
+    rng = np.random.default_rng(1)
+    x = lambda *shape: jnp.asarray(rng.normal(size=shape), compute)
+    pages = lambda: (jnp.zeros((kh, b * pages_per_seq + 1, page_size, h), cache),)
+    table = jnp.arange(b * pages_per_seq, dtype=jnp.int32).reshape(b, pages_per_seq)
+    hook = PagedPrefill(pages(), pages(), table, jnp.ones((b, t), bool))
+    out, hook = hook.attend(0, x(b, t, n, h), x(b, t, kh, h), x(b, t, kh, h))
+    assert out.dtype == jnp.dtype(compute)
+    q, k, v = x(b, t2, n, h), x(b, t2, kh, h), x(b, t2, kh, h)
+    valid, starts = jnp.ones((b, t2), bool), jnp.full((b,), t, jnp.int32)
+    outs = {}
+    for paged in (False, True):
+        step = PagedPrefill(hook.k_pages, hook.v_pages, table, valid, starts, paged)
+        outs[paged] = step.attend(0, q, k, v)[0]
+        assert outs[paged].dtype == jnp.dtype(compute), paged
+    tol = 1e-5 if compute == "float32" else 1e-2
+    np.testing.assert_allclose(*(np.asarray(o, np.float32) for o in outs.values()), atol=tol)
