@@ -224,12 +224,8 @@ def _same_path(old: dict, new: dict, dotted: str) -> dict:
             return new
     except OSError:  # either is missing (a Hub id, a glob, a moved checkout)
         return new
-    *sections, field = dotted.split(".")
     out = json.loads(json.dumps(new))
-    d = out
-    for part in sections:
-        d = d[part]
-    d[field] = was
+    _put(out, dotted, was)
     return out
 
 
@@ -244,11 +240,7 @@ def _restoring_flags(old: dict, new: dict, fields: list[str]) -> str:
         value = _get(old, f)
         if isinstance(value, (str, int, float, bool)):
             flags.append(f"--config.{f}={shlex.quote(str(value))}")
-            *parents, last = f.split(".")
-            d = restored
-            for part in parents:
-                d = d.setdefault(part, {})
-            d[last] = value
+            _put(restored, f, value)
     try:
         check_resumable(old, restored, hint=False)
     except UsageError:
@@ -297,6 +289,14 @@ def _without(config: dict, section: str, field: str) -> dict:
     if field not in config.get(section, {}):
         return config
     return {**config, section: {k: v for k, v in config[section].items() if k != field}}
+
+
+def _put(d: dict, dotted: str, value) -> None:
+    """d[a][b][c] = value for dotted "a.b.c", in place, the sections made where missing."""
+    *sections, field = dotted.split(".")
+    for part in sections:
+        d = d.setdefault(part, {})
+    d[field] = value
 
 
 def _get(d: dict, dotted: str):

@@ -26,9 +26,9 @@ right-padded) then scores the same tokens:
   routed as the sampler routed it (the last sampled token, never fed, scores nothing).
 Per setting: route mismatch = the fraction of tokens (the prompt's and the fed ones) whose
 experts in the learner's pass (as a set, in any MoE layer; the record of the same pass that
-gave the row's log-probs, `token_logprobs(stats=True)`) differ from the sampler's; KL = k3 = mean(exp(r) - 1 - r) with
-r = log p_learner - log p_sampler over the sampled tokens (the sampler-vs-learner KL the learner
-logs), max |r|.
+gave the row's log-probs, `token_logprobs(stats=True)`) differ from the sampler's; KL = k3 =
+mean(exp(r) - 1 - r) with r = log p_learner - log p_sampler over the sampled tokens (the
+sampler-vs-learner KL the learner logs), max |r|.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def run(model, seed: int, new_tokens: int) -> dict:
         out = token_logprobs(model, *rows, SamplingParams(1.0), routes=routes, stats=True)
         return out.logp, out.routes
 
-    own = np.asarray(learner(params, rows, None)[1])  # the learner's routers' own choice
+    routed = learner(params, rows, None)  # replay off: the learner's routers route
+    own = np.asarray(routed[1])  # [n, width, L_moe, k]: their choice
     fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
     decode = own.copy()  # the decode steps' experts at the fed positions, the learner's elsewhere
     decode[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
@@ -176,7 +177,8 @@ def run(model, seed: int, new_tokens: int) -> dict:
         ("replay", full),
     )
     for name, routes in settings:
-        lp, used = learner(params, rows, routes)  # what the pass gave and the experts it used
+        # what the pass gave and the experts it used
+        lp, used = routed if routes is None else learner(params, rows, routes)
         scored = np.take_along_axis(np.asarray(lp, np.float64), fed, 1)
         rr = (scored - np.asarray(r.logprobs[:num_prompts], np.float64))[live]
         used = np.asarray(used)
