@@ -2,8 +2,10 @@
 
 Builds the mesh, reads only the checkpoint's config.json (no weights), and lowers and compiles the
 jitted functions with abstract shapes: the learner's train step (one minibatch of
-B*G/minibatches sequences), its reference / π_old log-prob pass over the whole rollout, and the
-sampler's `generate` (all slots, `steps_per_call` decode steps). Prints XLA's per-device memory
+B*G/minibatches sequences), its reference / π_old log-prob pass over the whole rollout, the
+sampler's `generate` (all slots, `steps_per_call` decode steps) and its `prefill` (a call's
+prompts per batch shard at the longest dense length and, for prompts longer than
+`sampling.prefill_chunk`, at the longest: `sampling.lowering.prefill_lengths`). Prints XLA's per-device memory
 analysis of each, what stays resident (train state, reference parameters), an upper bound on the
 peak of each phase, and the chips whose memory holds it. Nothing is allocated or run.
 
@@ -54,7 +56,7 @@ from models.sharding import (
 )
 from rl.learner import Batch, Learner, TrainState, batch_sharding
 from sampling.engine import Engine
-from sampling.lowering import lower_generate
+from sampling.lowering import lower_generate, lower_prefill, prefill_lengths
 
 MIB = 2**20
 SHOWN = 4  # buffers of 1 GiB or more named per program
@@ -64,16 +66,16 @@ def _report(name: str, est: estimate.Estimate) -> float:
     """Prints one program's figures (and the temporaries of 1 GiB or more at its peak); returns
     its peak per device (arguments + outputs + temporaries - aliased)."""
     print(
-        f"{name:10s} args {est.args / MIB:10.1f} MiB  out {est.out / MIB:10.1f} MiB  temp "
+        f"{name:13s} args {est.args / MIB:10.1f} MiB  out {est.out / MIB:10.1f} MiB  temp "
         f"{est.accelerator_temp / MIB:10.1f} MiB (XLA:CPU {est.temp / MIB:.1f})  aliased "
         f"{est.alias / MIB:10.1f} MiB  => peak ~{est.total / MIB:10.1f} MiB per device"
     )
     large = est.large()
     for b in large[:SHOWN]:
-        print(f"{'':10s} at its peak: {b.describe()}")
+        print(f"{'':13s} at its peak: {b.describe()}")
     if len(large) > SHOWN:
         rest = sum(b.bytes for b in large[SHOWN:]) / 2**30
-        print(f"{'':10s} at its peak: {len(large) - SHOWN} more of 1 GiB or more, {rest:.2f} GiB")
+        print(f"{'':13s} at its peak: {len(large) - SHOWN} more of 1 GiB or more, {rest:.2f} GiB")
     return est.total
 
 
@@ -169,6 +171,7 @@ def dry_run(config) -> int:
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     with estimate.grouped_matmuls():
         generate = lower_generate(engine, params)
+        prefills = {t: lower_prefill(engine, params, length=t) for t in prefill_lengths(ecfg)}
     state_shapes = jax.eval_shape(
         lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params
     )
@@ -186,7 +189,10 @@ def dry_run(config) -> int:
     )
     learn = _report("learn", estimate.compile(step))
     logprobs = _report("logprobs", estimate.compile(logp))  # reference and π_old: one params copy
-    sample = _report("rollout", estimate.compile(generate))
+    sample = _report("generate", estimate.compile(generate))
+    # The rollout's other call: the same arguments (weights, KV pool), other temporaries.
+    for t, lowered in prefills.items():
+        sample = max(sample, _report(f"prefill {t}", estimate.compile(lowered)))
     # Upper bounds: the learn phase holds the reference; the log-prob pass runs beside the train
     # state; the rollout beside the optimizer state (and the KV cache stays when not released).
     # (The log-prob pass's arguments hold the very parameter arrays the state holds: once.)

@@ -14,6 +14,7 @@ from models.sharding import with_shardings
 from sampling import steps
 from sampling.engine import MAX_PREFILL_BATCH, Engine
 from sampling.plan import bucket
+from sampling.requests import EngineConfig
 
 
 def _abstract_state(engine: Engine):
@@ -43,6 +44,20 @@ def lower_generate(engine: Engine, abstract_params, platforms: tuple[str, ...] |
             e.interpret,
             engine.records_routes,
         ).lower(lowering_platforms=platforms)
+
+
+def prefill_lengths(e: EngineConfig) -> tuple[int, ...]:
+    """The prompt lengths (buckets) whose prefill programs bound a rollout's: the longest prompt
+    that takes the dense path (`steps.prefill`: a bucket of at most one chunk, or every bucket
+    when prefill_chunk is 0) and, when prompts are longer than one chunk, the longest, which goes
+    through the pages a chunk at a time (its activations are a chunk's whatever the length, as a
+    multi-turn observation's `resume` prefill's are)."""
+    longest = bucket(e.max_prompt_len - 1)  # the last prompt token is not cached
+    if not e.prefill_chunk or longest <= e.prefill_chunk:
+        return (longest,)
+    if e.prefill_chunk < bucket(1):  # every bucket is longer than a chunk: none is dense
+        return (longest,)
+    return (1 << (e.prefill_chunk.bit_length() - 1), longest)  # the largest bucket <= chunk
 
 
 def lower_prefill(

@@ -19,8 +19,9 @@ Per mesh, per device:
   kv_scale_bytes: those scales alone (`sampling.kv_quant`; 0 for a float cache);
 - generate_peak_bytes: the compiled call's arguments + outputs + temporaries - aliased
   (`launch.dry_run._report`), and rollout_peak_bytes: the rollout phase's peak as `--dry_run`
-  bounds it (that + optimizer state + the reference copy when the KL term is on, + the
-  resident params when the call decodes from a copy of them). Compiled with XLA:CPU's own
+  bounds it with the decode call (that + optimizer state + the reference copy when the KL term
+  is on, + the resident params when the call decodes from a copy of them; `--dry_run` also
+  compiles the prefill calls and takes the larger). Compiled with XLA:CPU's own
   passes, unlike `--dry_run` (`launch.estimate`): the collectives below are XLA:CPU's, and so is
   the figure, its f32 copies of a bf16 KV pool included;
 - per_rollout: the reshard the rollout makes once, before its first call (`Engine.decode_params`;

@@ -17,7 +17,7 @@ from models.sharding import init_params, make_mesh
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.episodes import generate_all
-from sampling.lowering import lower_prefill
+from sampling.lowering import lower_prefill, prefill_lengths
 from sampling.paged_attention import paged_prefill_attention, write_kv
 from tests.conftest import CFG, ECFG, random_prompts
 from tests.sampling.test_episodes import _scripted
@@ -140,6 +140,41 @@ def test_chunked_prefill_memory_is_flat_in_the_prompt_length(resume):
     assert dense > 4 * 2048**2 * 4
     assert long < 1.5 * short
     assert long * 20 < dense
+
+
+def test_prefill_lengths_are_the_longest_dense_and_the_longest_chunked():
+    """What --dry_run compiles of the prefill: the longest prompt bucket that takes the dense
+    path (at most one chunk) and, when prompts are longer than a chunk, the longest."""
+    lengths = lambda prompt, chunk: prefill_lengths(
+        dataclasses.replace(PCFG, max_prompt_len=prompt, prefill_chunk=chunk)
+    )
+    assert lengths(4097, 512) == (512, 4096)  # the last prompt token is not cached: 4096
+    assert lengths(4098, 512) == (512, 8192)
+    assert lengths(4096, 300) == (256, 4096)  # buckets are powers of two
+    assert lengths(300, 512) == (512,)  # every prompt fits a chunk
+    assert lengths(4096, 0) == (4096,)  # unchunked: one dense pass
+    assert lengths(64, 8) == (64,)  # no bucket (at least 16) fits a chunk of 8
+
+
+def test_chunked_prefill_memory_is_flat_in_depth():
+    """16 rows of 512 tokens in chunks of 128, 2 layers against 8: a layer adds less than one
+    online-softmax accumulator ([16,2,256,8] f32, 256 KiB). Each layer's attention loop used to
+    start from a zero carry that XLA shared between layers and copied for each loop, all copies
+    made at once at the start (`sampling.paged_attention._online_softmax`): 332 KiB a layer."""
+
+    def temp(layers):
+        cfg = dataclasses.replace(CFG, num_layers=layers)
+        ecfg = dataclasses.replace(
+            PCFG, max_prompt_len=512, num_pages=2048, num_slots=16, prefill_chunk=128
+        )
+        graphdef, params = init_params(cfg, make_mesh({}, devices=jax.devices()[:1]), seed=0)
+        engine = Engine(cfg, graphdef, ecfg, SamplingParams(0.0))
+        lowered = lower_prefill(engine, params, rows=16, length=512)
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    acc = 16 * 2 * 256 * 8 * 4  # rows x kv heads x (chunk x query heads per kv head) x H, f32
+    two, eight = temp(2), temp(8)
+    assert eight - two < acc, (two, eight)
 
 
 @pytest.mark.parametrize("compute, cache", [("bfloat16", "float32"), ("float32", "bfloat16")])
