@@ -316,7 +316,15 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype=pd)
 
     def hidden(
-        self, tokens, positions, valid=None, attend=None, routes=None, record=False, stats=False
+        self,
+        tokens,
+        positions,
+        valid=None,
+        attend=None,
+        routes=None,
+        record=False,
+        stats=False,
+        place=None,
     ):
         """Final-norm hidden states h [B,T,D] in the compute dtype, and the attention hook.
 
@@ -332,6 +340,9 @@ class Transformer(nnx.Module):
         `models.moe.route_dtype(E)` (int8 when E <= 128, else int16). With `stats` one more:
         the routers' `models.moe.RouterStats` over the real tokens (`valid` != 0, or all),
         stacked over the MoE layers ([L_moe, E] and [L_moe] sums), None for a dense model.
+
+        `place`, if given, is applied to the embedded tokens [B,T,D]: the sampler's prefill
+        constrains them to its rows' shards (`sampling.steps.prefill`).
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
@@ -340,6 +351,8 @@ class Transformer(nnx.Module):
             attend = causal_hook(valid, cfg.attention)
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B,T,D]
+        if place is not None:
+            x = place(x)
         ready = x  # the input of the layer before (see `remat`)
         used, counted = [], []  # [B,T,k] and RouterStats per MoE layer
         mask = None

@@ -49,6 +49,7 @@ def prefill(
     [n,T,L_moe,k] (`Engine.flush` reads them: a Prefix's or a resume's `Recorded`).
     """
     model = nnx.merge(graphdef, params)
+    place = None
     if layout is not None and layout[0].size > 1:  # rows laid out by shard (`Engine`)
         rows = partitioned.specs(*layout, state.k_pages[0].shape[0])[1]
         split = lambda x: (
@@ -57,6 +58,17 @@ def prefill(
             else jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(layout[0], rows))
         )
         tokens, lengths, page_rows, starts = map(split, (tokens, lengths, page_rows, starts))
+        # The embedded rows stay on their shards. Without this, weights in the training layout
+        # (`sampling.weights_layout`: D split over fsdp, as the embedding's) left the embedded
+        # tokens split over D like the table, and every layer computed every shard's rows on
+        # every device and all-reduced the products: Qwen2.5-7B on fsdp=8, 16 rows of 512
+        # tokens a shard, 2.3 GiB an MLP product, 12.0 GiB of temporaries (2.1 GiB now). A
+        # decode step keeps that split: its few tokens' products cost less than the weights.
+        free = jax.sharding.PartitionSpec.UNCONSTRAINED
+        on_rows = jax.sharding.NamedSharding(
+            layout[0], jax.sharding.PartitionSpec(*rows, free, free)
+        )
+        place = lambda x: jax.lax.with_sharding_constraint(x, on_rows)
     n, t = tokens.shape
     base = jnp.zeros((n,), jnp.int32) if starts is None else starts
     paged = chunk > 0 and (starts is not None or t > chunk)
@@ -70,7 +82,7 @@ def prefill(
     def one(pages, xs):  # one chunk: tokens, valid, positions [n,c] and its first position
         tok, val, pos, first = xs
         hook = PagedPrefill(*pages, page_rows, val, first if paged else starts, paged, layout)
-        out = model.hidden(tok, pos, val, hook, record=record)
+        out = model.hidden(tok, pos, val, hook, record=record, place=place)
         hook = out[1]
         return (hook.k_pages, hook.v_pages), (out[2] if record else None)
 

@@ -6,9 +6,12 @@ decode step copies no pool.
 
 The model is tiny (2 layers, 2 KV heads over `tensor`, 8 slots over data x fsdp) because
 interpret mode runs the kernels op by op.
+
+And the prefill on fsdp=8 in the training layout computes each shard's rows only.
 """
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -20,7 +23,7 @@ from sampling import cpu_attention
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import generate_all
-from sampling.lowering import lower_generate
+from sampling.lowering import lower_generate, lower_prefill
 from tests.conftest import random_prompts
 from tests.sampling.test_tpu_export import pool_copies
 
@@ -102,3 +105,33 @@ def test_compiled_decode_step_copies_no_pool(backend, mesh_shape):
     text = lower_generate(engine, params).compile().as_text()
     pool = (ECFG.num_pages // engine.num_shards, ECFG.page_size, CFG.head_dim)  # a device's
     assert pool_copies(text, pool) == []
+
+
+def test_prefill_in_the_training_layout_computes_each_shards_rows_only():
+    """fsdp=8, `weights_layout="training"`: the weights' D is split over fsdp, as the
+    embedding's. The compiled prefill's matmuls take one shard's rows (2 rows of 32 tokens a
+    call: 64), the weights gathered, where they took every shard's (16 x 32 = 512: the
+    embedded tokens kept the table's split over D); and its tokens and log-probs are the one
+    device's."""
+    cfg = dataclasses.replace(CFG, d_ff=96)
+    ecfg = dataclasses.replace(
+        ECFG, num_slots=16, num_pages=64, max_prompt_len=33, weights_layout="training",
+        backend="reference", interpret=False,
+    )  # fmt: skip
+    mesh = make_mesh({"fsdp": 8})
+    graphdef, params = init_params(cfg, mesh, seed=4)
+    engine = Engine(cfg, graphdef, ecfg, SamplingParams(0.0), mesh=mesh)
+    text = lower_prefill(engine, params, rows=2).compile().as_text()
+    dots = re.findall(r"= \w+\[(\d+)[\d,]*\]\{[^}]*\} dot\(", text)
+    assert dots and max(map(int, dots)) == 2 * 32, sorted(set(dots))
+    prompts = random_prompts([5, 32, 3, 11], cfg.vocab_size)
+    one = make_mesh({}, devices=jax.devices()[:1])
+    single = Engine(cfg, graphdef, ecfg, SamplingParams(0.0), mesh=one)
+    out = []
+    for e, p in ((engine, params), (single, jax.device_put(params, jax.devices()[0]))):
+        _, results = generate_all(e, p, e.init_state(), prompts, num_samples=2)
+        out.append(
+            ([c.tokens for r in results for c in r], [c.logprobs for r in results for c in r])
+        )
+    assert out[0][0] == out[1][0]
+    np.testing.assert_allclose(np.array(out[0][1]), np.array(out[1][1]), atol=1e-5)
