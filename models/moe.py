@@ -125,17 +125,20 @@ def _scatter(dw, spec: Weights, axis: int, like):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _router_logits(spec: Weights, x, w):
-    """x [N,D] (compute dtype) @ the router's master [D,E] shard -> logits [N,E]."""
-    return jnp.einsum("ND,DE->NE", x, _gather(w, spec, 0))
+    """x [N,D] (compute dtype) @ the router's master [D,E] shard -> f32 logits [N,E], never
+    rounded to the compute dtype: a round trip that one program's fusions drop and another's
+    keep routes the same token otherwise (the sampler's decode kept it, the learner's dropped it)."""
+    return jnp.einsum("ND,DE->NE", x, _gather(w, spec, 0), preferred_element_type=jnp.float32)
 
 
 def _router_fwd(spec, x, w):
     wc = _gather(w, spec, 0)
-    return jnp.einsum("ND,DE->NE", x, wc), (x, wc, w[:0])
+    return jnp.einsum("ND,DE->NE", x, wc, preferred_element_type=jnp.float32), (x, wc, w[:0])
 
 
 def _router_bwd(spec, res, ct):
     x, wc, like = res
+    ct = ct.astype(x.dtype)
     dw = jnp.einsum("ND,NE->DE", x, ct, preferred_element_type=spec.grad)
     return _summed(jnp.einsum("NE,DE->ND", ct, wc), x), _scatter(dw, spec, 0, like)
 

@@ -64,47 +64,61 @@ def _cast(p, dtype):
     return p[...].astype(dtype)
 
 
-def _matmul(spec: str, x, p):
-    """einsum(spec, x, p) with the parameter p cast to x's dtype (see the module docstring)."""
+def _matmul(spec: str, x, p, out=None):
+    """einsum(spec, x, p) with the parameter p cast to x's dtype (see the module docstring); the
+    product in `out` (e.g. f32, `preferred_element_type`) rather than x's dtype if given."""
     v = p.get_value() if isinstance(p, nnx.Variable) else p  # a Param, or an array (tests)
     if quant.quantized(v):  # an int8 / fp8 decode copy (sampling.decode_weights)
-        return quant.einsum(spec, x, v)
+        y = quant.einsum(spec, x, v)
+        return y if out is None else y.astype(out)
     g = weight_grad_dtype(x.dtype)
-    if g is None:
+    out = None if out is None or jnp.dtype(out) == x.dtype else out
+    if g is None and out is None:
         return jnp.einsum(spec, x, _cast(p, x.dtype))
-    return _matmul_in(spec, g, x, p[...])
+    # A wider product takes its backward in x's dtype, as a product in x's dtype would: autodiff
+    # would widen the weights for dx, an f32 gather of each bf16 weight on a mesh.
+    return _matmul_in(spec, g or x.dtype, out, x, p[...])
 
 
-def _add(y, p):
+def _grad_dtype(y, compute):
+    """The gradient dtype of a parameter applied to y in the compute dtype `compute` (None: y's):
+    `weight_grad_dtype`'s, or the compute dtype where y is wider (the q and k of `Attention`,
+    f32 in a bf16 model), so that its sum across devices is the one the model's others make."""
+    compute = y.dtype if compute is None else jnp.dtype(compute)
+    g = weight_grad_dtype(compute)
+    return compute if g is None and compute != y.dtype else g
+
+
+def _add(y, p, compute=None):
     """y + p cast to y's dtype, p broadcast over y's leading axes."""
-    g = weight_grad_dtype(y.dtype)
+    g = _grad_dtype(y, compute)
     return y + _cast(p, y.dtype) if g is None else _add_in(g, y, p[...])
 
 
-def _scale(p, x):
+def _scale(p, x, compute=None):
     """p cast to x's dtype times x, p broadcast over x's leading axes."""
-    g = weight_grad_dtype(x.dtype)
+    g = _grad_dtype(x, compute)
     return _cast(p, x.dtype) * x if g is None else _scale_in(g, x, p[...])
 
 
 # The same three with the parameter's gradient in `g` (custom VJPs).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _matmul_in(spec, g, x, w):
-    return jnp.einsum(spec, x, w.astype(x.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul_in(spec, g, out, x, w):
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out)
 
 
-def _matmul_in_fwd(spec, g, x, w):
+def _matmul_in_fwd(spec, g, out, x, w):
     wc = w.astype(x.dtype)  # kept for dx: the same (gathered) weights, not gathered again
-    return jnp.einsum(spec, x, wc), (x, wc, w)
+    return jnp.einsum(spec, x, wc, preferred_element_type=out), (x, wc, w)
 
 
-def _matmul_in_bwd(spec, g, res, ct):
+def _matmul_in_bwd(spec, g, out, res, ct):
     x, wc, master = res
     (xs, ws), ys = spec.split("->")[0].split(","), spec.split("->")[1]
-    dx = jnp.einsum(f"{ys},{ws}->{xs}", ct, wc)
-    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, ct, preferred_element_type=g)
+    dx = jnp.einsum(f"{ys},{ws}->{xs}", ct.astype(x.dtype), wc)
+    dw = jnp.einsum(f"{xs},{ys}->{ws}", x, ct.astype(x.dtype), preferred_element_type=g)
     return dx, dw.astype(master.dtype)
 
 
@@ -124,8 +138,14 @@ def _add_in_fwd(g, y, b):
     return _add_in(g, y, b), b
 
 
+def _sum_in(x, axes):
+    """x summed over axes in x's own dtype (jnp.sum sums bf16 in f32, and the sum across devices
+    would then be f32)."""
+    return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, axes)
+
+
 def _add_in_bwd(g, b, ct):
-    return ct, ct.astype(g).sum(_leading(ct, b)).astype(b.dtype)
+    return ct, _sum_in(ct.astype(g), _leading(ct, b)).astype(b.dtype)
 
 
 _add_in.defvjp(_add_in_fwd, _add_in_bwd)
@@ -142,7 +162,7 @@ def _scale_in_fwd(g, x, s):
 
 def _scale_in_bwd(g, res, ct):
     x, s = res
-    ds = (ct.astype(g) * x.astype(g)).sum(_leading(x, s))
+    ds = _sum_in(ct.astype(g) * x.astype(g), _leading(x, s))
     return ct * s.astype(x.dtype), ds.astype(s.dtype)
 
 
@@ -154,11 +174,12 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.scale = _param(rngs, (dim,), ("norm",), nnx.initializers.ones, dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, compute=None):
+        """compute: the model's compute dtype where x is wider (see `_grad_dtype`)."""
         # Normalise in f32 and cast back before the scale, as HF does, so fp32 parity is exact-ish.
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return _scale(self.scale, xf.astype(x.dtype))
+        return _scale(self.scale, xf.astype(x.dtype), compute)
 
 
 class Attention(nnx.Module):
@@ -182,14 +203,22 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, inv_freq, layer, attend):
         c = self.cfg
-        q = lora.add(self, c, "q", x, _matmul("BTD,DNH->BTNH", x, self.q))
-        k = lora.add(self, c, "k", x, _matmul("BTD,DKH->BTKH", x, self.k))
+        # q and k stay f32 from their projection through bias, q/k norm and rope (each computes
+        # in f32 anyway), rounded to the compute dtype once, before attention. Rounded after
+        # each step, they were rounded where each program's XLA kept the round trip: with excess
+        # precision allowed (XLA's default) the learner's fusions dropped some that the
+        # sampler's kept, and in bf16 the two computed another q for the same token.
+        f32 = jnp.float32
+        q = lora.add(self, c, "q", x, _matmul("BTD,DNH->BTNH", x, self.q, f32))
+        k = lora.add(self, c, "k", x, _matmul("BTD,DKH->BTKH", x, self.k, f32))
         v = lora.add(self, c, "v", x, _matmul("BTD,DKH->BTKH", x, self.v))
         if self.cfg.qkv_bias:
-            q, k, v = _add(q, self.q_bias), _add(k, self.k_bias), _add(v, self.v_bias)
+            q, k = _add(q, self.q_bias, x.dtype), _add(k, self.k_bias, x.dtype)
+            v = _add(v, self.v_bias)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, x.dtype), self.k_norm(k, x.dtype)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = q.astype(x.dtype), k.astype(x.dtype)
         out, attend = attend.attend(layer, q, k, v)  # [B,T,N,H]
         o = _matmul("BTNH,NHD->BTD", out, self.o)
         return lora.add(self, c, "o", out, o, in_axes=2), attend
@@ -395,9 +424,11 @@ class Transformer(nnx.Module):
         return self.embed[...].T.astype(dt) if self.cfg.tie_embeddings else _cast(self.lm_head, dt)
 
     def logits(self, h):
-        """h [B,T,D] -> f32 logits [B,T,V]."""
-        logits = jnp.einsum("BTD,DV->BTV", h, self.unembed_matrix())
-        return logits.astype(jnp.float32)
+        """h [B,T,D] -> f32 logits [B,T,V], accumulated in f32 and never rounded to the compute
+        dtype (`rl.logprobs` computes the learner's alike)."""
+        return jnp.einsum(
+            "BTD,DV->BTV", h, self.unembed_matrix(), preferred_element_type=jnp.float32
+        )
 
     def __call__(self, tokens, positions, valid=None, attend=None, routes=None, record=False):
         """-> (f32 logits [B,T,V], attend), and the routes record with `record` (`hidden`)."""

@@ -167,8 +167,8 @@ def _chunked_projection(scores, letters: str, dtype, rows, w_sharding=None):
             w = jax.lax.with_sharding_constraint(w, w_sharding)
         return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
 
-    def logits(h_c, w):
-        return jnp.einsum(spec, h_c, w).astype(jnp.float32)  # [B,c,V]
+    def logits(h_c, w):  # [B,c,V] in f32, as `Transformer.logits` (the sampler's)
+        return jnp.einsum(spec, h_c, w, preferred_element_type=jnp.float32)
 
     @jax.custom_vjp
     def project(h, w, targets, early):
