@@ -89,16 +89,24 @@ def _grad_dtype(y, compute):
     return compute if g is None and compute != y.dtype else g
 
 
+def _as(p, compute, dtype):
+    """The parameter p as the compute dtype holds it (a bf16 decode copy holds it so: the
+    sampler's and the learner's then add the same values), in dtype."""
+    return p.astype(compute).astype(dtype)
+
+
 def _add(y, p, compute=None):
-    """y + p cast to y's dtype, p broadcast over y's leading axes."""
-    g = _grad_dtype(y, compute)
-    return y + _cast(p, y.dtype) if g is None else _add_in(g, y, p[...])
+    """y + p cast to y's dtype (through `compute`, the model's compute dtype where y is wider),
+    p broadcast over y's leading axes."""
+    g, c = _grad_dtype(y, compute), y.dtype if compute is None else jnp.dtype(compute)
+    return y + _as(p[...], c, y.dtype) if g is None else _add_in(g, c, y, p[...])
 
 
 def _scale(p, x, compute=None):
-    """p cast to x's dtype times x, p broadcast over x's leading axes."""
-    g = _grad_dtype(x, compute)
-    return _cast(p, x.dtype) * x if g is None else _scale_in(g, x, p[...])
+    """p cast to x's dtype (through `compute`, as `_add`) times x, p broadcast over x's leading
+    axes."""
+    g, c = _grad_dtype(x, compute), x.dtype if compute is None else jnp.dtype(compute)
+    return _as(p[...], c, x.dtype) * x if g is None else _scale_in(g, c, x, p[...])
 
 
 # The same three with the parameter's gradient in `g` (custom VJPs).
@@ -129,13 +137,13 @@ def _leading(x, p) -> tuple[int, ...]:
     return tuple(range(x.ndim - p.ndim))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _add_in(g, y, b):
-    return y + b.astype(y.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _add_in(g, c, y, b):
+    return y + _as(b, c, y.dtype)
 
 
-def _add_in_fwd(g, y, b):
-    return _add_in(g, y, b), b
+def _add_in_fwd(g, c, y, b):
+    return _add_in(g, c, y, b), b
 
 
 def _sum_in(x, axes):
@@ -144,26 +152,26 @@ def _sum_in(x, axes):
     return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, axes)
 
 
-def _add_in_bwd(g, b, ct):
+def _add_in_bwd(g, c, b, ct):
     return ct, _sum_in(ct.astype(g), _leading(ct, b)).astype(b.dtype)
 
 
 _add_in.defvjp(_add_in_fwd, _add_in_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scale_in(g, x, s):
-    return s.astype(x.dtype) * x
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scale_in(g, c, x, s):
+    return _as(s, c, x.dtype) * x
 
 
-def _scale_in_fwd(g, x, s):
-    return _scale_in(g, x, s), (x, s)
+def _scale_in_fwd(g, c, x, s):
+    return _scale_in(g, c, x, s), (x, s)
 
 
-def _scale_in_bwd(g, res, ct):
+def _scale_in_bwd(g, c, res, ct):
     x, s = res
     ds = _sum_in(ct.astype(g) * x.astype(g), _leading(x, s))
-    return ct * s.astype(x.dtype), ds.astype(s.dtype)
+    return ct * _as(s, c, x.dtype), ds.astype(s.dtype)
 
 
 _scale_in.defvjp(_scale_in_fwd, _scale_in_bwd)

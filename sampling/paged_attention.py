@@ -324,8 +324,9 @@ def _online_softmax(qg, pool, table, start, stop, carry, pages_per_block, peel=F
     trips = (jnp.max(todo, initial=0) + s_blk - 1) // s_blk
     if not peel:
         return jax.lax.fori_loop(0, trips, block, carry)
-    # A block with nothing left to read changes no carry (its probabilities are 0 and its
-    # rescale 1), so running the first one when trips is 0 is exact.
+    # A block with nothing left to read changes no carry, so running the first one when trips
+    # is 0 is exact: its probabilities are 0, and its rescale is 1 (a carry with a finite max)
+    # or multiplies a zero sum and output (a fresh one: max -inf).
     return jax.lax.fori_loop(1, trips, block, block(0, carry))
 
 
