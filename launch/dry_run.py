@@ -5,9 +5,11 @@ jitted functions with abstract shapes: the learner's train step (one minibatch o
 B*G/minibatches sequences), its reference / π_old log-prob pass over the whole rollout, the
 sampler's `generate` (all slots, `steps_per_call` decode steps) and its `prefill` (a call's
 prompts per batch shard at the longest dense length and, for prompts longer than
-`sampling.prefill_chunk`, at the longest: `sampling.lowering.prefill_lengths`). Prints XLA's per-device memory
-analysis of each, what stays resident (train state, reference parameters), an upper bound on the
-peak of each phase, and the chips whose memory holds it. Nothing is allocated or run.
+`sampling.prefill_chunk`, at the longest: `sampling.lowering.prefill_lengths`). Prints XLA's
+per-device memory analysis of each, what stays resident (train state, reference parameters), an
+upper bound on the peak of each phase, and the chips whose memory holds it. Nothing is allocated
+or run. (Not compiled yet: the prefills after cached tokens, a multi-turn observation's, a
+carried or preempted episode's history; see docs/performance.md.)
 
 What the figures are: XLA:CPU's static estimates for one device of the SPMD-partitioned programs
 every backend receives (arguments: parameters, optimizer state, KV pages, batch; outputs;
