@@ -5,11 +5,11 @@ jitted functions with abstract shapes: the learner's train step (one minibatch o
 B*G/minibatches sequences), its reference / π_old log-prob pass over the whole rollout, the
 sampler's `generate` (all slots, `steps_per_call` decode steps) and its `prefill` (a call's
 prompts per batch shard at the longest dense length and, for prompts longer than
-`sampling.prefill_chunk`, at the longest: `sampling.lowering.prefill_lengths`). Prints XLA's
-per-device memory analysis of each, what stays resident (train state, reference parameters), an
-upper bound on the peak of each phase, and the chips whose memory holds it. Nothing is allocated
-or run. (Not compiled yet: the prefills after cached tokens, a multi-turn observation's, a
-carried or preempted episode's history; see docs/performance.md.)
+`sampling.prefill_chunk`, at the longest: `sampling.lowering.prefill_lengths`; and "extend", the
+prefill of rows after cached tokens at the longest history a preempted or carried sequence
+prefills again: `extend_length`). Prints XLA's per-device memory analysis of each, what stays
+resident (train state, reference parameters), an upper bound on the peak of each phase, and the
+chips whose memory holds it. Nothing is allocated or run.
 
 What the figures are: XLA:CPU's static estimates for one device of the SPMD-partitioned programs
 every backend receives (arguments: parameters, optimizer state, KV pages, batch; outputs;
@@ -58,7 +58,7 @@ from models.sharding import (
 )
 from rl.learner import Batch, Learner, TrainState, batch_sharding
 from sampling.engine import Engine
-from sampling.lowering import lower_generate, lower_prefill, prefill_lengths
+from sampling.lowering import extend_length, lower_generate, lower_prefill, prefill_lengths
 
 MIB = 2**20
 SHOWN = 4  # buffers of 1 GiB or more named per program
@@ -173,7 +173,11 @@ def dry_run(config) -> int:
     engine = Engine(cfg, graphdef, ecfg, sampling_params(config), mesh=mesh, rules=rules)
     with estimate.grouped_matmuls():
         generate = lower_generate(engine, params)
-        prefills = {t: lower_prefill(engine, params, length=t) for t in prefill_lengths(ecfg)}
+        prefills = {
+            f"prefill {t}": lower_prefill(engine, params, length=t) for t in prefill_lengths(ecfg)
+        }
+        t = extend_length(ecfg)  # restore / refresh / resume: rows after cached tokens
+        prefills[f"extend {t}"] = lower_prefill(engine, params, length=t, resume=True)
     state_shapes = jax.eval_shape(
         lambda p: TrainState(p, learner.tx.init(learner.split(p)[0]), 0), params
     )
@@ -193,8 +197,8 @@ def dry_run(config) -> int:
     logprobs = _report("logprobs", estimate.compile(logp))  # reference and π_old: one params copy
     sample = _report("generate", estimate.compile(generate))
     # The rollout's other call: the same arguments (weights, KV pool), other temporaries.
-    for t, lowered in prefills.items():
-        sample = max(sample, _report(f"prefill {t}", estimate.compile(lowered)))
+    for name, lowered in prefills.items():
+        sample = max(sample, _report(name, estimate.compile(lowered)))
     # Upper bounds: the learn phase holds the reference; the log-prob pass runs beside the train
     # state; the rollout beside the optimizer state (and the KV cache stays when not released).
     # (The log-prob pass's arguments hold the very parameter arrays the state holds: once.)

@@ -51,13 +51,22 @@ def prefill_lengths(e: EngineConfig) -> tuple[int, ...]:
     that takes the dense path (`steps.prefill`: a bucket of at most one chunk, or every bucket
     when prefill_chunk is 0) and, when prompts are longer than one chunk, the longest, which goes
     through the pages a chunk at a time (its activations are a chunk's whatever the length, as a
-    multi-turn observation's `resume` prefill's are)."""
+    multi-turn observation's; the rows after cached tokens: `extend_length`)."""
     longest = bucket(e.max_prompt_len - 1)  # the last prompt token is not cached
     if not e.prefill_chunk or longest <= e.prefill_chunk:
         return (longest,)
     if e.prefill_chunk < bucket(1):  # every bucket is longer than a chunk: none is dense
         return (longest,)
     return (1 << (e.prefill_chunk.bit_length() - 1), longest)  # the largest bucket <= chunk
+
+
+def extend_length(e: EngineConfig) -> int:
+    """The longest prefill row after cached tokens (`sampling.plan.EXTENDS`): a preempted
+    sequence's `restore` or a carried one's `refresh` prefills its whole history, up to
+    max_prompt_len + max_new_tokens tokens (the last one not cached); a multi-turn `resume`, an
+    observation, fewer. Such rows always go through the pages a chunk at a time (with
+    prefill_chunk > 0), a short observation padded to a whole chunk."""
+    return bucket(e.max_prompt_len + e.max_new_tokens - 1)
 
 
 def lower_prefill(

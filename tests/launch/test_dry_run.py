@@ -17,7 +17,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hub_configs")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a stand-in: the cache's own commit
 
 
-@pytest.mark.slow  # the 0.6B model's five programs at 16k-token episodes: ~1-3 min of CPU
+@pytest.mark.slow  # the 0.6B model's six programs at 16k-token episodes: ~1-3 min of CPU
 def test_repo_config_dry_run_from_a_hub_cache_holding_config_json(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "hub"
     config = os.path.join(FIXTURES, "qwen3_0_6b.json")  # Qwen/Qwen3-0.6B's, as published
@@ -40,13 +40,15 @@ def test_repo_config_dry_run_from_a_hub_cache_holding_config_json(tmp_path, monk
     assert set(phases) == {"learn", "rollout"}, out
     # the rollout holds its bf16 pool as bf16: XLA:CPU's f32 copies made it 48 GiB before
     assert 8 * 1024 < float(phases["rollout"]) < 24 * 1024, out
-    # Each program's peak; the rollout phase holds the larger of the decode call and the
-    # prefill calls (the longest dense prompt chunk and the longest prompt, 2,048 tokens, in
-    # chunks), beside the resident state and the decode copy of the weights.
+    # Each program's peak; the rollout phase holds the largest of the decode call and the
+    # prefill calls (the longest dense prompt chunk, the longest prompt, 2,048 tokens, in
+    # chunks, and a whole 16k history after cached tokens, a preempted sequence's restore),
+    # beside the resident state and the decode copy of the weights.
     programs = dict(re.findall(r"^(\w+(?: \d+)?) +args .*=> peak ~ *([\d.]+) MiB", out, re.M))
-    assert set(programs) == {"learn", "logprobs", "generate", "prefill 512", "prefill 2048"}, out
+    rollout = ("generate", "prefill 512", "prefill 2048", "extend 16384")
+    assert set(programs) == {"learn", "logprobs", *rollout}, out
     state, ref = map(float, re.search(r"optimizer ([\d.]+) MiB, reference ([\d.]+)", out).groups())
-    sample = max(float(programs[k]) for k in ("generate", "prefill 512", "prefill 2048"))
+    sample = max(float(programs[k]) for k in rollout)
     assert abs(float(phases["rollout"]) - (ref + state + sample)) < 0.2, out
     peak = re.search(
         r"estimated peak per device: ([\d.]+) MiB .*: fits (.*); this mesh's 8 "

@@ -83,6 +83,7 @@ def test_real_config_dry_run_and_one_step(config, fixture, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "estimated peak per device" in out
     assert re.search(r"^prefill 64 +args", out, re.M), out  # prompts of 64 fit one chunk
+    assert re.search(r"^extend 128 +args", out, re.M), out  # a 64 + 8 token history again
     if lora:
         mine = re.search(r"params \+ optimizer ([\d.]+) MiB, reference ([\d.]+) MiB", out)
         full = re.search(r"a full fine-tune holds params \+ optimizer ([\d.]+) MiB", out)

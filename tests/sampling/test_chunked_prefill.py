@@ -17,7 +17,7 @@ from models.sharding import init_params, make_mesh
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.episodes import generate_all
-from sampling.lowering import lower_prefill, prefill_lengths
+from sampling.lowering import extend_length, lower_prefill, prefill_lengths
 from sampling.paged_attention import paged_prefill_attention, write_kv
 from tests.conftest import CFG, ECFG, random_prompts
 from tests.sampling.test_episodes import _scripted
@@ -154,6 +154,11 @@ def test_prefill_lengths_are_the_longest_dense_and_the_longest_chunked():
     assert lengths(300, 512) == (512,)  # every prompt fits a chunk
     assert lengths(4096, 0) == (4096,)  # unchunked: one dense pass
     assert lengths(64, 8) == (64,)  # no bucket (at least 16) fits a chunk of 8
+    # and a history prefilled again after cached tokens (restore, refresh): prompt + budget
+    extend = lambda prompt, new: extend_length(
+        dataclasses.replace(PCFG, max_prompt_len=prompt, max_new_tokens=new)
+    )
+    assert extend(4096, 28672) == 32768 and extend(4096, 28674) == 65536
 
 
 def test_chunked_prefill_memory_is_flat_in_depth():
