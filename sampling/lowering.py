@@ -53,9 +53,8 @@ def prefill_lengths(e: EngineConfig) -> tuple[int, ...]:
     through the pages a chunk at a time (its activations are a chunk's whatever the length, as a
     multi-turn observation's; the rows after cached tokens: `extend_length`)."""
     longest = bucket(e.max_prompt_len - 1)  # the last prompt token is not cached
-    if not e.prefill_chunk or longest <= e.prefill_chunk:
-        return (longest,)
-    if e.prefill_chunk < bucket(1):  # every bucket is longer than a chunk: none is dense
+    # unchunked, every prompt within a chunk, or no bucket (at least 16) within one: one program
+    if not e.prefill_chunk or longest <= e.prefill_chunk or e.prefill_chunk < bucket(1):
         return (longest,)
     return (1 << (e.prefill_chunk.bit_length() - 1), longest)  # the largest bucket <= chunk
 
