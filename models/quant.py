@@ -122,14 +122,16 @@ def quantize_params(params, dtype: str, compute_dtype: str):
     return map_params(lambda x, c: quantize(x, dtype, c), cast, params)
 
 
-def einsum(spec: str, x, w):
+def einsum(spec: str, x, w, out=None):
     """einsum(spec, x, w) for a quantised weight w (`quantize`): x quantised per token (a scale
     per entry of the axes it keeps, absmax over the axes it contracts) to w's type, the dot in
-    that type with an int32 (int8) or f32 (fp8) accumulator, scaled back, in x's dtype."""
+    that type with an int32 (int8) or f32 (fp8) accumulator, scaled back, in `out` (x's dtype
+    if None; f32 for the q and k of a bf16 model, rounded where the unquantised model rounds
+    them)."""
     import qwix
 
-    lhs, out = spec.split("->")[0].split(",")[0], spec.split("->")[1]
-    keep = tuple(i for i, a in enumerate(lhs) if a in out)
+    lhs, result = spec.split("->")[0].split(",")[0], spec.split("->")[1]
+    keep = tuple(i for i, a in enumerate(lhs) if a in result)
     qx = qwix.quantize(
         x.astype(jnp.float32),
         w.qtype,
@@ -137,4 +139,5 @@ def einsum(spec: str, x, w):
         calibration_method=CALIBRATION[jnp.dtype(w.qtype).name],
         scale_dtype=jnp.float32,
     )
-    return qwix.einsum(spec, qx, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = qwix.einsum(spec, qx, w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype if out is None else out)

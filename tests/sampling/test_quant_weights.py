@@ -85,6 +85,14 @@ def test_einsum_equals_numpy(dtype, spec, x_shape, w_shape, contract):
     exact = np.einsum(spec, x, w)
     tol = {"int8": 0.03, "float8_e4m3fn": 0.1}[dtype]
     assert np.abs(np.asarray(got) - exact).max() < tol * np.abs(exact).max()
+    # bf16 activations: the product in bf16, or in f32 where asked (a bf16 model's q and k,
+    # rounded after their bias, norm and rope, as the unquantised model rounds them).
+    xb = jnp.asarray(x, jnp.bfloat16)
+    wide = jax.jit(quant.einsum, static_argnums=(0, 3))(spec, xb, qw, jnp.float32)
+    narrow = jax.jit(quant.einsum, static_argnums=0)(spec, xb, qw)
+    assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16
+    assert (np.asarray(wide) != np.asarray(wide.astype(jnp.bfloat16), np.float32)).mean() > 0.9
+    np.testing.assert_array_equal(np.asarray(narrow), np.asarray(wide.astype(jnp.bfloat16)))
 
 
 def test_decode_copy_quantizes_the_projections_only(tiny):
