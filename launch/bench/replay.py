@@ -24,6 +24,11 @@ right-padded) then scores the same tokens:
   are routed by the learner;
 - replay: and the prefill's experts at the prompt's other tokens (`Prefix.routes`): every token
   routed as the sampler routed it (the last sampled token, never fed, scores nothing).
+- dense twin (random models only): the same shape without experts (`dense_twin`: every
+  feed-forward block dense at the active width k x expert_d_ff), its own weights, the same
+  prompts, replay off: nothing is routed, so its KL is the floor that no routing replay can
+  go under (the sampler's paged decode and the learner's pass sum attention in other orders,
+  and in bf16 a sum that differs in its last f32 bit can round to another bf16 value).
 Per setting: route mismatch = the fraction of tokens (the prompt's and the fed ones) whose
 experts in the learner's pass (as a set, in any MoE layer; the record of the same pass that
 gave the row's log-probs, `token_logprobs(stats=True)`) differ from the sampler's; KL = k3 =
@@ -117,8 +122,9 @@ def trained_model(path: str, seed: int, num_prompts: int):
     return cfg, graphdef, params, prompts, tuple(ids.eos_ids)
 
 
-def run(model, seed: int, new_tokens: int) -> dict:
-    """The four settings' route mismatch and KL for `model` (`random_model`, `trained_model`)."""
+def _sample(model, seed: int, new_tokens: int, record_routes: bool):
+    """The sampler's draw for `model`'s prompts: (engine result, prefixes, the learner's rows
+    (ids, positions, valid) [n, width], fed positions [n, new], drawn bool [n, new])."""
     cfg, graphdef, params, prompts, stop_ids = model
     num_prompts = len(prompts)
     plen = max(map(len, prompts))
@@ -130,7 +136,7 @@ def run(model, seed: int, new_tokens: int) -> dict:
         max_prompt_len=plen,
         max_new_tokens=new_tokens,
         steps_per_call=new_tokens,
-        record_routes=True,
+        record_routes=record_routes,
         stop_ids=stop_ids,
     )
     engine = Engine(cfg, graphdef, ecfg, SamplingParams(1.0))
@@ -149,8 +155,11 @@ def run(model, seed: int, new_tokens: int) -> dict:
         ids[i, : len(p) + g[i]] = p + r.tokens[i][: g[i]].tolist()
     pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
     valid = np.arange(width) < np.array([len(p) for p in prompts])[:, None] + g[:, None]
-    rows = (ids, pos, valid)
+    fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
+    return r, prefixes, (ids, pos, valid), fed, live
 
+
+def _learner(graphdef):
     @jax.jit
     def learner(params, rows, routes):
         """The learner's pass: log-probs [n, width-1] (position t scores token t+1) and the
@@ -161,9 +170,26 @@ def run(model, seed: int, new_tokens: int) -> dict:
         out = token_logprobs(model, *rows, SamplingParams(1.0), routes=routes, stats=True)
         return out.logp, out.routes
 
+    return learner
+
+
+def _kl(logp, fed, r, live) -> dict:
+    """KL k3 and max |r| of the learner's log-probs `logp` [n, width-1] against the sampler's,
+    over the drawn tokens."""
+    scored = np.take_along_axis(np.asarray(logp, np.float64), fed, 1)
+    rr = (scored - np.asarray(r.logprobs[: len(fed)], np.float64))[live]
+    return {"kl_k3": float(np.mean(np.exp(rr) - 1 - rr)), "max_abs_r": float(np.abs(rr).max())}
+
+
+def run(model, seed: int, new_tokens: int) -> dict:
+    """The four settings' route mismatch and KL for `model` (`random_model`, `trained_model`)."""
+    cfg, graphdef, params, prompts, stop_ids = model
+    num_prompts = len(prompts)
+    r, prefixes, rows, fed, live = _sample(model, seed, new_tokens, record_routes=True)
+    g = live.sum(1)
+    learner = _learner(graphdef)
     routed = learner(params, rows, None)  # replay off: the learner's routers route
     own = np.asarray(routed[1])  # [n, width, L_moe, k]: their choice
-    fed = np.array([[len(p) - 1 + j for j in range(new_tokens)] for p in prompts])  # [n, new]
     decode = own.copy()  # the decode steps' experts at the fed positions, the learner's elsewhere
     decode[np.arange(num_prompts)[:, None], fed] = r.routes[:num_prompts]
     full = decode.copy()  # and the prefill's for the prompt's other tokens: the whole record
@@ -179,8 +205,6 @@ def run(model, seed: int, new_tokens: int) -> dict:
     for name, routes in settings:
         # what the pass gave and the experts it used
         lp, used = routed if routes is None else learner(params, rows, routes)
-        scored = np.take_along_axis(np.asarray(lp, np.float64), fed, 1)
-        rr = (scored - np.asarray(r.logprobs[:num_prompts], np.float64))[live]
         used = np.asarray(used)
         got, want = [], []  # every recorded token: the prompt's (prefill) and the fed ones
         for i, x in enumerate(prefixes):
@@ -191,10 +215,32 @@ def run(model, seed: int, new_tokens: int) -> dict:
         out[name] = {
             "route_mismatch": float(differ.any(-1).mean()),
             "layer_route_mismatch": float(differ.mean()),
-            "kl_k3": float(np.mean(np.exp(rr) - 1 - rr)),
-            "max_abs_r": float(np.abs(rr).max()),
+            **_kl(lp, fed, r, live),
         }
     return out
+
+
+def dense_twin(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` without experts: the same attention, embedding and depth, every feed-forward block
+    dense at the active width (k x the expert width): Qwen3 proper."""
+    return dataclasses.replace(
+        cfg,
+        family="qwen3",
+        d_ff=cfg.experts_per_token * cfg.expert_d_ff,
+        num_experts=0,
+        experts_per_token=0,
+        expert_d_ff=0,
+        moe_layers=(),
+    )
+
+
+def run_dense(model, seed: int, new_tokens: int) -> dict:
+    """The sampler-vs-learner KL of a dense model (`random_model` of a `dense_twin`): nothing
+    routed, so what replay cannot remove (attention's summation order in the sampler's paged
+    decode and the learner's pass, rounded to bf16)."""
+    r, _, rows, fed, live = _sample(model, seed, new_tokens, record_routes=False)
+    logp, _ = _learner(model[1])(model[2], rows, None)
+    return {"route_mismatch": 0.0, "layer_route_mismatch": 0.0, **_kl(logp, fed, r, live)}
 
 
 HEADER = (
@@ -238,6 +284,9 @@ def main(argv) -> int:
         else:
             model = random_model(seed, args.num_prompts, cfg)
         res = run(model, seed, args.new_tokens)
+        if not args.hf_checkpoint:  # the floor: the same shape without experts
+            twin = random_model(seed, args.num_prompts, dense_twin(cfg))
+            res["dense twin"] = run_dense(twin, seed, args.new_tokens)
         for name, m in res.items():
             rows.append({"seed": seed, "setting": name, **m})
             lines.append(
@@ -255,6 +304,15 @@ def main(argv) -> int:
         f"KL off / replay: {', '.join(map(shown, falls))} (median {shown(median)} over "
         f"{len(seeds)} seeds)"
     )
+    # The replayed KL over the dense twin's (None where the twin's is 0: its log-probs exact).
+    twin = [
+        kl[s, "replay"] / kl[s, "dense twin"] if kl[s, "dense twin"] else None
+        for s in seeds
+        if (s, "dense twin") in kl
+    ]
+    if twin:
+        each = ", ".join("-" if f is None else f"{f:.2f}" for f in twin)
+        lines.append(f"KL replay / dense twin: {each}")
     finite = lambda f: f if np.isfinite(f) else None
     r = {
         "config": vars(args),
@@ -262,5 +320,6 @@ def main(argv) -> int:
         "rows": rows,
         "kl_falls": {s: finite(f) for s, f in zip(seeds, falls)},
         "kl_falls_median": finite(median),
+        "kl_replay_over_dense_twin": twin or None,
     }
     return finish(args, r, "\n".join(lines))

@@ -50,6 +50,14 @@ def test_bf16_sampler_and_learner_round_at_the_same_points(tmp_path):
     for setting in ("off", "replay"):
         kl = sorted(r["kl_k3"] for r in rows if r["setting"] == setting)
         assert len(kl) == 4 and (kl[1] + kl[2]) / 2 < 1e-7, (setting, kl)
+    # Each seed's dense twin (the same shape without experts, nothing routed): its row and its
+    # KL, the floor replay is measured against.
+    twins = [r for r in rows if r["setting"] == "dense twin"]
+    assert [r["seed"] for r in twins] == [0, 1, 2, 3]
+    assert all(r["route_mismatch"] == 0.0 and r["kl_k3"] >= 0 for r in twins)
+    replay = {r["seed"]: r["kl_k3"] for r in rows if r["setting"] == "replay"}
+    ratios = json.loads(out.read_text())["kl_replay_over_dense_twin"]
+    assert ratios == [replay[r["seed"]] / r["kl_k3"] if r["kl_k3"] else None for r in twins]
 
 
 def test_replay_bench_refuses_a_top_k_above_the_experts():
