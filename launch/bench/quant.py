@@ -52,7 +52,7 @@ from flax import nnx
 from launch.bench.common import SHAPES, finish, integer, one_of, parse, parser, some_of
 from models.attention import rope_inv_freq
 from models.hf import load_hf
-from models.sharding import init_params, make_mesh
+from models.sharding import abstract_model, init_params, make_mesh
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import generate_all
@@ -195,7 +195,9 @@ def reference_logprobs(cfg, params, prompts, tokens, weights="", kv=""):
 def sample(cfg, graphdef, params, row, prompts, new_tokens, temperature, backend):
     """(tokens [n, new], sampler log-probs [n, new]) of one row's sampler."""
     compute, weights, cache = ROWS[row]
-    cfg = dataclasses.replace(cfg, dtype=compute)
+    if compute != cfg.dtype:  # the model's own compute dtype: the graphdef holds it
+        cfg = dataclasses.replace(cfg, dtype=compute)
+        graphdef = abstract_model(cfg)[0]
     plen = max(map(len, prompts))
     page = 8
     per_seq = -(-(plen + new_tokens) // page)

@@ -258,3 +258,32 @@ def test_mixture_keeps_router_and_experts_in_the_compute_dtype():
     assert dense["mlp"]["gate"].get_value().qvalue.dtype == jnp.int8
     for name in ("router", "gate", "up", "down"):
         assert moe["mlp"][name].get_value().dtype == jnp.bfloat16
+
+
+def test_quantised_q_and_k_stay_f32_until_rounded_once(tiny, monkeypatch):
+    """A bf16 model's q and k products (`models.transformer._matmul` with out=f32) on a
+    quantised decode copy are the f32 products, not bf16 values widened: rounded once, after
+    bias, q/k norm and rope, as the unquantised model rounds them. And `launch.bench quant`'s
+    rows that compute in bf16 run the model's graph in bf16 (the graphdef holds the compute
+    dtype): every projection's input is bf16 there."""
+    from launch.bench import quant as bench
+    from models import transformer
+
+    graphdef, params = tiny
+    w = params["blocks"][0]["attn"]["q"].get_value()
+    qw = quant.quantize(w, "int8", 1)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, w.shape[0])), jnp.bfloat16)
+    wide = jax.jit(lambda x: transformer._matmul("BTD,DNH->BTNH", x, qw, jnp.float32))(x)
+    assert wide.dtype == jnp.float32
+    assert (np.asarray(wide) != np.asarray(wide.astype(jnp.bfloat16), np.float32)).mean() > 0.9
+    seen = set()
+    matmul = transformer._matmul
+
+    def spy(spec, x, p, out=None):
+        seen.add(jnp.dtype(x.dtype).name)
+        return matmul(spec, x, p, out)
+
+    monkeypatch.setattr(transformer, "_matmul", spy)
+    prompts = random_prompts([4, 6])
+    bench.sample(CFG, graphdef, params, "both_int8", prompts, 2, 0.0, "auto")
+    assert seen == {"bfloat16"}, seen
