@@ -9,7 +9,8 @@ projection, LoRA adapters, a mixture's router and experts) stays in the compute 
 model's `_matmul` sees a `QArray` where it expects a weight and calls `einsum` here: the
 activations are quantised per token, dynamically (absmax over the contracted axes), and the
 dot runs int8 x int8 -> int32 (fp8 x fp8 -> f32) in `jax.lax.dot_general`, scaled by both
-scales afterwards, then cast to the compute dtype. That is the W8A8 scheme of the serving
+scales afterwards, then cast to the compute dtype (to f32 for the q and k of a bf16 model,
+which the model rounds once after their bias, norm and rope, as it does unquantised). That is the W8A8 scheme of the serving
 engines (tpu-inference quantises its JAX models with qwix; vLLM's per-channel int8/fp8).
 
 Why qwix, and only its core: it is google's maintained JAX quantisation library (the AQT

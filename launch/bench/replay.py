@@ -24,11 +24,14 @@ right-padded) then scores the same tokens:
   are routed by the learner;
 - replay: and the prefill's experts at the prompt's other tokens (`Prefix.routes`): every token
   routed as the sampler routed it (the last sampled token, never fed, scores nothing).
-- dense twin (random models only): the same shape without experts (`dense_twin`: every
-  feed-forward block dense at the active width k x expert_d_ff), its own weights, the same
-  prompts, replay off: nothing is routed, so its KL is the floor that no routing replay can
-  go under (the sampler's paged decode and the learner's pass sum attention in other orders,
-  and in bf16 a sum that differs in its last f32 bit can round to another bf16 value).
+- dense twin (random models only; `twin_model`): the same model with nothing routed, each MoE
+  block replaced by the dense block of its first k experts (down projections / k: every token
+  sent to experts 0..k-1 at gate weight 1/k), every other weight the mixture's, the same
+  prompts, its own samples. A reference for what replay leaves: the sampler-vs-learner KL of
+  a model whose numerics differ between the two programs only where no router is involved
+  (the paged decode and the learner's pass sum attention in other orders, and in bf16 a sum
+  that differs in its last f32 bit can round to another bf16 value). It is not a bound: a
+  different model, drawing other tokens.
 Per setting: route mismatch = the fraction of tokens (the prompt's and the fed ones) whose
 experts in the learner's pass (as a set, in any MoE layer; the record of the same pass that
 gave the row's log-probs, `token_logprobs(stats=True)`) differ from the sampler's; KL = k3 =
@@ -41,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -234,10 +238,32 @@ def dense_twin(cfg: ModelConfig) -> ModelConfig:
     )
 
 
+def twin_model(model):
+    """(config, graphdef, params, prompts, stop ids): `model`'s dense twin (`dense_twin`) with
+    its weights: every weight but the experts' is the mixture's, and each MoE block becomes
+    the dense block of its first k experts side by side, down projections divided by k: the
+    mixture with every token sent to experts 0..k-1 at gate weight 1/k, so its feed-forward
+    output has the mixture's scale. Nothing is routed."""
+    cfg, _, params, prompts, stop_ids = model
+    twin = dense_twin(cfg)
+    graphdef, shape = init_params(twin, make_mesh({}, devices=jax.devices()[:1]), seed=0)
+    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    k = cfg.experts_per_token
+
+    def take(path, x):
+        key = jax.tree_util.keystr(path)
+        if "['mlp']" not in key or flat[key].ndim == x.ndim:  # not an expert weight
+            return flat[key]
+        experts = flat[key][:k]  # gate, up [k, D, F] / down [k, F, D]
+        if "['down']" in key:
+            return (experts.reshape(-1, experts.shape[-1]) / k).astype(x.dtype)  # [kF, D]
+        return jnp.moveaxis(experts, 0, 1).reshape(experts.shape[1], -1).astype(x.dtype)
+
+    return twin, graphdef, jax.tree_util.tree_map_with_path(take, shape), prompts, stop_ids
+
+
 def run_dense(model, seed: int, new_tokens: int) -> dict:
-    """The sampler-vs-learner KL of a dense model (`random_model` of a `dense_twin`): nothing
-    routed, so what replay cannot remove (attention's summation order in the sampler's paged
-    decode and the learner's pass, rounded to bf16)."""
+    """The sampler-vs-learner KL of a dense model (`twin_model`): nothing routed."""
     r, _, rows, fed, live = _sample(model, seed, new_tokens, record_routes=False)
     logp, _ = _learner(model[1])(model[2], rows, None)
     return {"route_mismatch": 0.0, "layer_route_mismatch": 0.0, **_kl(logp, fed, r, live)}
@@ -285,8 +311,7 @@ def main(argv) -> int:
             model = random_model(seed, args.num_prompts, cfg)
         res = run(model, seed, args.new_tokens)
         if not args.hf_checkpoint:  # the floor: the same shape without experts
-            twin = random_model(seed, args.num_prompts, dense_twin(cfg))
-            res["dense twin"] = run_dense(twin, seed, args.new_tokens)
+            res["dense twin"] = run_dense(twin_model(model), seed, args.new_tokens)
         for name, m in res.items():
             rows.append({"seed": seed, "setting": name, **m})
             lines.append(
@@ -304,14 +329,15 @@ def main(argv) -> int:
         f"KL off / replay: {', '.join(map(shown, falls))} (median {shown(median)} over "
         f"{len(seeds)} seeds)"
     )
-    # The replayed KL over the dense twin's (None where the twin's is 0: its log-probs exact).
-    twin = [
-        kl[s, "replay"] / kl[s, "dense twin"] if kl[s, "dense twin"] else None
+    # The replayed KL over the dense twin's, per seed (None where the twin's is 0).
+    twin = {
+        s: kl[s, "replay"] / kl[s, "dense twin"] if kl[s, "dense twin"] else None
         for s in seeds
         if (s, "dense twin") in kl
-    ]
+    }
     if twin:
-        each = ", ".join("-" if f is None else f"{f:.2f}" for f in twin)
+        shown = lambda f: "n/a (the twin's KL is 0)" if f is None else f"{f:.2f}"
+        each = ", ".join(f"seed {s} {shown(f)}" for s, f in twin.items())
         lines.append(f"KL replay / dense twin: {each}")
     finite = lambda f: f if np.isfinite(f) else None
     r = {

@@ -57,7 +57,9 @@ def test_bf16_sampler_and_learner_round_at_the_same_points(tmp_path):
     assert all(r["route_mismatch"] == 0.0 and r["kl_k3"] >= 0 for r in twins)
     replay = {r["seed"]: r["kl_k3"] for r in rows if r["setting"] == "replay"}
     ratios = json.loads(out.read_text())["kl_replay_over_dense_twin"]
-    assert ratios == [replay[r["seed"]] / r["kl_k3"] if r["kl_k3"] else None for r in twins]
+    assert ratios == {
+        str(r["seed"]): replay[r["seed"]] / r["kl_k3"] if r["kl_k3"] else None for r in twins
+    }
 
 
 def test_replay_bench_refuses_a_top_k_above_the_experts():
@@ -86,3 +88,44 @@ def test_replay_bench_with_qwen3_30b_a3b_routing(tmp_path):
     assert "num_experts=128" in result["model"] and "experts_per_token=8" in result["model"]
     assert rows["off"]["route_mismatch"] > 0 and rows["replay"]["route_mismatch"] == 0.0
     assert rows["replay"]["kl_k3"] < rows["off"]["kl_k3"]
+
+
+def test_the_dense_twin_is_the_mixture_routed_to_its_first_k_experts_at_equal_gates():
+    """`twin_model`: with the mixture's routers zeroed (equal gates, 1/k each once normalised)
+    and every token replayed to experts 0..k-1, the mixture's f32 log-probs are the twin's
+    (within 1e-5): same weights elsewhere, each MoE block the dense block of those experts."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from launch.bench import replay
+    from rl.logprobs import token_logprobs
+    from sampling.distribution import SamplingParams
+
+    cfg = dataclasses.replace(replay.CFG, dtype="float32")
+    cfg, graphdef, params, prompts, stops = replay.random_model(0, 4, cfg)
+    zero = lambda p, x: jnp.zeros_like(x) if "['router']" in jax.tree_util.keystr(p) else x
+    params = jax.tree_util.tree_map_with_path(zero, params)
+    twin = replay.twin_model((cfg, graphdef, params, prompts, stops))
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
+    valid = np.arange(width) < np.array([len(p) for p in prompts])[:, None]
+    k, layers = cfg.experts_per_token, cfg.num_moe_layers
+    routes = np.broadcast_to(np.arange(k, dtype=np.int8), (*ids.shape, layers, k))
+
+    def logp(graphdef, params, routes):
+        model = nnx.merge(graphdef, params)
+        return token_logprobs(model, ids, pos, valid, SamplingParams(1.0), routes=routes).logp
+
+    moe = np.asarray(logp(graphdef, params, routes))
+    dense = np.asarray(logp(twin[1], twin[2], None))
+    assert twin[0].num_experts == 0 and twin[0].d_ff == k * cfg.expert_d_ff
+    np.testing.assert_allclose(dense, moe, atol=1e-5)
+    other = np.asarray(logp(graphdef, params, routes + k))  # experts k..2k-1: not the twin
+    assert np.abs(other - moe)[valid[:, 1:]].max() > 1e-3
