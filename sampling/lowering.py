@@ -64,7 +64,7 @@ def extend_length(e: EngineConfig) -> int:
     sequence's `restore` or a carried one's `refresh` prefills its whole history, up to
     max_prompt_len + max_new_tokens tokens (the last one not cached); a multi-turn `resume`, an
     observation, fewer. Such rows always go through the pages a chunk at a time (with
-    prefill_chunk > 0), a short observation padded to a whole chunk."""
+    prefill_chunk > 0; rows shorter than a chunk as one chunk of their own bucket)."""
     return bucket(e.max_prompt_len + e.max_new_tokens - 1)
 
 

@@ -72,7 +72,12 @@ def prefill(
     n, t = tokens.shape
     base = jnp.zeros((n,), jnp.int32) if starts is None else starts
     paged = chunk > 0 and (starts is not None or t > chunk)
-    c = chunk if paged else t
+    # A paged batch no longer than a chunk is one chunk of its own length (T, a bucket): a short
+    # observation after its history computes T positions, not a chunk's. Padded to 512 tokens,
+    # a 5-token observation cost 100x its FLOPs, and on XLA:CPU the larger program's fusions
+    # rounded the bf16 residual stream otherwise than the learner's pass (docs/performance.md,
+    # "bf16 multi-turn episodes").
+    c = min(chunk, t) if paged else t
     m = -(-t // c)  # chunks
     tokens = jnp.pad(tokens, ((0, 0), (0, m * c - t)))  # [n,m*c]
     valid = jnp.arange(m * c)[None] < lengths[:, None]

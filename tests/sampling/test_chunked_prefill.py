@@ -142,6 +142,23 @@ def test_chunked_prefill_memory_is_flat_in_the_prompt_length(resume):
     assert long * 20 < dense
 
 
+def test_a_short_observation_is_prefilled_at_its_own_length(tiny):
+    """A resume's rows (after cached tokens) shorter than a chunk run as one chunk of their own
+    bucket: the program of a 16-token observation holds no 512-token array (it was padded to
+    a whole chunk: 32x its FLOPs, and on XLA:CPU a bigger program whose fusions rounded the
+    bf16 residual stream otherwise than the learner's pass). Rows longer than a chunk still go
+    a chunk at a time."""
+    graphdef, _ = tiny
+    _, shapes = init_params(CFG, make_mesh({}, devices=jax.devices()[:1]))
+    ecfg = dataclasses.replace(PCFG, max_prompt_len=1024, max_new_tokens=8, num_pages=1200)
+    engine = _engine(graphdef, 512, 0.0, ecfg=ecfg)
+    short = lower_prefill(engine, shapes, rows=2, length=16, resume=True).as_text()
+    long = lower_prefill(engine, shapes, rows=2, length=1024, resume=True).as_text()
+    hidden = lambda t: f"<2x{t}x{CFG.d_model}x"  # a layer's activations [n, chunk, D]
+    assert hidden(16) in short and hidden(512) not in short
+    assert hidden(512) in long  # the 1024-token rows, a 512-token chunk at a time
+
+
 def test_prefill_lengths_are_the_longest_dense_and_the_longest_chunked():
     """What --dry_run compiles of the prefill: the longest prompt bucket that takes the dense
     path (at most one chunk) and, when prompts are longer than a chunk, the longest."""
