@@ -75,8 +75,8 @@ def prefill(
     # A paged batch no longer than a chunk is one chunk of its own length (T, a bucket): a short
     # observation after its history computes T positions, not a chunk's. Padded to 512 tokens,
     # a 5-token observation cost 100x its FLOPs, and on XLA:CPU the larger program's fusions
-    # rounded the bf16 residual stream otherwise than the learner's pass (docs/performance.md,
-    # "bf16 multi-turn episodes").
+    # rounded the bf16 residual stream otherwise than a small learner pass (docs/performance.md,
+    # "bf16 on XLA:CPU").
     c = min(chunk, t) if paged else t
     m = -(-t // c)  # chunks
     tokens = jnp.pad(tokens, ((0, 0), (0, m * c - t)))  # [n,m*c]
