@@ -50,8 +50,8 @@ def prefill_lengths(e: EngineConfig) -> tuple[int, ...]:
     """The prompt lengths (buckets) whose prefill programs bound a rollout's: the longest prompt
     that takes the dense path (`steps.prefill`: a bucket of at most one chunk, or every bucket
     when prefill_chunk is 0) and, when prompts are longer than one chunk, the longest, which goes
-    through the pages a chunk at a time (its activations are a chunk's whatever the length, as a
-    multi-turn observation's; the rows after cached tokens: `extend_length`)."""
+    through the pages a chunk at a time (its activations are a chunk's whatever the length; rows
+    after cached tokens, a chunk's or less: `extend_length`)."""
     longest = bucket(e.max_prompt_len - 1)  # the last prompt token is not cached
     # unchunked, every prompt within a chunk, or no bucket (at least 16) within one: one program
     if not e.prefill_chunk or longest <= e.prefill_chunk or e.prefill_chunk < bucket(1):

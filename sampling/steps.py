@@ -40,8 +40,9 @@ def prefill(
 
     chunk > 0 (`EngineConfig.prefill_chunk`): the rows go through the model `chunk` tokens at a
     time, in a `lax.scan` over the chunks. Each chunk writes its KV into its pages and attends
-    over the pages (`PagedPrefill.paged`), so activations are [n,chunk,...] and attention
-    scores a chunk by a block of pages, whatever T is. A fresh prompt that fits one chunk keeps
+    over the pages (`PagedPrefill.paged`), so activations are [n,chunk,...] (or [n,T,...] for
+    rows after cached tokens shorter than a chunk) and attention scores a chunk by a block of
+    pages, whatever T is. A fresh prompt that fits one chunk keeps
     the dense path (the same function; faster for short prompts). chunk = 0: one pass over
     all T tokens, the reference.
 
