@@ -1,6 +1,7 @@
 """Routing replay's numerics on a tiny mixture of experts in bf16 (issue 52 must-show 3, from the
 sampler's own record): `python -m launch.bench replay [--num_prompts 32] [--new_tokens 32]
-[--seeds 0,1,2] [--num_experts 16 --experts_per_token 4 --num_layers 4] [--hf_checkpoint DIR]
+[--seeds 0,1,2] [--num_experts 16 --experts_per_token 4 --num_layers 4] [--no-dense_twin]
+[--hf_checkpoint DIR]
 [--output F.json]`.
 
 With --hf_checkpoint an HF mixture-of-experts checkpoint with a tokenizer (e.g. the MoE demo's
@@ -41,6 +42,7 @@ sampler-vs-learner KL the learner logs), max |r|.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import jax
@@ -292,6 +294,12 @@ def main(argv) -> int:
         "--experts_per_token", type=integer(1), help=f"random MoE ({CFG.experts_per_token})"
     )
     p.add_argument("--num_layers", type=integer(1), help=f"random MoE, all MoE ({CFG.num_layers})")
+    p.add_argument(
+        "--dense_twin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="random MoE: also the dense twin's row per seed (`twin_model`)",
+    )
     args = parse(p, argv)
     given = [f"--{k}" for k in shape if getattr(args, k) is not None]
     if args.hf_checkpoint and given:
@@ -310,7 +318,7 @@ def main(argv) -> int:
         else:
             model = random_model(seed, args.num_prompts, cfg)
         res = run(model, seed, args.new_tokens)
-        if not args.hf_checkpoint:  # the floor: the same shape without experts
+        if args.dense_twin and not args.hf_checkpoint:  # the mixture with nothing routed
             res["dense twin"] = run_dense(twin_model(model), seed, args.new_tokens)
         for name, m in res.items():
             rows.append({"seed": seed, "setting": name, **m})
