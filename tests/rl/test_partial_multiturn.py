@@ -27,12 +27,16 @@ def _two_devices():
 
 @register_env("test_partial_slow_grading")
 class SlowGrading(Varied):
-    """Varied, whose grading of a group returns only once the rollout's clock is 12 decode calls
+    """Varied, whose grading of a group returns only once the rollout's clock is CALLS decode calls
     past the group's completion (the calls it read, and its moves while nothing decoded), or the
     loop has no sequence left to decode (`watch`, set by the test). It waits 120 s at most (a
     loop that compiles a new shape meanwhile is slow on a loaded machine); once one grading has
     timed out the others return at once, so a loop that stalls fails in 120 s, not 120 s each."""
 
+    # Calls a grading waits for: fewer than the 16 at which dynamic sampling needs it, and few
+    # enough that some group completes with that much decoding left in the rollout (at 12, one
+    # group of the run's did, and on a loaded CI worker once none: every grading saw "idle").
+    CALLS = 4
     watch = None  # (engine, the loop's clock, record prompt -> clock at completion), by the test
     outcomes: list = []  # per graded episode: "decoded", "idle" or "timeout"
 
@@ -41,7 +45,7 @@ class SlowGrading(Varied):
         start = completed[episode.record["prompt"]]
         deadline = time.monotonic() + (0 if "timeout" in SlowGrading.outcomes else 120)
         while time.monotonic() < deadline:
-            if clock() >= start + 12:
+            if clock() >= start + SlowGrading.CALLS:
                 SlowGrading.outcomes.append("decoded")
                 break
             # No busy slot: nothing the loop could decode meanwhile.
@@ -58,7 +62,7 @@ class SlowGrading(Varied):
 def test_dynamic_sampling_does_not_stop_decoding_for_an_environments_grading():
     """Multi-turn groups are judged by dynamic sampling env.tool_answer_calls decode calls after
     they complete, on the loop's clock (their grading waited for then): a grading that needs
-    the loop to go on for 12 calls of its clock gets them before it is due at 16; a loop that
+    the loop to go on for CALLS (4) calls of its clock gets them before it is due at 16; a loop that
     waited for it at once would stall until the grading's timeout."""
     config = parse_args([*ARGS, "--config.env.name=test_partial_slow_grading",
                          "--config.rl.dynamic_sampling=True",
