@@ -35,7 +35,7 @@ from models import lora
 from models.config import ModelConfig
 from models.hf import load_hf
 from models.hf_config import GenerationIds
-from models.sharding import base_graphdef, make_mesh, run_devices, state_shardings
+from models.sharding import base_graphdef, make_mesh, run_devices, spec_axes, state_shardings
 from models.tokenizer import Tokenizer, load_tokenizer
 from rl.checkpoint import Checkpointer, checksums
 from rl.data import make_prompt_stream, tokenize_prompts
@@ -142,7 +142,7 @@ def check_hosts(mesh, rules, kv_heads: int, weights_layout: str = "training") ->
             "collectives now and then); set --config.sampling.weights_layout=training"
         )
     shards = partitioned.shard_axes(shape, rules, kv_heads)
-    batch = tuple(a for a in partitioned.spec_axes(dict(rules).get("batch")) if shape[a] > 1)
+    batch = tuple(a for a in spec_axes(dict(rules).get("batch")) if shape[a] > 1)
     if shards != batch:
         raise ValueError(
             f"mesh {shape}: the KV heads are split over {sorted(set(batch) - set(shards))}, an "

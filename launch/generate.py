@@ -8,7 +8,7 @@
 
 Each input line holds `prompt` (text; needs tokenizer.json or char_tokenizer.json in the
 checkpoint directory) or `prompt_ids` (token ids). Prompt text is data: special-token strings in it
-such as "<|im_start|>" are encoded as text, not as their ids (`models/special_text.py`); give a
+such as "<|im_start|>" are encoded as text, not as their ids (`models/tokenizer.py`); give a
 prompt with chat markup as `prompt_ids`. Each output line holds `prompt_index`, `sample_index`,
 `token_ids`, `logprobs` (the sampler's, under the distribution the token was drawn from),
 `finish_reason` ("stop" or "length"), and `text` where a tokenizer is present. Parameters are

@@ -33,14 +33,13 @@ from rl.data import reward_inputs
 from rl.learner import LearnerConfig
 from rl.losses import LossConfig
 from rl.mismatch import CORRECTIONS, QUANTISED_DTYPES, resolve_correction
-from rl.reward_registry import CODE_REWARDS
-from rl.rewards import REWARDS
+from rl.rewards import CODE_REWARDS, REWARDS
 from rl.sandbox import ISOLATIONS, isolation_of
 from rl.sources import SourceError, builtin_types, hub_dataset_dir, load_records
 from sampling.distribution import SamplingParams
 from sampling.engine import EngineConfig
-from sampling.page_allocator import group_pages
 from sampling.partitioned import num_shards
+from sampling.requests import group_pages
 
 FILE_SOURCES = ("jsonl", "parquet", "hf")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -24,7 +24,7 @@ starts with plain text after the sampled text (a template without end-of-turn to
 endings of sampled text, and raises UnstableDeltaError when any of them merges across. The checks
 cost less than encoding the delta, so nothing is cached.
 
-Message contents are data (`models/special_text.py`): the template renders them escaped
+Message contents are data (`models/tokenizer.py`): the template renders them escaped
 (`Tokenizer.render_chat`) and the delta is encoded with `encode_rendered`, so a tool result that
 prints "<|im_end|>" gets the ids of that text while the template's own markup around it gets its
 special ids; for contents without special-token strings the ids are those of the rendering.
@@ -151,7 +151,7 @@ def message_delta_ids(
     `enable_thinking=False`, Llama 3's `date_string`); pass the ones the prompt was rendered with.
 
     Contents are encoded as text: their special-token strings never become special ids (unless
-    a content is `models.special_text.Trusted`). CharTokenizer (whose template concatenates
+    a content is `models.tokenizer.Trusted`). CharTokenizer (whose template concatenates
     contents) gets the encoded contents, whatever `turn_closed`. Raises UnstableDeltaError when
     the ids of the delta would depend on the sampled text before it.
     """

@@ -1,6 +1,6 @@
 """The processes of a multi-process run: which process holds each batch shard of the mesh, and
 `agree`, the one small collective through which they agree on what they must do alike. Beside
-`models.sharding` (the mesh): the sampler (`sampling.engine`, `sampling.plan`) and the rollout
+`models.sharding` (the mesh): the sampler (`sampling.engine`, its `Plan`) and the rollout
 (`rl.rollout`, `rl.partial`, `rl.summary`, `rl.evaluation`) both use it, and neither owns it.
 
 Each batch shard (`sampling.partitioned`) lives on the devices of one process, and that process

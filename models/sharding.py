@@ -106,10 +106,14 @@ def make_mesh(
     )
 
 
-def _as_tuple(x) -> tuple[str, ...]:
-    if x is None:
-        return ()
-    return (x,) if isinstance(x, str) else tuple(x)
+def spec_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: Sequence[str]):
+    """The PartitionSpec entry of a tuple of mesh axes: None, a name or the tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def logical_to_spec(
@@ -119,7 +123,7 @@ def logical_to_spec(
     mesh: jax.sharding.Mesh,
 ) -> PartitionSpec:
     """The PartitionSpec of one array from its logical axis names (see the module docstring)."""
-    table = {name: _as_tuple(target) for name, target in rules}
+    table = {name: spec_axes(target) for name, target in rules}
     used: set[str] = set()
     spec = []
     for name, size in zip(axes, shape):
@@ -129,7 +133,7 @@ def logical_to_spec(
         if targets and size % math.prod(mesh.shape[a] for a in targets):
             targets = ()  # not divisible: replicate this dimension
         used.update(targets)
-        spec.append(None if not targets else targets[0] if len(targets) == 1 else targets)
+        spec.append(spec_entry(targets))
     return PartitionSpec(*spec)
 
 

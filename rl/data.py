@@ -20,8 +20,7 @@ from typing import Any
 
 import grain
 
-from models.special_text import Trusted
-from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer, Trusted
 from rl.sources import HFRecords, load_records
 
 
@@ -128,7 +127,7 @@ def format_prompt(
     asks for it on raw text. A prompt that is already a message list needs the chat template.
 
     The record's prompt is data: special-token strings in it ("<|im_end|>") are encoded as text
-    (`models/special_text.py`). The system prompt is the config's own text, like the template:
+    (`models/tokenizer.py`). The system prompt is the config's own text, like the template:
     its special-token strings (a `<tool_call>` in a described call format) keep their ids.
     """
     prompt = record[prompt_field]

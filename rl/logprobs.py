@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.order import after
+from models.sharding import spec_axes
 from models.transformer import weight_grad_dtype
 from sampling.distribution import (
     SamplingParams,
@@ -151,8 +152,7 @@ def _chunked_projection(scores, letters: str, dtype, rows, w_sharding=None):
     [n,B,c] x3, with the backward pass written out (see the module docstring)."""
     spec = f"BCD,{letters}->BCV"
     mesh = getattr(rows, "mesh", None)
-    axes = rows.spec[0] if rows is not None else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = spec_axes(rows.spec[0] if rows is not None else None)
     shards = math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1
     grad_dtype = weight_grad_dtype(jnp.float32) or jnp.float32  # its sum across devices
 

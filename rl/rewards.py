@@ -10,8 +10,8 @@ completion. `fields` are the data record's other columns as lists aligned with `
         return [float(c.rstrip().endswith(".")) for c in completions]
 
 then give it a weight next to the others in the config's name -> weight dict; `combined_rewards`
-sums them. The registry itself is `rl/reward_registry.py` (re-exported here). An environment's
-rewards register from above: `python_tests` (rl/envs/code_rewards.py) when `rl.envs` is imported,
+sums them. The registry (`REWARDS`, `register_reward`, `get_reward`) is this module's. An
+environment's rewards register from above: `python_tests` (rl/envs/code_rewards.py) when `rl.envs` is imported,
 as every launch entry point does; this module imports no environment.
 
 Rewards see text, not token ids: the tokenizer's decode is the one place ids become text, and a
@@ -31,12 +31,35 @@ import inspect
 import re
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
 import numpy as np
 
-from rl.reward_registry import REWARDS, RewardFn, get_reward, register_reward
+RewardFn = Callable[..., Sequence[float]]
+REWARDS: dict[str, RewardFn] = {}
+CODE_REWARDS: set[str] = set()  # rewards that run model-written code (start-up isolation check)
+
+
+def register_reward(name: str, runs_code: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward function to the registry under `name`; `runs_code`: it runs
+    the completions' code (in rl.sandbox), so launch.validate checks config.env.isolation."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered (by {REWARDS[name]!r})")
+        REWARDS[name] = fn
+        if runs_code:
+            CODE_REWARDS.add(name)
+        return fn
+
+    return wrap
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in REWARDS:
+        raise KeyError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
+    return REWARDS[name]
 
 
 def _required_fields(fn: RewardFn) -> list[str]:

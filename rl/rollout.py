@@ -54,6 +54,7 @@ import numpy as np
 
 from models.moe import route_dtype
 from models.processes import agree, local_values, shard_blocks
+from models.sharding import spec_axes
 from rl import summary as S
 from rl.advantages import compute_advantages
 from rl.groups import Group, GroupSampler, Synchronous, score_group
@@ -104,8 +105,7 @@ class Rollouts:
         # Packed row counts: every shard's the same multiple of this, so that the rows split
         # evenly over the learner's batch shards, the minibatches and the micro-batches.
         mesh, spec = batch_sharding.mesh, batch_sharding.spec
-        axes = spec[0] if spec else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = spec_axes(spec[0] if spec else None)
         whole = math.prod(mesh.shape[a] for a in axes) * c.rl.minibatches
         whole *= c.rl.micro_batches
         self.row_multiple = math.lcm(self.num_shards, whole) // self.num_shards  # per shard

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import quant
 from models.config import ModelConfig
-from sampling import partitioned
+from models.sharding import spec_axes, spec_entry
 from sampling.requests import EngineConfig
 
 
@@ -62,10 +62,12 @@ def _recast(x, dtype) -> bool:
 
 class DecodeWeights:
     """The decode copy of the weights of one engine (module docstring): `layout` is the engine's
-    (mesh, rules), or None without a mesh."""
+    (mesh, rules), or None without a mesh; `shard_axes` the engine's batch-shard axes
+    (`sampling.partitioned.shard_axes`), which the "tensor" layout does not split weights over."""
 
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, layout):
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, layout, shard_axes):
         self.cfg, self.ecfg, self.layout = cfg, ecfg, layout
+        self.shard_axes = frozenset(shard_axes)
 
     def params(self, params):
         """The weights decoding reads, made once per rollout (`sampling.episodes` calls this at
@@ -117,11 +119,8 @@ class DecodeWeights:
         "tensor" decode layout: its own spec less the shard axes; None without a mesh."""
         if self.layout is None:
             return None
-        mesh, rules = self.layout
-        drop = set(partitioned.shard_axes(dict(mesh.shape), rules, self.cfg.num_kv_heads))
-        keep = lambda e: partitioned.spec_entry(
-            tuple(a for a in partitioned.spec_axes(e) if a not in drop)
-        )
+        mesh, drop = self.layout[0], self.shard_axes
+        keep = lambda e: spec_entry(tuple(a for a in spec_axes(e) if a not in drop))
         return jax.tree.map(
             lambda x: NamedSharding(mesh, PartitionSpec(*map(keep, x.sharding.spec))), params
         )

@@ -2,7 +2,7 @@
 bulk_insert, generate, free_resource). The host bookkeeping of slots and pages is its page book
 (`Engine.pages`, `sampling.pages.PageBook`), the weights it decodes from are its
 `sampling.decode_weights.DecodeWeights`, and the work it queues for a round is its
-`sampling.plan.Plan`: members, not bases. The batch loop that drives it (continuous batching,
+`Plan` (below): members, not bases. The batch loop that drives it (continuous batching,
 episodes, admission, preemption, `generate_all`) is `sampling.episodes`, which this module does not
 import.
 
@@ -28,17 +28,17 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
   prefill, as vLLM's recompute preemption), `refresh` recomputes a parked one's KV in place under
   new parameters.
 
-Rounds: the methods above change the page book and queue their device work in the plan, which
-`flush` issues (`sampling.plan`): at once for a direct caller, once per round inside the episode
-loop (`deferred_rounds`), where the processes of a multi-process run first agree on the calls'
-shapes. Each process decides and feeds only its own batch shards (`local_shards`) and reads back
+Rounds: the methods above change the page book and queue their device work in the plan
+(`Plan`, below), which `flush` issues: at once for a direct caller, once per round inside the
+episode loop (`deferred_rounds`), where the processes of a multi-process run first agree on the
+calls' shapes. Each process decides and feeds only its own batch shards (`local_shards`) and reads back
 only their slots.
 
 Sharding: no `in_shardings`, so parameters are used in their own shardings, never gathered per
 call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
 function pins its output to that layout, so donation reuses the same buffers.
 
-Page allocation is host-side (`sampling.page_allocator` says why): before each call the page
+Page allocation is host-side (`sampling.pages` says why): before each call the page
 book gives every busy slot the pages of its next `num_steps` tokens (`PageBook.grow`; the budget
 and `EngineConfig.reserve` are `sampling.pages`').
 
@@ -52,11 +52,37 @@ in the batch, so a request gives the same tokens alone or continuously batched, 
 episode the same tokens whenever its tool answers.
 min_new_tokens bans the stop ids while fewer tokens exist; the recorded log-prob is under that
 banned distribution, and the learner applies the same ban (`rl.learner.Batch.stop_masked`).
+
+The plan (`Plan`): the device work of one round of the episode loop, queued on the host and
+issued together by `flush`: the prefill batches of the round's phases, then one `steps.update`
+of the slots.
+
+Why queue it: every process of a multi-process run must make the same jitted calls with the same
+shapes, in the same order, while each decides only its own batch shards (`models.processes`). So
+the engine's methods (`prefill_many`, `bulk_insert`, `resume`, `park`, `restore`, ...) only
+change the host bookkeeping and queue their device work here. Before the round's decode call,
+each process puts the shapes its own rows need into a fixed-size vector (`Plan.shapes`), the
+processes agree on the elementwise maximum (one `processes.agree`, which carries the loop's own
+flags too), and each issues the agreed calls with its own rows in them and zeros in the rows of the
+shards it does not hold. One process is the same code with nothing to agree.
+
+A prefill batch is what one engine call queues (`prefill_many`, `resume`, `refresh`, ...); its
+rows are split per shard into chunks of up to CHUNK rows (shard i's chunk in rows [i*n, (i+1)*n) of a call, n the largest
+chunk of any shard rounded up to a power of two, T the longest row of that chunk, bucketed), as
+the prefill was issued before the work was queued: a one-process run makes exactly the calls it
+made then. Batches go in the order of PHASES, and in their order within a phase: a parked
+sequence's restore or refresh before its resume, the siblings' refresh batches in the order
+`Engine.refresh` split them (rows that write a page another row of the batch writes wait for the
+next batch), the admitted prompts before the partly inserted groups' prompts are refreshed (one
+batch: a shard has one such group at most, so their rows never write each other's pages). The
+slot changes (inserts, resumes, releases; page copies of the inserted groups) come after every
+prefill: they read pages the prefills wrote, and no prefill reads a slot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +98,126 @@ from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
 from sampling.paged_attention import resolve_backend
 from sampling.pages import PageBook
-from sampling.plan import CHUNK, EXTENDS, Plan, Row
 from sampling.requests import EngineConfig, Parked, Prefix, Results, Ticket, check_slots
 from sampling.state import DecodeState, state_shardings
+
+PHASES = ("restore", "refresh", "resume", "admit", "prefix")
+EXTENDS = ("restore", "refresh", "resume")  # rows after a cached history (else fresh prompts)
+BATCHES = {"restore": 8, "refresh": 8, "resume": 1, "admit": 1, "prefix": 1}  # per round, most
+CHUNK = 16  # prefill rows per shard per call
+
+
+def bucket(n: int) -> int:
+    """A prefill length bucket: a power of two, at least 16."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Row:
+    shard: int
+    tokens: list[int]
+    start: int  # cache position of tokens[0] (0: a fresh prompt)
+    pages: list[int]  # the sequence's page row, shard-local ids
+    owner: object = None  # what keeps the routes this row's prefill records (`.routes`), if any
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+    rows: list[Row]
+
+    def chunks(self, num_shards: int) -> list[list[list[Row]]]:
+        """[chunk j][shard i] the rows of shard i in call j."""
+        per = [[r for r in self.rows if r.shard == i] for i in range(num_shards)]
+        n = max(map(len, per), default=0)
+        return [[q[j : j + CHUNK] for q in per] for j in range(0, n, CHUNK)]
+
+
+@dataclasses.dataclass
+class Plan:
+    """One round's queued device work (module docstring: "The plan")."""
+
+    num_shards: int
+    num_slots: int
+    batches: dict = dataclasses.field(default_factory=lambda: {p: [] for p in PHASES})
+    slots: dict = dataclasses.field(default_factory=dict)  # slot -> insert values, or None: off
+    copies: list = dataclasses.field(default_factory=list)  # per shard [(src, dst)]
+
+    def __post_init__(self):
+        self.copies = self.copies or [[] for _ in range(self.num_shards)]
+
+    @property
+    def empty(self) -> bool:
+        return not (any(self.batches.values()) or self.slots or any(self.copies))
+
+    def prefill(self, phase: str, rows: list[Row]) -> None:
+        rows = [r for r in rows if r.tokens]
+        if not rows:
+            return
+        batches = self.batches[phase]
+        if phase == "prefix" and batches:  # the open groups of other shards (one per shard)
+            if {r.shard for r in rows} & {r.shard for r in batches[0].rows}:
+                raise RuntimeError("two prefix refreshes of one shard in one round")
+            batches[0].rows += rows
+        else:
+            batches.append(PrefillBatch(rows))
+
+    def insert(self, slot: int, values: tuple) -> None:
+        """Slot starts a sequence: (lengths, last_token, max_new, min_new, request_id,
+        sample_id, shared) as `steps.update` takes them."""
+        self.slots[slot] = values
+
+    def release(self, slot: int) -> None:
+        self.slots[slot] = None
+
+    def copy(self, shard: int, pairs) -> None:
+        self.copies[shard] += list(pairs)
+
+    def shapes(self, chunks: int) -> np.ndarray:
+        """int32: per phase batch (BATCHES of each) its largest row count of a shard and the
+        longest row of each of `chunks` chunks; then 1 if a slot changes and the most page
+        copies of a shard. The elementwise maximum over processes is the round's calls."""
+        out = []
+        for phase in PHASES:
+            batches = self.batches[phase]
+            if len(batches) > BATCHES[phase]:
+                raise RuntimeError(
+                    f"{len(batches)} {phase} prefill batches in one round: at most {BATCHES[phase]}"
+                )
+            for k in range(BATCHES[phase]):
+                if k >= len(batches):
+                    out += [0] * (1 + chunks)
+                    continue
+                parts = batches[k].chunks(self.num_shards)
+                if len(parts) > chunks:
+                    raise RuntimeError(
+                        f"a {phase} prefill of more than {chunks * CHUNK} rows "
+                        "per shard in one round"
+                    )
+                # the most rows of a shard: its last chunk's, after len(parts) - 1 full ones
+                count = CHUNK * (len(parts) - 1) + max(len(q) for q in parts[-1])
+                longest = [max(len(r.tokens) for q in part for r in q) for part in parts]
+                out += [count, *longest, *[0] * (chunks - len(parts))]
+        out += [int(bool(self.slots)), max(map(len, self.copies))]
+        return np.asarray(out, np.int32)
+
+    def calls(self, shapes: np.ndarray, chunks: int):
+        """(phase, k, [(j, n, T)], batch or None) per prefill batch the agreed `shapes` make,
+        in order: n rows per shard and T tokens in call j; batch None where this process has
+        no rows of it."""
+        at = 0
+        for phase in PHASES:
+            for k in range(BATCHES[phase]):
+                count, longest = int(shapes[at]), shapes[at + 1 : at + 1 + chunks]
+                at += 1 + chunks
+                if not count:
+                    continue
+                calls = []
+                for j in range(-(-count // CHUNK)):
+                    n = 1 << (min(CHUNK, count - CHUNK * j) - 1).bit_length()
+                    calls.append((j, n, bucket(int(longest[j]))))
+                mine = self.batches[phase]
+                yield phase, k, calls, mine[k] if k < len(mine) else None
+
 
 MAX_PREFILL_BATCH = CHUNK  # prompts per shard per prefill call
 
@@ -134,12 +277,12 @@ class Engine:
         axes = partitioned.shard_axes(shape, rules, cfg.num_kv_heads)
         self.owners = [0] * s if mesh is None else shard_processes(mesh, axes)
         self.local_shards = [i for i in range(s) if self.owners[i] == jax.process_index()]
-        self.weights = DecodeWeights(cfg, ecfg, self.layout)
+        self.weights = DecodeWeights(cfg, ecfg, self.layout, axes)
         self._shardings = self._rows = None
         if mesh is not None:
             self._shardings = state_shardings(jax.eval_shape(self.zeros), *self.layout)
             self._rows = NamedSharding(mesh, partitioned.specs(mesh, rules, cfg.num_kv_heads)[1])
-        # Device work is queued (`sampling.plan`) and issued by `flush`: at once after each call
+        # Device work is queued (`Plan`) and issued by `flush`: at once after each call
         # (a direct use of the engine), or once per round inside the episode loop
         # (`deferred_rounds`).
         self._deferred = False
@@ -476,14 +619,14 @@ class Engine:
             self.plan.insert(s, (length, seq[-1], max_new, banned, p.request_id, p.sample_id, 0))
         return self._now(state)
 
-    # --- rounds (`sampling.plan`) ------------------------------------------------------------
+    # --- rounds (`Plan`) ------------------------------------------------------------
 
     def _prefill_pages(
         self, params, state, prompts, prefixes, extend=None, phase="admit", owners=None
     ):
         """Queues caching prompt[:-1] of each prompt into its prefix's pages; with `extend`
         (resume, refresh), extend[j][:-1] after the cached_len tokens parked sequence j holds:
-        one prefill batch of `phase` (`sampling.plan`). owners: with `extend`, per row the
+        one prefill batch of `phase` (`Plan`). owners: with `extend`, per row the
         object its recorded routes go to, or None (`resume`)."""
         rows_in = [p[:-1] for p in prompts] if extend is None else [q[:-1] for q in extend]
         e_rec = self.records_routes
@@ -517,7 +660,7 @@ class Engine:
             self._deferred = False
 
     def flush(self, params, state, flags=()) -> tuple[DecodeState, np.ndarray]:
-        """Issues the queued work (`sampling.plan`): the prefill batches, then one slot update.
+        """Issues the queued work (`Plan`): the prefill batches, then one slot update.
         With several processes they first agree on the calls' shapes, and on `flags` (a few
         ints of the caller's: counts, stop flags) in the same collective. Returns (state,
         int32 [processes, len(flags)]: every process's flags)."""

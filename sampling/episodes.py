@@ -52,7 +52,7 @@ stalls the loop until it answers (docs/performance.md measures k).
 
 Rounds and processes: each pass of the loop is a round. Its device work (prefills, inserts,
 resumes, releases) is queued by the engine and goes out at once before the round's decode call
-(`Engine.flush`, `sampling.plan`). With `add`'s `shards` every request lives on its batch shard,
+(`Engine.flush`, `sampling.engine.Plan`). With `add`'s `shards` every request lives on its batch shard,
 and every decision about a shard (admission, resumes, preemption) looks at that shard alone. In a
 multi-process run each process runs this loop over its own shards only: its requests, its tool
 calls, its results read from its own devices. What the processes agree on, in the one small
@@ -99,8 +99,7 @@ import numpy as np
 
 from models.moe import route_dtype
 from sampling.engine import Engine
-from sampling.page_allocator import OutOfPagesError
-from sampling.pages import PageBook
+from sampling.pages import OutOfPagesError, PageBook
 from sampling.requests import Completion, Episode, Parked, Recorded, check_requests
 
 IDLE = "idle"  # what `until` returns when nothing is left to decode on any process

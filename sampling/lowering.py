@@ -12,8 +12,7 @@ import jax.numpy as jnp
 from models.attention import lowering_for
 from models.sharding import with_shardings
 from sampling import steps
-from sampling.engine import MAX_PREFILL_BATCH, Engine
-from sampling.plan import bucket
+from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
 from sampling.requests import EngineConfig
 
 
@@ -60,7 +59,7 @@ def prefill_lengths(e: EngineConfig) -> tuple[int, ...]:
 
 
 def extend_length(e: EngineConfig) -> int:
-    """The longest prefill row after cached tokens (`sampling.plan.EXTENDS`): a preempted
+    """The longest prefill row after cached tokens (`sampling.engine.EXTENDS`): a preempted
     sequence's `restore` or a carried one's `refresh` prefills its whole history, up to
     max_prompt_len + max_new_tokens tokens (the last one not cached); a multi-turn `resume`, an
     observation, fewer. Such rows always go through the pages a chunk at a time (with

@@ -29,17 +29,8 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import PartitionSpec as P
 
-from models.sharding import logical_to_spec
+from models.sharding import logical_to_spec, spec_axes, spec_entry
 from sampling.kv_quant import QuantPages
-
-
-def spec_axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of mesh axes."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def spec_entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 class _Sizes:

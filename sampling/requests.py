@@ -2,7 +2,8 @@
 and its results (`Ticket`, `Results`), a prefilled prompt (`Prefix`), a finished sample
 (`Completion`) and one in progress (`Episode`), and the checks a batch of requests passes before
 the engine changes anything (`check_requests`), so a bad argument never leaves pages or slots
-half taken.
+half taken. `group_pages` is the one formula for the most pages a group of samples holds: the
+engine admits requests by it, and config validation and benchmarks size the pool with it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import numpy as np
 
 from models.quant import DTYPES as WEIGHTS_QUANTIZED  # quantised EngineConfig.weights_dtype
 from sampling.kv_quant import CACHE_DTYPES, QUANT_DTYPES
-from sampling.page_allocator import group_pages
 from sampling.paged_attention import BACKENDS
 
 WEIGHTS_LAYOUTS = ("tensor", "training")  # EngineConfig.weights_layout
@@ -278,6 +278,32 @@ def check_resume(parked: Parked, new_tokens, max_new: int) -> None:
 def check_prompt(ecfg: EngineConfig, prompt) -> None:
     if not 1 <= len(prompt) <= ecfg.max_prompt_len:
         raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{ecfg.max_prompt_len}")
+
+
+def group_pages(prompt_len: int, max_new, page_size: int, g: int) -> int:
+    """KV pages a group of g samples of one prompt holds at its longest, as the engine allocates.
+    max_new: every sample's budget, or one per sample (g of them).
+
+    The engine caches the prompt's first prompt_len - 1 tokens (the first decode step feeds the
+    last one) and each sample at most its max_new more (`sampling.engine`). The full pages of the
+    cached prompt are shared by the g samples, so they count once; each sample owns the rest of
+    its pages: a copy of the partial last prompt page, if any, and its decode pages.
+    """
+    budgets = [max_new] * g if np.ndim(max_new) == 0 else list(max_new)
+    if (
+        prompt_len < 1
+        or min(budgets, default=-1) < 0
+        or page_size < 1
+        or g < 1
+        or len(budgets) != g
+    ):
+        raise ValueError(
+            f"group_pages(prompt_len={prompt_len}, max_new={max_new}, page_size={page_size}, "
+            f"g={g}): need prompt_len >= 1, max_new >= 0 (one or g), page_size >= 1, g >= 1"
+        )
+    cached = prompt_len - 1
+    shared = cached // page_size
+    return shared + sum(-(-(cached + m) // page_size) - shared for m in budgets)
 
 
 def check_requests(ecfg: EngineConfig, prompts, g: int, max_new_tokens, request_ids):

@@ -2,7 +2,7 @@
 (prompts into their pages), update (a round's inserts, resumes and releases, every slot at
 once) and generate (up to k decode steps in one `lax.while_loop`, which stops early once every
 slot is idle). `sampling.engine.Engine` is the host side that calls them, through the round's
-`sampling.plan.Plan`; see its docstring for the design (key schedule, min_new_tokens, sharding).
+`Plan`; see the engine's docstring for the design (key schedule, min_new_tokens, sharding).
 
 Each takes `layout`, None on a single device or (mesh, rules), and pins its output state to
 that layout, so donation keeps reusing the same buffers.
@@ -126,7 +126,7 @@ def update(
     copy_dst,
     layout,
 ):
-    """One round's slot changes, every slot at once (`sampling.plan`): slots put bool[B] start a
+    """One round's slot changes, every slot at once (`sampling.engine.Plan`): slots put bool[B] start a
     sequence (an insert or a resume: cached `lengths`, fed `last_token`, budget `max_new`, stop
     ids banned for the first `min_new` tokens, PRNG stream `request_id` / `sample_id`, cascade
     `shared` prompt tokens; tokens and log-probs cleared), slots off bool[B] go idle (not put

@@ -10,7 +10,7 @@ DESIGN.md's direction: launch -> rl -> sampling -> models, rl -> models; configs
 them. Inside rl/, three layers: the environments (rl.envs.*) may import the learning modules (the
 rest of rl/) and the sandbox (rl.sandbox.*), never the other way: a learning module imports nothing
 of rl.envs or rl.sandbox (the environments, their rewards and data sources register themselves
-from above into rl.environment, rl.reward_registry and rl.sources), and the sandbox imports no
+from above into rl.environment, rl.rewards and rl.sources), and the sandbox imports no
 other module of rl/. `python -m tests.test_imports` prints the cycles and the arrows against
 these directions.
 """

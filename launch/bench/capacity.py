@@ -32,7 +32,7 @@ from models.sharding import init_params, make_mesh
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import EpisodeLoop
-from sampling.page_allocator import group_pages
+from sampling.requests import group_pages
 
 MODES = ("budget", "demand")
 

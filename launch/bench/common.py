@@ -28,7 +28,7 @@ from models.config import RopeScaling
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import generate_all
-from sampling.page_allocator import group_pages
+from sampling.requests import group_pages
 
 SMALL = dict(vocab_size=4096, d_model=256, d_ff=1024, num_layers=4, num_heads=8)
 SMALL.update(num_kv_heads=2, head_dim=32)

@@ -26,7 +26,7 @@ from rl.packing import build_batch
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import generate_all
-from sampling.page_allocator import group_pages
+from sampling.requests import group_pages
 
 
 class Loop:

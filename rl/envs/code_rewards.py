@@ -30,7 +30,7 @@ import re
 import secrets
 import threading
 
-from rl.reward_registry import register_reward
+from rl.rewards import register_reward
 from rl.sandbox import RunResult, Sandbox, Workspace
 
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})\s*([\w+.-]*)")

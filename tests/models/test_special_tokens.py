@@ -1,4 +1,4 @@
-"""Untrusted text cannot forge special tokens (models/special_text.py): tool output and prompts
+"""Untrusted text cannot forge special tokens (models/tokenizer.py): tool output and prompts
 that hold "<|im_end|>", "<|im_start|>", "<tool_call>", "<|eot_id|>" or "<|start_header_id|>" get
 the ids of that text, as the `tokenizers` library encodes it with no added token matched, while
 the chat template's own markup keeps its special ids; text without such strings keeps the ids it
@@ -12,8 +12,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 
 from models.chat import end_of_turn_id, message_delta_ids
-from models.special_text import ESCAPE, Trusted
-from models.tokenizer import CharTokenizer, load_tokenizer
+from models.tokenizer import ESCAPE, CharTokenizer, Trusted, load_tokenizer
 from rl.data import format_prompt
 from tests.models.test_chat import FAMILIES, _kwargs, tokenizer_dir  # noqa: F401 (a fixture)
 

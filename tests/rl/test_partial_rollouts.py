@@ -17,7 +17,7 @@ from models.sharding import on_devices
 from rl.data import make_prompt_stream
 from rl.envs import Environment, Episode, register_env
 from rl.partial import enough, select
-from rl.reward_registry import register_reward
+from rl.rewards import register_reward
 
 B, G, ETA, STEPS = 2, 4, 1, 5
 # data=2 on 2 of the 8 fake devices (models.sharding.on_devices): two batch shards of 4 slots,

@@ -13,7 +13,7 @@ import pytest
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.episodes import EpisodeLoop, generate_all
-from sampling.page_allocator import group_pages
+from sampling.requests import group_pages
 from tests.conftest import CFG, random_prompts
 from tests.conftest import ECFG as BASE
 

@@ -15,7 +15,8 @@ from sampling import steps as steps_module
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine
 from sampling.episodes import generate_all
-from sampling.page_allocator import OutOfPagesError, PageAllocator, group_pages
+from sampling.pages import OutOfPagesError, PageAllocator
+from sampling.requests import group_pages
 from tests.conftest import CFG, ECFG, random_prompts
 
 

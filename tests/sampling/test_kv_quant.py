@@ -313,7 +313,7 @@ def test_quantised_decode_step_lowers_for_tpu_and_cuda(dtype, name, platform, me
 )
 def test_page_copies_move_the_scales_with_the_values(mesh_shape):
     """`steps.update`'s page copies (a shared prompt's partial last page given to each sample,
-    `sampling.plan`) on a quantised pool: the destination pages get the source's values and
+    `sampling.engine.Plan`) on a quantised pool: the destination pages get the source's values and
     scales, on one device and per shard on a mesh (shard-local ids), nothing else changes."""
     from sampling import steps
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sampling.page_allocator import NULL_PAGE, OutOfPagesError, PageAllocator, PageTable
+from sampling.pages import NULL_PAGE, OutOfPagesError, PageAllocator, PageTable
 
 
 def test_alloc_free_and_null_page():

@@ -7,9 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sampling.page_allocator import NULL_PAGE, OutOfPagesError, group_pages
-from sampling.pages import PageBook
-from sampling.requests import EngineConfig
+from sampling.pages import NULL_PAGE, OutOfPagesError, PageBook
+from sampling.requests import EngineConfig, group_pages
 
 # 8 slots, pages of 4 tokens, 32 pages (31 usable) per shard of one.
 ECFG = EngineConfig(

@@ -1,9 +1,9 @@
-"""The round's queued prefill calls (`sampling.plan`): their shapes, alone and agreed between
+"""The round's queued prefill calls (`sampling.engine.Plan`): their shapes, alone and agreed between
 processes (the elementwise maximum of `Plan.shapes`)."""
 
 import numpy as np
 
-from sampling.plan import CHUNK, Plan, Row
+from sampling.engine import CHUNK, Plan, Row
 
 
 def _plan(rows_per_shard, length=5, num_shards=2):

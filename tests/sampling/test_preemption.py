@@ -18,7 +18,7 @@ from models.sharding import DEFAULT_RULES, abstract_model, init_params, make_mes
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import EpisodeLoop
-from sampling.page_allocator import group_pages
+from sampling.requests import group_pages
 from tests.conftest import CFG, random_prompts
 
 SLOTS, PAGE = 16, 8

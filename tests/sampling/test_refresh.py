@@ -59,7 +59,7 @@ def _run(graphdef, params, refresh: bool):
     resume. Returns (completions [prompt][sample], tokens the refreshes recomputed per run)."""
     engine, loop, keys, state = _parked(graphdef, params[0])
     refreshed, call = [], engine.refresh
-    # The tokens the refresh queues for the round's prefill (`sampling.plan`).
+    # The tokens the refresh queues for the round's prefill (`sampling.engine.Plan`).
     queued = lambda: sum(len(r.tokens) for b in engine.plan.batches["refresh"] for r in b.rows)
 
     def spy(params, state, items, fresh=None):

@@ -17,7 +17,7 @@ from models.sharding import DEFAULT_RULES, abstract_model, init_params, make_mes
 from sampling.distribution import SamplingParams
 from sampling.engine import Engine, EngineConfig
 from sampling.episodes import EpisodeLoop, generate_all
-from sampling.page_allocator import group_pages
+from sampling.requests import group_pages
 from tests.conftest import CFG, random_prompts
 
 ECFG = EngineConfig(

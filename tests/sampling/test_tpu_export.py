@@ -36,10 +36,9 @@ from launch.validate import engine_config, learner_config, sampling_params
 from models.config import ModelConfig, RopeScaling
 from models.sharding import abstract_model, make_mesh, state_shardings, with_shardings
 from rl.learner import Batch, Learner, batch_sharding
-from sampling.engine import MAX_PREFILL_BATCH, Engine
+from sampling.engine import MAX_PREFILL_BATCH, Engine, bucket
 from sampling.lowering import lower_generate, lower_prefill
 from sampling.paged_attention import paged_attention, resolve_backend
-from sampling.plan import bucket
 
 pytestmark = pytest.mark.slow  # lowers every real config for TPU
 

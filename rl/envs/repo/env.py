@@ -65,7 +65,7 @@ import posixpath
 import time
 
 from models.chat import message_delta_ids
-from models.special_text import Trusted
+from models.tokenizer import Trusted
 from rl.environment import Environment, Episode, Turn, register_env
 from rl.envs.repo import images as repo_images
 from rl.envs.repo import sandbox as rs
@@ -225,7 +225,7 @@ class RepoEnv(Environment):
                 {"role": "system", "content": Trusted(sys_text)},
                 {"role": "user", "content": user},
             ]
-        # The problem is data: its special-token strings stay text (models/special_text.py).
+        # The problem is data: its special-token strings stay text (models/tokenizer.py).
         return self.tokenizer.encode_chat(
             msgs, True, **kw, **({"tools": TOOLS} if self.tools_in_template else {})
         )

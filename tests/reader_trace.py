@@ -1,0 +1,80 @@
+"""The files one rollout enters, in the order it first enters them (docs/architecture.md, "One
+iteration"): a training run whose `step`-th rollout (by default the second of three: after a
+compiled first step, and not the last, which ends a partial rollout's carry to save) runs under
+`sys.setprofile` in every thread, recording each project file (not tests/, not the virtual
+environment) at its first call.
+
+    python -m tests.reader_trace --config configs/default.py [--config.<field>=...]
+
+prints the list. Jitted programs compiled before the traced step run without entering Python, so
+the model's and the kernels' files appear only where a new shape compiles in that step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def trace(run, step: int = 2) -> list[str]:
+    """The project files entered, in first-entry order, by rollout number `step` of
+    `run()` (a callable that trains: `launch.train.main` with its argv, say)."""
+    from rl.rollout import Rollouts
+
+    seen: list[str] = []
+    calls, on = [0], [False]
+
+    def profile(frame, event, arg):
+        if on[0] and event == "call":
+            f = frame.f_code.co_filename
+            if f.startswith(ROOT) and not f[len(ROOT) :].startswith(("tests", ".venv")):
+                rel = f[len(ROOT) :].replace(os.sep, "/")
+                if rel not in seen:
+                    seen.append(rel)
+
+    call = Rollouts.__call__
+
+    def traced(self, *args, **kwargs):
+        calls[0] += 1
+        on[0] = calls[0] == step
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            on[0] = False
+
+    before = sys.getprofile(), threading.getprofile()
+    Rollouts.__call__ = traced
+    sys.setprofile(profile)
+    threading.setprofile(profile)  # the reward and tool workers start inside the run
+    try:
+        run()
+    finally:
+        Rollouts.__call__ = call
+        sys.setprofile(before[0])
+        threading.setprofile(before[1])
+    if calls[0] < step:
+        raise ValueError(f"the run made {calls[0]} rollouts; step {step} was not traced")
+    return seen
+
+
+def main(argv) -> int:
+    from launch.train import main as train
+
+    argv = list(argv)
+    if not any(a.startswith("--config.num_steps") for a in argv):
+        argv += ["--config.num_steps=3", "--config.eval_every=0"]
+    if not any(a.startswith("--workdir") for a in argv):
+        import tempfile
+
+        argv.append(f"--workdir={tempfile.mkdtemp(prefix='reader_trace_')}")
+    files = trace(lambda: train(argv))
+    for i, f in enumerate(files, 1):
+        print(f"{i:3d}  {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
