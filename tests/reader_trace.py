@@ -1,6 +1,6 @@
 """The files one rollout enters, in the order it first enters them (docs/architecture.md, "One
 iteration"): a training run whose `step`-th rollout (by default the second of three: after a
-compiled first step, and not the last, which ends a partial rollout's carry to save) runs under
+compiled first step, and not the last, which saves and so drains the loop) runs under
 `sys.setprofile` in every thread, recording each project file (not tests/, not the virtual
 environment) at its first call.
 

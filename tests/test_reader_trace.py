@@ -34,4 +34,4 @@ def test_the_single_turn_reader_list_is_the_traced_rollout(tmp_path):
 
     files = trace(run)
     assert files == _documented()
-    assert len(files) <= 16
+    assert len(files) <= 15
