@@ -130,7 +130,7 @@ def check_hosts(mesh, rules, kv_heads: int, weights_layout: str = "training") ->
     own process (`rl.rollout`): the learner's batch axes must be the sampler's shard axes
     (ValueError otherwise, one line; each shard on one process is the engine's check). On CPU
     it decodes from the training layout: the per-rollout reshard of `weights_layout="tensor"`
-    (`sampling.engine.DecodeWeights`) hung XLA:CPU's gloo runtime now and then (one process launching
+    (`sampling.decode_weights`) hung XLA:CPU's gloo runtime now and then (one process launching
     it, its peer past it; 1 run in 3 to 8 of a 2 x 4 run here), never the training layout."""
     if jax.process_count() == 1:
         return

@@ -1,7 +1,7 @@
 """Decode weights in int8 or fp8 (`sampling.weights_dtype` "int8" / "float8_e4m3fn"), with
 google's qwix (`qwix.quantize`, `qwix.einsum`, its `QArray`).
 
-The sampler's per-rollout decode copy (`sampling.engine.DecodeWeights`) holds every block projection
+The sampler's per-rollout decode copy (`sampling.decode_weights`) holds every block projection
 (attention q, k, v, o; MLP gate, up, down) as a `QArray`: the weight in int8 or float8_e4m3fn
 with an f32 scale per output channel (absmax over the contracting axes, / 127 for int8, / 448
 for fp8: `CALIBRATION`; a q [D,N,H] weight has a scale [1,N,H], o [N,H,D] one [1,1,D]). Everything else (embedding, norms, biases, the logits

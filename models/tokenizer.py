@@ -21,7 +21,7 @@ Choices a reader may question:
 - Templates get no `strftime_now` (transformers has one), so they fall back to their fixed default
   date and the same config renders the same prompts on every day of a run.
 
-Untrusted text cannot forge special tokens (below): `encode` encodes text as data unless
+Untrusted text cannot forge special tokens: `encode` encodes text as data unless
 `special=True`, and `encode_chat` gives a chat template's markup its special ids and
 the messages inserted into it none. Added tokens are matched by their exact text in markup too
 (an added token with normalized=True is matched unnormalised), so that escaping sees each match.
@@ -44,7 +44,7 @@ of them that holds an escape as data, unescaped. Every other stretch is encoded 
 conversation whose messages hold no special-token string gets exactly the ids of
 `encode(rendering, special=True)`, the ids transformers gives it.
 
-Choices a reader may question:
+Choices in the escaping a reader may question:
 - Escaping rather than rendering each content as a sentinel and splitting there: templates
   transform contents (Llama 3 writes a tool result through `tojson`, quoted and escaped, and
   trims others), so a sentinel's place does not say what text stands there. Escapes ride along

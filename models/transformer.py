@@ -68,7 +68,7 @@ def _matmul(spec: str, x, p, out=None):
     """einsum(spec, x, p) with the parameter p cast to x's dtype (see the module docstring); the
     product in `out` (e.g. f32, `preferred_element_type`) rather than x's dtype if given."""
     v = p.get_value() if isinstance(p, nnx.Variable) else p  # a Param, or an array (tests)
-    if quant.quantized(v):  # an int8 / fp8 decode copy (sampling.engine.DecodeWeights)
+    if quant.quantized(v):  # an int8 / fp8 decode copy (sampling.decode_weights)
         return quant.einsum(spec, x, v, out)
     g = weight_grad_dtype(x.dtype)
     out = None if out is None or jnp.dtype(out) == x.dtype else out

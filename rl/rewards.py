@@ -10,9 +10,10 @@ completion. `fields` are the data record's other columns as lists aligned with `
         return [float(c.rstrip().endswith(".")) for c in completions]
 
 then give it a weight next to the others in the config's name -> weight dict; `combined_rewards`
-sums them. The registry (`REWARDS`, `register_reward`, `get_reward`) is this module's. An
-environment's rewards register from above: `python_tests` (rl/envs/code_rewards.py) when `rl.envs` is imported,
-as every launch entry point does; this module imports no environment.
+sums them. The registry (`REWARDS`, `register_reward`, `get_reward`, and `CODE_REWARDS`: the
+rewards that run model-written code) is this module's. An environment's rewards register from
+above: `python_tests` (rl/envs/code_rewards.py) when `rl.envs` is imported, as every launch
+entry point does; this module imports no environment.
 
 Rewards see text, not token ids: the tokenizer's decode is the one place ids become text, and a
 reward written against text works for every tokenizer. Completions are expected cut at their

@@ -1,7 +1,7 @@
 """The sampler engine: device work only, in the shape of JetStream's (prefill, insert /
 bulk_insert, generate, free_resource). The host bookkeeping of slots and pages is its page book
 (`Engine.pages`, `sampling.pages.PageBook`), the weights it decodes from are its
-`DecodeWeights` (below), and the work it queues for a round is its
+`sampling.decode_weights.DecodeWeights`, and the work it queues for a round is its
 `Plan` (below): members, not bases. The batch loop that drives it (continuous batching,
 episodes, admission, preemption, `generate_all`) is `sampling.episodes`, which this module does not
 import.
@@ -15,7 +15,7 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
 - `bulk_insert`: one prefilled prompt (a `Prefix`) into idle slots, as some or all of its G
   samples. Full prompt pages are shared (a reference per sample, and the live prefix's); the
   partial last page is copied on device for all samples but the last inserted
-  (`PageAllocator.fork_for_group`). With `keep` the prefix stays live for the later samples, else
+  (`sampling.pages.PageAllocator.fork_for_group`). With `keep` the prefix stays live for the later samples, else
   it is consumed. A whole group goes on an aligned block of G slots when one is free, which lets
   the blockwise backend read the shared pages once per block (`shared_len`); `sampling.episodes`
   inserts a group sample by sample when fewer slots are free, rather than idle them.
@@ -31,8 +31,8 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
 Rounds: the methods above change the page book and queue their device work in the plan
 (`Plan`, below), which `flush` issues: at once for a direct caller, once per round inside the
 episode loop (`deferred_rounds`), where the processes of a multi-process run first agree on the
-calls' shapes. Each process decides and feeds only its own batch shards (`local_shards`) and reads back
-only their slots.
+calls' shapes. Each process decides and feeds only its own batch shards (`local_shards`) and
+reads back only their slots.
 
 Sharding: no `in_shardings`, so parameters are used in their own shardings, never gathered per
 call; the `DecodeState` is laid out by `sampling.state.state_shardings` and every jitted
@@ -60,15 +60,16 @@ of the slots.
 Why queue it: every process of a multi-process run must make the same jitted calls with the same
 shapes, in the same order, while each decides only its own batch shards (`models.processes`). So
 the engine's methods (`prefill_many`, `bulk_insert`, `resume`, `park`, `restore`, ...) only
-change the host bookkeeping and queue their device work here. Before the round's decode call,
-each process puts the shapes its own rows need into a fixed-size vector (`Plan.shapes`), the
+change the host bookkeeping and queue their device work in the plan. Before the round's decode
+call, each process puts the shapes its own rows need into a fixed-size vector (`Plan.shapes`), the
 processes agree on the elementwise maximum (one `processes.agree`, which carries the loop's own
 flags too), and each issues the agreed calls with its own rows in them and zeros in the rows of the
 shards it does not hold. One process is the same code with nothing to agree.
 
 A prefill batch is what one engine call queues (`prefill_many`, `resume`, `refresh`, ...); its
-rows are split per shard into chunks of up to CHUNK rows (shard i's chunk in rows [i*n, (i+1)*n) of a call, n the largest
-chunk of any shard rounded up to a power of two, T the longest row of that chunk, bucketed), as
+rows are split per shard into chunks of up to CHUNK rows (shard i's chunk in rows [i*n, (i+1)*n)
+of a call, n the largest chunk of any shard rounded up to a power of two, T the longest row of
+that chunk, bucketed), as
 the prefill was issued before the work was queued: a one-process run makes exactly the calls it
 made then. Batches go in the order of PHASES, and in their order within a phase: a parked
 sequence's restore or refresh before its resume, the siblings' refresh batches in the order
@@ -77,36 +78,24 @@ next batch), the admitted prompts before the partly inserted groups' prompts are
 batch: a shard has one such group at most, so their rows never write each other's pages). The
 slot changes (inserts, resumes, releases; page copies of the inserted groups) come after every
 prefill: they read pages the prefills wrote, and no prefill reads a slot.
-
-The decode weights (`DecodeWeights`): the weights the sampler decodes from
-(`EngineConfig.weights_layout`, `weights_dtype`): a copy in the compute dtype laid out for
-decoding, made once per rollout and dropped when it ends, or the training arrays themselves. One
-`DecodeWeights` per engine (`Engine.weights`), made from the engine's model config, engine
-config, layout and shard axes.
-
-`weights_dtype` "int8" / "float8_e4m3fn" (either layout): the copy holds the block projections
-quantised per output channel (`models.quant`: qwix QArrays, a value and an f32 scale per output
-channel) and every other floating leaf in the compute dtype. Quantised where the params lie (the
-per-channel absmax reduces over the shard axes once), then resharded ("tensor"): the bytes that
-move are the int8 / fp8 ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from models import quant
 from models.config import ModelConfig
 from models.processes import agree, global_array, local_values, shard_processes
-from models.sharding import DEFAULT_RULES, spec_axes, spec_entry
+from models.sharding import DEFAULT_RULES
 from sampling import partitioned, steps
+from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
 from sampling.paged_attention import resolve_backend
 from sampling.pages import PageBook
@@ -229,148 +218,6 @@ class Plan:
                     calls.append((j, n, bucket(int(longest[j]))))
                 mine = self.batches[phase]
                 yield phase, k, calls, mine[k] if k < len(mine) else None
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast_floats(params, dtype: str):
-    """A copy of params with floating leaves in dtype (others as they are), sharded alike."""
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(cast, params)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _quantize(params, dtype: str, compute_dtype: str):
-    return quant.quantize_params(params, dtype, compute_dtype)
-
-
-def _scale_sharding(sh, x, contract: int):
-    """The sharding of the scale of weight x (sharded sh): sh's spec, not split over the
-    contracting axes (the scale's are 1 long)."""
-    spec = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
-    return NamedSharding(sh.mesh, PartitionSpec(*((None,) * contract + spec[contract:])))
-
-
-def _quantized_shardings(params, shardings, dtype: str):
-    """The shardings of `_quantize(params, dtype)` for params laid out as `shardings`: a
-    weight's value as the weight, its scale as `_scale_sharding`."""
-    qtype = jnp.dtype(dtype)
-    return quant.map_params(
-        lambda x, c, sh: quant.qarray(sh, _scale_sharding(sh, x, c), qtype),
-        lambda x, sh: sh,
-        params,
-        shardings,
-    )
-
-
-def _recast(x, dtype) -> bool:
-    """Whether the decode copy changes x's dtype (floating leaves go to the compute dtype)."""
-    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.dtype(dtype)
-
-
-class DecodeWeights:
-    """The decode copy of the weights of one engine (module docstring): `layout` is the engine's
-    (mesh, rules), or None without a mesh; `shard_axes` the engine's batch-shard axes
-    (`sampling.partitioned.shard_axes`), which the "tensor" layout does not split weights over."""
-
-    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, layout, shard_axes):
-        self.cfg, self.ecfg, self.layout = cfg, ecfg, layout
-        self.shard_axes = frozenset(shard_axes)
-
-    def params(self, params):
-        """The weights decoding reads, made once per rollout (`sampling.episodes` calls this at
-        the start of every `run`) and dropped when it ends, before the learner runs:
-        - weights_layout "tensor": a copy in the model's compute dtype laid out for decoding
-          (`shardings`: split over tensor only, replicated over the shard axes), so each
-          device computes its own slots with no collective over data or fsdp. The params
-          themselves when they already are in that dtype and layout (one device, say);
-        - "training": `params` themselves (zero copy), or with `weights_dtype` a copy in that
-          dtype, sharded as they are.
-        The model casts every weight to the compute dtype where it is used, so decoding from a
-        copy in that dtype gives the same bits per matmul; what it saves is the f32 read and
-        cast of every weight at every step (and, "tensor", the per-step all-slot collectives),
-        for bytes(compute dtype) per parameter / tensor while the rollout runs."""
-        e = self.ecfg
-        if e.weights_dtype in quant.DTYPES:
-            return self._quantized(params)
-        if e.weights_layout == "training":
-            dt = e.weights_dtype
-            return params if dt in ("", self.cfg.param_dtype) else _cast_floats(params, dt)
-        target, dt = self.shardings(params), self.cfg.dtype
-        recast = any(_recast(x, dt) for x in jax.tree.leaves(params))
-        if target is None:  # no mesh: only the dtype may change
-            return _cast_floats(params, dt) if recast else params
-        moved = jax.tree.map(
-            lambda x, sh: not x.sharding.is_equivalent_to(sh, x.ndim), params, target
-        )
-        if not (recast or any(jax.tree.leaves(moved))):
-            return params
-        # Cast where the params lie (bytes halved before they move), then one reshard: each
-        # device gathers its tensor shard of every weight over the shard axes.
-        return jax.device_put(_cast_floats(params, dt), target)
-
-    def _quantized(self, params):
-        """The int8 / fp8 decode copy (module docstring), in the engine's layout."""
-        dt, cdt = self.ecfg.weights_dtype, self.cfg.dtype
-        if self.layout is None:
-            return _quantize(params, dt, cdt)
-        here = jax.tree.map(lambda x: x.sharding, params)
-        copy = jax.jit(
-            _quantize, static_argnums=(1, 2), out_shardings=_quantized_shardings(params, here, dt)
-        )(params, dt, cdt)
-        if self.ecfg.weights_layout == "training":
-            return copy
-        return jax.device_put(copy, _quantized_shardings(params, self.shardings(params), dt))
-
-    def shardings(self, params):
-        """Per leaf of params (arrays or sharded shape structs) its NamedSharding in the
-        "tensor" decode layout: its own spec less the shard axes; None without a mesh."""
-        if self.layout is None:
-            return None
-        mesh, drop = self.layout[0], self.shard_axes
-        keep = lambda e: spec_entry(tuple(a for a in spec_axes(e) if a not in drop))
-        return jax.tree.map(
-            lambda x: NamedSharding(mesh, PartitionSpec(*map(keep, x.sharding.spec))), params
-        )
-
-    def abstract(self, abstract_params):
-        """What `params` returns for abstract (sharded) params: shape structs."""
-        if self.ecfg.weights_dtype in quant.DTYPES:
-            return self._abstract_quantized(abstract_params)
-        if self.ecfg.weights_layout == "training":
-            dt = self.ecfg.weights_dtype
-            if dt in ("", self.cfg.param_dtype):
-                return abstract_params
-            cast = lambda x: jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-            return jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=x.sharding),
-                abstract_params,
-            )
-        dt = lambda x: self.cfg.dtype if _recast(x, self.cfg.dtype) else x.dtype
-        target = self.shardings(abstract_params)
-        if target is None:
-            target = jax.tree.map(lambda x: x.sharding, abstract_params)
-        return jax.tree.map(
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, dt(x), sharding=sh), abstract_params, target
-        )
-
-    def _abstract_quantized(self, abstract_params):
-        dt, cdt = self.ecfg.weights_dtype, jnp.dtype(self.cfg.dtype)
-        cast = lambda x: cdt if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-        if self.layout is None:
-            return quant.map_params(
-                lambda x, c: quant.abstract(x, dt, c),
-                lambda x: jax.ShapeDtypeStruct(x.shape, cast(x)),
-                abstract_params,
-            )
-        target = jax.tree.map(lambda x: x.sharding, abstract_params)
-        if self.ecfg.weights_layout == "tensor":
-            target = self.shardings(abstract_params)
-        return quant.map_params(
-            lambda x, c, sh: quant.abstract(x, dt, c, sh, _scale_sharding(sh, x, c)),
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=sh),
-            abstract_params,
-            target,
-        )
 
 
 MAX_PREFILL_BATCH = CHUNK  # prompts per shard per prefill call
@@ -497,7 +344,7 @@ class Engine:
         """The NamedSharding of every DecodeState field, or None without a mesh."""
         return self._shardings
 
-    # --- the weights decoding reads (`DecodeWeights`) ----------------------------------------
+    # --- the weights decoding reads (`sampling.decode_weights`) ------------------------------
 
     def decode_params(self, params):
         """`DecodeWeights.params`: the weights decoding reads, made once per rollout."""

@@ -52,14 +52,15 @@ stalls the loop until it answers (docs/performance.md measures k).
 
 Rounds and processes: each pass of the loop is a round. Its device work (prefills, inserts,
 resumes, releases) is queued by the engine and goes out at once before the round's decode call
-(`Engine.flush`, `sampling.engine.Plan`). With `add`'s `shards` every request lives on its batch shard,
-and every decision about a shard (admission, resumes, preemption) looks at that shard alone. In a
-multi-process run each process runs this loop over its own shards only: its requests, its tool
-calls, its results read from its own devices. What the processes agree on, in the one small
-collective of the round's flush, is the shapes of the round's calls, whether any slot decodes
-anywhere (else no call), whether all is done, and the earliest tool answer due (the clock is the
-same everywhere); a stop (`until`) is agreed by its caller. So a shard decides alike in a run of
-one process and of several, and each process runs the tools of its own episodes only.
+(`Engine.flush`, `sampling.engine.Plan`). With `add`'s `shards` every request lives on its batch
+shard, and every decision about a shard (admission, resumes, preemption) looks at that shard
+alone. In a multi-process run each process runs this loop over its own shards only: its
+requests, its tool calls, its results read from its own devices. What the processes agree on,
+in the one small collective of the round's flush, is the shapes of the round's calls, whether
+any slot decodes anywhere (else no call), whether all is done, and the earliest tool answer due
+(the clock is the same everywhere); a stop (`until`) is agreed by its caller. So a shard
+decides alike in a run of one process and of several, and each process runs the tools of its
+own episodes only.
 Observation ids outside the vocabulary raise ValueError (they would write NaN into the KV pages).
 
 Admission: a group goes in once a slot of a shard is free and that shard's pool holds what

@@ -287,7 +287,8 @@ def group_pages(prompt_len: int, max_new, page_size: int, g: int) -> int:
     The engine caches the prompt's first prompt_len - 1 tokens (the first decode step feeds the
     last one) and each sample at most its max_new more (`sampling.engine`). The full pages of the
     cached prompt are shared by the g samples, so they count once; each sample owns the rest of
-    its pages: a copy of the partial last prompt page, if any, and its decode pages.
+    its pages: a copy of the partial last prompt page, if any (`sampling.pages.PageAllocator.
+    fork_for_group`), and its decode pages.
     """
     budgets = [max_new] * g if np.ndim(max_new) == 0 else list(max_new)
     if (

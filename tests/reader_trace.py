@@ -61,16 +61,27 @@ def trace(run, step: int = 2) -> list[str]:
 
 
 def main(argv) -> int:
+    import shutil
+    import tempfile
+
     from launch.train import main as train
 
     argv = list(argv)
     if not any(a.startswith("--config.num_steps") for a in argv):
         argv += ["--config.num_steps=3", "--config.eval_every=0"]
+    workdir = None
     if not any(a.startswith("--workdir") for a in argv):
-        import tempfile
-
-        argv.append(f"--workdir={tempfile.mkdtemp(prefix='reader_trace_')}")
-    files = trace(lambda: train(argv))
+        workdir = tempfile.mkdtemp(prefix="reader_trace_")
+        argv.append(f"--workdir={workdir}")
+    codes = []
+    try:
+        files = trace(lambda: codes.append(train(argv)))
+    finally:
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if codes != [0]:
+        print(f"the training run failed (exit code {codes})", file=sys.stderr)
+        return 1
     for i, f in enumerate(files, 1):
         print(f"{i:3d}  {f}")
     return 0
