@@ -15,8 +15,8 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
 - `bulk_insert`: one prefilled prompt (a `Prefix`) into idle slots, as some or all of its G
   samples. Full prompt pages are shared (a reference per sample, and the live prefix's); the
   partial last page is copied on device for all samples but the last inserted
-  (`sampling.pages.PageAllocator.fork_for_group`). With `keep` the prefix stays live for the later samples, else
-  it is consumed. A whole group goes on an aligned block of G slots when one is free, which lets
+  (`sampling.pages.PageAllocator.fork_for_group`). With `keep` the prefix stays live for the
+  later samples, else it is consumed. A whole group goes on an aligned block of G slots when one is free, which lets
   the blockwise backend read the shared pages once per block (`shared_len`); `sampling.episodes`
   inserts a group sample by sample when fewer slots are free, rather than idle them.
 - `generate`: up to `num_steps` decode steps in one `lax.while_loop`; `dispatch` and `collect`
