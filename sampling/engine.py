@@ -12,13 +12,14 @@ Device work is jitted (`sampling.steps`) over the donated `sampling.state.Decode
   tokens but the last, the slot's `last_token`, fed by the first decode step: every token is
   sampled in one place (`steps.generate`) with one key schedule (JetStream's prefill returns the
   first token instead; this costs one batched decode step per request).
-- `bulk_insert`: one prefilled prompt (a `Prefix`) into idle slots, as some or all of its G
-  samples. Full prompt pages are shared (a reference per sample, and the live prefix's); the
-  partial last page is copied on device for all samples but the last inserted
-  (`sampling.pages.PageAllocator.fork_for_group`). With `keep` the prefix stays live for the
-  later samples, else it is consumed. A whole group goes on an aligned block of G slots when one is free, which lets
-  the blockwise backend read the shared pages once per block (`shared_len`); `sampling.episodes`
-  inserts a group sample by sample when fewer slots are free, rather than idle them.
+- `bulk_insert`: one prefilled prompt (a `Prefix`) into idle slots, as some or all of its G samples.
+  Full prompt pages are shared (a reference per sample, and the live prefix's); the partial last
+  page is copied on device for all samples but the last inserted
+  (`sampling.pages.PageAllocator.fork_for_group`). With `keep` the prefix stays live for the later
+  samples, else it is consumed. A whole group goes on an aligned block of G slots when one is free,
+  which lets the blockwise backend read the shared pages once per block (`shared_len`);
+  `sampling.episodes` inserts a group sample by sample when fewer slots are free, rather than idle
+  them.
 - `generate`: up to `num_steps` decode steps in one `lax.while_loop`; `dispatch` and `collect`
   are its two halves, so that the batch loop queues call n+1 before it reads call n.
 - `park` / `resume`: a sequence between two turns of an episode frees its slot but keeps its pages

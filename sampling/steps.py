@@ -127,11 +127,11 @@ def update(
     layout,
 ):
     """One round's slot changes, every slot at once (`sampling.engine.Plan`): slots put bool[B]
-    start a sequence (an insert or a resume: cached `lengths`, fed `last_token`, budget
-    `max_new`, stop ids banned for the first `min_new` tokens, PRNG stream `request_id` /
-    `sample_id`, cascade `shared` prompt tokens; tokens and log-probs cleared), slots off bool[B] go idle (not put
-    ones); pages copy_src -> copy_dst int32[S*C] are copied first, shard i's C copies in rows
-    [i*C, (i+1)*C) in its local page ids ((0, 0): the null page onto itself). Every [B] input
+    start a sequence (an insert or a resume: cached `lengths`, fed `last_token`, budget `max_new`,
+    stop ids banned for the first `min_new` tokens, PRNG stream `request_id` / `sample_id`, cascade
+    `shared` prompt tokens; tokens and log-probs cleared), slots off bool[B] go idle (not put ones);
+    pages copy_src -> copy_dst int32[S*C] are copied first, shard i's C copies in rows [i*C,
+    (i+1)*C) in its local page ids ((0, 0): the null page onto itself). Every [B] input
     is split over the slots like the state, so each device changes only its own slots: a
     per-slot select, no scatter."""
     if layout is not None and layout[0].size > 1:
