@@ -178,16 +178,21 @@ def abstract_model(cfg: ModelConfig):
 
 
 def init_params(cfg: ModelConfig, mesh, rules=DEFAULT_RULES, seed: int = 0):
-    """(graphdef, params) with random weights created directly in their shardings."""
+    """(graphdef, params) with random weights created directly in their shardings. The seed's
+    key is an argument of one jitted initializer per (config, mesh, rules), so another seed
+    traces and compiles nothing again; the weights are those of `nnx.Rngs(seed)`, bit for bit."""
+    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+    graphdef, init = _initializer(cfg, mesh, rules)
+    with jax.set_mesh(mesh):
+        return graphdef, init(jax.random.key(seed))
+
+
+@functools.lru_cache(maxsize=64)
+def _initializer(cfg: ModelConfig, mesh, rules):
     graphdef, abstract = abstract_model(cfg)
     shardings = state_shardings(abstract, mesh, rules)
-
-    def init():
-        return nnx.state(Transformer(cfg, nnx.Rngs(seed)))
-
-    init = jax.jit(init, out_shardings=shardings)
-    with jax.set_mesh(mesh):
-        return graphdef, init()
+    init = lambda key: nnx.state(Transformer(cfg, nnx.Rngs(key)))
+    return graphdef, jax.jit(init, out_shardings=shardings)
 
 
 def base_graphdef(cfg: ModelConfig):

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.sharding import flatten, init_params, logical_to_spec, make_mesh
+from models.sharding import DEFAULT_RULES, flatten, init_params, logical_to_spec, make_mesh
 
 CFG = ModelConfig(
     family="qwen2", vocab_size=96, d_model=32, d_ff=64, num_layers=2, num_heads=4,
@@ -96,3 +96,28 @@ def test_sharded_logits_equal_single_device():
     sharded, valid = _logits(make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
     single, _ = _logits(make_mesh({}, devices=jax.devices()[:1]))
     np.testing.assert_allclose(sharded[valid], single[valid], atol=1e-5, rtol=0)
+
+
+def test_init_params_is_the_seeds_init_and_compiles_once_per_config_and_mesh():
+    """`init_params` takes the seed's key as an argument of one jitted initializer per (config,
+    mesh, rules): each seed's weights are bitwise those of the seed baked into the program (as
+    `nnx.Rngs(seed)` gave them before), and another seed traces nothing again."""
+    from models.sharding import _initializer, abstract_model, state_shardings
+    from models.transformer import Transformer
+
+    mesh = make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
+    _, abstract = abstract_model(CFG)
+    shardings = state_shardings(abstract, mesh, DEFAULT_RULES)
+    for seed in (0, 7):
+        init = lambda seed=seed: nnx.state(Transformer(CFG, nnx.Rngs(seed)))
+        baked = jax.jit(init, out_shardings=shardings)
+        with jax.set_mesh(mesh):
+            want = flatten(baked())
+        got = flatten(init_params(CFG, mesh, seed=seed)[1])
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].sharding == want[name].sharding, name
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
+    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in DEFAULT_RULES)
+    init = _initializer(CFG, mesh, rules)[1]
+    assert init._cache_size() == 1  # both seeds ran one compiled program
