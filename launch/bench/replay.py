@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,7 @@ def _sample(model, seed: int, new_tokens: int, record_routes: bool):
     return r, prefixes, (ids, pos, valid), fed, live
 
 
+@functools.cache  # one per model graph: seeds whose rows are as wide trace it once
 def _learner(graphdef):
     @jax.jit
     def learner(params, rows, routes):
