@@ -116,6 +116,12 @@ def spec_entry(axes: Sequence[str]):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
+def hashable_rules(rules) -> tuple:
+    """Sharding rules as nested tuples (a static jit argument, a cache key), also when a config
+    writes them as lists."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+
+
 def logical_to_spec(
     axes: Sequence[str | None],
     shape: Sequence[int],
@@ -181,8 +187,7 @@ def init_params(cfg: ModelConfig, mesh, rules=DEFAULT_RULES, seed: int = 0):
     """(graphdef, params) with random weights created directly in their shardings. The seed's
     key is an argument of one jitted initializer per (config, mesh, rules), so another seed
     traces and compiles nothing again; the weights are those of `nnx.Rngs(seed)`, bit for bit."""
-    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
-    graphdef, init = _initializer(cfg, mesh, rules)
+    graphdef, init = _initializer(cfg, mesh, hashable_rules(rules))
     with jax.set_mesh(mesh):
         return graphdef, init(jax.random.key(seed))
 

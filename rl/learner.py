@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import lora
 from models.attention import lowering_for
-from models.sharding import DEFAULT_RULES, flatten, with_shardings
+from models.sharding import DEFAULT_RULES, flatten, hashable_rules, spec_axes, with_shardings
 from models.transformer import weight_grads_in
 from rl import router
 from rl.logprobs import TokenLogprobs, token_logprobs
@@ -187,10 +187,9 @@ class Learner:
         self.lora = base_graphdef is not None
         self.param_shardings = param_shardings
         mesh = getattr(jax.tree.leaves(param_shardings)[0], "mesh", None)
-        rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+        rules = hashable_rules(rules)
         self._rows = batch_sharding(mesh, rules) if mesh is not None and mesh.size > 1 else None
-        axes = dict(rules).get("batch") or ()
-        axes = (axes,) if isinstance(axes, str) else axes
+        axes = spec_axes(dict(rules).get("batch"))
         self._row_shards = math.prod(mesh.shape[a] for a in axes) if self._rows else 1
         named = flatten(param_shardings)  # the unembedding: lm_head, or the tied embedding
         self._unembed = named.get("lm_head", named.get("embed")) if self._rows else None

@@ -94,7 +94,7 @@ from jax.sharding import NamedSharding
 from models import quant
 from models.config import ModelConfig
 from models.processes import agree, global_array, local_values, shard_processes
-from models.sharding import DEFAULT_RULES
+from models.sharding import DEFAULT_RULES, hashable_rules
 from sampling import partitioned, steps
 from sampling.decode_weights import DecodeWeights
 from sampling.distribution import SamplingParams
@@ -246,8 +246,7 @@ class Engine:
                 f"learner's to the bit), quantised ({', '.join(quant.DTYPES)}), or '' for none"
             )
         self.cfg, self.graphdef, self.ecfg, self.sampling = cfg, graphdef, ecfg, sampling
-        # Hashable (a static jit argument), also for rules written as lists in a config.
-        rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+        rules = hashable_rules(rules)  # a static jit argument
         self.layout = None if mesh is None else (mesh, rules)
         # Resolved once for this platform, shape and mesh.
         sharded = mesh is not None and mesh.size > 1

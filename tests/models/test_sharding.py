@@ -102,7 +102,7 @@ def test_init_params_is_the_seeds_init_and_compiles_once_per_config_and_mesh():
     """`init_params` takes the seed's key as an argument of one jitted initializer per (config,
     mesh, rules): each seed's weights are bitwise those of the seed baked into the program (as
     `nnx.Rngs(seed)` gave them before), and another seed traces nothing again."""
-    from models.sharding import _initializer, abstract_model, state_shardings
+    from models.sharding import _initializer, abstract_model, hashable_rules, state_shardings
     from models.transformer import Transformer
 
     mesh = make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
@@ -118,6 +118,5 @@ def test_init_params_is_the_seeds_init_and_compiles_once_per_config_and_mesh():
         for name in want:
             assert got[name].sharding == want[name].sharding, name
             np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), name)
-    rules = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in DEFAULT_RULES)
-    init = _initializer(CFG, mesh, rules)[1]
+    init = _initializer(CFG, mesh, hashable_rules(DEFAULT_RULES))[1]
     assert init._cache_size() == 1  # both seeds ran one compiled program
