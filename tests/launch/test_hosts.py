@@ -109,7 +109,10 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
     with record(str(tmp_path / "one_out")):
         assert train_here([f"--workdir={one}", *ARGS], devices=8) == 0
     (single,) = steps(tmp_path / "one_out")
-    _pair(two, tmp_path / "two_out", "--jitter", "60", kill_after=2)
+    # The killed run: a short heartbeat timeout, so process 0 stops seconds after the kill (the
+    # default 30 s is waiting, not testing); the restart's is long (a paused machine is no death).
+    short = [*ARGS, "--config.heartbeat_timeout_s=5"]
+    _pair(two, tmp_path / "two_out", "--jitter", "60", args=short, kill_after=2)
     # The restart, then in the same two processes the instant tool's straight run (compared
     # below: bitwise; one start and one compile of two processes fewer).
     err = _pair(

@@ -97,8 +97,10 @@ def runs(tmp_path_factory):
     top = tmp_path_factory.mktemp("runs")
     single, multi = top / "single", top / "multi"
     assert main([f"--workdir={single}", *TINY]) == 0
-    port = _free_port()
-    procs = [_launch(multi, 4, i, 2, port) for i in range(2)]
+    # A short heartbeat timeout: process 0 learns of the death in seconds, not the default 30's
+    # (whichever comes first, a failed collective or a missed heartbeat, is what's under test).
+    port, short = _free_port(), ["--config.heartbeat_timeout_s=5"]
+    procs = [_launch(multi, 4, i, 2, port, short) for i in range(2)]
     while not (multi / "checkpoints" / "2").exists():
         assert procs[1].poll() is None, _err(procs[1])[-3000:]
         time.sleep(0.05)  # polling a directory the run writes; nothing is timed
