@@ -6,12 +6,16 @@ environment) at its first call.
 
     python -m tests.reader_trace --config configs/default.py [--config.<field>=...]
 
-prints the list. Jitted programs compiled before the traced step run without entering Python, so
-the model's and the kernels' files appear only where a new shape compiles in that step.
+prints the list. Jitted programs compiled before the traced step run without entering Python; a
+program that compiles in the traced step (a new prefill length, say, which in a multi-turn run
+depends on when the tools answer) enters the model's and the kernels' files while JAX traces it.
+Those entries are the device programs', not the host's path: they are listed apart ("traced
+programs"), so that the host list is the same whichever shapes happen to compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -19,12 +23,24 @@ import threading
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def trace(run, step: int = 2) -> list[str]:
+@dataclasses.dataclass
+class Trace:
+    """host: the project files the rollout's Python enters, in first-entry order; traced: those
+    entered only while JAX traced a program that compiled in the traced step."""
+
+    host: list[str]
+    traced: list[str]
+
+
+def trace(run, step: int = 2) -> Trace:
     """The project files entered, in first-entry order, by rollout number `step` of
     `run()` (a callable that trains: `launch.train.main` with its argv, say)."""
+    from jax._src.core import trace_state_clean  # False inside a jit's trace (this thread's)
+
     from rl.rollout import Rollouts
 
-    seen: list[str] = []
+    host: list[str] = []
+    traced: list[str] = []
     calls, on = [0], [False]
 
     def profile(frame, event, arg):
@@ -32,12 +48,17 @@ def trace(run, step: int = 2) -> list[str]:
             f = frame.f_code.co_filename
             if f.startswith(ROOT) and not f[len(ROOT) :].startswith(("tests", ".venv")):
                 rel = f[len(ROOT) :].replace(os.sep, "/")
-                if rel not in seen:
-                    seen.append(rel)
+                if rel not in host:
+                    if trace_state_clean():
+                        host.append(rel)
+                        if rel in traced:
+                            traced.remove(rel)
+                    elif rel not in traced:
+                        traced.append(rel)
 
     call = Rollouts.__call__
 
-    def traced(self, *args, **kwargs):
+    def rollout(self, *args, **kwargs):
         calls[0] += 1
         on[0] = calls[0] == step
         try:
@@ -46,7 +67,7 @@ def trace(run, step: int = 2) -> list[str]:
             on[0] = False
 
     before = sys.getprofile(), threading.getprofile()
-    Rollouts.__call__ = traced
+    Rollouts.__call__ = rollout
     sys.setprofile(profile)
     threading.setprofile(profile)  # the reward and tool workers start inside the run
     try:
@@ -57,7 +78,7 @@ def trace(run, step: int = 2) -> list[str]:
         threading.setprofile(before[1])
     if calls[0] < step:
         raise ValueError(f"the run made {calls[0]} rollouts; step {step} was not traced")
-    return seen
+    return Trace(host, traced)
 
 
 def main(argv) -> int:
@@ -82,8 +103,10 @@ def main(argv) -> int:
     if codes != [0]:
         print(f"the training run failed (exit code {codes})", file=sys.stderr)
         return 1
-    for i, f in enumerate(files, 1):
+    for i, f in enumerate(files.host, 1):
         print(f"{i:3d}  {f}")
+    if files.traced:
+        print(f"traced programs (compiled in this step): {', '.join(files.traced)}")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""docs/architecture.md's reader's list of a single-turn rollout is the files that rollout enters,
-in that order (`tests/reader_trace.py`): a module the rollout starts to use, or one it stops
-using, fails here until the list says so."""
+"""docs/architecture.md's reader's lists of a single-turn and a multi-turn rollout are the files
+those rollouts enter, in that order (`tests/reader_trace.py`): a module a rollout starts to use,
+or one it stops using, fails here until the list says so."""
 
 import re
 
@@ -9,33 +9,45 @@ import pytest
 from tests.conftest import ROOT, train_here
 from tests.reader_trace import trace
 
-pytestmark = pytest.mark.slow  # a three-step training run under a profiler
+pytestmark = pytest.mark.slow  # three-step training runs under a profiler
 
 
-def _documented() -> list[str]:
-    """The files of the single-turn table, in its order: the backticked paths of its second
+def _documented(heading: str) -> list[str]:
+    """The files of the table under `heading`, in its order: the backticked paths of its second
     column, the table found by its header under its section's heading."""
     text = open(f"{ROOT}/docs/architecture.md").read()
-    section = text.split("### A single-turn iteration (configs/default.py)", 1)[1]
+    section = text.split(heading, 1)[1]
     table = section.split("| # | file | what it does there |", 1)[1].split("\n\n", 1)[0]
     rows = [line.split("|")[2] for line in table.strip().splitlines()[1:]]
     files = [f for row in rows for f in re.findall(r"`([\w/]+\.py)`", row)]
-    assert files, "docs/architecture.md: no files in the single-turn table"
+    assert files, f"docs/architecture.md: no files in the table under {heading!r}"
     return files
 
 
-def test_the_single_turn_reader_list_is_the_traced_rollout(tmp_path):
-    argv = [
-        f"--config={ROOT}/configs/default.py",
+@pytest.mark.parametrize(
+    "config, argv, heading",
+    [
+        (
+            "default",
+            ["--config.data.prompts_per_step=4", "--config.rl.num_generations=4"],
+            "### A single-turn iteration (configs/default.py)",
+        ),
+        ("calc_tool", [], "### A multi-turn iteration (configs/calc_tool.py)"),
+    ],
+)
+def test_the_reader_lists_are_the_traced_rollouts(config, argv, heading, tmp_path):
+    """The host files in first-entry order; the files a program that compiles in the traced step
+    enters while JAX traces it (a multi-turn resume's new prefill length, which depends on when
+    the tools answer) are listed apart by the tracer and not in the tables."""
+    args = [
+        f"--config={ROOT}/configs/{config}.py",
         "--config.num_steps=3",
         "--config.eval_every=0",
-        "--config.data.prompts_per_step=4",
-        "--config.rl.num_generations=4",
+        *argv,
         f"--workdir={tmp_path}",
     ]
 
     def run():
-        assert train_here(argv) == 0
+        assert train_here(args) == 0
 
-    files = trace(run)
-    assert files == _documented()
+    assert trace(run).host == _documented(heading)
