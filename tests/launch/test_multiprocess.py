@@ -99,7 +99,7 @@ def runs(tmp_path_factory):
     assert main([f"--workdir={single}", *TINY]) == 0
     # A short heartbeat timeout: process 0 learns of the death in seconds, not the default 30's
     # (whichever comes first, a failed collective or a missed heartbeat, is what's under test).
-    port, short = _free_port(), ["--config.heartbeat_timeout_s=5"]
+    port, short = _free_port(), ["--config.heartbeat_timeout_s=10"]
     procs = [_launch(multi, 4, i, 2, port, short) for i in range(2)]
     while not (multi / "checkpoints" / "2").exists():
         assert procs[1].poll() is None, _err(procs[1])[-3000:]
