@@ -1,4 +1,4 @@
-"""Multi-turn code RL with test feedback, Qwen2.5-0.5B-Instruct, for a TPU VM or a GPU host (8 chips).
+r"""Multi-turn code RL with test feedback, Qwen2.5-0.5B-Instruct, for a TPU VM or a GPU host (8 chips).
 
     python -m launch.train --config configs/qwen2_5_0_5b_code.py \
         --config.model.hf_checkpoint=/path/to/Qwen2.5-0.5B-Instruct \

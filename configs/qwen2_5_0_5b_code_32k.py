@@ -1,4 +1,4 @@
-"""Long multi-turn code episodes (32,768 tokens), Qwen2.5-0.5B-Instruct, for a TPU VM or a GPU host (8 chips).
+r"""Long multi-turn code episodes (32,768 tokens), Qwen2.5-0.5B-Instruct, for a TPU VM or a GPU host (8 chips).
 
     python -m launch.train --config configs/qwen2_5_0_5b_code_32k.py \
         --config.model.hf_checkpoint=/path/to/Qwen2.5-0.5B-Instruct \

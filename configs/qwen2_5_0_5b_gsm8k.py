@@ -1,4 +1,4 @@
-"""GRPO on GSM8K with Qwen2.5-0.5B-Instruct (Qwen2 architecture), for a TPU VM or a GPU host (8 chips by default).
+r"""GRPO on GSM8K with Qwen2.5-0.5B-Instruct (Qwen2 architecture), for a TPU VM or a GPU host (8 chips by default).
 
     python -m launch.train --config configs/qwen2_5_0_5b_gsm8k.py --dry_run   # then without
 

@@ -1,4 +1,4 @@
-"""Multi-turn code RL with test feedback, Qwen3-0.6B (thinking off), for a TPU VM or a GPU host.
+r"""Multi-turn code RL with test feedback, Qwen3-0.6B (thinking off), for a TPU VM or a GPU host.
 
     python -m launch.train --config configs/qwen3_0_6b_code.py \
         --config.data.train.path=/path/to/mbpp/train.jsonl --config.data.eval.path=/path/to/humaneval.jsonl

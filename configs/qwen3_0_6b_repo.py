@@ -1,4 +1,4 @@
-"""Repository-level coding episodes (SWE-Gym style), Qwen3-0.6B (thinking off), for a TPU VM or a GPU host (8 chips).
+r"""Repository-level coding episodes (SWE-Gym style), Qwen3-0.6B (thinking off), for a TPU VM or a GPU host (8 chips).
 
     python -m launch.make_repo_tasks --out ~/data/repo_tasks --num 512 --seed 0
     python -m launch.make_repo_tasks --out ~/data/repo_tasks_eval --num 64 --seed 1

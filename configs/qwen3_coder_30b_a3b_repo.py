@@ -1,4 +1,4 @@
-"""Repository-level coding episodes of 32,768 tokens, Qwen3-Coder-30B-A3B-Instruct (a mixture of experts), on one 8 x H100 host.
+r"""Repository-level coding episodes of 32,768 tokens, Qwen3-Coder-30B-A3B-Instruct (a mixture of experts), on one 8 x H100 host.
 
     python -m launch.make_repo_tasks --out ~/data/repo_tasks --num 512 --seed 0
     python -m launch.make_repo_tasks --out ~/data/repo_tasks_eval --num 64 --seed 1

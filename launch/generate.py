@@ -1,4 +1,4 @@
-"""Sample completions from an HF checkpoint with the paged sampler: `python -m launch.generate`.
+r"""Sample completions from an HF checkpoint with the paged sampler: `python -m launch.generate`.
 
     python -m launch.generate --hf_checkpoint DIR --prompts prompts.jsonl --output out.jsonl \
         --num_samples 4 --temperature 0.7 --max_new_tokens 64

@@ -1,4 +1,4 @@
-"""Load a model onto a mesh and show how it is sharded: `python -m launch.inspect`.
+r"""Load a model onto a mesh and show how it is sharded: `python -m launch.inspect`.
 
     python -m launch.inspect --hf_checkpoint tests/fixtures/hf/qwen3 --mesh data=2,fsdp=2,tensor=2 \
         --fake_devices 8   # on a CPU; on 8 chips leave it out

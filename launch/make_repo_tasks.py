@@ -1,4 +1,4 @@
-"""Generates small Python repositories with a planted bug, for the `repo` environment: one jsonl row each.
+r"""Generates small Python repositories with a planted bug, for the `repo` environment: one jsonl row each.
 
     python -m launch.make_repo_tasks --out DIR [--num 64 --seed 0 --tar]
     python -m launch.make_repo_tasks --out DIR --from_rows swe_gym.jsonl --repos CHECKOUTS

@@ -1,4 +1,4 @@
-"""Supervised warm starts for the CPU demos: `python -m launch.sft`.
+r"""Supervised warm starts for the CPU demos: `python -m launch.sft`.
 
     python -m launch.sft --out configs/assets/arithmetic_sft              # the GRPO demo's
     python -m launch.sft --task calc --out configs/assets/calc_sft        # the tool-use demo's
