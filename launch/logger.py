@@ -149,7 +149,7 @@ class RunLogger:
         before = summary.get("accuracy_before", float("nan"))
         print(
             f"held-out greedy accuracy: before {before:.3f}, after {after['accuracy']:.3f} "
-            f"({config.num_steps} steps, {wall:.0f} s); {self.workdir}"
+            f"({config.num_steps} step{'s' * (config.num_steps != 1)}, {wall:.0f} s); {self.workdir}"
         )
 
     def close(self) -> None:
