@@ -147,9 +147,10 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.summary.update(summary)
         before = summary.get("accuracy_before", float("nan"))
+        steps = f"{config.num_steps} step{'s' * (config.num_steps != 1)}"
         print(
             f"held-out greedy accuracy: before {before:.3f}, after {after['accuracy']:.3f} "
-            f"({config.num_steps} step{'s' * (config.num_steps != 1)}, {wall:.0f} s); {self.workdir}"
+            f"({steps}, {wall:.0f} s); {self.workdir}"
         )
 
     def close(self) -> None:

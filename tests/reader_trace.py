@@ -41,19 +41,22 @@ def trace(run, step: int = 2) -> Trace:
 
     host: list[str] = []
     traced: list[str] = []
-    calls, on = [0], [False]
+    calls, on, lock = [0], [False], threading.Lock()  # the lists: every thread's profile
 
     def profile(frame, event, arg):
         if on[0] and event == "call":
             f = frame.f_code.co_filename
             if f.startswith(ROOT) and not f[len(ROOT) :].startswith(("tests", ".venv")):
                 rel = f[len(ROOT) :].replace(os.sep, "/")
-                if rel not in host:
-                    if trace_state_clean():
+                if rel in host:
+                    return
+                clean = trace_state_clean()
+                with lock:
+                    if clean and rel not in host:
                         host.append(rel)
                         if rel in traced:
                             traced.remove(rel)
-                    elif rel not in traced:
+                    elif not clean and rel not in traced and rel not in host:
                         traced.append(rel)
 
     call = Rollouts.__call__

@@ -9,7 +9,8 @@ from tests.test_imports import modules
 
 def _collapsed(path: str) -> bool:
     """Whether the module's docstring is a plain string literal whose source continues a line."""
-    source = open(path).read()
+    with open(path) as f:
+        source = f.read()
     body = ast.parse(source).body
     first = body[0] if body else None
     if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)):

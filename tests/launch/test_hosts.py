@@ -111,7 +111,7 @@ def test_each_host_runs_its_own_episodes_and_they_train_as_one_host(tmp_path):
     (single,) = steps(tmp_path / "one_out")
     # The killed run: a short heartbeat timeout, so process 0 stops seconds after the kill (the
     # default 30 s is waiting, not testing); the restart's is long (a paused machine is no death).
-    short = [*ARGS, "--config.heartbeat_timeout_s=10"]
+    short = [*ARGS, "--config.heartbeat_timeout_s=15"]
     _pair(two, tmp_path / "two_out", "--jitter", "60", args=short, kill_after=2)
     # The restart, then in the same two processes the instant tool's straight run (compared
     # below: bitwise; one start and one compile of two processes fewer).
