@@ -4,6 +4,8 @@ docstring that `--help` prints (launch.generate, launch.sft, ...) runs the lines
 
 import ast
 
+import pytest
+
 from tests.test_imports import modules
 
 
@@ -18,7 +20,7 @@ def _collapsed(path: str) -> bool:
     if not isinstance(first.value.value, str):
         return False
     literal = ast.get_source_segment(source, first.value)
-    return "\\\n" in literal and not literal[:1].lower() == "r"
+    return "\\\n" in literal and literal[:1].lower() != "r"
 
 
 def test_docstrings_with_continued_commands_are_raw():
@@ -27,8 +29,6 @@ def test_docstrings_with_continued_commands_are_raw():
 
 
 def test_the_help_keeps_the_commands_lines(capsys):
-    import pytest
-
     from launch.generate import main
 
     with pytest.raises(SystemExit):
