@@ -84,6 +84,18 @@ _lru_cache.LRUCache.put = _atomic_put
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The test processes themselves (pytest's workers) keep no persistent cache unless
+# TESTS_PROCESS_CACHE=1; the training subprocesses they start keep theirs (the environment above).
+# A long-lived worker segfaulted inside XLA:CPU's serialisation or loading of an executable in
+# four CI runs of about fifteen (jax 0.10.2, jax._src.compilation_cache: `executable.serialize()`
+# in put_executable_and_time once, `deserialize_executable` in get_executable_and_time twice, a
+# fourth whose stack CI's log cut off), each worker with its own directory, the cache empty; no
+# training subprocess was seen to crash there. Within one process jit's own caches already serve
+# the repeated shapes (module-level sampler steps, Learners sharing their jits): from empty caches
+# the fast tier took 5:41 without the workers' cache and 5:37 with it, back to back at 0f4db92;
+# a rerun on the caches that run left took 4:59 (TESTS_PROCESS_CACHE=1 for that).
+if os.environ.get("TESTS_PROCESS_CACHE") != "1":
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 # The fast tier's longest files (wall seconds on 2 workers, `--durations`), which start first
