@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices and a shared persistent compilation cache.
+"""Test setup: 8 fake CPU devices, and a persistent compilation cache for the training
+subprocesses that tests start.
 
 The device count must be set before JAX initialises its backends, hence at import time here.
 """
@@ -53,20 +54,20 @@ _BASE = os.environ.setdefault(
 )
 _CACHE = os.path.join(_BASE, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by subprocesses
-# Every compile is cached, in subprocesses (training runs) and in the test processes: at -O0
-# most take under JAX's default 1 s threshold, so each run recompiled what the runs before it had
-# compiled (the kill -9 test of tests/launch/test_train.py, empty cache: 102 s -> 80 s), and each
-# test's new jitted closures recompiled the programs of the tests before it (test_preemption,
-# test_shard_pools and test_learner, empty cache: 117 s -> 95 s of CPU at a 0.5 s threshold -> 0).
+# Every compile of a training subprocess is cached (and of the test processes with
+# TESTS_PROCESS_CACHE=1, below): at -O0 most take under JAX's default 1 s threshold, so each run
+# recompiled what the runs before it had compiled (the kill -9 test of
+# tests/launch/test_train.py, empty cache: 102 s -> 80 s).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _atomic_put(self, key: str, value: bytes) -> None:
     """jax's LRUCache.put (no size limit), the entry written under a temporary name and renamed:
-    JAX writes it in place, and a test process shares its directory with the training
-    subprocesses its tests start (a reader of a torn entry gets a zlib error and recompiles, but
-    a whole file is the simpler contract). Multi-process runs' processes, which compile the same
-    programs at the same moment, each get their own cache directory (`process_cache`)."""
+    JAX writes it in place, and with TESTS_PROCESS_CACHE=1 a test process shares its directory
+    with the training subprocesses its tests start (a reader of a torn entry gets a zlib error
+    and recompiles, but a whole file is the simpler contract). Multi-process runs' processes,
+    which compile the same programs at the same moment, each get their own cache directory
+    (`process_cache`)."""
     path = self.path / f"{key}-cache"
     if path.exists():
         return
@@ -80,21 +81,24 @@ def process_cache(index: int) -> str:
     return os.path.join(_CACHE, f"process{index}")
 
 
-_lru_cache.LRUCache.put = _atomic_put
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # The test processes themselves (pytest's workers) keep no persistent cache unless
-# TESTS_PROCESS_CACHE=1; the training subprocesses they start keep theirs (the environment above).
-# A long-lived worker segfaulted inside XLA:CPU's serialisation or loading of an executable in
-# four CI runs of about fifteen (jax 0.10.2, jax._src.compilation_cache: `executable.serialize()`
-# in put_executable_and_time once, `deserialize_executable` in get_executable_and_time twice, a
-# fourth whose stack CI's log cut off), each worker with its own directory, the cache empty; no
-# training subprocess was seen to crash there. Within one process jit's own caches already serve
-# the repeated shapes (module-level sampler steps, Learners sharing their jits): from empty caches
-# the fast tier took 5:41 without the workers' cache and 5:37 with it, back to back at 0f4db92;
-# a rerun on the caches that run left took 4:59 (TESTS_PROCESS_CACHE=1 for that).
-if os.environ.get("TESTS_PROCESS_CACHE") != "1":
+# TESTS_PROCESS_CACHE=1; the training subprocesses they start keep theirs (the environment
+# above). Long-lived workers segfaulted inside XLA:CPU's loading or serialisation of an
+# executable (jax 0.10.2, jax._src.compilation_cache): twice in `deserialize_executable`
+# (get_executable_and_time; CI at e49b647 and 8b3434d, both workers then sharing one directory),
+# and, with a directory per worker and an empty cache, once in `executable.serialize()`
+# (put_executable_and_time; test_advantages, in a local run of .ci/run) and once in CI at 0f4db92
+# (test_refresh; the stack cut off in CI's log). No training subprocess was seen to
+# crash there. Within one process jit's own caches serve repeated shapes (module-level sampler
+# steps, Learners sharing their jits): from empty caches the fast tier took 5:41 without the
+# workers' cache and 5:37 with it, back to back at 0f4db92; rerun on the caches it left, 4:59
+# with TESTS_PROCESS_CACHE=1 (without, a rerun compiles what the first run did).
+if os.environ.get("TESTS_PROCESS_CACHE") == "1":
+    _lru_cache.LRUCache.put = _atomic_put
+else:
     jax.config.update("jax_enable_compilation_cache", False)
 
 
