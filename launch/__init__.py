@@ -17,19 +17,15 @@ COMMANDS = (
 )
 
 
-def library_module_run(orig_argv: list[str]) -> str | None:
-    """The library module of this package that the command line `orig_argv` asks `python -m`
-    to run (launch.validate, say), or None. Run, such a module would define its functions and
-    exit 0, which reads as "the config is valid". Python imports this package first."""
-    args, target = iter(orig_argv[1:]), ""
-    for a in args:  # the interpreter's options, up to -m MODULE (or a script, -c, -)
-        if a.startswith("-m"):
-            target = a[2:] or next(args, "")
-            break
-        if a in ("-X", "-W", "--check-hash-based-pycs"):  # an option with a separate value
-            next(args, None)
-        elif not a.startswith("-") or a.startswith("-c") or a == "-":
-            return None
+def library_module_run(argv: list[str], orig_argv: list[str]) -> str | None:
+    """The library module of this package (launch.validate, say) that `python -m` is importing
+    this package to run, or None; `argv` and `orig_argv` are sys's. Run, such a module would
+    define its functions and exit 0, which reads as "the config is valid". While `-m` looks for
+    its module, sys.argv is ["-m", *the module's arguments]."""
+    if argv[:1] != ["-m"] or len(orig_argv) < len(argv):
+        return None
+    target = orig_argv[-len(argv)]  # the module's name, or the option group it ends ("-Bmx.y")
+    target = target.partition("m")[2] if target.startswith("-") else target
     target = target.removesuffix(".__main__")  # launch.bench.__main__ is launch.bench
     if not target.startswith("launch.") or target.removeprefix("launch.") in COMMANDS:
         return None
@@ -37,7 +33,7 @@ def library_module_run(orig_argv: list[str]) -> str | None:
     return target if os.path.isfile(path + ".py") or os.path.isdir(path) else None
 
 
-if (_module := library_module_run(getattr(sys, "orig_argv", []))) is not None:
+if (_module := library_module_run(sys.argv, sys.orig_argv)) is not None:
     print(
         f"error: {_module} is a library module, not a command; the commands: "
         + ", ".join(f"python -m launch.{c}" for c in COMMANDS)

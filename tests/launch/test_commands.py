@@ -10,15 +10,14 @@ from tests.conftest import ROOT
 
 
 def test_the_commands_are_the_modules_that_run():
-    """COMMANDS lists every module of launch/ with a `__main__` block or a `__main__.py`."""
-    ran = {
-        os.path.basename(os.path.dirname(p))
-        for p in glob.glob(os.path.join(ROOT, "launch/*/__main__.py"))
-    } | {
-        os.path.basename(p)[:-3]
-        for p in glob.glob(os.path.join(ROOT, "launch/*.py"))
-        if 'if __name__ == "__main__":' in open(p).read()
-    }
+    """COMMANDS lists every module under launch/ with a `__main__` block or a `__main__.py`."""
+    ran = set()
+    for p in glob.glob(os.path.join(ROOT, "launch", "**", "*.py"), recursive=True):
+        name = os.path.relpath(p, os.path.join(ROOT, "launch"))[:-3].replace(os.sep, ".")
+        if name.endswith("__main__"):
+            ran.add(name.removesuffix(".__main__"))
+        elif 'if __name__ == "__main__":' in open(p).read():
+            ran.add(name)
     assert set(COMMANDS) == ran
 
 
@@ -38,22 +37,32 @@ def test_a_library_module_run_fails_in_one_line_naming_it():
 
 
 def test_which_command_lines_name_a_library_module():
-    py = "python"
-    assert library_module_run([py, "-m", "launch.validate"]) == "launch.validate"
+    """sys.argv while `-m` looks for its module is ["-m", *its arguments]; orig_argv is the
+    interpreter's command line."""
+
+    def run(*orig, args=()):  # `python *orig *args`, as `-m` sees it
+        return library_module_run(["-m", *args], ["python", *orig, *args])
+
+    assert run("-m", "launch.validate", args=["--config", "c.py"]) == "launch.validate"
     assert (
-        library_module_run([py, "-X", "dev", "-m", "launch.estimate", "-m", "x"])
-        == "launch.estimate"
+        run("-X", "dev", "-W", "error", "-m", "launch.estimate", args=["-m"]) == "launch.estimate"
     )
-    assert library_module_run([py, "-m", "launch.bench.hlo"]) == "launch.bench.hlo"
-    assert library_module_run([py, "-m", "launch.train", "--config", "c.py"]) is None
-    assert library_module_run([py, "-m", "launch.bench", "replay"]) is None
-    assert library_module_run([py, "-m", "launch.bench.__main__", "replay"]) is None
-    assert library_module_run([py, "-m", "launch.nope"]) is None  # Python says there is none
-    assert library_module_run([py, "-m", "pytest", "-m", "launch.validate"]) is None
-    assert library_module_run([py, "-c", "import launch.validate"]) is None
-    assert library_module_run([py, "-m"]) is None
-    assert library_module_run([py, "-mlaunch.pin"]) == "launch.pin"
-    assert library_module_run([py, "-W", "error", "-u", "-m", "launch.cli"]) == "launch.cli"
-    assert library_module_run([py, "script.py", "-m", "launch.validate"]) is None  # its argument
-    assert library_module_run([py, "-c", "pass", "-m", "launch.validate"]) is None
-    assert library_module_run([]) is None
+    assert run("-mlaunch.pin") == "launch.pin"
+    assert run("-Bmlaunch.pin", args=["x"]) == "launch.pin"
+    assert run("-Im", "launch.cli") == "launch.cli"
+    assert run("-m", "launch.bench.hlo") == "launch.bench.hlo"
+    assert run("-m", "launch.train", args=["--config", "c.py"]) is None
+    assert run("-m", "launch.bench", args=["replay"]) is None
+    assert run("-m", "launch.bench.__main__", args=["replay"]) is None
+    assert run("-m", "launch.nope") is None  # Python says there is no such module
+    assert run("-m", "pytest", args=["-m", "launch.validate"]) is None
+    # a script or -c, whatever its arguments: sys.argv[0] is not "-m"
+    assert (
+        library_module_run(["s.py", "-m", "launch.pin"], ["python", "s.py", "-m", "launch.pin"])
+        is None
+    )
+    assert (
+        library_module_run(["-c", "-m", "launch.pin"], ["python", "-c", "pass", "-m", "launch.pin"])
+        is None
+    )
+    assert library_module_run([], []) is None
