@@ -226,8 +226,6 @@ def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
     tasks.write_text("".join(json.dumps(t) + "\n" for t in make_tasks(str(tmp_path / "t"), 8, 1)))
     with on_devices(jax.devices()):
         one = rollout(str(tmp_path / "one"), str(tasks), sandbox_isolation())
-    if one["mode"] != "bwrap":
-        pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
     _pair(None, tmp_path / "two", str(tasks), sandbox_isolation(), args=[],
           module="tests.launch.host_repo")  # fmt: skip
     two = [json.loads((tmp_path / "two" / f"process{i}.json").read_text()) for i in (0, 1)]

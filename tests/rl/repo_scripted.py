@@ -8,17 +8,27 @@ import json
 from rl.environment import Turn
 from rl.envs import register_env
 from rl.envs.repo import RepoEnv
+from rl.envs.repo.sandbox import WORKDIR
 
 
 def call(name, **args):
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
-def fix_script(task, wrong=False):
+def workdir(env: RepoEnv) -> str:
+    """The repository's path as the model sees it: /testbed in bubblewrap mode; without
+    bubblewrap the workspace is the tool's working directory and a relative path reaches it."""
+    return WORKDIR if env.tools.mode == "bwrap" else ""
+
+
+def fix_script(task, wrong=False, root=WORKDIR):
+    """The turns that fix (or, wrong, do not fix) the task's bug: a relative view, then an edit
+    at root/<path> (root "": relative)."""
     fix = task["fix"]
     new = fix["old"] if wrong else fix["new"]  # wrong: a no-op edit that keeps the bug
+    path = f"{root}/{fix['path']}" if root else fix["path"]
     return [call("str_replace_editor", command="view", path=fix["path"]),
-            call("str_replace_editor", command="str_replace", path=f"/testbed/{fix['path']}",
+            call("str_replace_editor", command="str_replace", path=path,
                  old_str=fix["old"], new_str=new),
             call("submit")]  # fmt: skip
 
@@ -40,7 +50,7 @@ class ScriptedRepo(RepoEnv):
         return ep
 
     def step(self, episode, turn):
-        script = fix_script(episode.record, wrong=episode.k == 1)
+        script = fix_script(episode.record, wrong=episode.k == 1, root=workdir(self))
         if episode.k == 1:
             script = ["<tool_call>{oops</tool_call>"] + script[1:]
         text = script[min(episode.num_turns, len(script)) - 1]

@@ -32,14 +32,12 @@ def run_episode(env, task, script):
 
 
 def test_scripted_fix_gets_1_and_a_wrong_edit_0(env, tasks):
-    if env.tools.mode != "bwrap":
-        pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
-    r, ep, obs = run_episode(env, tasks[0], fix_script(tasks[0]))
+    r, ep, obs = run_episode(env, tasks[0], fix_script(tasks[0], root=scripted.workdir(env)))
     assert r == 1.0 and ep.metrics == {"fail_to_pass_frac": 1.0, "pass_to_pass_frac": 1.0}
     assert "cat -n" in obs[0] and "has been edited" in obs[1] and obs[2] is None
     assert ep.submitted and ep.tool_calls == 3 and ep.tool_errors == 0 and not env.masked(ep)
     assert ep.workspace is None  # deleted on close
-    r, ep, _ = run_episode(env, tasks[1], fix_script(tasks[1], wrong=True))
+    r, ep, _ = run_episode(env, tasks[1], fix_script(tasks[1], True, scripted.workdir(env)))
     assert r == 0.0 and ep.metrics["fail_to_pass_frac"] < 1 and not env.masked(ep)
 
 
@@ -305,8 +303,6 @@ def _scripted_policy_through_the_engine_loop(tasks, tmp_path):
     # tests.conftest.sandbox_isolation: rlimits without bwrap
     config = parse_args(scripted.args(str(path), sandbox_isolation()), {})[0]
     run = build(config)
-    if run.env.tools.mode != "bwrap":
-        pytest.skip("the scripts use /testbed paths (bubblewrap mode)")
     rollout = scripted.rollout(run, config, batch_size=10)[0]
     ids = {grp.record["instance_id"] for grp in rollout.groups}
     assert len(rollout.groups) == 10
