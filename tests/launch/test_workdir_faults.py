@@ -290,30 +290,43 @@ def test_kill9_then_resume_logs_every_step_once(tmp_path, straight):
     shutil.rmtree(workdir / "wandb")
 
 
-def test_a_workdir_made_unwritable_stops_the_run_and_it_resumes_exactly(straight, tmp_path, capfd):
-    """Once checkpoint 3 is committed, the workdir and its checkpoints/ become unwritable
-    (`chattr +i`: not even root may create a file there, as on a file system remounted
-    read-only, which Linux refuses while files are open for writing). The save of step 6
-    fails: exit code 4, one line, no traceback. Writable again, the same command resumes from
-    step 3 and ends bitwise equal to the straight run."""
-    import threading
-
+def _unwritable(tmp_path):
+    """(make unwritable, make writable again, the error's reason) for directories: as root
+    `chattr +i` (the mode bits stop no root; not even root may create a file in an immutable
+    directory, as on a file system remounted read-only, which Linux refuses while files are open
+    for writing), else `chmod a-w`."""
+    if os.geteuid() != 0:
+        mode = lambda bits: lambda *paths: [os.chmod(p, bits) for p in paths]
+        return mode(0o555), mode(0o755), "Permission denied"
     if shutil.which("chattr") is None:
-        pytest.skip("needs chattr (e2fsprogs)")
-    workdir = tmp_path / "run"
-    ckpts = workdir / "checkpoints"
+        pytest.skip("needs chattr (e2fsprogs) as root")
     probe = tmp_path / "probe"
     probe.mkdir()
     if subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode:
-        pytest.skip("chattr +i is not supported here (root on ext4 and the like)")
+        pytest.skip("chattr +i is not supported on this file system (tmpfs, overlayfs, ...)")
     subprocess.run(["chattr", "-i", str(probe)], check=True)
+    attr = lambda flag: (
+        lambda *paths: subprocess.run(["chattr", flag, *map(str, paths)], check=True)
+    )
+    return attr("+i"), attr("-i"), "Operation not permitted"
+
+
+def test_a_workdir_made_unwritable_stops_the_run_and_it_resumes_exactly(straight, tmp_path, capfd):
+    """Once checkpoint 3 is committed, the workdir and its checkpoints/ become unwritable
+    (`_unwritable`). The save of step 6 fails: exit code 4, one line, no traceback. Writable
+    again, the same command resumes from step 3 and ends bitwise equal to the straight run."""
+    import threading
+
+    lock, unlock, reason = _unwritable(tmp_path)
+    workdir = tmp_path / "run"
+    ckpts = workdir / "checkpoints"
     done = threading.Event()
 
     def freeze():
         while not done.is_set() and not (ckpts / "3").is_dir():
             time.sleep(0.01)  # polling the run's directory; nothing is timed
         if not done.is_set():
-            subprocess.run(["chattr", "+i", str(ckpts), str(workdir)], check=True)
+            lock(ckpts, workdir)
 
     watcher = threading.Thread(target=freeze)
     watcher.start()
@@ -323,12 +336,12 @@ def test_a_workdir_made_unwritable_stops_the_run_and_it_resumes_exactly(straight
     finally:
         done.set()
         watcher.join()
-        subprocess.run(["chattr", "-i", str(ckpts), str(workdir)], check=True)
+        unlock(ckpts, workdir)
     out, err = capfd.readouterr()
     assert rc == 4, err[-3000:]
     errors = [x for x in _lines(err) if x.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
-        f"error: checkpoint 6 could not be written to {ckpts}: Operation not permitted"
+        f"error: checkpoint 6 could not be written to {ckpts}: {reason}"
     ), err[-3000:]
     assert errors[0].endswith(
         "(the last complete checkpoint is step 3; free the space, or make the workdir writable, "
