@@ -26,7 +26,7 @@ def rollout(out: str, tasks: str, isolation: str) -> dict:
     config = parse_args(repo_scripted.args(tasks, isolation, prompts=8) + MESH, {})[0]
     run = build(config)
     r, runs = repo_scripted.rollout(run, config, batch_size=8)
-    result = {"sandbox_runs": runs, "mode": run.env.tools.mode,
+    result = {"sandbox_runs": runs,
               "episodes": sum(len(g.episodes) for g in r.groups),
               "per_process": {k: v for k, v in r.stats.items() if "per_process" in k}}  # fmt: skip
     os.makedirs(out, exist_ok=True)

@@ -17,7 +17,8 @@ def call(name, **args):
 
 def workdir(env: RepoEnv) -> str:
     """The repository's path as the model sees it: /testbed in bubblewrap mode; without
-    bubblewrap the workspace is the tool's working directory and a relative path reaches it."""
+    bubblewrap "" (a relative path: the tools join it to the episode's workspace,
+    `RepoSandbox.root`)."""
     return WORKDIR if env.tools.mode == "bwrap" else ""
 
 

@@ -37,7 +37,9 @@ def test_scripted_fix_gets_1_and_a_wrong_edit_0(env, tasks):
     assert "cat -n" in obs[0] and "has been edited" in obs[1] and obs[2] is None
     assert ep.submitted and ep.tool_calls == 3 and ep.tool_errors == 0 and not env.masked(ep)
     assert ep.workspace is None  # deleted on close
-    r, ep, _ = run_episode(env, tasks[1], fix_script(tasks[1], True, scripted.workdir(env)))
+    r, ep, _ = run_episode(
+        env, tasks[1], fix_script(tasks[1], wrong=True, root=scripted.workdir(env))
+    )
     assert r == 0.0 and ep.metrics["fail_to_pass_frac"] < 1 and not env.masked(ep)
 
 
