@@ -169,6 +169,19 @@ def pytest_configure(config):
         "optimized: compiled at XLA's default level, not -O0 (tests/conftest.py): "
         "tests whose time goes to running many steps, not to compiling",
     )
+    config.addinivalue_line(
+        "markers",
+        "repo_sandbox: runs the `repo` environment's sandboxes; skipped, with the library's "
+        "reason, where they cannot run here (tests/conftest.py repo_sandbox_refusal)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test marked repo_sandbox is skipped before its fixtures where the `repo` environment's
+    sandbox cannot run on this host (`repo_sandbox_refusal`)."""
+    if item.get_closest_marker("repo_sandbox") is not None and (why := repo_sandbox_refusal()):
+        pytest.skip(f"the repo environment cannot run here: {why}")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -293,3 +306,18 @@ def sandbox_isolation() -> str:
     except RuntimeError:
         return "rlimits"
     return "bwrap"
+
+
+@functools.cache
+def repo_sandbox_refusal() -> str:
+    """Why the `repo` environment's sandbox cannot run on this host in the tests' isolation
+    (`sandbox_isolation`), in the library's words (`RepoEnv.check_sandbox`, which launch.train
+    runs at start-up); "" when it can. As root without bubblewrap (the uid mode) the workspace
+    uids must read the trainer's site-packages, which a Python or virtual environment under a
+    private home (/root is 0700) keeps from them: the library refuses (docs/sandbox.md), and the
+    tests marked `repo_sandbox` skip with its reason."""
+    from ml_collections import ConfigDict
+
+    from rl.envs.repo import RepoEnv
+
+    return RepoEnv.check_sandbox(ConfigDict({"env": {"isolation": sandbox_isolation()}}))

@@ -475,7 +475,11 @@ def snapshot(top: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case", CATALOGUE, ids=[c.id for c in CATALOGUE])
+# The `repo` environment's cases pass its start-up check of the sandbox first (launch.train).
+SANDBOXED = lambda c: [pytest.mark.repo_sandbox] if "--config.env.name=repo" in c.argv else []
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=SANDBOXED(c)) for c in CATALOGUE])
 def test_bad_input(case, finished_run, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     os.symlink(finished_run, "run")

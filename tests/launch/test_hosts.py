@@ -215,6 +215,7 @@ def test_a_synchronous_multi_turn_run_trains_as_one_host(sync_pair, tmp_path):
                                    err_msg=name)  # fmt: skip
 
 
+@pytest.mark.repo_sandbox
 def test_repo_episodes_run_their_sandboxes_on_their_own_host(tmp_path):
     """The `repo` environment's scripted policy (8 tasks x 2 episodes, tests/rl/repo_scripted.py):
     on two processes each runs the sandboxes of its own episodes, and the two counts add up to

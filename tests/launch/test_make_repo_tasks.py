@@ -119,6 +119,7 @@ def test_cli_writes_rows_and_tar_snapshots(tmp_path, capsys):
     assert "wrote 5 tasks" in capsys.readouterr().out
 
 
+@pytest.mark.repo_sandbox
 def test_swe_style_rows_convert_to_records_the_env_grades(tmp_path, capsys):
     """SWE-Gym rows (JSON-string test lists, checkout at <repos>/<instance_id>), SWE-smith /
     R2E-Gym rows (lists, an explicit repo_path) become records; rows without a checkout, with

@@ -120,6 +120,7 @@ def tasks_dir(tmp_path_factory):
     return d, records, {iid: why for iid, (_, why) in broken.items()}
 
 
+@pytest.mark.repo_sandbox
 def test_validate_keeps_the_good_records_and_says_why_of_the_others(tasks_dir, capsys):
     d, records, why = tasks_dir
     capsys.readouterr()
@@ -142,6 +143,7 @@ def test_validate_keeps_the_good_records_and_says_why_of_the_others(tasks_dir, c
     assert out[-1] == f"kept 2 of {len(records)} records in {d}/valid.jsonl"
 
 
+@pytest.mark.repo_sandbox
 def test_reference_episode_scores_a_good_record_1_and_a_broken_one_0(tasks_dir, capsys):
     d, records, _ = tasks_dir
     iso = ["--isolation", sandbox_isolation()]

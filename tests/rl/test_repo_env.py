@@ -31,6 +31,7 @@ def run_episode(env, task, script):
         env.close(ep)
 
 
+@pytest.mark.repo_sandbox
 def test_scripted_fix_gets_1_and_a_wrong_edit_0(env, tasks):
     r, ep, obs = run_episode(env, tasks[0], fix_script(tasks[0], root=scripted.workdir(env)))
     assert r == 1.0 and ep.metrics == {"fail_to_pass_frac": 1.0, "pass_to_pass_frac": 1.0}
@@ -43,6 +44,7 @@ def test_scripted_fix_gets_1_and_a_wrong_edit_0(env, tasks):
     assert r == 0.0 and ep.metrics["fail_to_pass_frac"] < 1 and not env.masked(ep)
 
 
+@pytest.mark.repo_sandbox
 def test_editing_the_tests_does_not_pass_them(env, tasks):
     """The graded run puts the original test files back."""
     t = tasks[2]
@@ -53,6 +55,7 @@ def test_editing_the_tests_does_not_pass_them(env, tasks):
     assert r == 0.0 and ep.metrics["fail_to_pass_frac"] == 0 and not env.masked(ep)
 
 
+@pytest.mark.repo_sandbox
 def test_tool_errors_and_editor_semantics(env, tasks, monkeypatch):
     t, ws_path = tasks[3], "/testbed" if env.tools.mode == "bwrap" else ""
     ep = env.start(t)
@@ -131,6 +134,7 @@ def test_call_parsing_and_cut():
     assert cut("a" * 5 + "b" * 10 + "c" * 5, 10) == "aaaaa\n<... 10 characters elided ...>\nccccc"
 
 
+@pytest.mark.repo_sandbox
 def test_a_prompt_without_a_chat_template_describes_the_tools(env, tasks):
     """Plain text (no chat template, e.g. a CharTokenizer): the schemas and the exact call syntax
     are in the prompt, and its example is a call the environment parses."""
@@ -145,6 +149,7 @@ def test_a_prompt_without_a_chat_template_describes_the_tools(env, tasks):
     assert parse_calls(example) == [("bash", {"command": "ls"})]
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     """Must-show 3, from the environment to the learner batch: four episodes of one task (fix,
@@ -237,6 +242,7 @@ def test_harness_timeout_masks_its_episode_and_the_group_still_trains(tasks):
     assert s["episode/pass_to_pass_frac"] == 1.0 and s["reward/env"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.repo_sandbox
 def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_path, tasks):
     """Qwen2.5's published template renders the schemas from its `tools` argument (its own
     "# Tools" system block); a template that ignores `tools` gets them in a system message."""
@@ -288,6 +294,7 @@ def test_tool_schemas_reach_the_prompt_through_the_template_tools_argument(tmp_p
 # test here, and one device costs about half the CPU of data=8) -----
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow
 def test_scripted_policy_through_the_engine_loop(tasks, tmp_path):
     from models.sharding import on_devices

@@ -16,6 +16,7 @@ from tests.rl.repo_env_helpers import TOK, act, call, graded, make_config
 tasks = repo_env_helpers.tasks  # the module fixture
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # waits out a harness timeout and a per-test alarm (~9 s)
 def test_infrastructure_errors_are_flagged_not_scored(tmp_path, tasks):
     """A harness timeout, a failing setup and a missing repository mask the episode; the other
@@ -80,6 +81,7 @@ def _hang_at_import(env, task, code):
         env.close(ep)
 
 
+@pytest.mark.repo_sandbox
 def test_a_hang_at_import_scores_0_not_masked(tasks):
     """Collecting the tests imports the model's code under an alarm of env.per_test_timeout_s:
     a fixed module that then sleeps at import is a collection error, reward 0, not masked."""
@@ -102,6 +104,7 @@ def pytest_runtest_makereport(item, call):
 """
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # ten graded runs; a regression test (a conftest.py hook passed every test)
 def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(tasks, tmp_path):
     """The model's conftest.py and pytest configuration files are deleted before grading (the
@@ -163,6 +166,7 @@ def test_grading_runs_the_repositorys_own_conftest_and_pytest_configuration(task
     assert all(not ep.grade_timeout for _, ep in runs)  # the hang ended on its alarm
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # waits out env.test_timeout_s
 def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
     """Code that ignores SIGALRM and hangs at import is killed with the whole graded run at
@@ -184,6 +188,7 @@ def test_an_import_hang_that_ignores_the_alarm_scores_0_not_masked(tasks):
     assert ep.metrics == {"fail_to_pass_frac": 0.0, "pass_to_pass_frac": 0.0}
 
 
+@pytest.mark.repo_sandbox
 def test_a_sandbox_that_cannot_import_pytest_masks_the_episode(tmp_path, tasks):
     """pytest is imported before READY: a sandbox where it cannot be (here a site directory
     without it, in place of the trainer's) is an infrastructure error, masked, not the model's

@@ -109,6 +109,7 @@ def fix(env, ep):
                              old_str="a - b", new_str="a + b"))  # fmt: skip
 
 
+@pytest.mark.repo_sandbox
 def test_an_image_task_runs_in_the_image_and_is_graded_with_its_python(env, image):
     before = image["hash"]  # the image as unpacked
     ep = env.start(task())
@@ -153,6 +154,7 @@ def test_an_image_task_runs_in_the_image_and_is_graded_with_its_python(env, imag
     assert repo_images.tree_hash(image["rootfs"]) == before
 
 
+@pytest.mark.repo_sandbox
 def test_image_records_probe_the_python_and_refuse_what_cannot_run(env, image, tmp_path):
     root = image["rootfs"]
     assert repo_images.find_python(root, "/usr/bin", "/testbed") == repo_images.TESTBED_PYTHON
@@ -193,6 +195,7 @@ def test_a_python_the_model_could_replace_is_refused(tmp_path):
         repo_images.load(task(image=str(tmp_path), python="/testbed/tools/python"), None)
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # 32 sandboxed episodes at once (~10 s)
 def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, tmp_path):
     """32 episodes at once: each edits its own /testbed, tries to read and write the others'
@@ -273,6 +276,7 @@ def test_32_concurrent_episodes_on_one_image_are_isolated_and_cheap(env, image, 
         assert med(disk) < len(BLOB) / 8 < med(base_disk)  # no copy of the repository
 
 
+@pytest.mark.repo_sandbox
 def test_hostile_commands_in_an_image_are_contained(env, image, tmp_path):
     before = image["hash"]  # the image as unpacked
     sentinel = subprocess.Popen(["sleep", "60"])
@@ -305,6 +309,7 @@ def test_hostile_commands_in_an_image_are_contained(env, image, tmp_path):
     env.close(ep)
 
 
+@pytest.mark.repo_sandbox
 def test_a_swe_gym_row_converts_and_runs_against_a_local_image(env, image, tmp_path, capsys):
     row = {"instance_id": "calc__calc-1", "repo": "calc/calc", "base_commit": "0" * 40,
            "problem_statement": "add(2, 3) returns -1", "version": "1.0",
@@ -325,6 +330,7 @@ def test_a_swe_gym_row_converts_and_runs_against_a_local_image(env, image, tmp_p
     env.close(ep)
 
 
+@pytest.mark.repo_sandbox
 def test_the_copy_view_when_no_overlay_works(env, image, monkeypatch):
     """The last mode (no overlay: a copy of /testbed alone over the read-only image) grades the
     same, and its disk is the copy; the mode is forced here (this host mounts overlayfs)."""

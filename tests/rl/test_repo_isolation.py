@@ -31,6 +31,7 @@ def no_process_left(uids):
     return not any(_live(uid, "") for uid in uids if uid >= 0)
 
 
+@pytest.mark.repo_sandbox
 def test_32_concurrent_episodes_are_isolated(env, tasks, tmp_path):
     """Each of 32 concurrent episodes writes a secret, then tries to read and overwrite every
     other workspace (by its host path and through /proc), reach a host socket and the host's
@@ -97,6 +98,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # moved out of the fast tier (pytest -m 'not slow' < 5 min cold)
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_commands_are_contained(env, tasks, tmp_path, name):

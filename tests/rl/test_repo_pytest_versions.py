@@ -196,6 +196,7 @@ def run_case(env, image: str, commands, f2p):
     "release",
     [pytest.param(r, marks=[] if r == "6.2.5" else [pytest.mark.slow]) for r in pytest_wheels.SETS],
 )
+@pytest.mark.repo_sandbox
 def test_every_case_grades_the_same_on_each_pytest(env, images, release):
     name = images["build"](release)
     rootfs = os.path.realpath(os.path.join(images["dir"], name, "rootfs"))
@@ -228,6 +229,7 @@ def test_every_case_grades_the_same_on_each_pytest(env, images, release):
     assert repo_images.tree_hash(rootfs) == before  # the image was never written
 
 
+@pytest.mark.repo_sandbox
 def test_an_image_whose_pytest_cannot_grade_is_masked_with_the_versions(env, images):
     """No pytest at all, or a pytest older than 6.2 (a stand-in that says 5.4.3): the probe's
     line names what it found; every episode is masked, none scored."""

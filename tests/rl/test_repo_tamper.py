@@ -58,6 +58,7 @@ def add(a, b):
 """
 
 
+@pytest.mark.repo_sandbox
 @pytest.mark.slow  # eight graded runs; regression tests (every hack but the last passed unfixed)
 def test_grading_restores_the_test_directories_and_catches_a_patched_harness(tmp_path):
     """An unfixed task patched to pass scores 0: through tests/__init__.py (put back with every
@@ -164,6 +165,7 @@ class T(unittest.TestCase):
 """
 
 
+@pytest.mark.repo_sandbox
 def test_correct_fixes_score_1_with_tests_that_use_the_import_system(tmp_path):
     """The tamper check passes what a package's own tests do (regression tests: each scored 0 as
     tamper, or failed): a finder of the standard library's (a zip on sys.path) or of a pristine
