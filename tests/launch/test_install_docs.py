@@ -1,4 +1,5 @@
-"""The README's "Install on a TPU VM, a GPU host or Colab" paragraph against pyproject.toml: every
+"""The README's install lines against pyproject.toml. The Python it asks for is the oldest that the
+dependencies support. The "Install on a TPU VM, a GPU host or Colab" paragraph: every
 extra its commands install exists, the accelerator extras are jax's own extras in the project's
 jax range, and its device check is the command that prints jax's devices (run here: the CPU's).
 Whether pip resolves the extras needs the network: `pip install --dry-run -e '.[tpu]'` (and
@@ -9,15 +10,10 @@ import re
 import shlex
 import subprocess
 import sys
-
-import pytest
+import tomllib
+from importlib import metadata
 
 from tests.conftest import ROOT
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # python 3.10
-    tomllib = pytest.importorskip("tomli")
 
 MARK = "<!-- accelerator install -->"
 CHECK = 'python -c "import jax; print(jax.devices())"'
@@ -82,3 +78,23 @@ def test_the_readme_check_prints_jax_devices():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.fullmatch(r"\[CpuDevice\(id=0\)(, CpuDevice\(id=\d+\))*\]\n", out.stdout), out.stdout
+
+
+def _floor(spec: str) -> tuple[int, ...]:
+    """The lower bound of a Requires-Python specifier (">=3.11" -> (3, 11))."""
+    m = re.search(r">=\s*(\d+(?:\.\d+)*)", spec or "")
+    return tuple(map(int, m.group(1).split("."))) if m else (0,)
+
+
+def test_the_python_asked_for_is_the_oldest_the_dependencies_support():
+    """pyproject's requires-python and the README's quick start ("Python 3.11+") name the highest
+    Requires-Python floor of the installed core dependencies: with a lower one, pip on an older
+    Python fails on the first such dependency ("no matching distribution found for jax")
+    instead of refusing the project's Python in one line."""
+    project = _pyproject()
+    names = [re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in project["dependencies"]]
+    floors = {n: _floor(metadata.metadata(n)["Requires-Python"]) for n in names}
+    want = max(floors.values())
+    assert _floor(project["requires-python"]) == want, (project["requires-python"], floors)
+    version = ".".join(map(str, want))
+    assert f"Python {version}+ on a fresh machine" in open(os.path.join(ROOT, "README.md")).read()
