@@ -178,10 +178,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """A test marked repo_sandbox is skipped before its fixtures where the `repo` environment's
-    sandbox cannot run on this host (`repo_sandbox_refusal`)."""
-    if item.get_closest_marker("repo_sandbox") is not None and (why := repo_sandbox_refusal()):
-        pytest.skip(f"the repo environment cannot run here: {why}")
+    """A test marked repo_sandbox (`isolation=` the one it runs in, else `sandbox_isolation()`)
+    is skipped, before its fixtures, where this host keeps the `repo` environment's sandbox from
+    running (`repo_sandbox_refusal`); the skip mark reports the test's own location."""
+    if (mark := item.get_closest_marker("repo_sandbox")) is not None:
+        if why := repo_sandbox_refusal(mark.kwargs.get("isolation") or sandbox_isolation()):
+            item.add_marker(pytest.mark.skip(reason=f"the repo environment cannot run here: {why}"))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -286,6 +288,7 @@ def train_here(argv, devices: int = 1) -> int:
 
 
 import functools  # noqa: E402
+import stat  # noqa: E402
 
 
 @functools.cache
@@ -308,16 +311,36 @@ def sandbox_isolation() -> str:
     return "bwrap"
 
 
+def site_hidden(isolation: str) -> bool:
+    """Whether the `repo` environment's workspace uids cannot reach the trainer's site-packages
+    on this host: only as root does the sandbox run them as other uids; without bubblewrap
+    (isolation "rlimits": the uid mode) they go through every directory above it, with bubblewrap
+    only into the site itself (its bind mount). A Python or virtual environment under a private
+    home (/root is 0700: a pyenv Python, a venv in ~) hides it in the uid mode."""
+    if os.geteuid() != 0:
+        return False
+    from rl.envs.repo.sandbox import site_packages
+
+    site = path = site_packages()
+    dirs = [site]
+    while isolation != "bwrap" and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+        dirs.append(path)
+    others = lambda d, bits: os.stat(d).st_mode & bits == bits
+    return not others(site, stat.S_IROTH) or not all(others(d, stat.S_IXOTH) for d in dirs)
+
+
 @functools.cache
-def repo_sandbox_refusal() -> str:
-    """Why the `repo` environment's sandbox cannot run on this host in the tests' isolation
-    (`sandbox_isolation`), in the library's words (`RepoEnv.check_sandbox`, which launch.train
-    runs at start-up); "" when it can. As root without bubblewrap (the uid mode) the workspace
-    uids must read the trainer's site-packages, which a Python or virtual environment under a
-    private home (/root is 0700) keeps from them: the library refuses (docs/sandbox.md), and the
-    tests marked `repo_sandbox` skip with its reason."""
+def repo_sandbox_refusal(isolation: str) -> str:
+    """Why the `repo` environment's sandbox cannot run on this host in `isolation`, in the
+    library's words (`RepoEnv.check_sandbox`, which launch.train runs at start-up: it refuses
+    and names the fix, docs/sandbox.md); "" where the host lets it run (`site_hidden`), so that
+    there a refusal, a library fault, fails the tests marked `repo_sandbox` instead of skipping
+    them (tests/rl/test_repo_env.py checks the probe passes there)."""
+    if not site_hidden(isolation):
+        return ""
     from ml_collections import ConfigDict
 
     from rl.envs.repo import RepoEnv
 
-    return RepoEnv.check_sandbox(ConfigDict({"env": {"isolation": sandbox_isolation()}}))
+    return RepoEnv.check_sandbox(ConfigDict({"env": {"isolation": isolation}}))

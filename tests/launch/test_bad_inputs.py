@@ -475,8 +475,11 @@ def snapshot(top: str) -> dict:
     return out
 
 
-# The `repo` environment's cases pass its start-up check of the sandbox first (launch.train).
-SANDBOXED = lambda c: [pytest.mark.repo_sandbox] if "--config.env.name=repo" in c.argv else []
+# The `repo` environment's cases pass its start-up check of the sandbox first (launch.train), in
+# REPO's isolation.
+SANDBOXED = lambda c: (
+    [pytest.mark.repo_sandbox(isolation="rlimits")] if "--config.env.name=repo" in c.argv else []
+)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=SANDBOXED(c)) for c in CATALOGUE])

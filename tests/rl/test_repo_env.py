@@ -13,7 +13,7 @@ import pytest
 
 from rl.envs.repo import RepoEnv
 from rl.envs.repo.tools import cut, parse_calls
-from tests.conftest import sandbox_isolation
+from tests.conftest import sandbox_isolation, site_hidden
 from tests.rl import repo_env_helpers
 from tests.rl import repo_scripted as scripted
 from tests.rl.repo_env_helpers import TOK, act, call, make_config
@@ -103,6 +103,18 @@ def test_tool_errors_and_editor_semantics(env, tasks, monkeypatch):
         assert ws_path in act(env, ep, call("bash", command="pwd"))
     finally:
         env.close(ep)
+
+
+def test_the_sandbox_probe_passes_where_the_host_lets_it():
+    """Where this host lets the workspace uids reach the trainer's site-packages
+    (`tests.conftest.site_hidden`), the tests marked repo_sandbox run rather than skip, and the
+    start-up probe must pass: a probe broken by a library change fails here, unmarked."""
+    from ml_collections import ConfigDict
+
+    for isolation in {sandbox_isolation(), "rlimits"}:
+        if not site_hidden(isolation):
+            config = ConfigDict({"env": {"isolation": isolation}})
+            assert RepoEnv.check_sandbox(config) == "", isolation
 
 
 def test_call_parsing_and_cut():
