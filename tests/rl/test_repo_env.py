@@ -57,7 +57,7 @@ def test_editing_the_tests_does_not_pass_them(env, tasks):
 
 @pytest.mark.repo_sandbox
 def test_tool_errors_and_editor_semantics(env, tasks, monkeypatch):
-    t, ws_path = tasks[3], "/testbed" if env.tools.mode == "bwrap" else ""
+    t, ws_path = tasks[3], scripted.workdir(env)
     ep = env.start(t)
     path = t["fix"]["path"]
     src = open(os.path.join(t["repo"], path)).read()
